@@ -1,0 +1,310 @@
+/* test_config.c - HF config.json and job spec parsing: good inputs load with
+ * the right values, every bad input fails with a message naming the field. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "engine/config.h"
+#include "engine/jobspec.h"
+#include "kernels/mt_status.h"
+#include "test_util.h"
+
+static char tmp[1024];
+static char data_prefix[1100];
+static const char *examples_dir;
+
+/* The official DeepSeek-V3 config.json, abridged only in auto_map. */
+static const char *dsv3_config =
+    "{\"architectures\": [\"DeepseekV3ForCausalLM\"], \"attention_bias\": false,"
+    " \"attention_dropout\": 0.0, \"auto_map\": {\"AutoConfig\": \"configuration_deepseek.DeepseekV3Config\"},"
+    " \"aux_loss_alpha\": 0.001, \"bos_token_id\": 0, \"eos_token_id\": 1, \"ep_size\": 1,"
+    " \"first_k_dense_replace\": 3, \"hidden_act\": \"silu\", \"hidden_size\": 7168,"
+    " \"initializer_range\": 0.02, \"intermediate_size\": 18432, \"kv_lora_rank\": 512,"
+    " \"max_position_embeddings\": 163840, \"model_type\": \"deepseek_v3\","
+    " \"moe_intermediate_size\": 2048, \"moe_layer_freq\": 1, \"n_group\": 8,"
+    " \"n_routed_experts\": 256, \"n_shared_experts\": 1, \"norm_topk_prob\": true,"
+    " \"num_attention_heads\": 128, \"num_experts_per_tok\": 8, \"num_hidden_layers\": 61,"
+    " \"num_key_value_heads\": 128, \"num_nextn_predict_layers\": 1, \"pretraining_tp\": 1,"
+    " \"q_lora_rank\": 1536, \"qk_nope_head_dim\": 128, \"qk_rope_head_dim\": 64,"
+    " \"quantization_config\": {\"activation_scheme\": \"dynamic\", \"fmt\": \"e4m3\","
+    " \"quant_method\": \"fp8\", \"weight_block_size\": [128, 128]}, \"rms_norm_eps\": 1e-06,"
+    " \"rope_scaling\": {\"beta_fast\": 32, \"beta_slow\": 1, \"factor\": 40, \"mscale\": 1.0,"
+    " \"mscale_all_dim\": 1.0, \"original_max_position_embeddings\": 4096, \"type\": \"yarn\"},"
+    " \"rope_theta\": 10000, \"routed_scaling_factor\": 2.5, \"scoring_func\": \"sigmoid\","
+    " \"seq_aux\": true, \"tie_word_embeddings\": false, \"topk_group\": 4,"
+    " \"topk_method\": \"noaux_tc\", \"torch_dtype\": \"bfloat16\","
+    " \"transformers_version\": \"4.33.1\", \"use_cache\": true, \"v_head_dim\": 128,"
+    " \"vocab_size\": 129280}";
+
+static int setup(void **state)
+{
+    (void)state;
+    mt_test_tmpdir(tmp, sizeof tmp, "test_config");
+    snprintf(data_prefix, sizeof data_prefix, "%s/corpus", tmp);
+    char f[1200];
+    snprintf(f, sizeof f, "%s.idx", data_prefix);
+    mt_test_write_file(f, "x");
+    snprintf(f, sizeof f, "%s.bin", data_prefix);
+    mt_test_write_file(f, "x");
+    return 0;
+}
+
+static void test_defaults_are_deepseek_v3(void **state)
+{
+    (void)state;
+    mt_model_config c;
+    mt_config_defaults(&c);
+    assert_int_equal(c.vocab_size, 129280);
+    assert_int_equal(c.hidden_size, 7168);
+    assert_int_equal(c.num_hidden_layers, 61);
+    assert_int_equal(c.q_lora_rank, 1536);
+    assert_int_equal(c.n_routed_experts, 256);
+    assert_int_equal(c.num_experts_per_tok, 8);
+    assert_true(c.routed_scaling_factor == 2.5);
+    assert_int_equal(c.scoring_func, MT_SCORING_SIGMOID);
+    assert_int_equal(c.rope_scaling.type, MT_ROPE_SCALING_NONE);
+    assert_int_equal(mt_config_validate(&c, ""), MT_OK);
+}
+
+static void test_official_config_json_loads_as_is(void **state)
+{
+    (void)state;
+    char path[1200];
+    snprintf(path, sizeof path, "%s/config.json", tmp);
+    mt_test_write_file(path, dsv3_config);
+    mt_model_config c;
+    assert_int_equal(mt_config_load(&c, path), MT_OK);
+    assert_int_equal(c.num_hidden_layers, 61);
+    assert_int_equal(c.first_k_dense_replace, 3);
+    assert_int_equal(c.num_nextn_predict_layers, 1);
+    assert_int_equal(c.rope_scaling.type, MT_ROPE_SCALING_YARN);
+    assert_true(c.rope_scaling.factor == 40);
+    assert_int_equal(c.rope_scaling.original_max_position_embeddings, 4096);
+    assert_true(c.rope_scaling.mscale_all_dim == 1.0);
+    assert_int_equal(c.topk_method, MT_TOPK_NOAUX_TC);
+    assert_int_equal(mt_config_qk_head_dim(&c), 192);
+    assert_false(mt_config_layer_is_moe(&c, 2));
+    assert_true(mt_config_layer_is_moe(&c, 3));
+}
+
+static void test_null_q_lora_rank_means_plain_q_proj(void **state)
+{
+    (void)state;
+    json_t *j = json_loads("{\"q_lora_rank\": null}", 0, NULL);
+    mt_model_config c;
+    assert_int_equal(mt_config_from_json(&c, j, "model", 1), MT_OK);
+    assert_int_equal(c.q_lora_rank, 0);
+    json_decref(j);
+}
+
+/* Parses `model` (inline JSON text) and expects failure naming `needle`. */
+static void expect_model_error(const char *model, const char *needle)
+{
+    json_t *j = json_loads(model, 0, NULL);
+    assert_non_null(j);
+    mt_model_config c;
+    int rc = mt_config_from_json(&c, j, "model", 1);
+    json_decref(j);
+    if (rc != MT_EINVAL) fprintf(stderr, "model %s: rc %d\n", model, rc);
+    assert_int_equal(rc, MT_EINVAL);
+    assert_contains(mt_errmsg(), needle);
+}
+
+static void test_bad_model_configs_name_the_field(void **state)
+{
+    (void)state;
+    expect_model_error("{\"n_routed_experts\": 10, \"n_group\": 4}", "model.n_routed_experts");
+    expect_model_error("{\"topk_group\": 9}", "model.topk_group");
+    expect_model_error("{\"qk_rope_head_dim\": 63}", "model.qk_rope_head_dim");
+    expect_model_error("{\"hidden_size\": 0}", "model.hidden_size");
+    expect_model_error("{\"hidden_size\": \"big\"}", "model.hidden_size: must be an integer");
+    expect_model_error("{\"hiden_size\": 64}", "model.hiden_size: unknown field");
+    expect_model_error("{\"hidden_act\": \"gelu\"}", "model.hidden_act");
+    expect_model_error("{\"scoring_func\": \"relu\"}", "model.scoring_func");
+    expect_model_error("{\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2}}",
+                       "model.rope_scaling.type");
+    expect_model_error("{\"rope_scaling\": {\"type\": \"yarn\"}}", "model.rope_scaling.factor");
+    expect_model_error("{\"num_experts_per_tok\": 300}", "model.num_experts_per_tok");
+    expect_model_error("{\"first_k_dense_replace\": 99, \"num_hidden_layers\": 4}",
+                       "model.first_k_dense_replace");
+}
+
+
+static void load_example(const char *name, mt_jobspec *j, const char *const *extra, int n_extra)
+{
+    char path[1200], set[1200];
+    snprintf(path, sizeof path, "%s/%s", examples_dir, name);
+    snprintf(set, sizeof set, "data.path=%s", data_prefix);
+    const char *sets[8] = {set};
+    for (int i = 0; i < n_extra; i++) sets[1 + i] = extra[i];
+    int rc = mt_jobspec_load(j, path, sets, 1 + n_extra);
+    if (rc) fprintf(stderr, "%s\n", mt_errmsg());
+    assert_int_equal(rc, MT_OK);
+}
+
+static void test_examples_load(void **state)
+{
+    (void)state;
+    mt_jobspec j;
+    load_example("tiny-cpu.json", &j, NULL, 0);
+    assert_string_equal(j.name, "tiny-cpu");
+    assert_int_equal(j.backend, MT_BACKEND_CPU);
+    assert_int_equal(j.model.n_routed_experts, 8);
+    assert_int_equal(j.model.n_group, 4);
+    assert_int_equal(j.model.num_nextn_predict_layers, 1);
+    assert_int_equal(j.precision.recipe, MT_RECIPE_FP8_BLOCKWISE);
+    assert_string_equal(j.data.path, data_prefix);
+    assert_int_equal(mt_jobspec_eod(&j), 63);
+
+    load_example("dsv3-proxy.json", &j, NULL, 0);
+    assert_int_equal(j.backend, MT_BACKEND_CUDA);
+    assert_int_equal(j.model.hidden_size, 7168);
+    assert_int_equal(j.model.num_attention_heads, 128);
+    assert_int_equal(j.model.q_lora_rank, 1536);
+    assert_int_equal(j.model.kv_lora_rank, 512);
+    assert_int_equal(j.model.moe_intermediate_size, 2048);
+    assert_int_equal(j.model.intermediate_size, 18432);
+    assert_int_equal(j.model.vocab_size, 129280);
+    assert_int_equal(j.model.num_hidden_layers, 4);
+    assert_int_equal(j.model.first_k_dense_replace, 1);
+    assert_int_equal(j.model.n_routed_experts, 32);
+    assert_int_equal(j.model.num_experts_per_tok, 8);
+    assert_int_equal(j.batch.seq_len, 4096);
+    assert_int_equal(j.batch.micro_batch_size, 1);
+    assert_int_equal(j.model.rope_scaling.type, MT_ROPE_SCALING_YARN);
+}
+
+static void test_set_overrides_job_and_model_fields(void **state)
+{
+    (void)state;
+    mt_jobspec j;
+    const char *sets[] = {"train.steps=50", "model.num_hidden_layers=3",
+                          "precision.recipe=bf16", "checkpoint.async=false",
+                          "optimizer.lr=1e-3"};
+    load_example("tiny-cpu.json", &j, sets, 5);
+    assert_int_equal(j.train.steps, 50);
+    assert_int_equal(j.model.num_hidden_layers, 3);
+    assert_int_equal(j.precision.recipe, MT_RECIPE_BF16);
+    assert_int_equal(j.checkpoint.async, 0);
+    assert_true(j.optimizer.lr == 1e-3);
+}
+
+static void test_model_by_path_is_relative_to_the_spec(void **state)
+{
+    (void)state;
+    char path[1200], spec[3000];
+    snprintf(path, sizeof path, "%s/config.json", tmp);
+    mt_test_write_file(path, dsv3_config);
+    snprintf(path, sizeof path, "%s/job.json", tmp);
+    snprintf(spec, sizeof spec,
+             "{\"model\": \"config.json\", \"data\": {\"path\": \"corpus\"},"
+             " \"train\": {\"steps\": 5}}");
+    mt_test_write_file(path, spec);
+    mt_jobspec j;
+    const char *sets[] = {"model.num_hidden_layers=4", "model.rope_scaling.factor=8"};
+    int rc = mt_jobspec_load(&j, path, sets, 2);
+    if (rc) fprintf(stderr, "%s\n", mt_errmsg());
+    assert_int_equal(rc, MT_OK);
+    assert_int_equal(j.model.hidden_size, 7168);
+    assert_int_equal(j.model.num_hidden_layers, 4);
+    assert_true(j.model.rope_scaling.factor == 8);
+    assert_string_equal(j.data.path, data_prefix);
+    assert_contains(j.model_path, "config.json");
+}
+
+static void test_to_json_round_trips(void **state)
+{
+    (void)state;
+    mt_jobspec a, b;
+    load_example("dsv3-proxy.json", &a, NULL, 0);
+    json_t *ja = mt_jobspec_to_json(&a);
+    assert_int_equal(mt_jobspec_from_json(&b, ja, NULL, NULL, 0), MT_OK);
+    json_t *jb = mt_jobspec_to_json(&b);
+    char *sa = json_dumps(ja, JSON_SORT_KEYS), *sb = json_dumps(jb, JSON_SORT_KEYS);
+    assert_string_equal(sa, sb);
+    free(sa);
+    free(sb);
+    json_decref(ja);
+    json_decref(jb);
+}
+
+/* Loads a job spec from text with the data files present; expects failure. */
+static void expect_job_error(const char *text, const char *const *sets, int n_sets,
+                             const char *needle)
+{
+    char path[1200];
+    snprintf(path, sizeof path, "%s/bad.json", tmp);
+    mt_test_write_file(path, text);
+    mt_jobspec j;
+    int rc = mt_jobspec_load(&j, path, sets, n_sets);
+    if (rc >= 0) fprintf(stderr, "accepted: %s\n", text);
+    assert_true(rc < 0);
+    assert_contains(mt_errmsg(), needle);
+}
+
+#define TINY "\"model\": {\"vocab_size\": 64, \"hidden_size\": 64, \"n_routed_experts\": 8," \
+             " \"n_group\": 4, \"topk_group\": 2, \"num_experts_per_tok\": 2}"
+#define DATA "\"data\": {\"path\": \"corpus\"}"
+
+static void test_bad_job_specs_name_the_field(void **state)
+{
+    (void)state;
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"stpes\": 5}}", NULL, 0,
+                     "train.stpes: unknown field");
+    expect_job_error("{" TINY ", " DATA "}", NULL, 0, "train.steps: required field is missing");
+    expect_job_error("{" DATA ", \"train\": {\"steps\": 5}}", NULL, 0, "model: required");
+    expect_job_error("{" TINY ", \"data\": {\"path\": \"nothere\"}, \"train\": {\"steps\": 5}}",
+                     NULL, 0, "data.path: ");
+    expect_job_error("{" TINY ", \"data\": {\"path\": \"nothere\"}, \"train\": {\"steps\": 5}}",
+                     NULL, 0, "nothere.idx does not exist");
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5},"
+                     " \"batch\": {\"micro_batch_size\": 3, \"global_batch_size\": 8}}",
+                     NULL, 0, "batch.global_batch_size: 8 is not divisible");
+    expect_job_error("{\"model\": {\"n_routed_experts\": 10, \"n_group\": 4}, " DATA
+                     ", \"train\": {\"steps\": 5}}",
+                     NULL, 0, "model.n_routed_experts: 10 is not divisible by n_group 4");
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5},"
+                     " \"precision\": {\"recipe\": \"fp4\"}}",
+                     NULL, 0, "precision.recipe: \"fp4\" is not one of");
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5},"
+                     " \"batch\": {\"seq_len\": 100000}}",
+                     NULL, 0, "batch.seq_len");
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5}, \"parallel\": {\"ep\": 3}}",
+                     NULL, 0, "parallel.ep");
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5},"
+                     " \"optimizer\": {\"lr\": -1}}",
+                     NULL, 0, "optimizer.lr: -1 is out of range");
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5}, \"data\": 3}", NULL, 0,
+                     "duplicate"); /* duplicate keys are rejected by the JSON reader */
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5,}}", NULL, 0, "bad.json:1:");
+    const char *bad_set[] = {"train.stepz=3"};
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5}}", bad_set, 1,
+                     "--set train.stepz: unknown field");
+    const char *bad_val[] = {"train.steps=many"};
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5}}", bad_val, 1,
+                     "train.steps: \"many\" is not an integer");
+    const char *bad_model_set[] = {"model.n_group=3"};
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5}}", bad_model_set, 1,
+                     "model.n_routed_experts: 8 is not divisible by n_group 3");
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5}, \"init\": {\"kind\": \"hf\"}}",
+                     NULL, 0, "init.path: required");
+}
+
+int main(int argc, char **argv)
+{
+    examples_dir = argc > 1 ? argv[1] : "deploy/examples";
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_defaults_are_deepseek_v3),
+        cmocka_unit_test(test_official_config_json_loads_as_is),
+        cmocka_unit_test(test_null_q_lora_rank_means_plain_q_proj),
+        cmocka_unit_test(test_bad_model_configs_name_the_field),
+        cmocka_unit_test(test_examples_load),
+        cmocka_unit_test(test_set_overrides_job_and_model_fields),
+        cmocka_unit_test(test_model_by_path_is_relative_to_the_spec),
+        cmocka_unit_test(test_to_json_round_trips),
+        cmocka_unit_test(test_bad_job_specs_name_the_field),
+    };
+    return cmocka_run_group_tests(tests, setup, NULL);
+}

@@ -1,0 +1,44 @@
+/* test_util.h - small helpers shared by the cmocka tests. */
+#ifndef MT_TEST_UTIL_H
+#define MT_TEST_UTIL_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* A fresh scratch directory under $MT_TEST_TMPDIR (or /tmp); returns buf. */
+static inline const char *mt_test_tmpdir(char *buf, size_t cap, const char *name)
+{
+    const char *base = getenv("MT_TEST_TMPDIR");
+    if (!base) base = "/tmp";
+    snprintf(buf, cap, "%s/%s.%d", base, name, (int)getpid());
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s'", buf, buf);
+    if (system(cmd) != 0) {
+        fprintf(stderr, "cannot create %s\n", buf);
+        abort();
+    }
+    return buf;
+}
+
+static inline void mt_test_write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    if (!f || fputs(text, f) < 0 || fclose(f) != 0) {
+        fprintf(stderr, "cannot write %s\n", path);
+        abort();
+    }
+}
+
+/* Asserts that `haystack` contains `needle`, printing both if not. */
+#define assert_contains(haystack, needle)                                          \
+    do {                                                                           \
+        const char *h_ = (haystack), *n_ = (needle);                               \
+        if (!strstr(h_, n_)) {                                                     \
+            fprintf(stderr, "expected \"%s\" in \"%s\"\n", n_, h_);                \
+            fail();                                                                \
+        }                                                                          \
+    } while (0)
+
+#endif
