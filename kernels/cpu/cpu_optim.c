@@ -1,0 +1,81 @@
+/* cpu_optim.c - optimizer ops: deterministic sum of squares (gradient
+ * norm), scaling, and AdamW with bf16 moments. */
+#include <stdlib.h>
+
+#include "kernels/cpu/cpu_impl.h"
+
+/* sumsq sums fixed chunks of this many values (each in double, in order) and
+ * then the chunk sums in order: the result does not depend on threads. */
+#define SUMSQ_CHUNK 65536
+
+static int cpu_sumsq(mt_backend *be, float *out, const float *g, int64_t n)
+{
+    CPU_REQUIRE(n >= 0, "sumsq: n=%lld is negative", (long long)n);
+    CPU_REQUIRE(out != NULL && (n == 0 || g != NULL), "sumsq: NULL pointer");
+    int64_t chunks = (n + SUMSQ_CHUNK - 1) / SUMSQ_CHUNK;
+    double *part = malloc(sizeof(double) * (size_t)(chunks > 0 ? chunks : 1));
+    if (!part) return MT_ERR(MT_ENOMEM, "sumsq: out of memory");
+#pragma omp parallel for num_threads(cpu_team(be, n))
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t i0 = c * SUMSQ_CHUNK, len = n - i0 < SUMSQ_CHUNK ? n - i0 : SUMSQ_CHUNK;
+        part[c] = cpu_dot_f64(g + i0, g + i0, len);
+    }
+    double s = 0;
+    for (int64_t c = 0; c < chunks; c++) s += part[c];
+    out[0] = (float)s;
+    free(part);
+    return MT_OK;
+}
+
+static int cpu_scale_f32(mt_backend *be, float *x, int64_t n, float a)
+{
+    CPU_REQUIRE(n >= 0, "scale_f32: n=%lld is negative", (long long)n);
+    if (n == 0) return MT_OK;
+    CPU_REQUIRE(x != NULL, "scale_f32: x is NULL");
+#pragma omp parallel for num_threads(cpu_team(be, n))
+    for (int64_t i = 0; i < n; i++) x[i] *= a;
+    return MT_OK;
+}
+
+/* One AdamW element, every step in fp32 in the order ops.h writes it; the
+ * new moments are used unrounded and stored rounded to bf16. Returns p. */
+static inline float adamw_one(const mt_adamw_hp *hp, float p, uint16_t *m, uint16_t *v,
+                              float grad)
+{
+    float g = grad * hp->grad_scale;
+    float mi = hp->beta1 * mt_bf16_to_f32(*m) + (1.0f - hp->beta1) * g;
+    float vi = hp->beta2 * mt_bf16_to_f32(*v) + (1.0f - hp->beta2) * (g * g);
+    *m = mt_bf16_from_f32(mi);
+    *v = mt_bf16_from_f32(vi);
+    float upd = mi / hp->bc1 / (sqrtf(vi / hp->bc2) + hp->eps) + hp->weight_decay * p;
+    return p - hp->lr * upd;
+}
+
+static int cpu_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
+                     const float *grad, int64_t n, const mt_adamw_hp *hp)
+{
+    CPU_REQUIRE(n >= 0, "adamw: n=%lld is negative", (long long)n);
+    CPU_REQUIRE(hp != NULL, "adamw: hp is NULL");
+    if (n == 0) return MT_OK;
+    CPU_REQUIRE(p && m && v && grad, "adamw: NULL pointer");
+    CPU_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw: bias corrections bc1=%g bc2=%g must be > 0",
+                hp->bc1, hp->bc2);
+    if (p_bf16) {
+        uint16_t *pb = p;
+#pragma omp parallel for num_threads(cpu_team(be, n))
+        for (int64_t i = 0; i < n; i++)
+            pb[i] = mt_bf16_from_f32(adamw_one(hp, mt_bf16_to_f32(pb[i]), m + i, v + i, grad[i]));
+    } else {
+        float *pf = p;
+#pragma omp parallel for num_threads(cpu_team(be, n))
+        for (int64_t i = 0; i < n; i++) pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad[i]);
+    }
+    return MT_OK;
+}
+
+void cpu_install_optim(mt_backend *be)
+{
+    be->sumsq = cpu_sumsq;
+    be->scale_f32 = cpu_scale_f32;
+    be->adamw = cpu_adamw;
+}

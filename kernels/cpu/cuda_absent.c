@@ -1,0 +1,18 @@
+/* cuda_absent.c - the CUDA entry points of a CPU-only build (MT_HAVE_CUDA OFF):
+ * creating a CUDA backend fails with MT_ENOTSUP and no device is usable. */
+#include <stddef.h>
+
+#include "kernels/mt_status.h"
+#include "kernels/ops.h"
+
+int mt_backend_cuda_create(mt_backend **out, int device, size_t arena_bytes)
+{
+    (void)arena_bytes;
+    if (out) *out = NULL;
+    return MT_ERR(MT_ENOTSUP,
+                  "CUDA backend (device %d): this build has no CUDA support; reconfigure "
+                  "with -DMOETRAIN_CUDA=ON on a machine with nvcc, or use the CPU backend",
+                  device);
+}
+
+int mt_cuda_device_count(void) { return 0; }
