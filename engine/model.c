@@ -101,6 +101,8 @@ static int params_alloc(mt_model *m)
     MT_CHECK(be->alloc(be, (size_t)(n_f32 > 0 ? n_f32 : 1) * 4, (void **)&m->buf_f32));
     MT_CHECK(be->alloc(be, (size_t)(n_grad > 0 ? n_grad : 1) * 4, (void **)&m->buf_grad));
     m->n_grad = n_grad;
+    m->param_bytes = (size_t)n_act * act + 2 * (size_t)n_q + 8 * (size_t)n_s + 4 * (size_t)n_f32 +
+                     4 * (size_t)n_grad;
     int64_t o_act = 0, o_q = 0, o_s = 0, o_f32 = 0, o_grad = 0;
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];

@@ -218,6 +218,7 @@ typedef struct mt_model {
     uint8_t *buf_q, *buf_qt;
     float *buf_s, *buf_st, *buf_f32, *buf_grad;
     int64_t n_grad;         /* elements of buf_grad */
+    size_t param_bytes;     /* backend bytes of compute copies and gradients */
 } mt_model;
 
 /* Builds the model for B x T micro-batches on a backend. Weights are zero
