@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -63,4 +64,23 @@ int mt_fsync_parent(const char *path)
     if (slash == buf) return mt_fsync_path("/");
     *slash = '\0';
     return mt_fsync_path(buf);
+}
+
+char *mt_read_text_file(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 16384, n = 0;
+    char *b = malloc(cap);
+    while (b) {
+        n += fread(b + n, 1, cap - n - 1, f);
+        if (n < cap - 1) break;
+        cap *= 2;
+        char *nb = realloc(b, cap);
+        if (!nb) free(b);
+        b = nb;
+    }
+    fclose(f);
+    if (b) b[n] = '\0';
+    return b;
 }

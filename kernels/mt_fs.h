@@ -11,5 +11,8 @@ int mt_mkdir_parent(const char *path);
 int mt_fsync_path(const char *path);
 /* fsync of the directory holding `path`. */
 int mt_fsync_parent(const char *path);
+/* The whole file as a NUL-terminated malloc'd string; NULL (errno set) if it
+ * cannot be read. */
+char *mt_read_text_file(const char *path);
 
 #endif

@@ -44,6 +44,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/mt_status.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -117,8 +119,9 @@ struct mt_backend {
                 const void *B, int ldb, int tb, int M, int N, int K, float alpha,
                 int accumulate);
     /* The same GEMM over G row segments (MoE experts).
-     * reduce = 0: rows of A and C are segmented; B_g = B + g * b_stride:
-     *   C[r_g + i, :] = A[r_g + i, :] op(B_g)         (M = r_G total rows)
+     * reduce = 0: rows of A(m, k) (as gemm, ta allowed) and C are
+     *   segmented; B_g = B + g * b_stride:
+     *   C[r_g + i, :] = A(r_g + i, :) op(B_g)         (M = r_G total rows)
      * reduce = 1: the reduction dimension is segmented (weight gradients):
      *   C_g = C + g * c_stride: C_g[N, K] = sum_{i < rows[g]} A(r_g + i, n) B(r_g + i, k)
      *   with A [sum rows, N] (lda), B [sum rows, K] (ldb): ta, tb ignored. */
@@ -299,6 +302,22 @@ int mt_backend_cpu_create(mt_backend **out, int threads);
 int mt_backend_cuda_create(mt_backend **out, int device, size_t arena_bytes);
 /* Number of CUDA devices usable now (0 without a driver or in CPU-only builds). */
 int mt_cuda_device_count(void);
+
+/* Checks a host rows[G] array of segment sizes (non-negative, total fits an
+ * int) and returns the total in *total; MT_EINVAL naming `op` otherwise. */
+static inline int mt_segments_total(const char *op, const int *rows, int G, int *total)
+{
+    *total = 0;
+    if (G < 1 || !rows) return MT_ERR(MT_EINVAL, "%s: %d segments (rows %p)", op, G, (const void *)rows);
+    int64_t sum = 0;
+    for (int g = 0; g < G; g++) {
+        if (rows[g] < 0) return MT_ERR(MT_EINVAL, "%s: rows[%d]=%d is negative", op, g, rows[g]);
+        sum += rows[g];
+    }
+    if (sum > 0x7fffffff) return MT_ERR(MT_EINVAL, "%s: %lld rows in all is too many", op, (long long)sum);
+    *total = (int)sum;
+    return MT_OK;
+}
 
 /* Bytes of one act element. */
 static inline size_t mt_act_size(const mt_backend *be) { return (size_t)be->act_bytes; }

@@ -29,20 +29,6 @@ int cpu_thread_id(void)
 #endif
 }
 
-int cpu_check_rows(const char *op, const int *rows, int G, int *total)
-{
-    CPU_REQUIRE(G >= 1, "%s: G=%d, need at least one segment", op, G);
-    CPU_REQUIRE(rows != NULL, "%s: rows is NULL", op);
-    int64_t sum = 0;
-    for (int g = 0; g < G; g++) {
-        CPU_REQUIRE(rows[g] >= 0, "%s: rows[%d]=%d is negative", op, g, rows[g]);
-        sum += rows[g];
-    }
-    CPU_REQUIRE(sum <= INT_MAX, "%s: %lld rows in all is too many", op, (long long)sum);
-    *total = (int)sum;
-    return MT_OK;
-}
-
 /* ---- memory ---------------------------------------------------------------- */
 
 static int cpu_alloc(mt_backend *be, size_t bytes, void **p)

@@ -81,7 +81,7 @@ static int cpu_quant_rows(mt_backend *be, uint8_t *q, float *s, const void *x, i
                           const int *rows, int G, int K)
 {
     int M;
-    MT_CHECK(cpu_check_rows("quant_rows", rows, G, &M));
+    MT_CHECK(mt_segments_total("quant_rows", rows, G, &M));
     CPU_REQUIRE(K >= 1 && ldx >= K, "quant_rows: K=%d ldx=%d", K, ldx);
     if (M == 0) return MT_OK;
     CPU_REQUIRE(q && s && x, "quant_rows: NULL pointer");
@@ -143,7 +143,7 @@ static int cpu_quant_cols_t(mt_backend *be, uint8_t *q, float *s, const void *x,
                             const int *rows, int G, int K)
 {
     int M;
-    MT_CHECK(cpu_check_rows("quant_cols_t", rows, G, &M));
+    MT_CHECK(mt_segments_total("quant_cols_t", rows, G, &M));
     CPU_REQUIRE(K >= 1 && ldx >= K, "quant_cols_t: K=%d ldx=%d", K, ldx);
     if (M == 0) return MT_OK;
     CPU_REQUIRE(q && s && x, "quant_cols_t: NULL pointer");
@@ -303,7 +303,7 @@ static int cpu_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc,
                         int G, int N, int K, int accumulate)
 {
     int total;
-    MT_CHECK(cpu_check_rows("gemm_fp8", rows, G, &total));
+    MT_CHECK(mt_segments_total("gemm_fp8", rows, G, &total));
     CPU_REQUIRE(N >= 1 && K >= 1, "gemm_fp8: N=%d K=%d", N, K);
     CPU_REQUIRE(C && A && sa && B && sb, "gemm_fp8: NULL operand or scale");
     if (reduce)

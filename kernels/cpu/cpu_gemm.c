@@ -306,7 +306,7 @@ static int cpu_gemm_grouped(mt_backend *be, int reduce, void *C, int c_f32, int 
                             int K, float alpha, int accumulate)
 {
     int total;
-    MT_CHECK(cpu_check_rows("gemm_grouped", rows, G, &total));
+    MT_CHECK(mt_segments_total("gemm_grouped", rows, G, &total));
     CPU_REQUIRE(N >= 1 && K >= 1, "gemm_grouped: N=%d K=%d", N, K);
     CPU_REQUIRE(C && A && B, "gemm_grouped: NULL operand (C %p, A %p, B %p)", C, A, B);
     cpu_gemm_prob *pr = calloc((size_t)G, sizeof *pr);

@@ -74,9 +74,6 @@ static inline double cpu_dot_f64(const float *a, const float *b, int64_t n)
 /* 64-byte aligned scratch memory (not counted in mem_stats); NULL on failure. */
 void *cpu_scratch(size_t bytes);
 
-/* Segment helpers: r_g prefix sums of a host rows[G] array. Fails when a
- * count is negative or the total overflows int. */
-int cpu_check_rows(const char *op, const int *rows, int G, int *total);
 
 /* ---- GEMM engine shared by gemm, gemm_grouped and gemm_fp8 ------------- */
 
