@@ -20,6 +20,8 @@ packages=(
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
   libmicrohttpd-dev                           # /metrics and /healthz
   protobuf-compiler-grpc python3 python3-grpcio python3-grpc-tools python3-protobuf
+  grpc-proto                                  # grpc health + reflection .proto files
+  openssl                                     # the TLS test's self-signed certificate
   python3-numpy python3-h5py                  # the foreign gRPC client test, h5 checks
   clang libclang-rt-14-dev                    # libFuzzer targets
 )

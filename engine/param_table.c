@@ -175,3 +175,45 @@ const char *mt_param_kind_name(mt_param_kind k)
                                              "router", "router_bias"};
     return (unsigned)k < MT_PK_COUNT ? names[k] : "?";
 }
+
+/* ---- derived names ------------------------------------------------------------ */
+
+int mt_param_scale_name(char *out, size_t cap, const char *weight_name)
+{
+    size_t n = strlen(weight_name);
+    const char *suffix = ".weight";
+    size_t k = strlen(suffix);
+    if (n < k || strcmp(weight_name + n - k, suffix) != 0)
+        return MT_ERR(MT_EINVAL, "%s: not a weight name (no .weight suffix)", weight_name);
+    int w = snprintf(out, cap, "%.*s.weight_scale_inv", (int)(n - k), weight_name);
+    if (w < 0 || (size_t)w >= cap) return MT_ERR(MT_EINVAL, "%s: scale name too long", weight_name);
+    return MT_OK;
+}
+
+int mt_param_optim_name(char *out, size_t cap, const char *state, const char *name)
+{
+    int w = snprintf(out, cap, "optimizer.%s.%s", state, name);
+    if (w < 0 || (size_t)w >= cap)
+        return MT_ERR(MT_EINVAL, "%s: optimizer state name too long", name);
+    return MT_OK;
+}
+
+int mt_params_hf_aliases(const mt_model_config *c, mt_param_alias *out, int cap)
+{
+    int n = 0;
+    for (int k = 0; k < c->num_nextn_predict_layers; k++) {
+        int l = c->num_hidden_layers + k;
+        if (n < cap) {
+            snprintf(out[n].name, sizeof out[n].name, "model.layers.%d.embed_tokens.weight", l);
+            snprintf(out[n].source, sizeof out[n].source, "model.embed_tokens.weight");
+        }
+        n++;
+        if (n < cap) {
+            snprintf(out[n].name, sizeof out[n].name, "model.layers.%d.shared_head.head.weight", l);
+            snprintf(out[n].source, sizeof out[n].source, "%s",
+                     c->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+        }
+        n++;
+    }
+    return n;
+}

@@ -14,6 +14,7 @@
 #ifndef MT_PARAM_TABLE_H
 #define MT_PARAM_TABLE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "engine/config.h"
@@ -80,5 +81,28 @@ const char *mt_param_kind_name(mt_param_kind k);
 
 /* Does the kind's compute copy take FP8 under the fp8-blockwise recipe? */
 static inline int mt_param_kind_is_fp8(mt_param_kind k) { return k == MT_PK_LINEAR; }
+
+/* ---- derived names (the DeepSeek-V3 release; ckpt/FORMAT.md) ------------ */
+
+/* The FP8 block scales of a weight: "<x>.weight" -> "<x>.weight_scale_inv"
+ * ([ceil(rows/128), ceil(cols/128)] f32). MT_EINVAL if it does not fit. */
+int mt_param_scale_name(char *out, size_t cap, const char *weight_name);
+
+/* Optimizer state of a parameter: "optimizer.<state>.<name>" with state
+ * "exp_avg", "exp_avg_sq" or "main". MT_EINVAL if it does not fit. */
+int mt_param_optim_name(char *out, size_t cap, const char *state, const char *name);
+
+/* A tensor of the Hugging Face export that copies a parameter. */
+typedef struct mt_param_alias {
+    char name[112];      /* "model.layers.61.embed_tokens.weight" */
+    char source[112];    /* "model.embed_tokens.weight" */
+} mt_param_alias;
+
+/* The copies the released DeepSeek-V3 checkpoint carries for each MTP
+ * module k (layer L = num_hidden_layers + k - 1): model.layers.L.embed_tokens
+ * (the embedding) and model.layers.L.shared_head.head (the output head, or
+ * the embedding when tied). Writes up to cap aliases; returns the count
+ * (2 per MTP module). */
+int mt_params_hf_aliases(const mt_model_config *c, mt_param_alias *out, int cap);
 
 #endif

@@ -1,0 +1,242 @@
+/* ckpt_commit.c - the checkpoint root: step directories, the commit
+ * protocol, `latest`, retention (FORMAT.md "Commit"). */
+#define _XOPEN_SOURCE 700
+#define _DEFAULT_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ckpt/ckpt_internal.h"
+#include "kernels/mt_fs.h"
+#include "kernels/mt_log.h"
+#include "kernels/mt_status.h"
+
+int mt_ckpt_step_path(char *out, size_t cap, const char *root, int64_t step, int partial)
+{
+    int n = snprintf(out, cap, "%s/step_%08lld%s", root, (long long)step, partial ? ".partial" : "");
+    return n >= 0 && (size_t)n < cap ? MT_OK : MT_ERR(MT_EINVAL, "%s: path too long", root);
+}
+
+/* "step_NNNNNNNN" exactly (8 or more digits, nothing after): a committed name. */
+static int committed_step(const char *name, int64_t *step)
+{
+    if (strncmp(name, "step_", 5) != 0) return 0;
+    const char *d = name + 5;
+    size_t n = strspn(d, "0123456789");
+    if (n < 8 || d[n] != '\0') return 0;
+    *step = strtoll(d, NULL, 10);
+    return 1;
+}
+
+static int is_dir(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int mt_ckpt_list(const char *root, int64_t **steps, int *n)
+{
+    *steps = NULL;
+    *n = 0;
+    DIR *d = opendir(root);
+    if (!d) {
+        if (errno == ENOENT) return MT_OK;
+        return MT_ERR(MT_EIO, "%s: cannot list: %s", root, strerror(errno));
+    }
+    int cap = 0, rc = MT_OK;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int64_t s;
+        char p[4400];
+        if (!committed_step(e->d_name, &s)) continue;
+        snprintf(p, sizeof p, "%s/%s", root, e->d_name);
+        if (!is_dir(p)) continue;
+        if (*n == cap) {
+            cap = cap ? 2 * cap : 16;
+            int64_t *q = realloc(*steps, (size_t)cap * sizeof *q);
+            if (!q) {
+                rc = MT_ERR(MT_ENOMEM, "out of memory");
+                break;
+            }
+            *steps = q;
+        }
+        (*steps)[(*n)++] = s;
+    }
+    closedir(d);
+    if (rc == MT_OK && *n) qsort(*steps, (size_t)*n, sizeof **steps, cmp_i64);
+    return rc;
+}
+
+int mt_ckpt_resolve(const char *path, char *out, size_t cap)
+{
+    char idx[4400];
+    snprintf(idx, sizeof idx, "%s/%s", path, CK_INDEX);
+    size_t len = strlen(path);
+    while (len > 1 && path[len - 1] == '/') len--;
+    if (len >= 8 && !strncmp(path + len - 8, ".partial", 8))
+        return MT_ERR(MT_EINVAL, "%s: a partial (uncommitted) save is not a checkpoint", path);
+    if (access(idx, F_OK) == 0) {
+        if ((size_t)snprintf(out, cap, "%.*s", (int)len, path) >= cap)
+            return MT_ERR(MT_EINVAL, "%s: path too long", path);
+        return MT_OK;
+    }
+    int64_t *steps;
+    int n;
+    MT_CHECK(mt_ckpt_list(path, &steps, &n));
+    if (n == 0) {
+        free(steps);
+        if (!is_dir(path)) return MT_ERR(MT_ENOTFOUND, "%s: no such checkpoint directory", path);
+        return MT_ERR(MT_ENOTFOUND, "%s: no committed checkpoint (no %s, no step_NNNNNNNN/)", path,
+                      CK_INDEX);
+    }
+    /* the directory scan, not `latest`: a crash between the commit rename
+     * and the pointer update leaves `latest` one behind */
+    int rc = mt_ckpt_step_path(out, cap, path, steps[n - 1], 0);
+    free(steps);
+    return rc;
+}
+
+static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    return remove(p) != 0 && errno != ENOENT ? -1 : 0;
+}
+
+int ck_rm_rf(const char *path)
+{
+    if (nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS) != 0 && errno != ENOENT)
+        return MT_ERR(MT_EIO, "%s: cannot remove: %s", path, strerror(errno));
+    return MT_OK;
+}
+
+/* Removes leftovers of interrupted saves and deletions. */
+static int clean_stale(const char *root)
+{
+    DIR *d = opendir(root);
+    if (!d) return MT_OK;
+    struct dirent *e;
+    int rc = MT_OK;
+    while ((e = readdir(d))) {
+        size_t n = strlen(e->d_name);
+        int partial = n > 8 && !strcmp(e->d_name + n - 8, ".partial");
+        int deleting = n > 9 && !strcmp(e->d_name + n - 9, ".deleting");
+        if (strncmp(e->d_name, "step_", 5) != 0 || (!partial && !deleting)) continue;
+        char p[4400];
+        snprintf(p, sizeof p, "%s/%s", root, e->d_name);
+        MT_LOGI("checkpoint: removing %s left by an interrupted %s", p, partial ? "save" : "deletion");
+        if (ck_rm_rf(p) < 0 && rc == MT_OK) rc = mt_err_wrap(MT_EIO, "cleaning %s", root);
+    }
+    closedir(d);
+    return rc;
+}
+
+int mt_ckpt_begin(const char *root, int64_t step, char *partial, size_t cap)
+{
+    MT_CHECK(mt_mkdir_p(root));
+    MT_CHECK(clean_stale(root));
+    MT_CHECK(mt_ckpt_step_path(partial, cap, root, step, 1));
+    if (mkdir(partial, 0755) != 0)
+        return MT_ERR(MT_EIO, "%s: cannot create: %s", partial, strerror(errno));
+    return MT_OK;
+}
+
+/* Writes root/latest = "step_NNNNNNNN\n" by temp file + fsync + rename. */
+static int write_latest(const char *root, int64_t step)
+{
+    char tmp[4400], dst[4400], text[64];
+    snprintf(tmp, sizeof tmp, "%s/%s.tmp", root, CK_LATEST);
+    snprintf(dst, sizeof dst, "%s/%s", root, CK_LATEST);
+    int n = snprintf(text, sizeof text, "step_%08lld\n", (long long)step);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return MT_ERR(MT_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+    int ok = write(fd, text, (size_t)n) == n && fsync(fd) == 0;
+    int e = errno;
+    close(fd);
+    if (!ok) return MT_ERR(MT_EIO, "%s: cannot write: %s", tmp, strerror(e));
+    if (rename(tmp, dst) != 0) return MT_ERR(MT_EIO, "%s: cannot rename: %s", dst, strerror(errno));
+    return mt_fsync_path(root);
+}
+
+/* The step `latest` names, or -1. */
+static int64_t read_latest(const char *root)
+{
+    char p[4400], buf[64] = "";
+    snprintf(p, sizeof p, "%s/%s", root, CK_LATEST);
+    FILE *f = fopen(p, "r");
+    if (!f) return -1;
+    int ok = fgets(buf, sizeof buf, f) != NULL;
+    fclose(f);
+    buf[strcspn(buf, "\n")] = '\0';
+    int64_t s;
+    return ok && committed_step(buf, &s) ? s : -1;
+}
+
+int mt_ckpt_commit(const char *root, int64_t step, int keep_last)
+{
+    char part[4400], fin[4400], old[4400];
+    MT_CHECK(mt_ckpt_step_path(part, sizeof part, root, step, 1));
+    MT_CHECK(mt_ckpt_step_path(fin, sizeof fin, root, step, 0));
+    MT_CHECK(mt_fsync_path(part));
+    int replaced = 0;
+    if (is_dir(fin)) {
+        /* a second save of the same step (save on stop): move the old one
+         * out of the committed namespace first */
+        snprintf(old, sizeof old, "%s.deleting", fin);
+        if (rename(fin, old) != 0)
+            return MT_ERR(MT_EIO, "%s: cannot rename: %s", fin, strerror(errno));
+        replaced = 1;
+    }
+    if (rename(part, fin) != 0) return MT_ERR(MT_EIO, "%s: cannot rename: %s", part, strerror(errno));
+    MT_CHECK(mt_fsync_path(root));
+    if (replaced) MT_CHECK(ck_rm_rf(old));
+    MT_CHECK(write_latest(root, step));
+    return mt_ckpt_retain(root, keep_last);
+}
+
+int mt_ckpt_retain(const char *root, int keep_last)
+{
+    if (keep_last <= 0) return MT_OK;
+    int64_t *steps;
+    int n;
+    MT_CHECK(mt_ckpt_list(root, &steps, &n));
+    const int64_t latest = read_latest(root);
+    int rc = MT_OK;
+    for (int i = 0; i + keep_last < n && rc == MT_OK; i++) {
+        if (steps[i] == latest || i == n - 1) continue;
+        char p[4400], del[4500];
+        mt_ckpt_step_path(p, sizeof p, root, steps[i], 0);
+        int fd = open(p, O_RDONLY | O_DIRECTORY);
+        if (fd < 0) continue;
+        /* a reader holds a shared lock while it has the checkpoint open */
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            MT_LOGI("checkpoint: keeping %s for now: it is being read", p);
+            close(fd);
+            continue;
+        }
+        snprintf(del, sizeof del, "%s.deleting", p);
+        if (rename(p, del) != 0) {
+            rc = MT_ERR(MT_EIO, "%s: cannot rename for deletion: %s", p, strerror(errno));
+        } else {
+            rc = mt_fsync_path(root);
+            if (rc == MT_OK) rc = ck_rm_rf(del);
+        }
+        close(fd);
+    }
+    free(steps);
+    return rc;
+}

@@ -1,0 +1,146 @@
+/* ckpt_internal.h - shared internals of the checkpoint module (not a
+ * public interface): the HDF5 lock and error text, element types, the
+ * open-checkpoint structure. */
+#ifndef MT_CKPT_INTERNAL_H
+#define MT_CKPT_INTERNAL_H
+
+#include <hdf5.h>
+
+#include "ckpt/ckpt.h"
+
+/* Chunk target of shard datasets: big enough for streaming I/O, small
+ * enough that a flipped byte is localised and partial reads stay cheap. */
+#define CK_CHUNK_BYTES (4u << 20)
+/* Rows per band when streaming a piece: bounded memory (reshard, import,
+ * export, verify, diff), a multiple of 128 so FP8 blocks stay whole. */
+#define CK_BAND_BYTES ((size_t)64 << 20)
+
+#define CK_INDEX "index.h5"
+#define CK_LATEST "latest"
+#define CK_META_GROUP "moetrain"
+
+/* The process-wide HDF5 lock (recursive): every public entry point that
+ * touches HDF5 holds it. Also silences HDF5's automatic error printing. */
+void ck_lock(void);
+void ck_unlock(void);
+
+/* The innermost HDF5 error description of the current stack ("data error
+ * detected by Fletcher32 checksum"), or "" - into buf. */
+const char *ck_h5_errstr(char *buf, size_t cap);
+
+/* HDF5 file type of a dtype (bf16: a 16-bit IEEE-like float, 8 exponent
+ * bits, bias 127; e4m3: unsigned bytes). Caller closes with H5Tclose. */
+hid_t ck_h5_type(mt_dtype dt);
+
+/* HDF5's Fletcher32 checksum, bit for bit: shard chunks are written and
+ * read directly (H5Dwrite_chunk / H5Dread_chunk) with it appended
+ * little-endian, exactly as the HDF5 filter stores them, so HDF5 tools read
+ * them through the filter; moetrain reads them without HDF5's per-chunk
+ * allocations. */
+uint32_t ck_fletcher32(const void *data, size_t n);
+
+/* shard_RRRRR.h5 */
+void ck_shard_name(char *out, size_t cap, int rank);
+
+/* Chunk rows of a shard dataset [rows, cols] of esize-byte elements: a
+ * power of two near CK_CHUNK_BYTES (or all rows). */
+int64_t ck_chunk_rows(int64_t rows, int64_t cols, size_t esize);
+/* Rows per streamed band: a power of two >= 128 near CK_BAND_BYTES, so a
+ * multiple of the chunk rows and of the FP8 block (or all rows). */
+int64_t ck_band_rows(int64_t rows, int64_t cols, size_t esize);
+
+/* Writes a fixed-length string dataset name (1 element, chunked +
+ * Fletcher32) into loc. */
+int ck_write_string(hid_t loc, const char *name, const char *text);
+/* Reads it back (malloc'd). */
+int ck_read_string(hid_t loc, const char *name, char **out);
+
+/* Attribute helpers. */
+int ck_attr_i64(hid_t obj, const char *name, const int64_t *v, int n);
+int ck_attr_u64(hid_t obj, const char *name, uint64_t v);
+int ck_attr_str(hid_t obj, const char *name, const char *s);
+int ck_attr_read_i64(hid_t obj, const char *name, int64_t *v, int n);
+int ck_attr_read_u64(hid_t obj, const char *name, uint64_t *v);
+int ck_attr_read_str(hid_t obj, const char *name, char *buf, size_t cap);
+
+/* The meta JSON fields (FORMAT.md) <-> struct. */
+char *ck_layout_json(const mt_layout *l);
+int ck_layout_from_json(const char *text, mt_layout *l);
+char *ck_opts_json(const mt_shard_opts *o);
+int ck_opts_from_json(const char *text, mt_shard_opts *o);
+
+/* Model config of a meta. */
+int ck_meta_config(const mt_ckpt_meta *m, mt_model_config *c);
+
+/* Coverage of a tensor by pieces: no overlap, no gap, inside bounds.
+ * Returns 0 if exact, else writes the problem into msg. */
+int ck_check_tiling(int ndim, const int64_t shape[2], const mt_ckpt_piece_rec *const *p, int n,
+                    char *msg, size_t cap);
+
+/* Element conversions. */
+void ck_convert(void *dst, mt_dtype dt_dst, const void *src, mt_dtype dt_src, int64_t n);
+
+/* Row types of the index tables (FORMAT.md). */
+typedef struct tensor_row {
+    char name[MT_TENSOR_NAME_CAP];
+    char dtype[8];
+    int32_t ndim;
+    int64_t shape[2];
+    int64_t first_piece, n_pieces;
+} tensor_row;
+
+typedef struct piece_row {
+    int32_t tensor;
+    int32_t rank;
+    int64_t offset[2], count[2];
+    int64_t nbytes;
+    uint64_t xxh64;
+} piece_row;
+
+typedef struct file_row {
+    char name[32];
+    int32_t rank;
+    int64_t bytes;
+} file_row;
+
+/* Their HDF5 compound types (close with H5Tclose). */
+hid_t ck_tensor_row_type(void);
+hid_t ck_piece_row_type(void);
+hid_t ck_file_row_type(void);
+
+struct mt_ckpt {
+    char dir[4096];
+    int lock_fd;                 /* shared flock on the directory */
+    mt_ckpt_meta meta;
+    int n_tensors;
+    mt_ckpt_tensor *tensors;
+    int n_pieces;
+    mt_ckpt_piece_rec *pieces;   /* grouped by tensor */
+    int n_files;
+    int *file_rank;              /* [n_files] */
+    int64_t *file_bytes;         /* [n_files] recorded sizes */
+    hid_t *file_h;               /* [n_files] opened lazily, -1 */
+    int *piece_file;             /* [n_pieces] */
+    int hash_cap;
+    int *hash;                   /* name -> tensor + 1 */
+    char *scratch;               /* one raw chunk (+ checksum), reused */
+    size_t scratch_cap;
+};
+
+/* Reads index.h5 of ck->dir into ck (takes the lock). */
+int ck_read_index_locked(mt_ckpt *ck);
+/* Reads the intersection of piece p with d into d->data (lock held); a
+ * piece read whole is checked against its xxh64. */
+int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d);
+/* Reads a band (any hyperslab) of map tensor t from a source in the map's
+ * dtype: e4m3 weights via mt_source_read_fp8, scales stored or from
+ * quantising the weight, the rest via mt_source_read. */
+int ck_read_map_band(const mt_shard_map *m, const mt_tensor_source *src, int t, mt_tensor_desc *d);
+/* rm -rf */
+int ck_rm_rf(const char *path);
+
+/* Opens (once) the shard file of piece p; error names the file and tensor. */
+int ck_piece_file(mt_ckpt *ck, int p, hid_t *f);
+int ck_file_index(const mt_ckpt *ck, int rank);
+
+#endif

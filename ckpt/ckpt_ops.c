@@ -1,0 +1,522 @@
+/* ckpt_ops.c - whole-checkpoint operations: writing from a tensor source
+ * (reshard, import), verify, diff. One process plays every rank; memory is
+ * bounded by one band (CK_BAND_BYTES), never the model. */
+#define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE
+#include <errno.h>
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ckpt/ckpt_internal.h"
+#include "ckpt/xxh64.h"
+#include "kernels/mt_fs.h"
+#include "kernels/mt_log.h"
+#include "kernels/mt_status.h"
+
+/* ---- writing from a source ----------------------------------------------------------- */
+
+int mt_ckpt_out_path(const char *out, int64_t step, char *dir, size_t cap, char *root,
+                     size_t rcap, int *is_root)
+{
+    const char *base = strrchr(out, '/');
+    base = base ? base + 1 : out;
+    size_t n = strspn(base + (strncmp(base, "step_", 5) ? 0 : 5), "0123456789");
+    *is_root = !(strncmp(base, "step_", 5) == 0 && n >= 8 && base[5 + n] == '\0');
+    if (*is_root) {
+        snprintf(root, rcap, "%s", out);
+        return mt_ckpt_step_path(dir, cap, out, step, 0);
+    }
+    snprintf(dir, cap, "%s", out);
+    snprintf(root, rcap, "%.*s", (int)(base - out > 1 ? base - out - 1 : base - out), out);
+    if (!root[0]) snprintf(root, rcap, ".");
+    return MT_OK;
+}
+
+typedef struct src_fill {
+    const mt_shard_map *map;
+    const mt_tensor_source *src;
+    const int *pieces;   /* this rank's piece indices */
+} src_fill;
+
+int ck_read_map_band(const mt_shard_map *m, const mt_tensor_source *src, int ti,
+                     mt_tensor_desc *d)
+{
+    const mt_shard_tensor *t = &m->tensors[ti];
+    if (t->role == MT_TS_WEIGHT && t->dtype == MT_DT_E4M3) return mt_source_read_fp8(src, d, NULL);
+    if (t->role != MT_TS_SCALE) return mt_source_read(src, d);
+    /* scales: stored ones as they are; otherwise from quantising the weight */
+    mt_dtype dt;
+    int nd;
+    int64_t shape[2];
+    if (src->info(src->impl, t->name, &dt, &nd, shape) == MT_OK) return mt_source_read(src, d);
+    const mt_shard_tensor *w = &m->tensors[m->param_tensor[t->param][MT_TS_WEIGHT]];
+    mt_tensor_desc q = *d;
+    snprintf(q.name, sizeof q.name, "%s", w->name);
+    q.dtype = MT_DT_E4M3;
+    q.shape[0] = w->shape[0];
+    q.shape[1] = w->shape[1];
+    for (int k = 0; k < 2; k++) {
+        q.off[k] = d->off[k] * 128;
+        int64_t end = (d->off[k] + d->count[k]) * 128;
+        q.count[k] = (end < w->shape[k] ? end : w->shape[k]) - q.off[k];
+    }
+    q.data = malloc((size_t)(q.count[0] * q.count[1]));
+    if (!q.data) return MT_ERR(MT_ENOMEM, "%s: out of memory", t->name);
+    int rc = mt_source_read_fp8(src, &q, d->data);
+    free(q.data);
+    return rc;
+}
+
+static int fill_from_source(void *ctx, int i, const mt_tensor_desc *band, void *buf)
+{
+    src_fill *sf = ctx;
+    mt_tensor_desc d = *band;
+    d.data = buf;
+    return ck_read_map_band(sf->map, sf->src, sf->map->pieces[sf->pieces[i]].tensor, &d);
+}
+
+int mt_ckpt_write_from_source(const char *out, const mt_ckpt_meta *meta, const mt_shard_map *map,
+                              const mt_tensor_source *src, mt_progress *prog)
+{
+    char dir[4200], root[4200], work[4300];
+    int is_root;
+    MT_CHECK(mt_ckpt_out_path(out, meta->step, dir, sizeof dir, root, sizeof root, &is_root));
+    if (is_root) {
+        MT_CHECK(mt_ckpt_begin(root, meta->step, work, sizeof work));
+    } else {
+        if (access(dir, F_OK) == 0) return MT_ERR(MT_EINVAL, "%s: exists; choose a new directory", dir);
+        snprintf(work, sizeof work, "%s.partial", dir);
+        MT_CHECK(mt_mkdir_p(root));
+        if (access(work, F_OK) == 0) {
+            MT_LOGI("checkpoint: removing %s left by an interrupted run", work);
+            MT_CHECK(ck_rm_rf(work));
+        }
+        if (mkdir(work, 0755) != 0) return MT_ERR(MT_EIO, "%s: cannot create: %s", work, strerror(errno));
+    }
+    mt_ckpt_piece_rec *recs = calloc((size_t)map->n_pieces + 1, sizeof *recs);
+    mt_tensor_desc *descs = calloc((size_t)map->n_pieces + 1, sizeof *descs);
+    if (!recs || !descs) {
+        free(recs);
+        free(descs);
+        return MT_ERR(MT_ENOMEM, "out of memory");
+    }
+    int rc = MT_OK, k = 0;
+    for (int r = 0; r < map->world && rc == MT_OK; r++) {
+        int n;
+        const int *idx = mt_shard_map_rank_pieces(map, r, &n);
+        if (!n) continue;
+        for (int i = 0; i < n; i++) mt_shard_piece_desc(map, idx[i], &descs[i]);
+        src_fill sf = {map, src, idx};
+        rc = mt_ckpt_write_shard(work, r, descs, n, fill_from_source, &sf, recs + k, prog);
+        k += n;
+    }
+    if (rc == MT_OK) rc = mt_ckpt_write_index(work, meta, map, recs, k);
+    free(recs);
+    free(descs);
+    if (rc < 0) return rc;
+    if (is_root) return mt_ckpt_commit(root, meta->step, 0);
+    if (rename(work, dir) != 0) return MT_ERR(MT_EIO, "%s: cannot rename: %s", work, strerror(errno));
+    return mt_fsync_path(root);
+}
+
+/* The job spec JSON with its parallel section set to the layout. */
+static char *job_with_layout(const char *job, const mt_layout *l)
+{
+    json_error_t e;
+    json_t *j = job ? json_loads(job, 0, &e) : NULL;
+    if (!j || !json_is_object(j)) {
+        json_decref(j);
+        return job ? strdup(job) : NULL;
+    }
+    json_t *p = json_object_get(j, "parallel");
+    if (json_is_object(p)) {
+        json_object_set_new(p, "tp", json_integer(l->tp));
+        json_object_set_new(p, "pp", json_integer(l->pp));
+        json_object_set_new(p, "vpp", json_integer(l->vpp));
+        json_object_set_new(p, "ep", json_integer(l->ep));
+        json_object_set_new(p, "etp", json_integer(l->etp));
+        json_object_set_new(p, "dp", json_integer(l->dp));
+    }
+    char *s = json_dumps(j, JSON_SORT_KEYS | JSON_COMPACT);
+    json_decref(j);
+    return s;
+}
+
+int mt_ckpt_reshard(const char *in, const char *out, const mt_layout *layout, mt_progress *prog)
+{
+    mt_ckpt *ck;
+    MT_CHECK(mt_ckpt_open(&ck, in));
+    mt_ckpt_meta meta;
+    mt_shard_map map;
+    memset(&map, 0, sizeof map);
+    int rc = mt_ckpt_meta_copy(&meta, mt_ckpt_get_meta(ck));
+    if (rc < 0) goto out0;
+    mt_model_config c;
+    if ((rc = ck_meta_config(&meta, &c)) < 0) goto out;
+    if ((rc = mt_shard_map_build(&map, &c, layout, &meta.opts)) < 0) goto out;
+    meta.layout = *layout;
+    char *job = job_with_layout(meta.job_json, layout);
+    free(meta.job_json);
+    meta.job_json = job;
+    mt_tensor_source src = mt_ckpt_source(ck);
+    mt_progress_start(prog, "reshard", mt_shard_map_bytes(&map), prog ? prog->enabled : 0);
+    rc = mt_ckpt_write_from_source(out, &meta, &map, &src, prog);
+    mt_progress_end(prog);
+out:
+    mt_shard_map_free(&map);
+    mt_ckpt_meta_free(&meta);
+out0:
+    mt_ckpt_close(ck);
+    return rc;
+}
+
+/* ---- verify -------------------------------------------------------------------------- */
+
+typedef struct vstate {
+    mt_ckpt_report_fn report;
+    void *ctx;
+    int problems;
+    char first[1024];
+} vstate;
+
+static void problem(vstate *v, const char *file, const char *tensor, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static void problem(vstate *v, const char *file, const char *tensor, const char *fmt, ...)
+{
+    char msg[900];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (!v->problems)
+        snprintf(v->first, sizeof v->first, "%s%s%s%s%s", file, tensor && tensor[0] ? ": tensor " : "",
+                 tensor ? tensor : "", ": ", msg);
+    v->problems++;
+    if (v->report) v->report(v->ctx, file, tensor ? tensor : "", msg);
+}
+
+/* Reads piece p in bands and checks its xxh64 and attributes. */
+static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog)
+{
+    const mt_ckpt_piece_rec *r = &ck->pieces[p];
+    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
+    char name[32], path[4300];
+    ck_shard_name(name, sizeof name, r->rank);
+    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
+    const size_t es = mt_dtype_size(x->dtype);
+    /* attributes against the index */
+    hid_t f;
+    ck_lock();
+    if (ck_piece_file(ck, p, &f) < 0) {
+        ck_unlock();
+        problem(v, path, r->tensor, "%s", mt_errmsg());
+        return;
+    }
+    hid_t ds = H5Dopen2(f, r->tensor, H5P_DEFAULT);
+    if (ds < 0) {
+        char eb[256];
+        problem(v, path, r->tensor, "dataset missing (%s)", ck_h5_errstr(eb, sizeof eb));
+        ck_unlock();
+        return;
+    }
+    int64_t gs[2] = {0, 0}, off[2] = {0, 0};
+    char dt[16] = "";
+    if (ck_attr_read_str(ds, "dtype", dt, sizeof dt) < 0 || strcmp(dt, mt_dtype_name(x->dtype)) ||
+        ck_attr_read_i64(ds, "global_shape", gs, x->ndim) < 0 || gs[0] != x->shape[0] ||
+        (x->ndim == 2 && gs[1] != x->shape[1]) || ck_attr_read_i64(ds, "offset", off, x->ndim) < 0 ||
+        off[0] != r->off[0] || (x->ndim == 2 && off[1] != r->off[1]))
+        problem(v, path, r->tensor, "dataset attributes (dtype %s, global_shape, offset) disagree "
+                                    "with the index",
+                dt);
+    H5Dclose(ds);
+    ck_unlock();
+    const int64_t cols = x->ndim == 2 ? r->count[1] : 1;
+    const int64_t br = ck_band_rows(r->count[0], cols, es);
+    void *buf = malloc((size_t)br * (size_t)cols * es);
+    if (!buf) {
+        problem(v, path, r->tensor, "out of memory");
+        return;
+    }
+    mt_xxh64 h;
+    mt_xxh64_init(&h, 0);
+    int ok = 1;
+    for (int64_t a = 0; a < r->count[0] && ok; a += br) {
+        int64_t nr = r->count[0] - a < br ? r->count[0] - a : br;
+        mt_tensor_desc d;
+        memset(&d, 0, sizeof d);
+        snprintf(d.name, sizeof d.name, "%s", r->tensor);
+        d.dtype = x->dtype;
+        d.ndim = x->ndim;
+        d.shape[0] = x->shape[0];
+        d.shape[1] = x->shape[1];
+        d.off[0] = r->off[0] + a;
+        d.off[1] = r->off[1];
+        d.count[0] = nr;
+        d.count[1] = cols;
+        d.data = buf;
+        /* only this piece: other pieces of the tensor do not intersect it */
+        ck_lock();
+        int rc = ck_read_piece(ck, p, &d);
+        ck_unlock();
+        if (rc < 0) {
+            problem(v, path, r->tensor, "%s", mt_errmsg());
+            ok = 0;
+            break;
+        }
+        mt_xxh64_update(&h, buf, (size_t)nr * (size_t)cols * es);
+        mt_progress_add(prog, nr * cols * (int64_t)es);
+    }
+    free(buf);
+    if (ok && mt_xxh64_digest(&h) != r->xxh64)
+        problem(v, path, r->tensor, "xxh64 %016llx, the index records %016llx: data corrupted",
+                (unsigned long long)mt_xxh64_digest(&h), (unsigned long long)r->xxh64);
+}
+
+static herr_t count_cb(hid_t g, const char *name, const H5L_info_t *info, void *data)
+{
+    (void)g;
+    (void)name;
+    (void)info;
+    (*(int *)data)++;
+    return 0;
+}
+
+/* Objects in each shard file beyond the index's pieces. */
+static void verify_extras(mt_ckpt *ck, vstate *v)
+{
+    for (int fi = 0; fi < ck->n_files; fi++) {
+        int want = 0, have = 0;
+        for (int p = 0; p < ck->n_pieces; p++) want += ck->piece_file[p] == fi;
+        int p0 = -1;
+        for (int p = 0; p < ck->n_pieces && p0 < 0; p++)
+            if (ck->piece_file[p] == fi) p0 = p;
+        if (p0 < 0) continue;
+        hid_t f;
+        ck_lock();
+        if (ck_piece_file(ck, p0, &f) == MT_OK) {
+            hsize_t idx = 0;
+            H5Literate(f, H5_INDEX_NAME, H5_ITER_NATIVE, &idx, count_cb, &have);
+        }
+        ck_unlock();
+        char name[32], path[4300];
+        ck_shard_name(name, sizeof name, ck->file_rank[fi]);
+        snprintf(path, sizeof path, "%s/%s", ck->dir, name);
+        if (have != want)
+            problem(v, path, "", "holds %d datasets, the index lists %d pieces in it", have, want);
+    }
+}
+
+/* Virtual datasets of the index against the shard map. */
+static void verify_vds(mt_ckpt *ck, vstate *v)
+{
+    char path[4300], eb[256];
+    snprintf(path, sizeof path, "%s/%s", ck->dir, CK_INDEX);
+    ck_lock();
+    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+    if (f < 0) {
+        problem(v, path, "", "cannot open (%s)", ck_h5_errstr(eb, sizeof eb));
+        ck_unlock();
+        return;
+    }
+    for (int t = 0; t < ck->n_tensors; t++) {
+        const mt_ckpt_tensor *x = &ck->tensors[t];
+        hid_t ds = H5Dopen2(f, x->name, H5P_DEFAULT);
+        if (ds < 0) {
+            problem(v, path, x->name, "virtual dataset missing");
+            continue;
+        }
+        hid_t dcpl = H5Dget_create_plist(ds), sp = H5Dget_space(ds);
+        hsize_t dims[2] = {0, 0};
+        size_t cnt = 0;
+        int nd = H5Sget_simple_extent_dims(sp, dims, NULL);
+        if (H5Pget_layout(dcpl) != H5D_VIRTUAL || H5Pget_virtual_count(dcpl, &cnt) < 0 ||
+            nd != x->ndim || (int64_t)dims[0] != x->shape[0] ||
+            (nd == 2 && (int64_t)dims[1] != x->shape[1]) || (int)cnt != x->n_pieces) {
+            problem(v, path, x->name, "virtual dataset disagrees with the tensor table (shape or "
+                                      "%zu mappings for %d pieces)",
+                    cnt, x->n_pieces);
+        } else {
+            for (size_t i = 0; i < cnt; i++) {
+                const mt_ckpt_piece_rec *r = &ck->pieces[x->first_piece + (int)i];
+                char fn[64] = "", dn[MT_TENSOR_NAME_CAP + 8] = "", want[32];
+                H5Pget_virtual_filename(dcpl, i, fn, sizeof fn);
+                H5Pget_virtual_dsetname(dcpl, i, dn, sizeof dn);
+                hid_t vs = H5Pget_virtual_vspace(dcpl, i);
+                hsize_t s[2] = {0, 0}, e[2] = {0, 0};
+                H5Sget_select_bounds(vs, s, e);
+                H5Sclose(vs);
+                ck_shard_name(want, sizeof want, r->rank);
+                if (strcmp(fn, want) || strcmp(dn, x->name) || (int64_t)s[0] != r->off[0] ||
+                    (int64_t)e[0] != r->off[0] + r->count[0] - 1 ||
+                    (nd == 2 && ((int64_t)s[1] != r->off[1] ||
+                                 (int64_t)e[1] != r->off[1] + r->count[1] - 1)))
+                    problem(v, path, x->name, "virtual mapping %zu (%s) disagrees with the shard map",
+                            i, fn);
+            }
+        }
+        H5Sclose(sp);
+        H5Pclose(dcpl);
+        H5Dclose(ds);
+    }
+    H5Fclose(f);
+    ck_unlock();
+}
+
+int mt_ckpt_verify(const char *path, mt_ckpt_report_fn report, void *ctx, mt_progress *prog)
+{
+    vstate v = {report, ctx, 0, ""};
+    mt_ckpt *ck = calloc(1, sizeof *ck);
+    if (!ck) return MT_ERR(MT_ENOMEM, "out of memory");
+    ck->lock_fd = -1;
+    int rc = mt_ckpt_resolve(path, ck->dir, sizeof ck->dir);
+    if (rc < 0) {
+        free(ck);
+        return rc;
+    }
+    rc = ck_read_index_locked(ck);
+    if (rc < 0) {
+        problem(&v, ck->dir, "", "%s", mt_errmsg());
+        mt_ckpt_close(ck);
+        return MT_ERR(MT_ECORRUPT, "%s", v.first);
+    }
+    /* files: missing or truncated ones are reported, their pieces skipped */
+    char *bad = calloc((size_t)ck->n_files + 1, 1);
+    for (int i = 0; i < ck->n_files; i++) {
+        char name[32], p[4300];
+        ck_shard_name(name, sizeof name, ck->file_rank[i]);
+        snprintf(p, sizeof p, "%s/%s", ck->dir, name);
+        struct stat st;
+        const char *t = "";
+        for (int k = 0; k < ck->n_pieces && !t[0]; k++)
+            if (ck->piece_file[k] == i) t = ck->pieces[k].tensor;
+        if (stat(p, &st) != 0) {
+            problem(&v, p, t, "shard file missing");
+            bad[i] = 1;
+        } else if ((int64_t)st.st_size != ck->file_bytes[i]) {
+            problem(&v, p, t, "%lld bytes, the index records %lld: truncated or replaced",
+                    (long long)st.st_size, (long long)ck->file_bytes[i]);
+            bad[i] = 1;
+        }
+    }
+    mt_progress_start(prog, "verify", mt_ckpt_bytes(ck), prog ? prog->enabled : 0);
+    for (int p = 0; p < ck->n_pieces; p++) {
+        if (bad && bad[ck->piece_file[p]]) continue;
+        int before = v.problems;
+        verify_piece(ck, p, &v, prog);
+        /* an unopenable file: one report, not one per piece */
+        if (v.problems > before && bad) {
+            hid_t f;
+            ck_lock();
+            if (ck_piece_file(ck, p, &f) < 0) bad[ck->piece_file[p]] = 1;
+            ck_unlock();
+        }
+    }
+    mt_progress_end(prog);
+    verify_extras(ck, &v);
+    verify_vds(ck, &v);
+    free(bad);
+    mt_ckpt_close(ck);
+    if (v.problems) return MT_ERR(MT_ECORRUPT, "%s (%d problem%s)", v.first, v.problems, v.problems > 1 ? "s" : "");
+    return MT_OK;
+}
+
+/* ---- diff ----------------------------------------------------------------------------------- */
+
+static int diff_tensor(mt_ckpt *a, mt_ckpt *b, const mt_ckpt_tensor *x, vstate *v)
+{
+    const size_t es = mt_dtype_size(x->dtype);
+    const int64_t cols = x->ndim == 2 ? x->shape[1] : 1;
+    const int64_t br = ck_band_rows(x->shape[0], cols, es);
+    const size_t bytes = (size_t)br * (size_t)cols * es;
+    char *ba = malloc(bytes), *bb = malloc(bytes);
+    int rc = MT_OK;
+    if (!ba || !bb) rc = MT_ERR(MT_ENOMEM, "out of memory");
+    mt_tensor_source sa = mt_ckpt_source(a), sb = mt_ckpt_source(b);
+    for (int64_t r = 0; r < x->shape[0] && rc == MT_OK; r += br) {
+        int64_t nr = x->shape[0] - r < br ? x->shape[0] - r : br;
+        mt_tensor_desc d;
+        memset(&d, 0, sizeof d);
+        snprintf(d.name, sizeof d.name, "%s", x->name);
+        d.dtype = x->dtype;
+        d.ndim = x->ndim;
+        d.shape[0] = x->shape[0];
+        d.shape[1] = x->shape[1];
+        d.off[0] = r;
+        d.count[0] = nr;
+        d.count[1] = cols;
+        d.data = ba;
+        if ((rc = sa.read_raw(sa.impl, &d)) < 0) break;
+        d.data = bb;
+        if ((rc = sb.read_raw(sb.impl, &d)) < 0) break;
+        size_t n = (size_t)nr * (size_t)cols * es;
+        if (memcmp(ba, bb, n) != 0) {
+            size_t k = 0;
+            while (ba[k] == bb[k]) k++;
+            int64_t e = (int64_t)(k / es);
+            if (x->ndim == 1)
+                problem(v, b->dir, x->name, "differs first at [%lld]", (long long)(r + e));
+            else
+                problem(v, b->dir, x->name, "differs first at [%lld, %lld]",
+                        (long long)(r + e / cols), (long long)(e % cols));
+            break;
+        }
+    }
+    free(ba);
+    free(bb);
+    return rc;
+}
+
+int mt_ckpt_diff(const char *pa, const char *pb, int weights_only, int meta_too,
+                 mt_ckpt_report_fn report, void *ctx)
+{
+    mt_ckpt *a, *b;
+    MT_CHECK(mt_ckpt_open(&a, pa));
+    int rc = mt_ckpt_open(&b, pb);
+    if (rc < 0) {
+        mt_ckpt_close(a);
+        return rc;
+    }
+    vstate v = {report, ctx, 0, ""};
+    for (int t = 0; t < a->n_tensors && rc == MT_OK; t++) {
+        const mt_ckpt_tensor *x = &a->tensors[t];
+        if (weights_only && !strncmp(x->name, "optimizer.", 10)) continue;
+        int u = mt_ckpt_find(b, x->name);
+        if (u < 0) {
+            problem(&v, b->dir, x->name, "missing");
+            continue;
+        }
+        const mt_ckpt_tensor *y = &b->tensors[u];
+        if (y->dtype != x->dtype || y->ndim != x->ndim || y->shape[0] != x->shape[0] ||
+            y->shape[1] != x->shape[1]) {
+            problem(&v, b->dir, x->name, "%s [%lld, %lld] vs %s [%lld, %lld]", mt_dtype_name(x->dtype),
+                    (long long)x->shape[0], (long long)x->shape[1], mt_dtype_name(y->dtype),
+                    (long long)y->shape[0], (long long)y->shape[1]);
+            continue;
+        }
+        rc = diff_tensor(a, b, x, &v);
+    }
+    for (int t = 0; t < b->n_tensors && rc == MT_OK; t++) {
+        const mt_ckpt_tensor *y = &b->tensors[t];
+        if (weights_only && !strncmp(y->name, "optimizer.", 10)) continue;
+        if (mt_ckpt_find(a, y->name) < 0) problem(&v, a->dir, y->name, "missing");
+    }
+    if (rc == MT_OK && meta_too) {
+        const mt_ckpt_meta *x = &a->meta, *y = &b->meta;
+        if (x->step != y->step || x->consumed_samples != y->consumed_samples ||
+            x->consumed_tokens != y->consumed_tokens)
+            problem(&v, b->dir, "", "step / consumed samples / tokens differ");
+        if (strcmp(x->config_json, y->config_json)) problem(&v, b->dir, "", "model config differs");
+        if (strcmp(x->state_json, y->state_json)) problem(&v, b->dir, "", "trainer state differs");
+    }
+    mt_ckpt_close(a);
+    mt_ckpt_close(b);
+    if (rc < 0) return rc;
+    if (v.problems) return MT_ERR(MT_ECORRUPT, "%s (%d difference%s)", v.first, v.problems, v.problems > 1 ? "s" : "");
+    return MT_OK;
+}

@@ -1,0 +1,769 @@
+/* ckpt_read.c - opening a checkpoint and reading hyperslabs of global
+ * tensors; conversions shared by every tensor source. */
+#define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ckpt/ckpt_internal.h"
+#include "ckpt/xxh64.h"
+#include "kernels/mt_fp8.h"
+#include "kernels/mt_status.h"
+
+static uint64_t fnv1a(const char *s)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ULL;
+    return h;
+}
+
+int mt_ckpt_find(const mt_ckpt *ck, const char *name)
+{
+    size_t h = (size_t)fnv1a(name) & (size_t)(ck->hash_cap - 1);
+    while (ck->hash[h]) {
+        if (!strcmp(ck->tensors[ck->hash[h] - 1].name, name)) return ck->hash[h] - 1;
+        h = (h + 1) & (size_t)(ck->hash_cap - 1);
+    }
+    return -1;
+}
+
+const char *mt_ckpt_dir(const mt_ckpt *ck) { return ck->dir; }
+const mt_ckpt_meta *mt_ckpt_get_meta(const mt_ckpt *ck) { return &ck->meta; }
+int mt_ckpt_n_tensors(const mt_ckpt *ck) { return ck->n_tensors; }
+const mt_ckpt_tensor *mt_ckpt_tensor_at(const mt_ckpt *ck, int i) { return &ck->tensors[i]; }
+int mt_ckpt_n_pieces(const mt_ckpt *ck) { return ck->n_pieces; }
+const mt_ckpt_piece_rec *mt_ckpt_piece_at(const mt_ckpt *ck, int i) { return &ck->pieces[i]; }
+
+int64_t mt_ckpt_bytes(const mt_ckpt *ck)
+{
+    int64_t n = 0;
+    for (int i = 0; i < ck->n_pieces; i++) n += ck->pieces[i].nbytes;
+    return n;
+}
+
+int ck_file_index(const mt_ckpt *ck, int rank)
+{
+    for (int i = 0; i < ck->n_files; i++)
+        if (ck->file_rank[i] == rank) return i;
+    return -1;
+}
+
+void mt_ckpt_close(mt_ckpt *ck)
+{
+    if (!ck) return;
+    ck_lock();
+    for (int i = 0; i < ck->n_files; i++)
+        if (ck->file_h && ck->file_h[i] >= 0) H5Fclose(ck->file_h[i]);
+    ck_unlock();
+    if (ck->lock_fd >= 0) close(ck->lock_fd); /* releases the shared lock */
+    mt_ckpt_meta_free(&ck->meta);
+    free(ck->tensors);
+    free(ck->pieces);
+    free(ck->file_rank);
+    free(ck->file_bytes);
+    free(ck->file_h);
+    free(ck->piece_file);
+    free(ck->hash);
+    free(ck->scratch);
+    free(ck);
+}
+
+/* Reads a compound table of the index into rows (malloc'd). */
+static int read_table(hid_t g, const char *path, const char *name, hid_t type, size_t row,
+                      void **rows, int *n)
+{
+    char eb[256];
+    hid_t ds = H5Dopen2(g, name, H5P_DEFAULT);
+    if (ds < 0)
+        return MT_ERR(MT_ECORRUPT, "%s: table %s missing (%s)", path, name, ck_h5_errstr(eb, sizeof eb));
+    hid_t sp = H5Dget_space(ds);
+    hssize_t np = H5Sget_simple_extent_npoints(sp);
+    H5Sclose(sp);
+    void *buf = calloc((size_t)(np > 0 ? np : 1), row);
+    int rc = MT_OK;
+    if (!buf) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    else if (np > 0 && H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf) < 0)
+        rc = MT_ERR(MT_ECORRUPT, "%s: table %s unreadable (%s)", path, name,
+                    ck_h5_errstr(eb, sizeof eb));
+    H5Dclose(ds);
+    if (rc < 0) {
+        free(buf);
+        return rc;
+    }
+    *rows = buf;
+    *n = (int)np;
+    return MT_OK;
+}
+
+/* Reads and checks index.h5 into ck (the lock is held). */
+static int read_index(mt_ckpt *ck)
+{
+    char path[4200], eb[256], fmt[64];
+    snprintf(path, sizeof path, "%s/%s", ck->dir, CK_INDEX);
+    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+    if (f < 0)
+        return MT_ERR(MT_ECORRUPT, "%s: cannot open (%s)", path, ck_h5_errstr(eb, sizeof eb));
+    int rc = MT_OK;
+    hid_t g = -1, tt = ck_tensor_row_type(), pt = ck_piece_row_type(), ft = ck_file_row_type();
+    tensor_row *tr = NULL;
+    piece_row *pr = NULL;
+    file_row *fr = NULL;
+    int nt = 0, np = 0, nf = 0;
+    int64_t ver = 0;
+    if (ck_attr_read_str(f, "format", fmt, sizeof fmt) < 0 || strcmp(fmt, MT_CKPT_FORMAT) != 0) {
+        rc = MT_ERR(MT_ECORRUPT, "%s: not a moetrain checkpoint index (format attribute)", path);
+        goto out;
+    }
+    if (ck_attr_read_i64(f, "format_version", &ver, 1) < 0 || ver < 1) {
+        rc = MT_ERR(MT_ECORRUPT, "%s: format_version missing", path);
+        goto out;
+    }
+    if (ver > MT_CKPT_FORMAT_VERSION) {
+        rc = MT_ERR(MT_ENOTSUP, "%s: format version %lld is newer than this build reads (%d)",
+                    path, (long long)ver, MT_CKPT_FORMAT_VERSION);
+        goto out;
+    }
+    g = H5Gopen2(f, CK_META_GROUP, H5P_DEFAULT);
+    if (g < 0) {
+        rc = MT_ERR(MT_ECORRUPT, "%s: group %s missing", path, CK_META_GROUP);
+        goto out;
+    }
+    int64_t pos[3];
+    char *lj = NULL, *oj = NULL;
+    if ((rc = ck_attr_read_i64(g, "step_samples_tokens", pos, 3)) < 0 ||
+        (rc = ck_read_string(g, "config", &ck->meta.config_json)) < 0 ||
+        (rc = ck_read_string(g, "job", &ck->meta.job_json)) < 0 ||
+        (rc = ck_read_string(g, "state", &ck->meta.state_json)) < 0 ||
+        (rc = ck_read_string(g, "layout", &lj)) < 0 || (rc = ck_read_string(g, "contents", &oj)) < 0) {
+        free(lj);
+        rc = mt_err_wrap(MT_ECORRUPT, "%s", path);
+        goto out;
+    }
+    ck->meta.step = pos[0];
+    ck->meta.consumed_samples = pos[1];
+    ck->meta.consumed_tokens = pos[2];
+    rc = ck_layout_from_json(lj, &ck->meta.layout);
+    if (rc == MT_OK) rc = ck_opts_from_json(oj, &ck->meta.opts);
+    free(lj);
+    free(oj);
+    if (rc < 0) {
+        rc = mt_err_wrap(MT_ECORRUPT, "%s", path);
+        goto out;
+    }
+    if ((rc = read_table(g, path, "tensors", tt, sizeof *tr, (void **)&tr, &nt)) < 0 ||
+        (rc = read_table(g, path, "pieces", pt, sizeof *pr, (void **)&pr, &np)) < 0 ||
+        (rc = read_table(g, path, "files", ft, sizeof *fr, (void **)&fr, &nf)) < 0)
+        goto out;
+    ck->n_tensors = nt;
+    ck->n_pieces = np;
+    ck->n_files = nf;
+    ck->tensors = calloc((size_t)nt + 1, sizeof *ck->tensors);
+    ck->pieces = calloc((size_t)np + 1, sizeof *ck->pieces);
+    ck->piece_file = calloc((size_t)np + 1, sizeof *ck->piece_file);
+    ck->file_rank = calloc((size_t)nf + 1, sizeof *ck->file_rank);
+    ck->file_bytes = calloc((size_t)nf + 1, sizeof *ck->file_bytes);
+    ck->file_h = malloc(((size_t)nf + 1) * sizeof *ck->file_h);
+    ck->hash_cap = 16;
+    while (ck->hash_cap < 2 * nt) ck->hash_cap *= 2;
+    ck->hash = calloc((size_t)ck->hash_cap, sizeof *ck->hash);
+    if (!ck->tensors || !ck->pieces || !ck->piece_file || !ck->file_rank || !ck->file_bytes ||
+        !ck->file_h || !ck->hash) {
+        rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+        goto out;
+    }
+    for (int i = 0; i < nf; i++) {
+        ck->file_rank[i] = fr[i].rank;
+        ck->file_bytes[i] = fr[i].bytes;
+        ck->file_h[i] = -1;
+        char want[32];
+        ck_shard_name(want, sizeof want, fr[i].rank);
+        if (strcmp(want, fr[i].name) != 0 || ck_file_index(ck, fr[i].rank) != i) {
+            rc = MT_ERR(MT_ECORRUPT, "%s: files table: entry %d (%s, rank %d) is inconsistent", path,
+                        i, fr[i].name, fr[i].rank);
+            goto out;
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        mt_ckpt_tensor *x = &ck->tensors[t];
+        snprintf(x->name, sizeof x->name, "%s", tr[t].name);
+        int dt = mt_dtype_parse(tr[t].dtype);
+        x->dtype = dt >= 0 ? (mt_dtype)dt : MT_DT_U8;
+        x->ndim = tr[t].ndim;
+        x->shape[0] = tr[t].shape[0];
+        x->shape[1] = tr[t].shape[1];
+        x->first_piece = (int)tr[t].first_piece;
+        x->n_pieces = (int)tr[t].n_pieces;
+        if (dt < 0 || x->ndim < 1 || x->ndim > 2 || x->shape[0] <= 0 || x->shape[1] <= 0 ||
+            (x->ndim == 1 && x->shape[1] != 1) || tr[t].first_piece < 0 || tr[t].n_pieces < 1 ||
+            tr[t].first_piece + tr[t].n_pieces > np) {
+            rc = MT_ERR(MT_ECORRUPT,
+                        "%s: tensor %s: inconsistent table row (dtype %s, ndim %d, shape [%lld, "
+                        "%lld], pieces %lld + %lld of %d)",
+                        path, x->name, tr[t].dtype, x->ndim, (long long)x->shape[0],
+                        (long long)x->shape[1], (long long)tr[t].first_piece,
+                        (long long)tr[t].n_pieces, np);
+            goto out;
+        }
+        size_t h = (size_t)fnv1a(x->name) & (size_t)(ck->hash_cap - 1);
+        while (ck->hash[h]) {
+            if (!strcmp(ck->tensors[ck->hash[h] - 1].name, x->name)) {
+                rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s listed twice", path, x->name);
+                goto out;
+            }
+            h = (h + 1) & (size_t)(ck->hash_cap - 1);
+        }
+        ck->hash[h] = t + 1;
+    }
+    for (int i = 0; i < np; i++) {
+        mt_ckpt_piece_rec *r = &ck->pieces[i];
+        if (pr[i].tensor < 0 || pr[i].tensor >= nt) {
+            rc = MT_ERR(MT_ECORRUPT, "%s: piece %d refers to tensor %d of %d", path, i, pr[i].tensor, nt);
+            goto out;
+        }
+        const mt_ckpt_tensor *x = &ck->tensors[pr[i].tensor];
+        snprintf(r->tensor, sizeof r->tensor, "%s", x->name);
+        r->rank = pr[i].rank;
+        for (int k = 0; k < 2; k++) {
+            r->off[k] = pr[i].offset[k];
+            r->count[k] = pr[i].count[k];
+        }
+        r->nbytes = pr[i].nbytes;
+        r->xxh64 = pr[i].xxh64;
+        ck->piece_file[i] = ck_file_index(ck, r->rank);
+        if (i < x->first_piece || i >= x->first_piece + x->n_pieces || ck->piece_file[i] < 0 ||
+            r->nbytes != r->count[0] * r->count[1] * (int64_t)mt_dtype_size(x->dtype)) {
+            rc = MT_ERR(MT_ECORRUPT,
+                        "%s: tensor %s: piece %d (rank %d, %lld bytes) is inconsistent with the "
+                        "tensor and file tables",
+                        path, x->name, i, r->rank, (long long)r->nbytes);
+            goto out;
+        }
+    }
+    /* coverage: every tensor tiled exactly by its pieces */
+    for (int t = 0; t < nt && rc == MT_OK; t++) {
+        const mt_ckpt_tensor *x = &ck->tensors[t];
+        const mt_ckpt_piece_rec **pp = malloc((size_t)x->n_pieces * sizeof *pp);
+        if (!pp) {
+            rc = MT_ERR(MT_ENOMEM, "out of memory");
+            break;
+        }
+        for (int k = 0; k < x->n_pieces; k++) pp[k] = &ck->pieces[x->first_piece + k];
+        char msg[512];
+        if (ck_check_tiling(x->ndim, x->shape, pp, x->n_pieces, msg, sizeof msg))
+            rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: %s", path, x->name, msg);
+        free((void *)pp);
+    }
+out:
+    free(tr);
+    free(pr);
+    free(fr);
+    H5Tclose(tt);
+    H5Tclose(pt);
+    H5Tclose(ft);
+    if (g >= 0) H5Gclose(g);
+    H5Fclose(f);
+    return rc;
+}
+
+int ck_read_index_locked(mt_ckpt *ck)
+{
+    ck_lock();
+    int rc = read_index(ck);
+    ck_unlock();
+    return rc;
+}
+
+/* The first tensor with a piece in file i (for messages). */
+static const char *first_tensor_of_file(const mt_ckpt *ck, int fi, int *count)
+{
+    const char *first = "(none)";
+    int n = 0;
+    for (int p = 0; p < ck->n_pieces; p++)
+        if (ck->piece_file[p] == fi) {
+            if (!n) first = ck->pieces[p].tensor;
+            n++;
+        }
+    *count = n;
+    return first;
+}
+
+/* Every shard file present with its recorded size. */
+static int check_files(const mt_ckpt *ck)
+{
+    for (int i = 0; i < ck->n_files; i++) {
+        char name[32], p[4300];
+        ck_shard_name(name, sizeof name, ck->file_rank[i]);
+        snprintf(p, sizeof p, "%s/%s", ck->dir, name);
+        int n;
+        const char *t = first_tensor_of_file(ck, i, &n);
+        struct stat st;
+        if (stat(p, &st) != 0)
+            return MT_ERR(MT_ECORRUPT, "%s: missing shard file, holds tensor %s (and %d more pieces)",
+                          p, t, n - 1);
+        if ((int64_t)st.st_size != ck->file_bytes[i])
+            return MT_ERR(MT_ECORRUPT,
+                          "%s: %lld bytes, the index records %lld: truncated or replaced; holds "
+                          "tensor %s (and %d more pieces)",
+                          p, (long long)st.st_size, (long long)ck->file_bytes[i], t, n - 1);
+    }
+    return MT_OK;
+}
+
+int ck_piece_file(mt_ckpt *ck, int p, hid_t *out)
+{
+    int fi = ck->piece_file[p];
+    if (ck->file_h[fi] < 0) {
+        char name[32], path[4300], eb[256];
+        ck_shard_name(name, sizeof name, ck->file_rank[fi]);
+        snprintf(path, sizeof path, "%s/%s", ck->dir, name);
+        hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+        if (f < 0)
+            return MT_ERR(MT_ECORRUPT, "%s: cannot open (%s), needed for tensor %s", path,
+                          ck_h5_errstr(eb, sizeof eb), ck->pieces[p].tensor);
+        ck->file_h[fi] = f;
+    }
+    *out = ck->file_h[fi];
+    return MT_OK;
+}
+
+/* Locks dir shared and checks it is still the directory at that path
+ * (retention renames before it deletes). 1 ok, 0 gone. */
+static int lock_dir(mt_ckpt *ck)
+{
+    int fd = open(ck->dir, O_RDONLY | O_DIRECTORY);
+    if (fd < 0) return 0;
+    if (flock(fd, LOCK_SH) != 0) {
+        close(fd);
+        return 0;
+    }
+    struct stat a, b;
+    if (fstat(fd, &a) != 0 || stat(ck->dir, &b) != 0 || a.st_ino != b.st_ino || a.st_dev != b.st_dev) {
+        close(fd);
+        return 0;
+    }
+    ck->lock_fd = fd;
+    return 1;
+}
+
+int mt_ckpt_open(mt_ckpt **out, const char *path)
+{
+    *out = NULL;
+    mt_ckpt *ck = calloc(1, sizeof *ck);
+    if (!ck) return MT_ERR(MT_ENOMEM, "out of memory");
+    ck->lock_fd = -1;
+    int rc = MT_OK;
+    for (int attempt = 0;; attempt++) {
+        if ((rc = mt_ckpt_resolve(path, ck->dir, sizeof ck->dir)) < 0) goto fail;
+        if (lock_dir(ck)) break;
+        if (attempt == 3) {
+            rc = MT_ERR(MT_EIO, "%s: checkpoint removed while opening", ck->dir);
+            goto fail;
+        }
+    }
+    ck_lock();
+    rc = read_index(ck);
+    ck_unlock();
+    if (rc < 0) goto fail;
+    if ((rc = check_files(ck)) < 0) goto fail;
+    /* open every shard now: a damaged superblock shows here, naming a tensor */
+    ck_lock();
+    for (int p = 0; p < ck->n_pieces && rc == MT_OK; p++) {
+        hid_t f;
+        rc = ck_piece_file(ck, p, &f);
+    }
+    ck_unlock();
+    if (rc < 0) goto fail;
+    *out = ck;
+    return MT_OK;
+fail:
+    mt_ckpt_close(ck);
+    return rc;
+}
+
+/* ---- raw reads ---------------------------------------------------------------------- */
+
+/* Rows per chunk when a shard dataset can be read chunk by chunk with our
+ * own Fletcher32 check: chunked, full-width chunks, exactly the Fletcher32
+ * filter (how moetrain writes them); 0 otherwise (read through HDF5). */
+static int64_t direct_chunk_rows(hid_t ds, int nd, int64_t cols)
+{
+    hid_t dcpl = H5Dget_create_plist(ds);
+    int64_t cr = 0;
+    hsize_t ch[2] = {0, 0};
+    unsigned flags;
+    size_t nelem = 0;
+    unsigned cd[4];
+    char nm[64];
+    unsigned conf;
+    if (dcpl >= 0 && H5Pget_layout(dcpl) == H5D_CHUNKED && H5Pget_chunk(dcpl, 2, ch) == nd &&
+        H5Pget_nfilters(dcpl) == 1 &&
+        H5Pget_filter2(dcpl, 0, &flags, &nelem, cd, sizeof nm, nm, &conf) == H5Z_FILTER_FLETCHER32 &&
+        (nd == 1 || (int64_t)ch[1] == cols))
+        cr = (int64_t)ch[0];
+    if (dcpl >= 0) H5Pclose(dcpl);
+    return cr;
+}
+
+/* Reads rows fo[0] .. + cnt[0], columns fo[1] .. + cnt[1] of a piece
+ * dataset chunk by chunk (raw, Fletcher32 checked here) into dst at row
+ * mo[0], column mo[1] of a [*, ldd] buffer. */
+static int read_chunks(mt_ckpt *ck, hid_t ds, const char *path, const mt_ckpt_piece_rec *r,
+                       size_t es, int64_t cr, const hsize_t fo[2], const hsize_t cnt[2], char *dst,
+                       const hsize_t mo[2], size_t ldd)
+{
+    const int64_t cols = r->count[1];
+    const size_t cb = (size_t)cr * (size_t)cols * es;
+    char eb[256];
+    if (ck->scratch_cap < cb + 4) {
+        free(ck->scratch);
+        ck->scratch_cap = 0;
+        ck->scratch = malloc(cb + 4);
+        if (!ck->scratch) return MT_ERR(MT_ENOMEM, "%s: out of memory for a chunk", path);
+        ck->scratch_cap = cb + 4;
+    }
+    const int64_t r0 = (int64_t)fo[0], r1 = r0 + (int64_t)cnt[0];
+    for (int64_t c = r0 / cr; c * cr < r1; c++) {
+        hsize_t off[2] = {(hsize_t)(c * cr), 0};
+        hsize_t stored = 0;
+        uint32_t mask = 0;
+        if (H5Dget_chunk_storage_size(ds, off, &stored) < 0 || stored != cb + 4)
+            return MT_ERR(MT_ECORRUPT, "%s: tensor %s: chunk at row %lld is %llu bytes, not %zu: "
+                                       "the file is damaged",
+                          path, r->tensor, (long long)(c * cr), (unsigned long long)stored, cb + 4);
+        if (H5Dread_chunk(ds, H5P_DEFAULT, off, &mask, ck->scratch) < 0 || mask != 0)
+            return MT_ERR(MT_ECORRUPT, "%s: tensor %s: chunk at row %lld unreadable (%s)", path,
+                          r->tensor, (long long)(c * cr), ck_h5_errstr(eb, sizeof eb));
+        const uint8_t *t = (const uint8_t *)ck->scratch + cb;
+        uint32_t want = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
+        if (ck_fletcher32(ck->scratch, cb) != want)
+            return MT_ERR(MT_ECORRUPT,
+                          "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data "
+                          "corrupted",
+                          path, r->tensor, (long long)(c * cr));
+        const int64_t a = c * cr > r0 ? c * cr : r0, b = (c + 1) * cr < r1 ? (c + 1) * cr : r1;
+        for (int64_t i = a; i < b; i++)
+            memcpy(dst + (((size_t)(mo[0] + (hsize_t)(i - r0))) * ldd + mo[1]) * es,
+                   ck->scratch + ((size_t)(i - c * cr) * (size_t)cols + fo[1]) * es, (size_t)cnt[1] * es);
+    }
+    return MT_OK;
+}
+
+/* Reads the intersection of piece p with d into d->data (the lock is held).
+ * A piece read whole is checked against its xxh64. */
+int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d)
+{
+    const mt_ckpt_piece_rec *r = &ck->pieces[p];
+    const int nd = d->ndim;
+    int64_t lo[2], hi[2];
+    for (int k = 0; k < 2; k++) {
+        int64_t dlo = k < nd ? d->off[k] : 0, dhi = dlo + (k < nd ? d->count[k] : 1);
+        lo[k] = r->off[k] > dlo ? r->off[k] : dlo;
+        hi[k] = r->off[k] + r->count[k] < dhi ? r->off[k] + r->count[k] : dhi;
+        if (lo[k] >= hi[k]) return MT_OK;
+    }
+    char name[32], path[4300], eb[256];
+    ck_shard_name(name, sizeof name, r->rank);
+    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
+    hid_t f;
+    MT_CHECK(ck_piece_file(ck, p, &f));
+    hid_t dapl = H5Pcreate(H5P_DATASET_ACCESS);
+    /* a 16 MB chunk cache: bands that cut chunks do not re-read them */
+    H5Pset_chunk_cache(dapl, 521, 16u << 20, 1.0);
+    hid_t ds = H5Dopen2(f, r->tensor, dapl);
+    H5Pclose(dapl);
+    if (ds < 0)
+        return MT_ERR(MT_ECORRUPT, "%s: tensor %s: dataset missing (%s)", path, r->tensor,
+                      ck_h5_errstr(eb, sizeof eb));
+    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
+    const size_t es = mt_dtype_size(x->dtype);
+    hid_t fsp = H5Dget_space(ds), type = ck_h5_type(x->dtype), msp = -1, ftype = H5Dget_type(ds);
+    hsize_t dims[2] = {0, 0};
+    int rc = MT_OK;
+    if (H5Sget_simple_extent_ndims(fsp) != nd || H5Sget_simple_extent_dims(fsp, dims, NULL) != nd ||
+        (int64_t)dims[0] != r->count[0] || (nd == 2 && (int64_t)dims[1] != r->count[1]) ||
+        H5Tget_size(ftype) != es) {
+        rc = MT_ERR(MT_ECORRUPT,
+                    "%s: tensor %s: dataset is [%llu, %llu] of %zu-byte elements, the index says "
+                    "[%lld, %lld] %s",
+                    path, r->tensor, (unsigned long long)dims[0], (unsigned long long)dims[1],
+                    H5Tget_size(ftype), (long long)r->count[0], (long long)r->count[1],
+                    mt_dtype_name(x->dtype));
+        goto out;
+    }
+    const int64_t dc1 = nd == 2 ? d->count[1] : 1, d1 = nd == 2 ? d->off[1] : 0;
+    const int whole = lo[0] == r->off[0] && hi[0] == r->off[0] + r->count[0] &&
+                      lo[1] == r->off[1] && hi[1] == r->off[1] + r->count[1];
+    hsize_t fo[2] = {(hsize_t)(lo[0] - r->off[0]), (hsize_t)(lo[1] - r->off[1])};
+    hsize_t cnt[2] = {(hsize_t)(hi[0] - lo[0]), (hsize_t)(hi[1] - lo[1])};
+    hsize_t mdims[2] = {(hsize_t)d->count[0], (hsize_t)dc1};
+    hsize_t mo[2] = {(hsize_t)(lo[0] - d->off[0]), (hsize_t)(lo[1] - d1)};
+    int64_t cr = direct_chunk_rows(ds, nd, r->count[1]);
+    if (cr > 0) {
+        rc = read_chunks(ck, ds, path, r, es, cr, fo, cnt, (char *)d->data, mo, (size_t)dc1);
+        goto hash;
+    }
+    msp = H5Screate_simple(nd, mdims, NULL);
+    if (msp < 0 || H5Sselect_hyperslab(fsp, H5S_SELECT_SET, fo, NULL, cnt, NULL) < 0 ||
+        H5Sselect_hyperslab(msp, H5S_SELECT_SET, mo, NULL, cnt, NULL) < 0) {
+        rc = MT_ERR(MT_EHDF5, "%s: tensor %s: cannot select the hyperslab", path, r->tensor);
+        goto out;
+    }
+    if (H5Dread(ds, type, msp, fsp, H5P_DEFAULT, d->data) < 0) {
+        rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: read failed: %s", path, r->tensor,
+                    ck_h5_errstr(eb, sizeof eb));
+        goto out;
+    }
+hash:
+    if (rc < 0) goto out;
+    if (whole) {
+        mt_xxh64 h;
+        mt_xxh64_init(&h, 0);
+        const size_t rb = (size_t)cnt[1] * es;
+        const char *base = (const char *)d->data + ((size_t)mo[0] * (size_t)dc1 + mo[1]) * es;
+        if ((int64_t)cnt[1] == dc1)
+            mt_xxh64_update(&h, base, (size_t)cnt[0] * rb);
+        else
+            for (hsize_t i = 0; i < cnt[0]; i++) mt_xxh64_update(&h, base + i * (size_t)dc1 * es, rb);
+        uint64_t got = mt_xxh64_digest(&h);
+        if (got != r->xxh64)
+            rc = MT_ERR(MT_ECORRUPT,
+                        "%s: tensor %s: piece [%lld:%lld, %lld:%lld] xxh64 %016llx, the index "
+                        "records %016llx: data corrupted",
+                        path, r->tensor, (long long)r->off[0], (long long)(r->off[0] + r->count[0]),
+                        (long long)r->off[1], (long long)(r->off[1] + r->count[1]),
+                        (unsigned long long)got, (unsigned long long)r->xxh64);
+    }
+out:
+    if (msp >= 0) H5Sclose(msp);
+    H5Sclose(fsp);
+    H5Tclose(type);
+    H5Tclose(ftype);
+    H5Dclose(ds);
+    return rc;
+}
+
+static int ckpt_read_raw(void *impl, mt_tensor_desc *d)
+{
+    mt_ckpt *ck = impl;
+    int t = mt_ckpt_find(ck, d->name);
+    if (t < 0) return MT_ERR(MT_ENOTFOUND, "%s: no tensor %s", ck->dir, d->name);
+    const mt_ckpt_tensor *x = &ck->tensors[t];
+    if (d->dtype != x->dtype || d->ndim != x->ndim)
+        return MT_ERR(MT_EINVAL, "%s: tensor %s is %dD %s, asked for %dD %s", ck->dir, d->name,
+                      x->ndim, mt_dtype_name(x->dtype), d->ndim, mt_dtype_name(d->dtype));
+    for (int k = 0; k < x->ndim; k++)
+        if (d->off[k] < 0 || d->count[k] <= 0 || d->off[k] + d->count[k] > x->shape[k])
+            return MT_ERR(MT_EINVAL, "%s: tensor %s: hyperslab outside the shape", ck->dir, d->name);
+    int rc = MT_OK;
+    ck_lock();
+    for (int p = x->first_piece; p < x->first_piece + x->n_pieces && rc == MT_OK; p++)
+        rc = ck_read_piece(ck, p, d);
+    ck_unlock();
+    return rc;
+}
+
+static int ckpt_info(void *impl, const char *name, mt_dtype *dt, int *ndim, int64_t shape[2])
+{
+    mt_ckpt *ck = impl;
+    int t = mt_ckpt_find(ck, name);
+    if (t < 0) return MT_ENOTFOUND;
+    *dt = ck->tensors[t].dtype;
+    *ndim = ck->tensors[t].ndim;
+    shape[0] = ck->tensors[t].shape[0];
+    shape[1] = ck->tensors[t].shape[1];
+    return MT_OK;
+}
+
+mt_tensor_source mt_ckpt_source(mt_ckpt *ck)
+{
+    mt_tensor_source s = {ck, ck->dir, ckpt_info, ckpt_read_raw};
+    return s;
+}
+
+int mt_ckpt_read_fn(void *ctx, mt_tensor_desc *d)
+{
+    mt_tensor_source s = mt_ckpt_source(ctx);
+    return mt_source_read(&s, d);
+}
+
+int mt_ckpt_read_fp8_fn(void *ctx, mt_tensor_desc *q, float *sc)
+{
+    mt_tensor_source s = mt_ckpt_source(ctx);
+    return mt_source_read_fp8(&s, q, sc);
+}
+
+int mt_ckpt_map(const mt_ckpt *ck, mt_shard_map *map)
+{
+    mt_model_config c;
+    MT_CHECK(ck_meta_config(&ck->meta, &c));
+    int rc = mt_shard_map_build(map, &c, &ck->meta.layout, &ck->meta.opts);
+    if (rc < 0) return mt_err_wrap(rc, "%s", ck->dir);
+    return MT_OK;
+}
+
+/* ---- conversions on any source ---------------------------------------------------------- */
+
+/* Scale blocks covering a 2-D hyperslab: rows [r0, r1) x cols [c0, c1). */
+static void block_range(const mt_tensor_desc *d, int64_t *r0, int64_t *r1, int64_t *c0, int64_t *c1)
+{
+    *r0 = d->off[0] / 128;
+    *r1 = (d->off[0] + d->count[0] + 127) / 128;
+    *c0 = d->off[1] / 128;
+    *c1 = (d->off[1] + d->count[1] + 127) / 128;
+}
+
+/* Reads the scales of a stored-e4m3 weight hyperslab into sc [r1-r0, c1-c0]. */
+static int read_scales(const mt_tensor_source *s, const mt_tensor_desc *q, float *sc)
+{
+    mt_tensor_desc sd;
+    memset(&sd, 0, sizeof sd);
+    MT_CHECK(mt_shard_scale_name(sd.name, sizeof sd.name, q->name));
+    mt_dtype dt;
+    int nd;
+    int64_t shape[2];
+    if (s->info(s->impl, sd.name, &dt, &nd, shape) < 0)
+        return MT_ERR(MT_ECORRUPT, "%s: tensor %s is e4m3 but %s is missing", s->what, q->name, sd.name);
+    if (dt != MT_DT_F32 || nd != 2)
+        return MT_ERR(MT_ECORRUPT, "%s: %s is not a 2-D f32 tensor", s->what, sd.name);
+    int64_t r0, r1, c0, c1;
+    block_range(q, &r0, &r1, &c0, &c1);
+    sd.dtype = MT_DT_F32;
+    sd.ndim = 2;
+    sd.shape[0] = shape[0];
+    sd.shape[1] = shape[1];
+    sd.off[0] = r0;
+    sd.off[1] = c0;
+    sd.count[0] = r1 - r0;
+    sd.count[1] = c1 - c0;
+    sd.data = sc;
+    return s->read_raw(s->impl, &sd);
+}
+
+int mt_source_read(const mt_tensor_source *s, mt_tensor_desc *d)
+{
+    mt_dtype st;
+    int nd;
+    int64_t shape[2];
+    if (s->info(s->impl, d->name, &st, &nd, shape) < 0)
+        return MT_ERR(MT_ENOTFOUND, "%s: no tensor %s", s->what, d->name);
+    if (nd != d->ndim || shape[0] != d->shape[0] || (nd == 2 && shape[1] != d->shape[1]))
+        return MT_ERR(MT_EINVAL, "%s: tensor %s is [%lld, %lld], expected [%lld, %lld]", s->what,
+                      d->name, (long long)shape[0], (long long)(nd == 2 ? shape[1] : 1),
+                      (long long)d->shape[0], (long long)(d->ndim == 2 ? d->shape[1] : 1));
+    if (st == d->dtype) return s->read_raw(s->impl, d);
+    const int64_t n = mt_tensor_desc_numel(d);
+    const int fl = d->dtype == MT_DT_F32 || d->dtype == MT_DT_BF16;
+    if (!fl || (st != MT_DT_F32 && st != MT_DT_BF16 && st != MT_DT_E4M3))
+        return MT_ERR(MT_ENOTSUP, "%s: tensor %s: cannot convert %s to %s", s->what, d->name,
+                      mt_dtype_name(st), mt_dtype_name(d->dtype));
+    mt_tensor_desc raw = *d;
+    raw.dtype = st;
+    raw.data = malloc((size_t)n * mt_dtype_size(st) + 1);
+    float *f = st == MT_DT_E4M3 ? malloc((size_t)n * 4 + 1) : NULL;
+    float *sc = NULL;
+    int rc = MT_OK;
+    if (!raw.data || (st == MT_DT_E4M3 && !f)) {
+        rc = MT_ERR(MT_ENOMEM, "%s: tensor %s: out of memory", s->what, d->name);
+        goto out;
+    }
+    if ((rc = s->read_raw(s->impl, &raw)) < 0) goto out;
+    if (st != MT_DT_E4M3) {
+        ck_convert(d->data, d->dtype, raw.data, st, n);
+        goto out;
+    }
+    /* e4m3: dequantise with its block scales, q * s in float as dequant_blocks */
+    if (d->ndim != 2) {
+        rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: 1-D e4m3", s->what, d->name);
+        goto out;
+    }
+    int64_t r0, r1, c0, c1;
+    block_range(d, &r0, &r1, &c0, &c1);
+    sc = malloc((size_t)((r1 - r0) * (c1 - c0)) * 4);
+    if (!sc) {
+        rc = MT_ERR(MT_ENOMEM, "%s: out of memory", s->what);
+        goto out;
+    }
+    if ((rc = read_scales(s, d, sc)) < 0) goto out;
+    const uint8_t *q = raw.data;
+    const int64_t R = d->count[0], C = d->count[1], KB = c1 - c0;
+    for (int64_t i = 0; i < R; i++) {
+        const float *srow = sc + ((d->off[0] + i) / 128 - r0) * KB;
+        for (int64_t j = 0; j < C; j++)
+            f[i * C + j] = mt_e4m3_to_f32(q[i * C + j]) * srow[(d->off[1] + j) / 128 - c0];
+    }
+    ck_convert(d->data, d->dtype, f, MT_DT_F32, n);
+out:
+    free(raw.data);
+    free(f);
+    free(sc);
+    return rc;
+}
+
+/* The project's block quantisation (kernels/mt_fp8.h; cpu quant_blocks):
+ * per 128 x 128 block s = amax / 448, q = e4m3(x / s). */
+static void quantise_blocks(uint8_t *q, float *sc, const float *w, int64_t R, int64_t C)
+{
+    const int64_t RB = (R + 127) / 128, CB = (C + 127) / 128;
+    for (int64_t rb = 0; rb < RB; rb++)
+        for (int64_t cb = 0; cb < CB; cb++) {
+            int64_t i0 = rb * 128, j0 = cb * 128;
+            int64_t ni = R - i0 < 128 ? R - i0 : 128, nj = C - j0 < 128 ? C - j0 : 128;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < ni; i++)
+                for (int64_t j = 0; j < nj; j++) {
+                    float a = fabsf(w[(i0 + i) * C + j0 + j]);
+                    amax = a > amax ? a : amax;
+                }
+            float s = mt_fp8_scale(amax);
+            if (sc) sc[rb * CB + cb] = s;
+            for (int64_t i = 0; i < ni; i++)
+                for (int64_t j = 0; j < nj; j++)
+                    q[(i0 + i) * C + j0 + j] = mt_e4m3_from_f32(w[(i0 + i) * C + j0 + j] / s);
+        }
+}
+
+int mt_source_read_fp8(const mt_tensor_source *s, mt_tensor_desc *q, float *s_out)
+{
+    mt_dtype st;
+    int nd;
+    int64_t shape[2];
+    if (s->info(s->impl, q->name, &st, &nd, shape) < 0)
+        return MT_ERR(MT_ENOTFOUND, "%s: no tensor %s", s->what, q->name);
+    if (nd != 2 || q->ndim != 2 || q->dtype != MT_DT_E4M3)
+        return MT_ERR(MT_EINVAL, "%s: tensor %s: FP8 reads are of 2-D e4m3 weights", s->what, q->name);
+    if (q->off[0] % 128 || q->off[1] % 128)
+        return MT_ERR(MT_EINVAL, "%s: tensor %s: FP8 hyperslab at [%lld, %lld] cuts a 128x128 block",
+                      s->what, q->name, (long long)q->off[0], (long long)q->off[1]);
+    for (int k = 0; k < 2; k++)
+        if ((q->off[k] + q->count[k]) % 128 && q->off[k] + q->count[k] != shape[k])
+            return MT_ERR(MT_EINVAL, "%s: tensor %s: FP8 hyperslab ends inside a 128x128 block",
+                          s->what, q->name);
+    if (st == MT_DT_E4M3) {
+        MT_CHECK(mt_source_read(s, q));
+        return s_out ? read_scales(s, q, s_out) : MT_OK;
+    }
+    const int64_t n = mt_tensor_desc_numel(q);
+    mt_tensor_desc f = *q;
+    f.dtype = MT_DT_F32;
+    f.data = malloc((size_t)n * 4);
+    float *tmp = NULL;
+    const int64_t RB = (q->count[0] + 127) / 128, CB = (q->count[1] + 127) / 128;
+    if (!s_out) tmp = malloc((size_t)(RB * CB) * 4);
+    if (!f.data || (!s_out && !tmp)) {
+        free(f.data);
+        free(tmp);
+        return MT_ERR(MT_ENOMEM, "%s: tensor %s: out of memory", s->what, q->name);
+    }
+    int rc = mt_source_read(s, &f);
+    if (rc == MT_OK) quantise_blocks(q->data, s_out ? s_out : tmp, f.data, q->count[0], q->count[1]);
+    free(f.data);
+    free(tmp);
+    return rc;
+}

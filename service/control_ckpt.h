@@ -1,0 +1,52 @@
+/* control_ckpt.h - the engine loop's view of checkpoints: the job's
+ * checkpoint hooks (service/job_checkpoint.h: restore at start, the
+ * periodic policy after each step, save on request, close), listing, and
+ * the background reshard. Turns their results into svc_ckpt records. */
+#ifndef MT_CONTROL_CKPT_H
+#define MT_CONTROL_CKPT_H
+
+#include <stddef.h>
+
+#include "engine/jobspec.h"
+#include "engine/trainer.h"
+#include "service/metrics_hub.h"
+#include "service/svc_types.h"
+
+typedef struct ctl_ckpt ctl_ckpt;
+
+/* Opens the job's checkpointing on this rank and restores the trainer when
+ * the job starts from a checkpoint (all ranks). */
+int ctl_ckpt_open(ctl_ckpt **out, const mt_jobspec *job, mt_trainer *t, int rank, int world);
+void ctl_ckpt_close(ctl_ckpt *ck);
+
+/* The job's policy after a step (every checkpoint.interval steps); a saved
+ * checkpoint is described in *saved (valid set). All ranks. */
+int ctl_ckpt_after_step(ctl_ckpt *ck, mt_trainer *t, svc_ckpt *saved);
+
+/* Saves now (ROOT/step_NNNNNNNN of the current step). All ranks. */
+int ctl_ckpt_save(ctl_ckpt *ck, mt_trainer *t, svc_ckpt *saved);
+
+/* Committed checkpoints under a job's checkpoint directory, oldest first. */
+int ctl_ckpt_list(const char *dir, svc_ckpt **out, int *n);
+
+/* Path of checkpoint `name` ("latest": the newest) under dir. */
+int ctl_ckpt_find(const char *dir, const char *name, char *path, size_t cap);
+
+/* ---- the background reshard (rank 0) ------------------------------------------ */
+
+typedef struct ctl_reshard ctl_reshard;
+
+int ctl_reshard_create(ctl_reshard **out, metrics_hub *hub);
+/* Waits for a running reshard, then frees. */
+void ctl_reshard_destroy(ctl_reshard *r);
+
+/* Starts rewriting checkpoint `src` as `dst` (a new checkpoint directory)
+ * for `layout` (0 fields: as the source); MT_ESTATE while one runs. */
+int ctl_reshard_start(ctl_reshard *r, const char *src, const char *dst, const char *src_name,
+                      const char *dst_name, const mt_parallel *layout, uint64_t run_id,
+                      const char *job);
+
+/* Progress of the current or last reshard. */
+void ctl_reshard_get(ctl_reshard *r, svc_reshard *out);
+
+#endif

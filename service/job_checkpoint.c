@@ -1,0 +1,462 @@
+/* job_checkpoint.c - see job_checkpoint.h. */
+#define _POSIX_C_SOURCE 200809L
+#include "service/job_checkpoint.h"
+
+#include <jansson.h>
+#include <mpi.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "ckpt/ckpt.h"
+#include "ckpt/hf.h"
+#include "engine/sharding.h"
+#include "engine/train_state.h"
+#include "kernels/mt_log.h"
+#include "kernels/mt_status.h"
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + 1e-6 * (double)ts.tv_nsec;
+}
+
+enum { PHASE_SHARD = 1, PHASE_INDEX = 2 };
+
+struct mt_job_ckpt {
+    mt_jobspec job;
+    int rank, world;
+    char root[MT_PATH_CAP];
+    mt_shard_map map;          /* the job's contents under the processes' layout */
+    int have_map;
+    /* the save in flight */
+    int busy;
+    int phase;
+    pthread_t th;
+    int th_live;
+    atomic_int th_done;
+    int async;
+    int64_t step;
+    char partial[MT_PATH_CAP + 32];
+    mt_train_snapshot snap;
+    mt_ckpt_meta meta;
+    mt_tensor_desc *descs;     /* this rank's pieces */
+    mt_ckpt_piece_rec *recs;
+    int n_recs;
+    mt_ckpt_piece_rec *all;    /* rank 0: every rank's records */
+    int n_all;
+    int rc;
+    char err[1024];
+    double t_start;
+    mt_job_ckpt_stats st;
+    pthread_mutex_t mu;        /* guards st */
+};
+
+static int mpi_on(void)
+{
+    int init = 0, fin = 0;
+    MPI_Initialized(&init);
+    MPI_Finalized(&fin);
+    return init && !fin;
+}
+
+int mt_job_ckpt_open(mt_job_ckpt **out, const mt_jobspec *job)
+{
+    *out = NULL;
+    mt_job_ckpt *jc = calloc(1, sizeof *jc);
+    if (!jc) return MT_ERR(MT_ENOMEM, "checkpoint policy: out of memory");
+    jc->job = *job;
+    jc->world = 1;
+    if (mpi_on()) {
+        MPI_Comm_rank(MPI_COMM_WORLD, &jc->rank);
+        MPI_Comm_size(MPI_COMM_WORLD, &jc->world);
+    }
+    pthread_mutex_init(&jc->mu, NULL);
+    atomic_init(&jc->th_done, 0);
+    jc->st.last_step = jc->st.restored_step = -1;
+    snprintf(jc->root, sizeof jc->root, "%s", job->checkpoint.dir);
+    jc->async = job->checkpoint.async;
+    *out = jc;
+    if (!jc->root[0]) return MT_OK;
+    /* the layout of the processes: the trainer of one process holds all */
+    mt_layout l;
+    mt_layout_default(&l);
+    if (jc->world > 1) {
+        int rc = mt_layout_from_parallel(&l, &job->parallel, jc->world);
+        if (rc < 0) return rc;
+    }
+    mt_shard_opts o;
+    mt_train_state_opts(job, &o);
+    int rc = mt_shard_map_build(&jc->map, &job->model, &l, &o);
+    if (rc < 0) return mt_err_wrap(rc, "checkpoint.dir %s", jc->root);
+    jc->have_map = 1;
+    return MT_OK;
+}
+
+/* ---- restore ------------------------------------------------------------------------- */
+
+/* Names the config fields that differ between two config JSON texts. */
+static int same_config(const char *saved, const mt_model_config *job, const char *what)
+{
+    json_error_t e;
+    json_t *a = json_loads(saved, 0, &e);
+    json_t *b = mt_config_to_json(job);
+    if (!a) {
+        json_decref(b);
+        return MT_ERR(MT_ECORRUPT, "%s: model config: %s", what, e.text);
+    }
+    /* normalise the saved one through the parser, as the job's was */
+    mt_model_config c;
+    int rc = mt_config_from_json(&c, a, "model", 0);
+    json_decref(a);
+    if (rc < 0) {
+        json_decref(b);
+        return mt_err_wrap(rc, "%s", what);
+    }
+    a = mt_config_to_json(&c);
+    char diff[512] = "";
+    const char *k;
+    json_t *v;
+    json_object_foreach(b, k, v)
+    {
+        if (!json_equal(v, json_object_get(a, k)) && strcmp(k, "initializer_range") != 0) {
+            size_t n = strlen(diff);
+            snprintf(diff + n, sizeof diff - n, "%s%s", n ? ", " : "", k);
+        }
+    }
+    json_decref(a);
+    json_decref(b);
+    if (diff[0])
+        return MT_ERR(MT_EINVAL, "%s: the model differs from the job's model in: %s", what, diff);
+    return MT_OK;
+}
+
+static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
+{
+    double t0 = now_ms();
+    mt_ckpt *ck;
+    MT_CHECK(mt_ckpt_open(&ck, jc->job.init.path));
+    const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
+    int rc = same_config(m->config_json, &t->job.model, mt_ckpt_dir(ck));
+    mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn};
+    if (rc == MT_OK) rc = mt_train_state_restore(t, &r, m->state_json);
+    if (rc == MT_OK) {
+        MT_LOGI("restored step %lld (%lld samples) from %s: %.2f GB in %.1f s", (long long)t->step,
+                (long long)t->consumed_samples, mt_ckpt_dir(ck), (double)mt_ckpt_bytes(ck) / 1e9,
+                (now_ms() - t0) / 1e3);
+    } else {
+        rc = mt_err_wrap(rc, "init.path %s", jc->job.init.path);
+    }
+    mt_ckpt_close(ck);
+    return rc;
+}
+
+static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
+{
+    double t0 = now_ms();
+    mt_hf *h;
+    MT_CHECK(mt_hf_open(&h, jc->job.init.path));
+    char *cj = mt_train_state_config_json(mt_hf_config(h));
+    int rc = cj ? same_config(cj, &t->job.model, jc->job.init.path) : MT_ERR(MT_ENOMEM, "out of memory");
+    free(cj);
+    mt_tensor_reader r = {h, mt_hf_read_fn, mt_hf_read_fp8_fn};
+    if (rc == MT_OK) rc = mt_train_state_restore(t, &r, NULL);
+    if (rc == MT_OK)
+        MT_LOGI("imported the weights of %s in %.1f s", jc->job.init.path, (now_ms() - t0) / 1e3);
+    else
+        rc = mt_err_wrap(rc, "init.path %s", jc->job.init.path);
+    mt_hf_close(h);
+    return rc;
+}
+
+int mt_job_ckpt_restore(mt_job_ckpt *jc, mt_trainer *t)
+{
+    if (jc->job.init.kind == MT_INIT_CHECKPOINT) MT_CHECK(restore_checkpoint(jc, t));
+    if (jc->job.init.kind == MT_INIT_HF) MT_CHECK(restore_hf(jc, t));
+    if (jc->job.init.kind != MT_INIT_RANDOM) jc->st.restored_step = t->step;
+    if (!jc->root[0]) return MT_OK;
+    int64_t *steps;
+    int n;
+    MT_CHECK(mt_ckpt_list(jc->root, &steps, &n));
+    int64_t newest = n ? steps[n - 1] : -1;
+    free(steps);
+    if (newest > t->step)
+        return MT_ERR(MT_EINVAL,
+                      "checkpoint.dir %s already holds step_%08lld, newer than this job's start "
+                      "(step %lld): resume from it (init.kind=checkpoint, init.path=%s) or choose "
+                      "an empty checkpoint.dir",
+                      jc->root, (long long)newest, (long long)t->step, jc->root);
+    if (newest == t->step) { /* resumed from it: do not save it again */
+        jc->st.last_step = newest;
+        mt_ckpt_step_path(jc->st.last_path, sizeof jc->st.last_path, jc->root, newest, 0);
+    }
+    return MT_OK;
+}
+
+/* ---- saving ----------------------------------------------------------------------------- */
+
+static int fill_snapshot(void *ctx, int i, const mt_tensor_desc *band, void *buf)
+{
+    (void)i;
+    mt_job_ckpt *jc = ctx;
+    return mt_train_snapshot_fill(&jc->snap, &jc->map, band, buf);
+}
+
+/* This rank's shard file. */
+static int write_local(mt_job_ckpt *jc)
+{
+    int n;
+    const int *idx = mt_shard_map_rank_pieces(&jc->map, jc->rank, &n);
+    jc->n_recs = n;
+    jc->descs = calloc((size_t)n + 1, sizeof *jc->descs);
+    jc->recs = calloc((size_t)n + 1, sizeof *jc->recs);
+    if (!jc->descs || !jc->recs) return MT_ERR(MT_ENOMEM, "checkpoint: out of memory");
+    for (int k = 0; k < n; k++) {
+        mt_shard_piece_desc(&jc->map, idx[k], &jc->descs[k]);
+        /* whole rows already in the snapshot in the stored type: no copy */
+        jc->descs[k].data = (void *)mt_train_snapshot_direct(&jc->snap, &jc->map, &jc->descs[k]);
+    }
+    if (!n) return MT_OK;
+    return mt_ckpt_write_shard(jc->partial, jc->rank, jc->descs, n, fill_snapshot, jc, jc->recs, NULL);
+}
+
+/* Rank 0: the index and the commit. */
+static int finalize(mt_job_ckpt *jc)
+{
+    MT_CHECK(mt_ckpt_write_index(jc->partial, &jc->meta, &jc->map, jc->all, jc->n_all));
+    return mt_ckpt_commit(jc->root, jc->step, jc->job.checkpoint.keep_last);
+}
+
+static void *writer_main(void *arg)
+{
+    mt_job_ckpt *jc = arg;
+    int rc;
+    if (jc->phase == PHASE_SHARD) {
+        rc = write_local(jc);
+        if (rc == MT_OK && jc->world == 1) {
+            jc->all = jc->recs;
+            jc->n_all = jc->n_recs;
+            rc = finalize(jc);
+        }
+    } else {
+        rc = finalize(jc);
+    }
+    jc->rc = rc;
+    if (rc < 0) snprintf(jc->err, sizeof jc->err, "%s", mt_errmsg());
+    atomic_store(&jc->th_done, 1);
+    return NULL;
+}
+
+static int run_phase(mt_job_ckpt *jc, int phase, int background)
+{
+    jc->phase = phase;
+    atomic_store(&jc->th_done, 0);
+    if (background) {
+        if (pthread_create(&jc->th, NULL, writer_main, jc) == 0) {
+            jc->th_live = 1;
+            return MT_OK;
+        }
+        MT_LOGW("checkpoint: cannot start a writer thread; saving in the foreground");
+    }
+    writer_main(jc);
+    return MT_OK;
+}
+
+/* Frees what a save used; the snapshot's host buffers stay for the next
+ * save (its stall is then a copy, with no allocation or page faults). */
+static void release(mt_job_ckpt *jc)
+{
+    mt_ckpt_meta_free(&jc->meta);
+    if (jc->all != jc->recs) free(jc->all);
+    free(jc->recs);
+    free(jc->descs);
+    jc->all = jc->recs = NULL;
+    jc->descs = NULL;
+    jc->n_all = jc->n_recs = 0;
+    jc->busy = 0;
+}
+
+/* The save in flight is over on this rank: stats, log, release. */
+static int finish(mt_job_ckpt *jc)
+{
+    int rc = jc->rc;
+    double ms = now_ms() - jc->t_start;
+    pthread_mutex_lock(&jc->mu);
+    jc->st.in_flight = 0;
+    if (rc == MT_OK) {
+        jc->st.saves++;
+        jc->st.last_step = jc->step;
+        jc->st.last_write_ms = ms;
+        mt_ckpt_step_path(jc->st.last_path, sizeof jc->st.last_path, jc->root, jc->step, 0);
+    } else {
+        jc->st.failures++;
+    }
+    pthread_mutex_unlock(&jc->mu);
+    if (rc == MT_OK && jc->rank == 0)
+        MT_LOGI("checkpoint step_%08lld committed in %s: stall %.1f ms, written in %.1f ms "
+                "(%.1f MB, %.0f MB/s)",
+                (long long)jc->step, jc->root, jc->st.last_stall_ms, ms,
+                (double)jc->st.last_bytes / 1e6, (double)jc->st.last_bytes / 1e3 / (ms > 0 ? ms : 1));
+    else if (rc < 0)
+        MT_LOGE("checkpoint step_%08lld failed: %s; the previous checkpoint stays the newest",
+                (long long)jc->step, jc->err);
+    release(jc);
+    return rc < 0 ? MT_ERR(rc, "checkpoint step_%08lld: %s", (long long)jc->step, jc->err) : MT_OK;
+}
+
+/* Gathers every rank's piece records to rank 0 (collective). */
+static int gather_records(mt_job_ckpt *jc)
+{
+    int n = jc->rc == MT_OK ? jc->n_recs : -1, bytes = n > 0 ? n * (int)sizeof *jc->recs : 0;
+    int *counts = NULL, *displs = NULL, rc = MT_OK, any_bad = 0;
+    if (jc->rank == 0) {
+        counts = calloc((size_t)jc->world, sizeof *counts);
+        displs = calloc((size_t)jc->world, sizeof *displs);
+        if (!counts || !displs) rc = MT_ERR(MT_ENOMEM, "checkpoint: out of memory");
+    }
+    int bad = n < 0;
+    MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Gather(&bytes, 1, MPI_INT, counts, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    int total = 0;
+    if (jc->rank == 0 && rc == MT_OK)
+        for (int r = 0; r < jc->world; r++) {
+            displs[r] = total;
+            total += counts[r];
+        }
+    char *buf = jc->rank == 0 ? malloc((size_t)total + 1) : NULL;
+    MPI_Gatherv(jc->recs, bytes, MPI_BYTE, buf, counts, displs, MPI_BYTE, 0, MPI_COMM_WORLD);
+    free(counts);
+    free(displs);
+    if (jc->rank == 0) {
+        jc->all = (mt_ckpt_piece_rec *)buf;
+        jc->n_all = total / (int)sizeof *jc->recs;
+    }
+    if (any_bad && jc->rc == MT_OK) {
+        jc->rc = MT_EIO;
+        snprintf(jc->err, sizeof jc->err, "another rank failed to write its shard");
+    }
+    return rc;
+}
+
+/* Advances the save in flight; with block, to its end. */
+static int progress(mt_job_ckpt *jc, int block)
+{
+    if (!jc->busy) return MT_OK;
+    int done = atomic_load(&jc->th_done);
+    if (jc->world > 1 && jc->phase == PHASE_SHARD) {
+        /* every rank takes part each time: the shard phase ends together */
+        if (block && jc->th_live) {
+            pthread_join(jc->th, NULL);
+            jc->th_live = 0;
+            done = 1;
+        }
+        int all = 0;
+        MPI_Allreduce(&done, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+        if (!all) return MT_OK;
+        if (jc->th_live) {
+            pthread_join(jc->th, NULL);
+            jc->th_live = 0;
+        }
+        MT_CHECK(gather_records(jc));
+        if (jc->rank != 0 || jc->rc < 0) return finish(jc);
+        return run_phase(jc, PHASE_INDEX, !block && jc->async) < 0 ? finish(jc) : progress(jc, block);
+    }
+    if (!done && !block) return MT_OK;
+    if (jc->th_live) {
+        pthread_join(jc->th, NULL);
+        jc->th_live = 0;
+    }
+    return finish(jc);
+}
+
+static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
+{
+    double t0 = now_ms();
+    /* at most one save in flight: a due save waits for the previous one */
+    int prev = progress(jc, 1);
+    if (prev < 0) MT_LOGW("%s", mt_errmsg());
+    jc->t_start = now_ms();
+    jc->step = t->step;
+    jc->rc = MT_OK;
+    jc->err[0] = '\0';
+    int rc = mt_train_state_snapshot(t, &jc->snap);
+    if (rc == MT_OK) {
+        jc->meta.step = jc->snap.step;
+        jc->meta.consumed_samples = jc->snap.consumed_samples;
+        jc->meta.consumed_tokens = jc->snap.consumed_tokens;
+        jc->meta.config_json = strdup(jc->snap.config_json);
+        jc->meta.job_json = strdup(jc->snap.job_json);
+        jc->meta.state_json = strdup(jc->snap.state_json);
+        jc->meta.layout = jc->map.layout;
+        jc->meta.opts = jc->map.opts;
+        if (!jc->meta.config_json || !jc->meta.job_json || !jc->meta.state_json)
+            rc = MT_ERR(MT_ENOMEM, "checkpoint: out of memory");
+    }
+    /* rank 0 makes the partial directory; nobody writes before it exists */
+    if (rc == MT_OK && jc->rank == 0) rc = mt_ckpt_begin(jc->root, jc->step, jc->partial, sizeof jc->partial);
+    if (jc->world > 1) {
+        int mine = rc, worst = 0;
+        MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+        if (rc == MT_OK && worst < 0) rc = MT_ERR(MT_EIO, "checkpoint: another rank could not start the save");
+        if (rc == MT_OK && jc->rank != 0) rc = mt_ckpt_step_path(jc->partial, sizeof jc->partial, jc->root, jc->step, 1);
+    }
+    double stall = now_ms() - t0;
+    pthread_mutex_lock(&jc->mu);
+    jc->st.last_stall_ms = stall;
+    jc->st.last_bytes = (int64_t)jc->snap.bytes;
+    jc->st.in_flight = rc == MT_OK;
+    pthread_mutex_unlock(&jc->mu);
+    jc->busy = 1;
+    if (rc < 0) {
+        jc->rc = rc;
+        snprintf(jc->err, sizeof jc->err, "%s", mt_errmsg());
+        return finish(jc);
+    }
+    MT_CHECK(run_phase(jc, PHASE_SHARD, background));
+    return background ? MT_OK : progress(jc, 1);
+}
+
+int mt_job_ckpt_after_step(mt_job_ckpt *jc, mt_trainer *t)
+{
+    if (!jc || !jc->have_map) return MT_OK;
+    int rc = progress(jc, 0);
+    if (rc < 0) mt_err_clear(); /* logged by finish(); training continues */
+    const int64_t iv = jc->job.checkpoint.interval;
+    if (iv <= 0 || t->step % iv != 0 || t->step == jc->st.last_step) return MT_OK;
+    rc = start_save(jc, t, jc->async);
+    if (rc < 0) mt_err_clear();
+    return MT_OK;
+}
+
+int mt_job_ckpt_save_now(mt_job_ckpt *jc, mt_trainer *t)
+{
+    if (!jc || !jc->have_map)
+        return MT_ERR(MT_ESTATE, "the job has no checkpoint.dir: nowhere to save");
+    MT_CHECK(progress(jc, 1));
+    if (t->step == jc->st.last_step) return MT_OK;
+    return start_save(jc, t, 0);
+}
+
+int mt_job_ckpt_wait(mt_job_ckpt *jc) { return jc ? progress(jc, 1) : MT_OK; }
+
+void mt_job_ckpt_get_stats(mt_job_ckpt *jc, mt_job_ckpt_stats *s)
+{
+    pthread_mutex_lock(&jc->mu);
+    *s = jc->st;
+    pthread_mutex_unlock(&jc->mu);
+}
+
+int mt_job_ckpt_close(mt_job_ckpt *jc)
+{
+    if (!jc) return MT_OK;
+    int rc = progress(jc, 1);
+    mt_train_snapshot_free(&jc->snap);
+    if (jc->have_map) mt_shard_map_free(&jc->map);
+    pthread_mutex_destroy(&jc->mu);
+    free(jc);
+    return rc;
+}

@@ -1,0 +1,72 @@
+/* job_checkpoint.h - the checkpoint policy of a running job.
+ *
+ * open(job) reads the job's checkpoint section (dir, interval, keep_last,
+ * async, save_on_stop) and init section; restore() loads the initial state
+ * when init.kind is "checkpoint" (init.path: a step directory, or a root
+ * whose newest committed checkpoint is taken) or "hf" (a Hugging Face
+ * directory, imported on the fly); after_step() saves every `interval`
+ * steps; save_now() saves at once (stop, RPC); close() waits for the save
+ * in flight.
+ *
+ * Asynchronous saves (checkpoint.async): at the step boundary the state is
+ * copied to host memory (the stall), then a background thread writes this
+ * rank's shard file, and (rank 0) the index, commits and applies retention
+ * while training continues. At most one save is in flight: a save that
+ * falls due while the previous one is still writing waits for it. Under
+ * several MPI ranks each rank writes its own shard; the pieces' records are
+ * gathered to rank 0 at the first step boundary after every rank finished,
+ * and rank 0 writes the index and commits in the background.
+ *
+ * A failed save (disk full...) is logged and counted; training continues
+ * and the previous checkpoint stays the newest committed one. save_now(),
+ * wait() and close() return the failure.
+ *
+ * Safety: a job that starts from scratch (or from an older step) refuses a
+ * checkpoint.dir that already holds newer checkpoints, so histories never
+ * mix and retention never removes another run's state.
+ */
+#ifndef MT_JOB_CHECKPOINT_H
+#define MT_JOB_CHECKPOINT_H
+
+#include <stdint.h>
+
+#include "engine/jobspec.h"
+#include "engine/trainer.h"
+
+typedef struct mt_job_ckpt_stats {
+    int64_t saves;           /* committed saves */
+    int64_t failures;        /* saves that failed */
+    int64_t last_step;       /* step of the last committed save; -1: none */
+    char last_path[MT_PATH_CAP + 32]; /* its directory, ROOT/step_NNNNNNNN */
+    double last_stall_ms;    /* training blocked by the last save (snapshot, wait) */
+    double last_write_ms;    /* snapshot to commit of the last save */
+    int64_t last_bytes;      /* bytes of the last snapshot */
+    int in_flight;           /* a save is being written */
+    int64_t restored_step;   /* step restored at start; -1: none */
+} mt_job_ckpt_stats;
+
+typedef struct mt_job_ckpt mt_job_ckpt;
+
+/* The policy of a validated job. MPI (if initialised) gives rank and size. */
+int mt_job_ckpt_open(mt_job_ckpt **out, const mt_jobspec *job);
+
+/* Restores the trainer per init.kind (nothing for random); then checks
+ * checkpoint.dir holds no checkpoint newer than the start step. */
+int mt_job_ckpt_restore(mt_job_ckpt *jc, mt_trainer *t);
+
+/* After each optimizer step: advances a save in flight; starts a save when
+ * step % interval == 0. */
+int mt_job_ckpt_after_step(mt_job_ckpt *jc, mt_trainer *t);
+
+/* Saves the current step now (unless it is already saved) and waits. */
+int mt_job_ckpt_save_now(mt_job_ckpt *jc, mt_trainer *t);
+
+/* Waits for the save in flight; returns its status. */
+int mt_job_ckpt_wait(mt_job_ckpt *jc);
+
+void mt_job_ckpt_get_stats(mt_job_ckpt *jc, mt_job_ckpt_stats *s);
+
+/* Waits for the save in flight and frees; returns its status. NULL is fine. */
+int mt_job_ckpt_close(mt_job_ckpt *jc);
+
+#endif

@@ -1,0 +1,355 @@
+/* test_ckpt_state.c - a trainer saved and loaded through the job's
+ * checkpoint policy (service/job_checkpoint.h, engine/train_state.h) is
+ * restored exactly: FP8 compute copies and their transposes, act weights,
+ * router biases, optimizer moments and main params (each main_params
+ * mode, each recipe), step and data position; the next step then computes
+ * the same loss bit for bit. Asynchronous saves report their stall and
+ * write time; a Hugging Face export imported into a trainer gives the same
+ * FP8 weights; a job never mixes its history with a newer one. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+
+#include "ckpt/ckpt.h"
+#include "ckpt/hf.h"
+#include "engine/train_state.h"
+#include "engine/trainer.h"
+#include "kernels/mt_status.h"
+#include "service/job_checkpoint.h"
+#include "test_util.h"
+
+static char tmp[1024];
+static char corpus[1100];
+static const char *examples;
+static mt_backend *be;
+
+static int setup(void **state)
+{
+    (void)state;
+    mt_test_tmpdir(tmp, sizeof tmp, "ckpt_state");
+    snprintf(corpus, sizeof corpus, "%s/syn", tmp);
+    const char *bin = getenv("MT_BIN_DIR");
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd,
+             "%s/engine/moetrain-data synth --output %s --vocab 64 --tokens 100000 --seed 5 > /dev/null",
+             bin ? bin : "build", corpus);
+    if (system(cmd) != 0) return -1;
+    return mt_backend_cpu_create(&be, 0) == MT_OK ? 0 : -1;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    be->destroy(be);
+    char cmd[1100];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+/* The demo job shrunk to seconds, plus "--set" overrides. */
+static void tiny_job(mt_jobspec *j, const char *const *extra, int n_extra)
+{
+    char path[1200], data[1200];
+    snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
+    snprintf(data, sizeof data, "data.path=%s", corpus);
+    const char *sets[32] = {data, "batch.seq_len=32", "batch.micro_batch_size=2",
+                            "batch.global_batch_size=4", "train.steps=10",
+                            "lr_schedule.warmup_steps=2", "data.valid_interval=0",
+                            "train.log_interval=1000"};
+    int n = 8;
+    for (int i = 0; i < n_extra; i++) sets[n++] = extra[i];
+    int rc = mt_jobspec_load(j, path, sets, n);
+    if (rc) fprintf(stderr, "%s\n", mt_errmsg());
+    assert_int_equal(rc, MT_OK);
+}
+
+static void ok(int rc)
+{
+    if (rc) fprintf(stderr, "%s\n", mt_errmsg());
+    assert_int_equal(rc, MT_OK);
+}
+
+static mt_trainer *make(const mt_jobspec *j, mt_job_ckpt **jc)
+{
+    mt_trainer *t;
+    ok(mt_trainer_create(&t, j, be));
+    ok(mt_job_ckpt_open(jc, j));
+    ok(mt_job_ckpt_restore(*jc, t));
+    return t;
+}
+
+static void bytes_equal(const void *a, const void *b, size_t n, const char *what)
+{
+    if (memcmp(a, b, n) != 0) {
+        fprintf(stderr, "%s differs\n", what);
+        fail();
+    }
+}
+
+/* Every byte of state two trainers compute with and update. */
+static void assert_same_state(mt_trainer *a, mt_trainer *b)
+{
+    mt_train_snapshot x, y;
+    memset(&x, 0, sizeof x);
+    memset(&y, 0, sizeof y);
+    ok(mt_train_state_snapshot(a, &x));
+    ok(mt_train_state_snapshot(b, &y));
+    assert_int_equal(x.bytes, y.bytes);
+    int64_t n_act = 0, n_q = 0, n_s = 0, n_f = 0;
+    for (int i = 0; i < x.n_params; i++) {
+        const mt_param *p = &a->model->params[i];
+        int64_t n = mt_param_numel(&p->d);
+        if (x.params[i].act_off >= 0 && x.params[i].act_off + n > n_act) n_act = x.params[i].act_off + n;
+        if (x.params[i].q_off >= 0 && x.params[i].q_off + n > n_q) n_q = x.params[i].q_off + n;
+        if (x.params[i].s_off >= 0) {
+            int64_t nb = ((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128);
+            if (x.params[i].s_off + nb > n_s) n_s = x.params[i].s_off + nb;
+            /* the transposed copy the data gradient uses */
+            uint8_t *qa = malloc((size_t)n), *qb = malloc((size_t)n);
+            float *sa = malloc((size_t)nb * 4), *sb = malloc((size_t)nb * 4);
+            ok(be->download(be, qa, p->qt, (size_t)n));
+            ok(be->download(be, qb, b->model->params[i].qt, (size_t)n));
+            ok(be->download(be, sa, p->st, (size_t)nb * 4));
+            ok(be->download(be, sb, b->model->params[i].st, (size_t)nb * 4));
+            bytes_equal(qa, qb, (size_t)n, "qt");
+            bytes_equal(sa, sb, (size_t)nb * 4, "st");
+            free(qa), free(qb), free(sa), free(sb);
+        }
+        if (x.params[i].f32_off >= 0 && x.params[i].f32_off + n > n_f) n_f = x.params[i].f32_off + n;
+    }
+    bytes_equal(x.act, y.act, (size_t)n_act * (size_t)x.act_bytes, "act weights");
+    bytes_equal(x.q, y.q, (size_t)n_q, "FP8 weights");
+    bytes_equal(x.s, y.s, (size_t)n_s * 4, "FP8 scales");
+    bytes_equal(x.f32, y.f32, (size_t)n_f * 4, "router biases");
+    const size_t nopt = (size_t)(a->opt->hi - a->opt->lo);
+    bytes_equal(x.m, y.m, nopt * 2, "exp_avg");
+    bytes_equal(x.v, y.v, nopt * 2, "exp_avg_sq");
+    assert_int_equal(!x.master, !y.master);
+    if (x.master) bytes_equal(x.master, y.master, nopt * (size_t)x.master_bytes, "main params");
+    assert_int_equal(a->step, b->step);
+    assert_int_equal(a->consumed_samples, b->consumed_samples);
+    assert_int_equal(a->skipped_total, b->skipped_total);
+    assert_int_equal(a->bad_in_row, b->bad_in_row);
+    assert_int_equal(a->opt->step, b->opt->step);
+    assert_true(a->opt->seed == b->opt->seed);
+    mt_train_snapshot_free(&x);
+    mt_train_snapshot_free(&y);
+}
+
+static void step_both_same(mt_trainer *a, mt_trainer *b)
+{
+    mt_step_metrics ma, mb;
+    ok(mt_trainer_step(a, &ma));
+    ok(mt_trainer_step(b, &mb));
+    assert_true(ma.loss == mb.loss);
+    assert_true(ma.mtp_loss == mb.mtp_loss);
+    assert_true(ma.grad_norm == mb.grad_norm);
+}
+
+/* Saves after 3 steps (sync), restores into a new trainer, compares every
+ * byte, then steps both: same loss, same state. */
+static void roundtrip(const char *name, const char *const *extra, int n_extra)
+{
+    char dir[1300], set_dir[1400], set_init[1400];
+    snprintf(dir, sizeof dir, "%s/%s", tmp, name);
+    snprintf(set_dir, sizeof set_dir, "checkpoint.dir=%s", dir);
+    const char *sa[16] = {set_dir, "checkpoint.async=false"};
+    int na = 2;
+    for (int i = 0; i < n_extra; i++) sa[na++] = extra[i];
+    mt_jobspec ja, jb;
+    tiny_job(&ja, sa, na);
+    mt_job_ckpt *ca, *cb;
+    mt_trainer *a = make(&ja, &ca);
+    for (int i = 0; i < 3; i++) ok(mt_trainer_step(a, NULL));
+    ok(mt_job_ckpt_save_now(ca, a));
+    ok(mt_ckpt_verify(dir, NULL, NULL, NULL));
+    snprintf(set_init, sizeof set_init, "init.path=%s", dir);
+    const char *sb[16] = {"init.kind=checkpoint", set_init};
+    int nb = 2;
+    for (int i = 0; i < n_extra; i++) sb[nb++] = extra[i];
+    tiny_job(&jb, sb, nb);
+    mt_trainer *b = make(&jb, &cb);
+    mt_job_ckpt_stats st;
+    mt_job_ckpt_get_stats(cb, &st);
+    assert_int_equal(st.restored_step, 3);
+    assert_same_state(a, b);
+    step_both_same(a, b);
+    step_both_same(a, b);
+    assert_same_state(a, b);
+    ok(mt_job_ckpt_close(ca));
+    ok(mt_job_ckpt_close(cb));
+    mt_trainer_destroy(a);
+    mt_trainer_destroy(b);
+}
+
+static void test_exact_fp8_main_fp32(void **state)
+{
+    (void)state;
+    roundtrip("fp8_fp32", NULL, 0);
+}
+
+static void test_exact_fp8_main_bf16(void **state)
+{
+    (void)state;
+    const char *x[] = {"precision.main_params=bf16"};
+    roundtrip("fp8_bf16", x, 1);
+}
+
+static void test_exact_fp8_main_none(void **state)
+{
+    (void)state;
+    const char *x[] = {"precision.main_params=none"};
+    roundtrip("fp8_none", x, 1);
+}
+
+static void test_exact_bf16_recipe(void **state)
+{
+    (void)state;
+    const char *x[] = {"precision.recipe=bf16"};
+    roundtrip("bf16", x, 1);
+}
+
+static void test_exact_fp32_recipe(void **state)
+{
+    (void)state;
+    const char *x[] = {"precision.recipe=fp32", "precision.main_params=none"};
+    roundtrip("fp32", x, 2);
+}
+
+/* Async saves every 2 steps while training continues: committed, stall
+ * and write time reported, the newest one equals the trainer's state. */
+static void test_async_saves(void **state)
+{
+    (void)state;
+    char dir[1300], set_dir[1400], set_init[1400];
+    snprintf(dir, sizeof dir, "%s/async", tmp);
+    snprintf(set_dir, sizeof set_dir, "checkpoint.dir=%s", dir);
+    const char *sa[] = {set_dir, "checkpoint.async=true", "checkpoint.interval=2",
+                        "checkpoint.keep_last=2"};
+    mt_jobspec ja, jb;
+    tiny_job(&ja, sa, 4);
+    mt_job_ckpt *ca, *cb;
+    mt_trainer *a = make(&ja, &ca);
+    for (int i = 0; i < 6; i++) {
+        ok(mt_trainer_step(a, NULL));
+        ok(mt_job_ckpt_after_step(ca, a));
+    }
+    ok(mt_job_ckpt_wait(ca));
+    mt_job_ckpt_stats st;
+    mt_job_ckpt_get_stats(ca, &st);
+    assert_int_equal(st.saves, 3);
+    assert_int_equal(st.failures, 0);
+    assert_int_equal(st.last_step, 6);
+    assert_true(st.last_stall_ms > 0 && st.last_write_ms > 0 && st.last_bytes > 0);
+    assert_contains(st.last_path, "step_00000006");
+    int64_t *steps;
+    int n;
+    ok(mt_ckpt_list(dir, &steps, &n));
+    assert_int_equal(n, 2); /* keep_last */
+    assert_int_equal(steps[0], 4);
+    assert_int_equal(steps[1], 6);
+    free(steps);
+    snprintf(set_init, sizeof set_init, "init.path=%s", dir);
+    const char *sb[] = {"init.kind=checkpoint", set_init};
+    tiny_job(&jb, sb, 2);
+    mt_trainer *b = make(&jb, &cb);
+    assert_same_state(a, b);
+    step_both_same(a, b);
+    ok(mt_job_ckpt_close(ca));
+    ok(mt_job_ckpt_close(cb));
+    mt_trainer_destroy(a);
+    mt_trainer_destroy(b);
+}
+
+/* export-hf then init.kind=hf: the same FP8 weights, BF16 weights and
+ * router biases; moments zero, main params from the weights, step 0. */
+static void test_hf_into_trainer(void **state)
+{
+    (void)state;
+    char dir[1300], hf[1300], set_dir[1400], set_init[1400];
+    snprintf(dir, sizeof dir, "%s/hfsrc", tmp);
+    snprintf(hf, sizeof hf, "%s/hf", tmp);
+    snprintf(set_dir, sizeof set_dir, "checkpoint.dir=%s", dir);
+    const char *sa[] = {set_dir, "checkpoint.async=false"};
+    mt_jobspec ja, jb;
+    tiny_job(&ja, sa, 2);
+    mt_job_ckpt *ca, *cb;
+    mt_trainer *a = make(&ja, &ca);
+    for (int i = 0; i < 2; i++) ok(mt_trainer_step(a, NULL));
+    ok(mt_job_ckpt_save_now(ca, a));
+    ok(mt_hf_export(dir, hf, 1 << 20, NULL));
+    snprintf(set_init, sizeof set_init, "init.path=%s", hf);
+    const char *sb[] = {"init.kind=hf", set_init};
+    tiny_job(&jb, sb, 2);
+    mt_trainer *b = make(&jb, &cb);
+    assert_int_equal(b->step, 0);
+    mt_train_snapshot x, y;
+    memset(&x, 0, sizeof x);
+    memset(&y, 0, sizeof y);
+    ok(mt_train_state_snapshot(a, &x));
+    ok(mt_train_state_snapshot(b, &y));
+    for (int i = 0; i < x.n_params; i++) {
+        const mt_param *p = &a->model->params[i];
+        int64_t n = mt_param_numel(&p->d);
+        if (x.params[i].q_off >= 0) {
+            bytes_equal(x.q + x.params[i].q_off, y.q + y.params[i].q_off, (size_t)n, p->d.name);
+            int64_t nb = ((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128);
+            bytes_equal(x.s + x.params[i].s_off, y.s + y.params[i].s_off, (size_t)nb * 4, p->d.name);
+        } else if (x.params[i].act_off >= 0) {
+            bytes_equal((float *)x.act + x.params[i].act_off, (float *)y.act + y.params[i].act_off,
+                        (size_t)n * 4, p->d.name);
+        } else {
+            bytes_equal(x.f32 + x.params[i].f32_off, y.f32 + y.params[i].f32_off, (size_t)n * 4, p->d.name);
+        }
+        if (y.params[i].opt_off >= 0) {
+            for (int64_t k = 0; k < n; k++) assert_int_equal(y.m[y.params[i].opt_off + k], 0);
+            /* main = the dequantised compute copy */
+            float *w = malloc((size_t)n * 4);
+            ok(mt_model_get_param(b->model, i, w));
+            bytes_equal((float *)y.master + y.params[i].opt_off, w, (size_t)n * 4, "main from weights");
+            free(w);
+        }
+    }
+    mt_train_snapshot_free(&x);
+    mt_train_snapshot_free(&y);
+    ok(mt_trainer_step(b, NULL)); /* it trains */
+    ok(mt_job_ckpt_close(ca));
+    ok(mt_job_ckpt_close(cb));
+    mt_trainer_destroy(a);
+    mt_trainer_destroy(b);
+}
+
+/* A fresh job refuses a checkpoint.dir holding a newer checkpoint. */
+static void test_refuses_newer_history(void **state)
+{
+    (void)state;
+    char dir[1300], set_dir[1400];
+    snprintf(dir, sizeof dir, "%s/fp8_fp32", tmp); /* step 3 from the first test */
+    snprintf(set_dir, sizeof set_dir, "checkpoint.dir=%s", dir);
+    const char *sa[] = {set_dir};
+    mt_jobspec j;
+    tiny_job(&j, sa, 1);
+    mt_trainer *t;
+    mt_job_ckpt *c;
+    ok(mt_trainer_create(&t, &j, be));
+    ok(mt_job_ckpt_open(&c, &j));
+    assert_int_equal(mt_job_ckpt_restore(c, t), MT_EINVAL);
+    assert_contains(mt_errmsg(), "step_00000003");
+    ok(mt_job_ckpt_close(c));
+    mt_trainer_destroy(t);
+}
+
+int main(int argc, char **argv)
+{
+    examples = argc > 1 ? argv[1] : "deploy/examples";
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_exact_fp8_main_fp32), cmocka_unit_test(test_exact_fp8_main_bf16),
+        cmocka_unit_test(test_exact_fp8_main_none), cmocka_unit_test(test_exact_bf16_recipe),
+        cmocka_unit_test(test_exact_fp32_recipe),   cmocka_unit_test(test_async_saves),
+        cmocka_unit_test(test_hf_into_trainer),     cmocka_unit_test(test_refuses_newer_history),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

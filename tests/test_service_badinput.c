@@ -1,0 +1,474 @@
+/* test_service_badinput.c - a daemon with a token and TLS off, then TLS on,
+ * gets bad input and must answer each with the right status code and keep
+ * serving: garbage bytes, an unknown method, invalid job specs (the message
+ * names the field), names and paths that try to leave the workdir, calls in
+ * the wrong state, a missing or wrong token, clients that vanish mid-stream
+ * (cancelled, and killed). Then TLS: a client with the CA works, one
+ * without TLS cannot connect. */
+#define _XOPEN_SOURCE 700
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <grpc/status.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include "grpc/health/v1/health.pb-c.h"
+#include "kernels/mt_status.h"
+#include "moetrain.pb-c.h"
+#include "service/rpc_client.h"
+#include "test_util.h"
+
+#define TOKEN "test-token-0123456789abcdef"
+#define T "/moetrain.v1.Trainer/"
+
+static char tmp[1024], bin[1024], data[1100];
+static const char *examples;
+static pid_t daemon_pid;
+static char addr[128];
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Starts moetraind with `extra` options; waits for its ready file. */
+static int start_daemon(const char *const *extra, int n_extra)
+{
+    char ready[1200], wd[1200], tok[1200], log[1200];
+    snprintf(ready, sizeof ready, "%s/ready", tmp);
+    snprintf(wd, sizeof wd, "%s/wd", tmp);
+    snprintf(tok, sizeof tok, "%s/token", tmp);
+    snprintf(log, sizeof log, "%s/daemon.log", tmp);
+    remove(ready);
+    char exe[1200];
+    snprintf(exe, sizeof exe, "%s/service/moetraind", bin);
+    const char *argv[32] = {exe, "--listen", "127.0.0.1:0", "--workdir", wd, "--token-file",
+                            tok, "--ready-file", ready, "--threads", "1"};
+    int n = 11;
+    for (int i = 0; i < n_extra; i++) argv[n++] = extra[i];
+    argv[n] = NULL;
+    daemon_pid = fork();
+    if (daemon_pid == 0) {
+        if (!freopen(log, "a", stderr)) _exit(127);
+        execv(exe, (char *const *)argv);
+        _exit(127);
+    }
+    for (int i = 0; i < 300; i++) {
+        FILE *f = fopen(ready, "r");
+        if (f) {
+            char line[256];
+            while (fgets(line, sizeof line, f))
+                if (!strncmp(line, "grpc=", 5)) {
+                    snprintf(addr, sizeof addr, "%s", line + 5);
+                    addr[strcspn(addr, "\n")] = '\0';
+                }
+            fclose(f);
+            return 0;
+        }
+        sleep_ms(100);
+    }
+    return -1;
+}
+
+static int stop_daemon(void)
+{
+    int st = 0;
+    kill(daemon_pid, SIGTERM);
+    for (int i = 0; i < 300; i++) {
+        if (waitpid(daemon_pid, &st, WNOHANG) == daemon_pid)
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        sleep_ms(100);
+    }
+    kill(daemon_pid, SIGKILL);
+    waitpid(daemon_pid, &st, 0);
+    return -1;
+}
+
+static rpc_client *client(const char *token, const char *ca)
+{
+    rpc_client *c;
+    rpc_client_opts o = {.target = addr, .token = token, .tls_ca = ca};
+    assert_int_equal(rpc_client_open(&c, &o), MT_OK);
+    return c;
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    mt_test_tmpdir(tmp, sizeof tmp, "test_service_badinput");
+    snprintf(bin, sizeof bin, "%s", getenv("MT_BIN_DIR") ? getenv("MT_BIN_DIR") : "build");
+    snprintf(data, sizeof data, "%s/syn", tmp);
+    char cmd[4096], tok[1200];
+    snprintf(cmd, sizeof cmd,
+             "%s/engine/moetrain-data synth --output %s --vocab 64 --tokens 100000 --seed 2 "
+             "> /dev/null",
+             bin, data);
+    if (system(cmd) != 0) return -1;
+    snprintf(tok, sizeof tok, "%s/token", tmp);
+    mt_test_write_file(tok, TOKEN "\n");
+    chmod(tok, 0600);
+    return start_daemon(NULL, 0);
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    return stop_daemon() == 0 ? 0 : -1;
+}
+
+/* A StartJob request for the tiny job with extra overrides. */
+static int start_job(rpc_client *c, const char *const *extra, int n_extra, const char *from,
+                     rpc_status *st)
+{
+    char path[1200], dset[1200];
+    snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    static char json[65536];
+    size_t n = fread(json, 1, sizeof json - 1, f);
+    fclose(f);
+    json[n] = '\0';
+    snprintf(dset, sizeof dset, "data.path=%s", data);
+    char *sets[32] = {dset, "batch.seq_len=32", "train.steps=100000", "data.valid_interval=0",
+                      "train.log_interval=1000"};
+    size_t ns = 5;
+    for (int i = 0; i < n_extra; i++) sets[ns++] = (char *)extra[i];
+    Moetrain__V1__JobSpec spec = MOETRAIN__V1__JOB_SPEC__INIT;
+    spec.json = json;
+    spec.set = sets;
+    spec.n_set = ns;
+    Moetrain__V1__StartJobRequest q = MOETRAIN__V1__START_JOB_REQUEST__INIT;
+    q.spec = &spec;
+    q.from_checkpoint = (char *)(from ? from : "");
+    ProtobufCMessage *resp;
+    int code = rpc_client_call(c, T "StartJob", &q.base,
+                               &moetrain__v1__start_job_response__descriptor, &resp, 120, st);
+    if (code == 0) protobuf_c_message_free_unpacked(resp, NULL);
+    return code;
+}
+
+static int empty_call(rpc_client *c, const char *method, const ProtobufCMessageDescriptor *req_d,
+                      const ProtobufCMessageDescriptor *resp_d, rpc_status *st)
+{
+    uint8_t buf[8];
+    ProtobufCMessage *m = calloc(1, req_d->sizeof_message);
+    req_d->message_init(m);
+    size_t len = protobuf_c_message_pack(m, buf);
+    free(m);
+    ProtobufCMessage *resp;
+    int code = rpc_client_call_raw(c, method, buf, len, resp_d, &resp, 60, st);
+    if (code == 0) protobuf_c_message_free_unpacked(resp, NULL);
+    return code;
+}
+
+static Moetrain__V1__GetStatusResponse *status(rpc_client *c)
+{
+    rpc_status st;
+    ProtobufCMessage *r;
+    Moetrain__V1__GetStatusRequest q = MOETRAIN__V1__GET_STATUS_REQUEST__INIT;
+    assert_int_equal(rpc_client_call(c, T "GetStatus", &q.base,
+                                     &moetrain__v1__get_status_response__descriptor, &r, 30, &st),
+                     0);
+    return (Moetrain__V1__GetStatusResponse *)r;
+}
+
+static void assert_serving(void)
+{
+    rpc_client *c = client(NULL, NULL);
+    Moetrain__V1__GetStatusResponse *s = status(c);
+    protobuf_c_message_free_unpacked(&s->base, NULL);
+    rpc_client_close(c);
+}
+
+static void test_garbage(void **state)
+{
+    (void)state;
+    rpc_client *c = client(TOKEN, NULL);
+    const char *methods[] = {T "StartJob", T "PauseJob", T "ResumeJob", T "StopJob",
+                             T "GetStatus", T "SaveCheckpoint", T "ListCheckpoints",
+                             T "ReshardCheckpoint", "/grpc.health.v1.Health/Check"};
+    const uint8_t junk[] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01};
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
+        rpc_status st;
+        ProtobufCMessage *r;
+        assert_int_equal(rpc_client_call_raw(c, methods[i], junk, sizeof junk, NULL, &r, 30, &st),
+                         GRPC_STATUS_INVALID_ARGUMENT);
+        assert_contains(st.detail, "not a valid");
+    }
+    rpc_status st;
+    ProtobufCMessage *r;
+    assert_int_equal(rpc_client_call_raw(c, "/moetrain.v1.Trainer/Nope", "", 0, NULL, &r, 30, &st),
+                     GRPC_STATUS_UNIMPLEMENTED);
+    /* a length-delimited field running past the end */
+    const uint8_t cut[] = {0x0a, 0x7f, 0x0a, 0x02};
+    assert_int_equal(rpc_client_call_raw(c, T "StartJob", cut, sizeof cut, NULL, &r, 30, &st),
+                     GRPC_STATUS_INVALID_ARGUMENT);
+    rpc_client_close(c);
+    assert_serving();
+}
+
+static void test_token(void **state)
+{
+    (void)state;
+    rpc_status st;
+    rpc_client *none = client(NULL, NULL), *wrong = client("wrong-token-0123456789", NULL);
+    const char *mutating[] = {T "StartJob", T "PauseJob", T "ResumeJob", T "StopJob",
+                              T "SaveCheckpoint", T "ReshardCheckpoint"};
+    for (int i = 0; i < 6; i++) {
+        ProtobufCMessage *r;
+        assert_int_equal(rpc_client_call_raw(none, mutating[i], "", 0, NULL, &r, 30, &st),
+                         GRPC_STATUS_UNAUTHENTICATED);
+        assert_contains(st.detail, "authorization");
+        assert_int_equal(rpc_client_call_raw(wrong, mutating[i], "", 0, NULL, &r, 30, &st),
+                         GRPC_STATUS_UNAUTHENTICATED);
+    }
+    /* reading needs no token */
+    Moetrain__V1__GetStatusResponse *s = status(none);
+    assert_int_equal(s->state, MOETRAIN__V1__JOB_STATE__JOB_STATE_IDLE);
+    protobuf_c_message_free_unpacked(&s->base, NULL);
+    assert_int_equal(empty_call(none, T "ListCheckpoints",
+                                &moetrain__v1__list_checkpoints_request__descriptor,
+                                &moetrain__v1__list_checkpoints_response__descriptor, &st),
+                     GRPC_STATUS_NOT_FOUND); /* no job has run yet */
+    rpc_client_close(none);
+    rpc_client_close(wrong);
+}
+
+static void test_wrong_state(void **state)
+{
+    (void)state;
+    rpc_client *c = client(TOKEN, NULL);
+    rpc_status st;
+    struct {
+        const char *m;
+        const ProtobufCMessageDescriptor *q, *r;
+    } calls[] = {
+        {T "PauseJob", &moetrain__v1__pause_job_request__descriptor,
+         &moetrain__v1__pause_job_response__descriptor},
+        {T "ResumeJob", &moetrain__v1__resume_job_request__descriptor,
+         &moetrain__v1__resume_job_response__descriptor},
+        {T "StopJob", &moetrain__v1__stop_job_request__descriptor,
+         &moetrain__v1__stop_job_response__descriptor},
+        {T "SaveCheckpoint", &moetrain__v1__save_checkpoint_request__descriptor,
+         &moetrain__v1__save_checkpoint_response__descriptor},
+    };
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(empty_call(c, calls[i].m, calls[i].q, calls[i].r, &st),
+                         GRPC_STATUS_FAILED_PRECONDITION);
+        assert_contains(st.detail, "IDLE");
+    }
+    rpc_client_close(c);
+}
+
+static void test_bad_specs(void **state)
+{
+    (void)state;
+    rpc_client *c = client(TOKEN, NULL);
+    rpc_status st;
+    struct {
+        const char *set, *from, *want;
+    } cases[] = {
+        {"batch.micro_batch_size=3", NULL, "batch.global_batch_size"},
+        {"train.steps=-5", NULL, "train.steps"},
+        {"model.hidden_size=abc", NULL, "hidden_size"},
+        {"no.such.field=1", NULL, "no.such.field"},
+        {"data.path=/nonexistent/x", NULL, "data.path"},
+        {"checkpoint.dir=/etc", NULL, "checkpoint.dir"},
+        {"checkpoint.dir=../../x", NULL, "checkpoint.dir"},
+        {"checkpoint.dir=escape/inside", NULL, "symbolic link"},
+        {"init.kind=checkpoint", NULL, "init.path"},
+        {"name=../../x", NULL, "name"},
+        {NULL, "../../etc", "from_checkpoint"},
+        {NULL, "step_00000001", "from_checkpoint"},
+    };
+    char wd[1200], link[1300];
+    snprintf(wd, sizeof wd, "%s/wd", tmp);
+    snprintf(link, sizeof link, "%s/escape", wd);
+    assert_int_equal(symlink("/tmp", link), 0);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int code = start_job(c, &cases[i].set, cases[i].set ? 1 : 0, cases[i].from, &st);
+        if (code != GRPC_STATUS_INVALID_ARGUMENT && code != GRPC_STATUS_NOT_FOUND)
+            fprintf(stderr, "case %zu: %d %s\n", i, code, st.detail);
+        assert_true(code == GRPC_STATUS_INVALID_ARGUMENT || code == GRPC_STATUS_NOT_FOUND);
+        assert_contains(st.detail, cases[i].want);
+        assert_null(strstr(st.detail, ".c:")); /* no source locations for clients */
+    }
+    /* a reshard or a listing that names something outside */
+    Moetrain__V1__ReshardCheckpointRequest rq = MOETRAIN__V1__RESHARD_CHECKPOINT_REQUEST__INIT;
+    Moetrain__V1__Layout l = MOETRAIN__V1__LAYOUT__INIT;
+    rq.source = "latest";
+    rq.target = "../outside";
+    rq.layout = &l;
+    ProtobufCMessage *r;
+    assert_int_equal(rpc_client_call(c, T "ReshardCheckpoint", &rq.base, NULL, &r, 30, &st),
+                     GRPC_STATUS_INVALID_ARGUMENT);
+    assert_contains(st.detail, "target");
+    Moetrain__V1__ListCheckpointsRequest lq = MOETRAIN__V1__LIST_CHECKPOINTS_REQUEST__INIT;
+    lq.job = "..";
+    assert_int_equal(rpc_client_call(c, T "ListCheckpoints", &lq.base, NULL, &r, 30, &st),
+                     GRPC_STATUS_INVALID_ARGUMENT);
+    rpc_client_close(c);
+    assert_serving();
+}
+
+/* Opens a metrics stream, reads `n` events, returns the client. */
+static rpc_client_stream *subscribe(rpc_client *c, int n)
+{
+    Moetrain__V1__StreamMetricsRequest q = MOETRAIN__V1__STREAM_METRICS_REQUEST__INIT;
+    rpc_client_stream *s;
+    rpc_status st;
+    assert_int_equal(rpc_stream_open(c, T "StreamMetrics", &q.base, &s, &st), 0);
+    for (int i = 0; i < n; i++) {
+        ProtobufCMessage *e;
+        assert_int_equal(rpc_stream_next(s, &moetrain__v1__metrics_event__descriptor, &e, NULL, &st),
+                         1);
+        protobuf_c_message_free_unpacked(e, NULL);
+    }
+    return s;
+}
+
+static void test_vanishing_clients(void **state)
+{
+    (void)state;
+    rpc_client *c = client(TOKEN, NULL);
+    rpc_status st;
+    const char *name = "name=vanish";
+    assert_int_equal(start_job(c, &name, 1, NULL, &st), 0);
+    /* a subscriber that cancels mid-stream */
+    rpc_client_stream *s = subscribe(c, 3);
+    rpc_stream_close(s);
+    /* one whose process dies mid-stream: the CLI's watch, killed */
+    char out[1200], exe[1200];
+    snprintf(out, sizeof out, "%s/watch.out", tmp);
+    snprintf(exe, sizeof exe, "%s/service/moetrain", bin);
+    pid_t child = fork();
+    if (child == 0) {
+        if (!freopen(out, "w", stdout)) _exit(127);
+        execl(exe, exe, "--server", addr, "watch", (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0;; i++) {
+        assert_true(i < 600);
+        FILE *f = fopen(out, "r");
+        int lines = 0;
+        if (f) {
+            for (int ch; (ch = fgetc(f)) != EOF;) lines += ch == '\n';
+            fclose(f);
+        }
+        if (lines >= 2) break;
+        sleep_ms(100);
+    }
+    kill(child, SIGKILL);
+    int ws;
+    waitpid(child, &ws, 0);
+    assert_true(WIFSIGNALED(ws));
+    /* the daemon forgets both and keeps training and serving */
+    Moetrain__V1__GetStatusResponse *r = NULL;
+    for (int i = 0; i < 100; i++) {
+        if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
+        r = status(c);
+        if (r->subscribers == 0) break;
+        sleep_ms(100);
+    }
+    assert_int_equal(r->subscribers, 0);
+    int64_t step = r->step;
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    for (int i = 0; i < 200; i++) {
+        r = status(c);
+        int moved = r->step > step;
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+        if (moved) break;
+        assert_true(i < 199);
+        sleep_ms(100);
+    }
+    /* a start while running is refused; the stop is answered */
+    assert_int_equal(start_job(c, &name, 1, NULL, &st), GRPC_STATUS_FAILED_PRECONDITION);
+    assert_contains(st.detail, "RUNNING");
+    assert_int_equal(empty_call(c, T "StopJob", &moetrain__v1__stop_job_request__descriptor,
+                                &moetrain__v1__stop_job_response__descriptor, &st),
+                     0);
+    rpc_client_close(c);
+}
+
+static void test_health(void **state)
+{
+    (void)state;
+    rpc_client *c = client(NULL, NULL);
+    rpc_status st;
+    Grpc__Health__V1__HealthCheckRequest q = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    Grpc__Health__V1__HealthCheckResponse *r;
+    const char *known[] = {"", "moetrain.v1.Trainer"};
+    for (int i = 0; i < 2; i++) {
+        q.service = (char *)known[i];
+        assert_int_equal(rpc_client_call(c, "/grpc.health.v1.Health/Check", &q.base,
+                                         &grpc__health__v1__health_check_response__descriptor,
+                                         (ProtobufCMessage **)&r, 30, &st),
+                         0);
+        assert_int_equal(r->status, GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING);
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+    }
+    q.service = "no.such.Service";
+    assert_int_equal(rpc_client_call(c, "/grpc.health.v1.Health/Check", &q.base, NULL,
+                                     (ProtobufCMessage **)&r, 30, &st),
+                     GRPC_STATUS_NOT_FOUND);
+    /* Watch: the current status at once, the call stays open */
+    rpc_client_stream *s;
+    q.service = "";
+    assert_int_equal(rpc_stream_open(c, "/grpc.health.v1.Health/Watch", &q.base, &s, &st), 0);
+    assert_int_equal(rpc_stream_next(s, &grpc__health__v1__health_check_response__descriptor,
+                                     (ProtobufCMessage **)&r, NULL, &st),
+                     1);
+    assert_int_equal(r->status, GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    rpc_stream_close(s);
+    rpc_client_close(c);
+}
+
+/* Last: restart the daemon with TLS. */
+static void test_tls(void **state)
+{
+    (void)state;
+    assert_int_equal(stop_daemon(), 0);
+    char cmd[4096], cert[1200], key[1200];
+    snprintf(cert, sizeof cert, "%s/cert.pem", tmp);
+    snprintf(key, sizeof key, "%s/key.pem", tmp);
+    snprintf(cmd, sizeof cmd,
+             "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=localhost "
+             "-addext subjectAltName=IP:127.0.0.1,DNS:localhost -keyout %s -out %s "
+             "> /dev/null 2>&1",
+             key, cert);
+    if (system(cmd) != 0) skip();
+    const char *tls[] = {"--tls-cert", cert, "--tls-key", key};
+    assert_int_equal(start_daemon(tls, 4), 0);
+    rpc_client *c = client(NULL, cert);
+    Moetrain__V1__GetStatusResponse *s = status(c);
+    protobuf_c_message_free_unpacked(&s->base, NULL);
+    rpc_client_close(c);
+    /* plaintext to a TLS port cannot connect */
+    c = client(NULL, NULL);
+    rpc_status st;
+    ProtobufCMessage *r;
+    Moetrain__V1__GetStatusRequest q = MOETRAIN__V1__GET_STATUS_REQUEST__INIT;
+    assert_int_equal(rpc_client_call(c, T "GetStatus", &q.base, NULL, &r, 10, &st),
+                     GRPC_STATUS_UNAVAILABLE);
+    rpc_client_close(c);
+}
+
+int main(int argc, char **argv)
+{
+    examples = argc > 1 ? argv[1] : "deploy/examples";
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_garbage),     cmocka_unit_test(test_token),
+        cmocka_unit_test(test_wrong_state), cmocka_unit_test(test_bad_specs),
+        cmocka_unit_test(test_vanishing_clients), cmocka_unit_test(test_health),
+        cmocka_unit_test(test_tls),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
