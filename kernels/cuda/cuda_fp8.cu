@@ -1,0 +1,409 @@
+/* cuda_fp8.cu - FP8 E4M3 quantisation on the GPU: 1x128 row tiles
+ * (quant_rows), 128x1 column tiles written transposed (quant_cols_t),
+ * 128x128 weight blocks (quant_blocks, and its stochastic-rounding variant),
+ * the exact block transpose, dequantisation, and stochastic rounding to bf16
+ * (act_from_f32_sr).
+ *
+ * Bit-exact with kernels/cpu/cpu_fp8.c: the same tiles, the same scale
+ * s = amax / 448 (cuda_scale_of), the same code e4m3(x / s) with an IEEE
+ * division and a round-to-nearest-even saturating conversion (cuda_e4m3),
+ * the same scale layouts (ops.h), and for stochastic rounding the same
+ * random bits (mt_hash_u64 of kernels/mt_rng.h, re-implemented below with
+ * identical constants: the header's functions are host-only C).
+ *
+ * Launch shapes:
+ *   quant_rows        one warp per 1x128 tile, 8 tiles per 256-thread block
+ *   quant_cols_t      one 256-thread block per (128-row tile, 64 columns)
+ *   quant_blocks(_sr) one 256-thread block per 128x128 block
+ *   transpose_blocks  32x32 byte tiles, 32x8 threads
+ *   dequant_blocks, act_from_f32_sr: element-wise grid-stride loops
+ */
+#include "kernels/cuda/cuda_impl.h"
+#include "kernels/cuda/cuda_util.cuh"
+
+/* ---- segment tables ------------------------------------------------------- */
+
+/* Segments of a grouped quantisation, passed by value (kernel parameters
+ * may be up to 32 KB on sm_70+ since CUDA 12.1; __grid_constant__ reads
+ * them in place without a local copy). start[g] = r_g (g <= G); tile[g] =
+ * 128-row tiles of the segments before g (quant_cols_t). */
+#define FP8_SEG_MAX 1024
+
+typedef struct fp8_segs {
+    int G;
+    int start[FP8_SEG_MAX + 1];
+    int tile[FP8_SEG_MAX + 1];
+} fp8_segs;
+
+/* Largest g < G with t[g] <= v: the segment holding row (or tile) v when
+ * t is a non-decreasing prefix array and v < t[G]. Empty segments are
+ * skipped because a later segment starts at the same value. */
+__device__ __forceinline__ int fp8_seg_find(const int *t, int G, int64_t v)
+{
+    int lo = 0, hi = G - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (t[mid] <= v) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Host: fills the table from rows[G]; *total = sum, *tiles = tile count. */
+static int fp8_segs_fill(const char *op, fp8_segs *t, const int *rows, int G, int *total)
+{
+    MT_CHECK(mt_segments_total(op, rows, G, total));
+    CUDA_REQUIRE(G <= FP8_SEG_MAX, "%s: G=%d segments, at most %d supported", op, G,
+                 FP8_SEG_MAX);
+    t->G = G;
+    t->start[0] = 0;
+    t->tile[0] = 0;
+    for (int g = 0; g < G; g++) {
+        t->start[g + 1] = t->start[g] + rows[g];
+        t->tile[g + 1] = t->tile[g] + mt_ceil_div(rows[g], MT_QTILE);
+    }
+    return MT_OK;
+}
+
+/* ---- device copies of mt_rng.h / mt_fp8.h rules ------------------------------ */
+
+__device__ __forceinline__ uint64_t fp8_mix64(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* mt_hash_u64(seed, counter) */
+__device__ __forceinline__ uint64_t fp8_hash_u64(uint64_t seed, uint64_t counter)
+{
+    return fp8_mix64(fp8_mix64(seed) ^ (counter * 0xd1342543de82ef95ULL));
+}
+
+/* mt_hash_uniform: 53 random bits in [0, 1) (exact conversion and scaling). */
+__device__ __forceinline__ double fp8_hash_uniform(uint64_t seed, uint64_t counter)
+{
+    return (double)(fp8_hash_u64(seed, counter) >> 11) * 0x1.0p-53;
+}
+
+/* mt_bf16_from_f32 (round to nearest even, quiet NaN) */
+__device__ __forceinline__ uint16_t fp8_bf16_rne(float x)
+{
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* mt_bf16_from_f32_sr: add 16 random bits below the bf16 mantissa, truncate. */
+__device__ __forceinline__ uint16_t fp8_bf16_sr(float x, uint32_t rnd)
+{
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u) return fp8_bf16_rne(x); /* Inf, NaN */
+    u += rnd & 0xffffu;
+    return (uint16_t)(u >> 16);
+}
+
+/* mt_e4m3_from_f32_sr: one of the two neighbouring codes of x (already
+ * divided by the scale), the upper with probability (|x| - lo) / (hi - lo). */
+__device__ __forceinline__ uint8_t fp8_e4m3_sr(float x, double u)
+{
+    uint8_t sign = (uint8_t)((__float_as_uint(x) >> 24) & 0x80u);
+    if (isnan(x)) return (uint8_t)(0x7f | sign);
+    float a = fabsf(x);
+    uint8_t c = cuda_e4m3(a, 1.0f); /* nearest; a / 1 is exact; positive codes are monotone */
+    if (c == 0x7e && a >= MT_E4M3_MAX) return (uint8_t)(sign | c);
+    float v = cuda_e4m3_val(c);
+    if (v == a) return (uint8_t)(sign | c);
+    uint8_t lo = v > a ? (uint8_t)(c - 1) : c, hi = (uint8_t)(lo + 1);
+    float lv = cuda_e4m3_val(lo), hv = cuda_e4m3_val(hi);
+    double p = ((double)a - (double)lv) / ((double)hv - (double)lv);
+    return (uint8_t)(sign | (u < p ? hi : lo));
+}
+
+/* ---- quant_rows ------------------------------------------------------------------ */
+
+#define QR_WARPS 8
+
+/* Tile t = m * KB + kb of x [M, K] (ldx): lane l holds elements
+ * k0 + l + 32 j (j < 4), so each load instruction of the warp reads 64
+ * contiguous bytes. Scale of segment g at s + KB r_g + kb rows[g] + (m - r_g). */
+__global__ void __launch_bounds__(QR_WARPS * 32)
+quant_rows_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ x,
+                  int ldx, int M, int K, int KB, const __grid_constant__ fp8_segs segs)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t t = (int64_t)blockIdx.x * QR_WARPS + (threadIdx.x >> 5);
+    if (t >= (int64_t)M * KB) return; /* whole warps leave together */
+    const int m = (int)(t / KB), kb = (int)(t % KB);
+    const int k0 = kb * MT_QTILE, n = min(MT_QTILE, K - k0);
+    const bf16 *xt = x + (int64_t)m * ldx + k0;
+    float v[4], amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int k = lane + 32 * j;
+        v[j] = k < n ? cuda_ld(xt, k) : 0.0f;
+        amax = fmaxf(amax, fabsf(v[j]));
+    }
+    amax = cu_warp_max(amax);
+    const float sc = cuda_scale_of(amax);
+    uint8_t *qt = q + (int64_t)m * K + k0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int k = lane + 32 * j;
+        if (k < n) qt[k] = cuda_e4m3(v[j], sc);
+    }
+    if (lane == 0) {
+        int g = fp8_seg_find(segs.start, segs.G, m);
+        int r0 = segs.start[g], rows = segs.start[g + 1] - r0;
+        s[(int64_t)KB * r0 + (int64_t)kb * rows + (m - r0)] = sc;
+    }
+}
+
+static int cuda_quant_rows(mt_backend *be, uint8_t *q, float *s, const void *x, int ldx,
+                           const int *rows, int G, int K)
+{
+    fp8_segs segs; /* 8 KB, copied into the launch's parameters */
+    int M;
+    MT_CHECK(fp8_segs_fill("quant_rows", &segs, rows, G, &M));
+    CUDA_REQUIRE(K >= 1 && ldx >= K, "quant_rows: K=%d ldx=%d", K, ldx);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(q && s && x, "quant_rows: NULL pointer");
+    const int KB = mt_ceil_div(K, MT_QTILE);
+    const int64_t tiles = (int64_t)M * KB;
+    CUDA_REQUIRE(tiles / QR_WARPS < 0x7fffffff, "quant_rows: %lld tiles is too many",
+                 (long long)tiles);
+    quant_rows_kernel<<<cuda_grid(tiles, QR_WARPS), QR_WARPS * 32, 0, cuda_stream(be)>>>(
+        q, s, (const bf16 *)x, ldx, M, K, KB, segs);
+    CUDA_LAUNCH_CHECK("quant_rows");
+    return MT_OK;
+}
+
+/* ---- quant_cols_t ------------------------------------------------------------------ */
+
+#define QC_COLS 64
+
+/* Block (it, kc): 128-row tile `it` of all segments (tiles numbered segment
+ * after segment), columns k0 = kc * 64 .. +63. Tile `it` is tile ib = it -
+ * tile[g] of segment g, rows r_g + ib * 128 .. + n - 1. Its per-column
+ * scales go to s + K * it (= s + K * (tile[g] + ib) as ops.h states), its
+ * codes to q_g [K, rows[g]] at q + K r_g, column i0 + i of row k. */
+__global__ void __launch_bounds__(256)
+quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ x,
+                    int ldx, int K, const __grid_constant__ fp8_segs segs)
+{
+    __shared__ float tile[MT_QTILE][QC_COLS + 1]; /* +1: conflict-free column reads */
+    __shared__ float scl[QC_COLS];
+    const int it = blockIdx.x, k0 = blockIdx.y * QC_COLS;
+    const int g = fp8_seg_find(segs.tile, segs.G, it);
+    const int r0 = segs.start[g], rows = segs.start[g + 1] - r0;
+    const int i0 = (it - segs.tile[g]) * MT_QTILE, n = min(MT_QTILE, rows - i0);
+    const int nk = min(QC_COLS, K - k0);
+    const int tid = threadIdx.x;
+
+    /* load: 4 rows x 64 columns per pass (row-major, coalesced along k) */
+    {
+        const int c = tid % QC_COLS;
+        for (int r = tid / QC_COLS; r < MT_QTILE; r += 256 / QC_COLS)
+            tile[r][c] = (r < n && c < nk)
+                             ? cuda_ld(x, (int64_t)(r0 + i0 + r) * ldx + k0 + c)
+                             : 0.0f;
+    }
+    __syncthreads();
+    /* column maxima: warp w owns columns w * 8 .. w * 8 + 7 */
+    {
+        const int lane = tid & 31, w = tid >> 5;
+        for (int cc = 0; cc < QC_COLS / 8; cc++) {
+            const int c = w * (QC_COLS / 8) + cc;
+            float a = 0.0f;
+            for (int r = lane; r < MT_QTILE; r += 32) a = fmaxf(a, fabsf(tile[r][c]));
+            a = cu_warp_max(a);
+            if (lane == 0) scl[c] = cuda_scale_of(a);
+        }
+    }
+    __syncthreads();
+    if (tid < nk) s[(int64_t)K * it + k0 + tid] = scl[tid];
+    /* codes: 2 columns x 128 rows per pass; each column's 128 codes are
+     * contiguous in q_g */
+    uint8_t *qg = q + (int64_t)K * r0;
+    const int r = tid % MT_QTILE;
+    for (int c = tid / MT_QTILE; c < nk; c += 256 / MT_QTILE)
+        if (r < n) qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(tile[r][c], scl[c]);
+}
+
+static int cuda_quant_cols_t(mt_backend *be, uint8_t *q, float *s, const void *x, int ldx,
+                             const int *rows, int G, int K)
+{
+    fp8_segs segs;
+    int M;
+    MT_CHECK(fp8_segs_fill("quant_cols_t", &segs, rows, G, &M));
+    CUDA_REQUIRE(K >= 1 && ldx >= K, "quant_cols_t: K=%d ldx=%d", K, ldx);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(q && s && x, "quant_cols_t: NULL pointer");
+    const int tiles = segs.tile[G], kcs = mt_ceil_div(K, QC_COLS);
+    CUDA_REQUIRE(kcs <= 65535, "quant_cols_t: K=%d too large", K);
+    dim3 grid((unsigned)tiles, (unsigned)kcs);
+    quant_cols_t_kernel<<<grid, 256, 0, cuda_stream(be)>>>(q, s, (const bf16 *)x, ldx, K, segs);
+    CUDA_LAUNCH_CHECK("quant_cols_t");
+    return MT_OK;
+}
+
+/* ---- quant_blocks, quant_blocks_sr ----------------------------------------------------- */
+
+/* Block b = nb * KB + kb of w [N, K] f32: thread t reads column t % 128 of
+ * rows t / 128, + 2, ... (512 contiguous bytes per row per warp pair).
+ * sr: element (n, k) rounds stochastically with mt_hash_uniform(seed, n K + k). */
+__global__ void __launch_bounds__(256)
+quant_blocks_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const float *__restrict__ w,
+                    int N, int K, int KB, int sr, uint64_t seed)
+{
+    __shared__ float sh[32];
+    const int b = blockIdx.x, nb = b / KB, kb = b % KB;
+    const int n0 = nb * MT_QTILE, k0 = kb * MT_QTILE;
+    const int nn = min(MT_QTILE, N - n0), nk = min(MT_QTILE, K - k0);
+    const int c = threadIdx.x % MT_QTILE, r1 = threadIdx.x / MT_QTILE;
+    float amax = 0.0f;
+    if (c < nk)
+        for (int r = r1; r < nn; r += 2)
+            amax = fmaxf(amax, fabsf(w[(int64_t)(n0 + r) * K + k0 + c]));
+    amax = cu_block_max(amax, sh);
+    const float sc = cuda_scale_of(amax);
+    if (threadIdx.x == 0) s[b] = sc; /* s[nb * KB + kb] */
+    if (c >= nk) return;
+    for (int r = r1; r < nn; r += 2) {
+        const int64_t off = (int64_t)(n0 + r) * K + k0 + c;
+        const float v = w[off];
+        q[off] = sr ? fp8_e4m3_sr(__fdiv_rn(v, sc), fp8_hash_uniform(seed, (uint64_t)off))
+                    : cuda_e4m3(v, sc);
+    }
+}
+
+static int quant_blocks_any(mt_backend *be, const char *op, uint8_t *q, float *s,
+                            const float *w, int N, int K, int sr, uint64_t seed)
+{
+    CUDA_REQUIRE(N >= 1 && K >= 1, "%s: N=%d K=%d", op, N, K);
+    CUDA_REQUIRE(q && s && w, "%s: NULL pointer", op);
+    const int NB = mt_ceil_div(N, MT_QTILE), KB = mt_ceil_div(K, MT_QTILE);
+    quant_blocks_kernel<<<(unsigned)((int64_t)NB * KB), 256, 0, cuda_stream(be)>>>(
+        q, s, w, N, K, KB, sr, seed);
+    CUDA_LAUNCH_CHECK(op);
+    return MT_OK;
+}
+
+static int cuda_quant_blocks(mt_backend *be, uint8_t *q, float *s, const float *w, int N, int K)
+{
+    return quant_blocks_any(be, "quant_blocks", q, s, w, N, K, 0, 0);
+}
+
+static int cuda_quant_blocks_sr(mt_backend *be, uint8_t *q, float *s, const float *w, int N,
+                                int K, uint64_t seed)
+{
+    return quant_blocks_any(be, "quant_blocks_sr", q, s, w, N, K, 1, seed);
+}
+
+/* ---- transpose_blocks, dequant_blocks ------------------------------------------------- */
+
+/* qt [K, N] = q [N, K]^T through a 32 x 32 shared tile (32 x 8 threads). */
+__global__ void __launch_bounds__(256)
+transpose_q_kernel(uint8_t *__restrict__ qt, const uint8_t *__restrict__ q, int N, int K)
+{
+    __shared__ uint8_t t[32][33];
+    const int kt = blockIdx.x * 32, nt = blockIdx.y * 32;
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    for (int j = ty; j < 32; j += 8) {
+        int n = nt + j, k = kt + tx;
+        if (n < N && k < K) t[j][tx] = q[(int64_t)n * K + k];
+    }
+    __syncthreads();
+    for (int j = ty; j < 32; j += 8) {
+        int k = kt + j, n = nt + tx;
+        if (n < N && k < K) qt[(int64_t)k * N + n] = t[tx][j];
+    }
+}
+
+/* st [KB, NB] = s [NB, KB]^T */
+__global__ void transpose_s_kernel(float *__restrict__ st, const float *__restrict__ s, int NB,
+                                   int KB)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= NB * KB) return;
+    const int kb = i / NB, nb = i % NB;
+    st[i] = s[(int64_t)nb * KB + kb];
+}
+
+static int cuda_transpose_blocks(mt_backend *be, uint8_t *qt, float *st, const uint8_t *q,
+                                 const float *s, int N, int K)
+{
+    CUDA_REQUIRE(N >= 1 && K >= 1, "transpose_blocks: N=%d K=%d", N, K);
+    CUDA_REQUIRE(qt && st && q && s, "transpose_blocks: NULL pointer");
+    const int NB = mt_ceil_div(N, MT_QTILE), KB = mt_ceil_div(K, MT_QTILE);
+    CUDA_REQUIRE(mt_ceil_div(N, 32) <= 65535, "transpose_blocks: N=%d too large", N);
+    dim3 grid((unsigned)mt_ceil_div(K, 32), (unsigned)mt_ceil_div(N, 32));
+    transpose_q_kernel<<<grid, 256, 0, cuda_stream(be)>>>(qt, q, N, K);
+    CUDA_LAUNCH_CHECK("transpose_blocks");
+    transpose_s_kernel<<<cuda_grid((int64_t)NB * KB, 256), 256, 0, cuda_stream(be)>>>(st, s, NB,
+                                                                                       KB);
+    CUDA_LAUNCH_CHECK("transpose_blocks");
+    return MT_OK;
+}
+
+/* w [N, K] = e4m3 value of q times its block's scale (one float product, as
+ * the CPU's table lookup times scale). */
+__global__ void dequant_blocks_kernel(float *__restrict__ w, const uint8_t *__restrict__ q,
+                                      const float *__restrict__ s, int N, int K, int KB)
+{
+    const int64_t total = (int64_t)N * K;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int n = (int)(i / K), k = (int)(i % K);
+        w[i] = cuda_e4m3_val(q[i]) * s[(int64_t)(n / MT_QTILE) * KB + k / MT_QTILE];
+    }
+}
+
+static int cuda_dequant_blocks(mt_backend *be, float *w, const uint8_t *q, const float *s, int N,
+                               int K)
+{
+    CUDA_REQUIRE(N >= 1 && K >= 1, "dequant_blocks: N=%d K=%d", N, K);
+    CUDA_REQUIRE(w && q && s, "dequant_blocks: NULL pointer");
+    const int KB = mt_ceil_div(K, MT_QTILE);
+    dequant_blocks_kernel<<<cuda_grid((int64_t)N * K, 256), 256, 0, cuda_stream(be)>>>(w, q, s, N,
+                                                                                       K, KB);
+    CUDA_LAUNCH_CHECK("dequant_blocks");
+    return MT_OK;
+}
+
+/* ---- act_from_f32_sr ------------------------------------------------------------------ */
+
+/* dst bf16 [n] = src rounded stochastically with the low 16 of the low 32
+ * bits of mt_hash_u64(seed, i), as the CPU with round_bf16 does. */
+__global__ void act_from_f32_sr_kernel(uint16_t *__restrict__ dst, const float *__restrict__ src,
+                                       int64_t n, uint64_t seed)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = fp8_bf16_sr(src[i], (uint32_t)fp8_hash_u64(seed, (uint64_t)i));
+}
+
+static int cuda_act_from_f32_sr(mt_backend *be, void *dst, const float *src, int64_t n,
+                                uint64_t seed)
+{
+    CUDA_REQUIRE(n >= 0, "act_from_f32_sr: n=%lld is negative", (long long)n);
+    if (n == 0) return MT_OK;
+    CUDA_REQUIRE(dst && src, "act_from_f32_sr: NULL pointer");
+    act_from_f32_sr_kernel<<<cuda_grid(n, 256), 256, 0, cuda_stream(be)>>>((uint16_t *)dst, src,
+                                                                           n, seed);
+    CUDA_LAUNCH_CHECK("act_from_f32_sr");
+    return MT_OK;
+}
+
+void cuda_install_fp8(mt_backend *be)
+{
+    be->quant_rows = cuda_quant_rows;
+    be->quant_cols_t = cuda_quant_cols_t;
+    be->quant_blocks = cuda_quant_blocks;
+    be->quant_blocks_sr = cuda_quant_blocks_sr;
+    be->transpose_blocks = cuda_transpose_blocks;
+    be->dequant_blocks = cuda_dequant_blocks;
+    be->act_from_f32_sr = cuda_act_from_f32_sr;
+}

@@ -1,0 +1,134 @@
+/* cuda_impl.h - private state and helpers of the CUDA backend.
+ *
+ * Every op of struct mt_backend (kernels/ops.h) has a CUDA implementation in
+ * the cuda_*.cu files beside this header; each file installs its function
+ * pointers with a cuda_install_* call from mt_backend_cuda_create. The CPU
+ * backend is the oracle: tests/test_ops_cuda.c compares every op with it.
+ *
+ * Rules all CUDA ops follow:
+ *  - act buffers are bf16 (__nv_bfloat16); f32, i32, e4m3 buffers as ops.h.
+ *    Arithmetic inside a kernel is fp32; a stored act value is rounded to
+ *    nearest even (__float2bfloat16_rn), so results match the CPU backend
+ *    with round_bf16 up to the order of fp32 operations.
+ *  - FP8 conversions use __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)
+ *    (round to nearest even, saturating) on x / s computed with __fdiv_rn:
+ *    bit-identical to mt_e4m3_from_f32 on the CPU.
+ *  - Everything is enqueued on the backend's main stream (cuda_stream(be));
+ *    host-visible results (download) synchronise. An op that needs
+ *    temporaries takes them from cuda_scratch(), never from cudaMalloc: the
+ *    arena is sized when the backend is created.
+ *  - Deterministic: no floating-point atomics; reductions over rows use a
+ *    fixed tree per output (results do not depend on timing).
+ *  - Arguments are checked cheaply (CUDA_REQUIRE); every launch is followed
+ *    by CUDA_LAUNCH_CHECK so a bad configuration fails with the op's name.
+ */
+#ifndef MT_CUDA_IMPL_H
+#define MT_CUDA_IMPL_H
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/mt_fp8.h"
+#include "kernels/mt_status.h"
+#include "kernels/ops.h"
+
+typedef __nv_bfloat16 bf16;
+
+#define CUDA_EXPERT_STREAMS 4   /* streams for per-expert GEMMs */
+#define CUDA_LT_WORKSPACE (32u << 20)
+
+/* One free or used range of the arena. */
+typedef struct cuda_block {
+    size_t off, size;
+    int used;
+} cuda_block;
+
+typedef struct cuda_gemm_cache cuda_gemm_cache; /* cuda_gemm.cu */
+typedef struct cuda_attn_cache cuda_attn_cache; /* cuda_attn.cu */
+
+typedef struct cuda_impl {
+    int device;
+    int sm_count;
+    cudaStream_t stream;                          /* main stream: every op */
+    cudaStream_t xstream[CUDA_EXPERT_STREAMS];    /* grouped GEMM fan-out */
+    cudaEvent_t xevent[CUDA_EXPERT_STREAMS + 1];
+    cublasLtHandle_t lt;
+    void *lt_ws[CUDA_EXPERT_STREAMS + 1];         /* cuBLASLt workspace per stream */
+    cudnnHandle_t dnn;
+    /* arena: one cudaMalloc at creation, first-fit over a block list */
+    char *arena;
+    size_t arena_cap, in_use, peak;
+    cuda_block *blocks;
+    int n_blocks, cap_blocks;
+    /* scratch for an op's temporaries (stream-ordered, reused by every op) */
+    char *scratch;
+    size_t scratch_cap;
+    cuda_gemm_cache *gemm;
+    cuda_attn_cache *attn;
+} cuda_impl;
+
+static inline cuda_impl *cuda_of(const mt_backend *be) { return (cuda_impl *)be->impl; }
+static inline cudaStream_t cuda_stream(const mt_backend *be) { return cuda_of(be)->stream; }
+
+/* Device scratch of at least `bytes` for the current op, or NULL with an
+ * error set when the scratch reserved at creation is too small. */
+void *cuda_scratch(mt_backend *be, size_t bytes);
+
+
+/* Grid size for n elements at `threads` per block (at least 1 block). */
+static inline unsigned cuda_grid(int64_t n, int threads)
+{
+    int64_t b = (n + threads - 1) / threads;
+    if (b < 1) b = 1;
+    if (b > 0x7fffffff) b = 0x7fffffff;
+    return (unsigned)b;
+}
+
+#define CUDA_REQUIRE(cond, ...)                                                \
+    do {                                                                       \
+        if (!(cond)) return MT_ERR(MT_EINVAL, __VA_ARGS__);                    \
+    } while (0)
+
+#define CUDA_LAUNCH_CHECK(op)                                                  \
+    do {                                                                       \
+        cudaError_t e_ = cudaGetLastError();                                   \
+        if (e_ != cudaSuccess)                                                 \
+            return mt_err_at(MT_ECUDA, __FILE__, __LINE__, "%s: launch: %s",   \
+                             (op), cudaGetErrorString(e_));                    \
+    } while (0)
+
+/* Scalar conversions used by kernels. */
+__device__ __forceinline__ float cuda_ld(const bf16 *p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void cuda_st(bf16 *p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ uint8_t cuda_e4m3(float x, float s)
+{
+    return (uint8_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ float cuda_e4m3_val(uint8_t q)
+{
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, __NV_E4M3);
+    return __half2float(*reinterpret_cast<__half *>(&h));
+}
+__device__ __forceinline__ float cuda_scale_of(float amax)
+{
+    float s = amax / MT_E4M3_MAX;
+    return s > 0.0f ? s : 1.0f;
+}
+
+/* Installers, one per file. */
+void cuda_install_backend(mt_backend *be); /* memory, conversions, add, copy2d */
+int cuda_install_gemm(mt_backend *be);     /* gemm, gemm_grouped, gemm_fp8 (creates caches) */
+void cuda_install_fp8(mt_backend *be);     /* quant_*, transpose/dequant_blocks, *_sr */
+void cuda_install_norm(mt_backend *be);    /* rmsnorm, swiglu, embedding */
+int cuda_install_attn(mt_backend *be);     /* rope, attn_fwd/bwd, mla_kv (creates caches) */
+void cuda_install_moe(mt_backend *be);     /* router, aux_loss, moe_index, permutes */
+void cuda_install_loss(mt_backend *be);    /* xent, sumsq, scale_f32, adamw, bf16_to_f32 */
+void cuda_gemm_destroy(mt_backend *be);
+void cuda_attn_destroy(mt_backend *be);
+
+#endif

@@ -1,0 +1,309 @@
+/* cuda_norm.cu - RMSNorm forward / backward, SwiGLU forward / backward and
+ * the embedding lookup and its gradient on the GPU.
+ *
+ * Same functions as kernels/cpu/cpu_norm.c, operation for operation (this
+ * file is compiled with --fmad=false, as the CPU oracle is with
+ * -ffp-contract=off, so a * b + c is never fused): row statistics in double,
+ * element values in float, act stores rounded to nearest bf16. Only the
+ * order of the double sums differs from the CPU (a fixed tree here), which
+ * moves results by far less than a bf16 or f32 rounding step.
+ *
+ * Launch shapes:
+ *   rmsnorm_fwd        one 256-thread block per row
+ *   rmsnorm_bwd        dx: one 256-thread block per row; dw: a [D / 256,
+ *                      RC] grid of column threads, each summing one chunk of
+ *                      rows in order into a double partial (scratch), then
+ *                      one thread per column adds the RC partials in order
+ *                      (deterministic, no atomics)
+ *   swiglu_fwd/bwd     element-wise grid-stride
+ *   embedding_fwd      one block per row (16-byte vectors when aligned)
+ *   embedding_bwd      stable radix sort of (id, row) pairs (CUB, scratch),
+ *                      then one block per distinct id adding its rows into
+ *                      dtable in increasing row order: the CPU's order, so
+ *                      the f32 sums are bit-identical
+ */
+#include <cub/device/device_radix_sort.cuh>
+
+#include "kernels/cuda/cuda_impl.h"
+#include "kernels/cuda/cuda_util.cuh"
+
+#define NORM_THREADS 256
+
+/* ---- RMSNorm ------------------------------------------------------------------- */
+
+/* y = x * rstd * w, rstd = 1 / sqrt(mean x^2 + eps) (mean in double). */
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_fwd_kernel(bf16 *__restrict__ y, int ldy, float *__restrict__ rstd,
+                   const bf16 *__restrict__ x, int ldx, const bf16 *__restrict__ w, int D,
+                   float eps)
+{
+    __shared__ double sh[32];
+    const int m = blockIdx.x;
+    const bf16 *xr = x + (int64_t)m * ldx;
+    bf16 *yr = y + (int64_t)m * ldy;
+    double acc = 0.0;
+    for (int k = threadIdx.x; k < D; k += blockDim.x) {
+        double v = (double)cuda_ld(xr, k);
+        acc += v * v;
+    }
+    const double ms = cu_block_sum(acc, sh) / D;
+    const float r = (float)(1.0 / sqrt(ms + (double)eps));
+    if (threadIdx.x == 0) rstd[m] = r;
+    for (int k = threadIdx.x; k < D; k += blockDim.x) cuda_st(yr, k, cuda_ld(xr, k) * r * cuda_ld(w, k));
+}
+
+static int cuda_rmsnorm_fwd(mt_backend *be, void *y, int ldy, float *rstd, const void *x, int ldx,
+                            const void *w, int M, int D, float eps)
+{
+    CUDA_REQUIRE(M >= 0 && D >= 1, "rmsnorm_fwd: M=%d D=%d", M, D);
+    CUDA_REQUIRE(ldy >= D && ldx >= D, "rmsnorm_fwd: ldy=%d ldx=%d < D=%d", ldy, ldx, D);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(y && rstd && x && w, "rmsnorm_fwd: NULL pointer");
+    rmsnorm_fwd_kernel<<<M, NORM_THREADS, 0, cuda_stream(be)>>>(
+        (bf16 *)y, ldy, rstd, (const bf16 *)x, ldx, (const bf16 *)w, D, eps);
+    CUDA_LAUNCH_CHECK("rmsnorm_fwd");
+    return MT_OK;
+}
+
+/* dx[m] = r (w dy - x c), c = r^2 / D * sum_k w dy x (all in double as the
+ * CPU), stored (or added to dx in float) rounded to bf16. No __restrict__:
+ * dx may alias dy or x (each element is read before it is written). */
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_bwd_dx_kernel(bf16 *dx, int lddx, int accumulate, const bf16 *dy, int lddy,
+                      const bf16 *x, int ldx, const bf16 *w, const float *rstd, int D)
+{
+    __shared__ double sh[32];
+    const int m = blockIdx.x;
+    const bf16 *dyr = dy + (int64_t)m * lddy, *xr = x + (int64_t)m * ldx;
+    bf16 *dxr = dx + (int64_t)m * lddx;
+    double acc = 0.0;
+    for (int k = threadIdx.x; k < D; k += blockDim.x)
+        acc += (double)cuda_ld(w, k) * (double)cuda_ld(dyr, k) * (double)cuda_ld(xr, k);
+    const double s = cu_block_sum(acc, sh); /* every thread has read its dy before any write */
+    const float r = rstd[m];
+    const double c = (double)r * (double)r / D * s;
+    for (int k = threadIdx.x; k < D; k += blockDim.x) {
+        float v = (float)((double)r * ((double)cuda_ld(w, k) * (double)cuda_ld(dyr, k) -
+                                       (double)cuda_ld(xr, k) * c));
+        cuda_st(dxr, k, accumulate ? cuda_ld(dxr, k) + v : v);
+    }
+}
+
+/* part[rc, k] = sum over rows m of chunk rc (in order) of dy x rstd, double. */
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_bwd_dw_part_kernel(double *__restrict__ part, const bf16 *__restrict__ dy, int lddy,
+                           const bf16 *__restrict__ x, int ldx, const float *__restrict__ rstd,
+                           int M, int D, int rows_per)
+{
+    const int k = blockIdx.x * blockDim.x + threadIdx.x, rc = blockIdx.y;
+    if (k >= D) return;
+    const int m0 = rc * rows_per, m1 = min(M, m0 + rows_per);
+    double acc = 0.0;
+    for (int m = m0; m < m1; m++)
+        acc += (double)cuda_ld(dy, (int64_t)m * lddy + k) * (double)cuda_ld(x, (int64_t)m * ldx + k) *
+               (double)rstd[m];
+    part[(int64_t)rc * D + k] = acc;
+}
+
+/* dw[k] = dw[k] + sum_rc part[rc, k] (chunks in order). */
+__global__ void rmsnorm_bwd_dw_sum_kernel(float *__restrict__ dw, const double *__restrict__ part,
+                                          int RC, int D)
+{
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= D) return;
+    double acc = 0.0;
+    for (int rc = 0; rc < RC; rc++) acc += part[(int64_t)rc * D + k];
+    dw[k] = (float)((double)dw[k] + acc);
+}
+
+/* Row chunks of the dw reduction: at most 64 (bounds the scratch to
+ * 64 * D doubles), at least 32 rows each. */
+#define DW_MAX_CHUNKS 64
+#define DW_MIN_ROWS 32
+
+static int cuda_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, float *dw,
+                            const void *dy, int lddy, const void *x, int ldx, const void *w,
+                            const float *rstd, int M, int D)
+{
+    CUDA_REQUIRE(M >= 0 && D >= 1, "rmsnorm_bwd: M=%d D=%d", M, D);
+    CUDA_REQUIRE(lddx >= D && lddy >= D && ldx >= D,
+                 "rmsnorm_bwd: lddx=%d lddy=%d ldx=%d < D=%d", lddx, lddy, ldx, D);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(dx && dw && dy && x && w && rstd, "rmsnorm_bwd: NULL pointer");
+    cudaStream_t st = cuda_stream(be);
+    int rows_per = mt_ceil_div(M, DW_MAX_CHUNKS);
+    if (rows_per < DW_MIN_ROWS) rows_per = DW_MIN_ROWS;
+    const int RC = mt_ceil_div(M, rows_per);
+    double *part = (double *)cuda_scratch(be, sizeof(double) * (size_t)RC * D);
+    if (!part) return mt_err_wrap(MT_ENOMEM, "rmsnorm_bwd: %d x %d partial sums", RC, D);
+    /* dx first, then dw, as the CPU (matters only if dx aliases dy) */
+    rmsnorm_bwd_dx_kernel<<<M, NORM_THREADS, 0, st>>>((bf16 *)dx, lddx, accumulate,
+                                                      (const bf16 *)dy, lddy, (const bf16 *)x,
+                                                      ldx, (const bf16 *)w, rstd, D);
+    CUDA_LAUNCH_CHECK("rmsnorm_bwd");
+    dim3 grid((unsigned)mt_ceil_div(D, NORM_THREADS), (unsigned)RC);
+    rmsnorm_bwd_dw_part_kernel<<<grid, NORM_THREADS, 0, st>>>(part, (const bf16 *)dy, lddy,
+                                                              (const bf16 *)x, ldx, rstd, M, D,
+                                                              rows_per);
+    CUDA_LAUNCH_CHECK("rmsnorm_bwd");
+    rmsnorm_bwd_dw_sum_kernel<<<mt_ceil_div(D, NORM_THREADS), NORM_THREADS, 0, st>>>(dw, part, RC,
+                                                                                     D);
+    CUDA_LAUNCH_CHECK("rmsnorm_bwd");
+    return MT_OK;
+}
+
+/* ---- SwiGLU ---------------------------------------------------------------------- */
+
+__device__ __forceinline__ float norm_sigmoid(float g) { return 1.0f / (1.0f + cu_expf(-g)); }
+
+/* h [M, F] = silu(g) * u, g = gu[:, :F], u = gu[:, F:]: (g * sigmoid(g)) * u. */
+__global__ void swiglu_fwd_kernel(bf16 *__restrict__ h, const bf16 *__restrict__ gu, int M, int F)
+{
+    const int64_t total = (int64_t)M * F;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t m = i / F, f = i % F;
+        const float g = cuda_ld(gu, m * 2 * F + f), u = cuda_ld(gu, m * 2 * F + F + f);
+        cuda_st(h, i, g * norm_sigmoid(g) * u);
+    }
+}
+
+/* dg = dh u sg (1 + g (1 - sg)), du = dh silu(g), as the CPU groups them. */
+__global__ void swiglu_bwd_kernel(bf16 *__restrict__ dgu, const bf16 *__restrict__ dh,
+                                  const bf16 *__restrict__ gu, int M, int F)
+{
+    const int64_t total = (int64_t)M * F;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t m = i / F, f = i % F;
+        const float g = cuda_ld(gu, m * 2 * F + f), u = cuda_ld(gu, m * 2 * F + F + f);
+        const float d = cuda_ld(dh, i);
+        const float sg = norm_sigmoid(g), silu = g * sg;
+        cuda_st(dgu, m * 2 * F + f, d * u * (sg * (1.0f + g * (1.0f - sg))));
+        cuda_st(dgu, m * 2 * F + F + f, d * silu);
+    }
+}
+
+static int cuda_swiglu_fwd(mt_backend *be, void *h, const void *gu, int M, int F)
+{
+    CUDA_REQUIRE(M >= 0 && F >= 1, "swiglu_fwd: M=%d F=%d", M, F);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(h && gu, "swiglu_fwd: NULL pointer");
+    swiglu_fwd_kernel<<<cuda_grid((int64_t)M * F, 256), 256, 0, cuda_stream(be)>>>(
+        (bf16 *)h, (const bf16 *)gu, M, F);
+    CUDA_LAUNCH_CHECK("swiglu_fwd");
+    return MT_OK;
+}
+
+static int cuda_swiglu_bwd(mt_backend *be, void *dgu, const void *dh, const void *gu, int M, int F)
+{
+    CUDA_REQUIRE(M >= 0 && F >= 1, "swiglu_bwd: M=%d F=%d", M, F);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(dgu && dh && gu, "swiglu_bwd: NULL pointer");
+    swiglu_bwd_kernel<<<cuda_grid((int64_t)M * F, 256), 256, 0, cuda_stream(be)>>>(
+        (bf16 *)dgu, (const bf16 *)dh, (const bf16 *)gu, M, F);
+    CUDA_LAUNCH_CHECK("swiglu_bwd");
+    return MT_OK;
+}
+
+/* ---- embedding ------------------------------------------------------------------- */
+
+/* y[m] = table[ids[m]]; vec: rows are whole 16-byte vectors (D % 8 == 0 and
+ * both bases 16-byte aligned). Negative ids (which the CPU rejects on the
+ * host) give zero rows instead of reading out of bounds. */
+__global__ void embedding_fwd_kernel(bf16 *__restrict__ y, const bf16 *__restrict__ table,
+                                     const int32_t *__restrict__ ids, int D, int vec)
+{
+    const int m = blockIdx.x;
+    const int id = ids[m];
+    bf16 *dst = y + (int64_t)m * D;
+    if (vec) {
+        uint4 *d4 = (uint4 *)dst;
+        const uint4 *s4 = (const uint4 *)(table + (int64_t)id * D);
+        for (int i = threadIdx.x; i < D / 8; i += blockDim.x) d4[i] = id >= 0 ? s4[i] : make_uint4(0, 0, 0, 0);
+    } else {
+        const bf16 *src = table + (int64_t)id * D;
+        for (int k = threadIdx.x; k < D; k += blockDim.x) dst[k] = id >= 0 ? src[k] : __float2bfloat16_rn(0.0f);
+    }
+}
+
+static int rows_vec_ok(const void *a, const void *b, int D)
+{
+    return D % 8 == 0 && ((uintptr_t)a % 16) == 0 && ((uintptr_t)b % 16) == 0;
+}
+
+static int cuda_embedding_fwd(mt_backend *be, void *y, const void *table, const int32_t *ids,
+                              int M, int D)
+{
+    CUDA_REQUIRE(M >= 0 && D >= 1, "embedding_fwd: M=%d D=%d", M, D);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(y && table && ids, "embedding_fwd: NULL pointer");
+    embedding_fwd_kernel<<<M, 128, 0, cuda_stream(be)>>>((bf16 *)y, (const bf16 *)table, ids, D,
+                                                         rows_vec_ok(y, table, D));
+    CUDA_LAUNCH_CHECK("embedding_fwd");
+    return MT_OK;
+}
+
+__global__ void iota_kernel(int32_t *v, int n)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) v[i] = i;
+}
+
+/* Block j handles sorted position j if it starts a run of equal ids: for
+ * each column, dtable[id, k] += dy[m, k] for the run's rows m in increasing
+ * order (the sort is stable), one float add at a time as the CPU. */
+__global__ void embedding_bwd_kernel(float *__restrict__ dtable, const bf16 *__restrict__ dy,
+                                     const int32_t *__restrict__ key, const int32_t *__restrict__ row,
+                                     int M, int D)
+{
+    const int j = blockIdx.x;
+    const int id = key[j];
+    if (id < 0 || (j > 0 && key[j - 1] == id)) return;
+    int end = j + 1;
+    while (end < M && key[end] == id) end++;
+    float *dst = dtable + (int64_t)id * D;
+    for (int k = threadIdx.x; k < D; k += blockDim.x) {
+        float acc = dst[k];
+        for (int i = j; i < end; i++) acc += cuda_ld(dy, (int64_t)row[i] * D + k);
+        dst[k] = acc;
+    }
+}
+
+static int cuda_embedding_bwd(mt_backend *be, float *dtable, const void *dy, const int32_t *ids,
+                              int M, int D)
+{
+    CUDA_REQUIRE(M >= 0 && D >= 1, "embedding_bwd: M=%d D=%d", M, D);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(dtable && dy && ids, "embedding_bwd: NULL pointer");
+    cudaStream_t st = cuda_stream(be);
+    size_t temp = 0;
+    MT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs((void *)NULL, temp, (const int32_t *)NULL,
+                                                  (int32_t *)NULL, (const int32_t *)NULL,
+                                                  (int32_t *)NULL, M, 0, 32, st));
+    const size_t vec = cu_align256(sizeof(int32_t) * (size_t)M);
+    char *base = (char *)cuda_scratch(be, 3 * vec + cu_align256(temp));
+    if (!base) return mt_err_wrap(MT_ENOMEM, "embedding_bwd: sorting %d ids", M);
+    cu_carve cv = {base, 0};
+    int32_t *key = (int32_t *)cu_take(&cv, sizeof(int32_t) * (size_t)M);
+    int32_t *row_in = (int32_t *)cu_take(&cv, sizeof(int32_t) * (size_t)M);
+    int32_t *row = (int32_t *)cu_take(&cv, sizeof(int32_t) * (size_t)M);
+    void *tmp = cu_take(&cv, temp);
+    iota_kernel<<<cuda_grid(M, 256), 256, 0, st>>>(row_in, M);
+    CUDA_LAUNCH_CHECK("embedding_bwd");
+    MT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(tmp, temp, ids, key, (const int32_t *)row_in,
+                                                  row, M, 0, 32, st));
+    embedding_bwd_kernel<<<M, 128, 0, st>>>(dtable, (const bf16 *)dy, key, row, M, D);
+    CUDA_LAUNCH_CHECK("embedding_bwd");
+    return MT_OK;
+}
+
+void cuda_install_norm(mt_backend *be)
+{
+    be->rmsnorm_fwd = cuda_rmsnorm_fwd;
+    be->rmsnorm_bwd = cuda_rmsnorm_bwd;
+    be->swiglu_fwd = cuda_swiglu_fwd;
+    be->swiglu_bwd = cuda_swiglu_bwd;
+    be->embedding_fwd = cuda_embedding_fwd;
+    be->embedding_bwd = cuda_embedding_bwd;
+}

@@ -1,0 +1,79 @@
+/* cuda_util.cuh - small device helpers shared by the element-wise, norm,
+ * MoE and loss kernels (cuda_fp8.cu, cuda_norm.cu, cuda_moe.cu,
+ * cuda_loss.cu): fixed-tree warp and block reductions, a
+ * correctly-rounded-in-practice expf, and scratch carving.
+ *
+ * Determinism: every reduction here is a fixed butterfly / tree over lanes
+ * and warps for a given blockDim, so a result depends only on the launch
+ * shape, which the launchers derive from the problem shape alone.
+ */
+#ifndef MT_CUDA_UTIL_CUH
+#define MT_CUDA_UTIL_CUH
+
+#include "kernels/cuda/cuda_impl.h"
+
+#define CU_WARP 32
+#define CU_FULL 0xffffffffu
+
+__device__ __forceinline__ float cu_warp_max(float v)
+{
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(CU_FULL, v, o));
+    return v;
+}
+
+__device__ __forceinline__ double cu_warp_sum(double v)
+{
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(CU_FULL, v, o);
+    return v;
+}
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024) in a fixed
+ * tree; every thread gets the result. sh: __shared__ double[32]. Contains
+ * __syncthreads: call from all threads. */
+__device__ __forceinline__ double cu_block_sum(double v, double *sh)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = cu_warp_sum(v);
+    __syncthreads(); /* sh may still be read by a previous call */
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    double t = lane < nw ? sh[lane] : 0.0;
+    return cu_warp_sum(t);
+}
+
+/* Max over the block (NaNs ignored as fmaxf does); sh: __shared__ float[32]. */
+__device__ __forceinline__ float cu_block_max(float v, float *sh)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = cu_warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    float t = lane < nw ? sh[lane] : -INFINITY;
+    return cu_warp_max(t);
+}
+
+/* expf as the CPU backend's glibc computes it: exp in double rounded once to
+ * float. glibc's expf is within 0.502 ulp (correctly rounded but for inputs
+ * whose exact result lies within ~0.002 ulp of a rounding boundary), and so
+ * is this, so the two agree on all but a vanishing fraction of inputs where
+ * CUDA's expf (2 ulp) would differ often. Used where a score decides a
+ * discrete choice (router) or where the op is cheap relative to memory. */
+__device__ __forceinline__ float cu_expf(float x) { return (float)exp((double)x); }
+
+/* Carves consecutive 256-byte aligned pieces out of one scratch buffer. */
+typedef struct cu_carve {
+    char *base;
+    size_t off;
+} cu_carve;
+
+static inline size_t cu_align256(size_t b) { return (b + 255) & ~(size_t)255; }
+
+static inline void *cu_take(cu_carve *c, size_t bytes)
+{
+    void *p = c->base + c->off;
+    c->off += cu_align256(bytes);
+    return p;
+}
+
+#endif

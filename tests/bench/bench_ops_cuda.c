@@ -1,0 +1,225 @@
+/* bench_ops_cuda.c - per-op throughput of the CUDA backend at DeepSeek-V3
+ * shapes, against the ceilings measured on the same kind of GPU.
+ *
+ *   bench_ops_cuda [--iters N]
+ *
+ * GEMMs print TFLOPS and the ratio to the FP8 block-scaled (1240-1440) or
+ * BF16 (890) ceilings; memory-bound ops print GB/s (bytes read + written once)
+ * and the ratio to a device-to-device copy measured here. Timing: wall time
+ * of N back-to-back calls after warm-up and a synchronisation, median of 5.
+ * Results: tests/bench/RESULTS.md.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels/mt_rng.h"
+#include "kernels/mt_status.h"
+#include "kernels/ops.h"
+
+static mt_backend *be;
+static int iters = 10;
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+#define CK(x)                                                                  \
+    do {                                                                       \
+        if ((x) < 0) {                                                         \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, mt_errmsg());   \
+            exit(2);                                                           \
+        }                                                                      \
+    } while (0)
+
+/* Random act values: a block of 2^20 normal draws repeated (throughput does
+ * not depend on the values, only on them not being zeros). */
+static void *dev_random_act(int64_t n, uint64_t seed, float scale)
+{
+    enum { BLK = 1 << 20 };
+    float *h = malloc((size_t)n * 4), *d;
+    void *a;
+    for (int64_t i = 0; i < n && i < BLK; i++) h[i] = scale * (float)mt_hash_normal(seed, (uint64_t)i);
+    for (int64_t i = BLK; i < n; i += BLK) memcpy(h + i, h, (size_t)(n - i < BLK ? n - i : BLK) * 4);
+    CK(be->alloc(be, (size_t)n * 4, (void **)&d));
+    CK(be->upload(be, d, h, (size_t)n * 4));
+    CK(be->alloc(be, (size_t)n * 2, &a));
+    CK(be->act_from_f32(be, a, d, n));
+    be->free(be, d);
+    free(h);
+    return a;
+}
+
+static void *dev_alloc(size_t bytes)
+{
+    void *p;
+    CK(be->alloc(be, bytes, &p));
+    return p;
+}
+
+/* Median milliseconds per call of fn over `iters` back-to-back calls (the
+ * host only enqueues; one synchronisation per repeat), 5 repeats. */
+typedef void (*op_fn)(void *ctx);
+static double time_ms(op_fn fn, void *ctx)
+{
+    for (int i = 0; i < 3; i++) fn(ctx);
+    CK(be->sync(be));
+    double t[5];
+    for (int r = 0; r < 5; r++) {
+        double t0 = now_s();
+        for (int i = 0; i < iters; i++) fn(ctx);
+        CK(be->sync(be));
+        t[r] = (now_s() - t0) * 1e3 / iters;
+    }
+    for (int i = 0; i < 5; i++)
+        for (int j = i + 1; j < 5; j++)
+            if (t[j] < t[i]) {
+                double x = t[i];
+                t[i] = t[j];
+                t[j] = x;
+            }
+    return t[2];
+}
+
+/* ---- GEMMs ----------------------------------------------------------------- */
+
+typedef struct gemm_ctx {
+    int fp8, M, N, K, G;
+    void *A, *B, *C;
+    uint8_t *qa, *qb;
+    float *sa, *sb;
+    int *rows;
+} gemm_ctx;
+
+static void run_gemm(void *p)
+{
+    gemm_ctx *g = p;
+    if (!g->fp8) {
+        CK(be->gemm(be, g->C, 0, g->N, g->A, g->K, 0, g->B, g->K, 0, g->M, g->N, g->K, 1.0f, 0));
+        return;
+    }
+    int64_t bstride = (int64_t)g->N * g->K, sstride = (int64_t)((g->N + 127) / 128) * ((g->K + 127) / 128);
+    CK(be->gemm_fp8(be, 0, g->C, 0, g->N, 0, g->qa, g->sa, g->qb, g->sb, bstride, sstride, g->rows,
+                    g->G, g->N, g->K, 0));
+}
+
+static void bench_gemm(const char *what, int fp8, int M, int N, int K, int G, double ceiling)
+{
+    gemm_ctx g = {fp8, M, N, K, G, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    int64_t Mt = (int64_t)M * G;
+    g.A = dev_random_act(Mt * K, 1, 1.0f);
+    g.B = dev_random_act((int64_t)G * N * K, 2, 0.02f);
+    g.C = dev_alloc((size_t)Mt * N * 2);
+    g.rows = malloc((size_t)G * sizeof *g.rows);
+    for (int i = 0; i < G; i++) g.rows[i] = M;
+    if (fp8) {
+        const int KB = (K + 127) / 128, NB = (N + 127) / 128;
+        float *wf = dev_alloc((size_t)N * K * 4);
+        g.qa = dev_alloc((size_t)Mt * K);
+        g.sa = dev_alloc((size_t)Mt * KB * 4);
+        g.qb = dev_alloc((size_t)G * N * K);
+        g.sb = dev_alloc((size_t)G * NB * KB * 4);
+        CK(be->quant_rows(be, g.qa, g.sa, g.A, K, g.rows, G, K));
+        for (int e = 0; e < G; e++) {
+            CK(be->act_to_f32(be, wf, (char *)g.B + (size_t)e * N * K * 2, (int64_t)N * K));
+            CK(be->quant_blocks(be, g.qb + (size_t)e * N * K, g.sb + (size_t)e * NB * KB, wf, N, K));
+        }
+        be->free(be, wf);
+    }
+    double ms = time_ms(run_gemm, &g);
+    double tf = 2.0 * Mt * N * K / (ms * 1e-3) / 1e12;
+    printf("  %-34s M=%-6d N=%-6d K=%-6d G=%-3d %8.3f ms %7.1f TFLOPS  %4.0f%% of %4.0f\n", what, M,
+           N, K, G, ms, tf, 100 * tf / ceiling, ceiling);
+    be->free(be, g.A);
+    be->free(be, g.B);
+    be->free(be, g.C);
+    if (fp8) {
+        be->free(be, g.qa);
+        be->free(be, g.sa);
+        be->free(be, g.qb);
+        be->free(be, g.sb);
+    }
+    free(g.rows);
+}
+
+/* ---- memory-bound ops ------------------------------------------------------------ */
+
+typedef struct mem_ctx {
+    int kind, M, D;
+    void *x, *y, *w;
+    uint8_t *q;
+    float *s, *rstd;
+    int rows[1];
+} mem_ctx;
+
+static void run_mem(void *p)
+{
+    mem_ctx *c = p;
+    switch (c->kind) {
+    case 0: CK(be->copy(be, c->y, c->x, (size_t)c->M * c->D * 2)); break;
+    case 1: CK(be->quant_rows(be, c->q, c->s, c->x, c->D, c->rows, 1, c->D)); break;
+    case 2: CK(be->quant_cols_t(be, c->q, c->s, c->x, c->D, c->rows, 1, c->D)); break;
+    case 3: CK(be->rmsnorm_fwd(be, c->y, c->D, c->rstd, c->x, c->D, c->w, c->M, c->D, 1e-6f)); break;
+    case 4: CK(be->swiglu_fwd(be, c->y, c->x, c->M, c->D / 2)); break;
+    }
+}
+
+static double copy_gbs;
+
+static void bench_mem(const char *what, int kind, int M, int D, double bytes)
+{
+    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, {M}};
+    c.x = dev_random_act((int64_t)M * D, 3, 1.0f);
+    c.y = dev_alloc((size_t)M * D * 2);
+    c.w = dev_random_act(D, 4, 1.0f);
+    c.q = dev_alloc((size_t)M * D);
+    c.s = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
+    c.rstd = dev_alloc((size_t)M * 4);
+    double ms = time_ms(run_mem, &c);
+    double gbs = bytes / (ms * 1e-3) / 1e9;
+    if (kind == 0) copy_gbs = gbs;
+    printf("  %-34s M=%-6d D=%-6d %8.3f ms %7.0f GB/s  %4.0f%% of copy\n", what, M, D, ms, gbs,
+           copy_gbs > 0 ? 100 * gbs / copy_gbs : 100.0);
+    be->free(be, c.x);
+    be->free(be, c.y);
+    be->free(be, c.w);
+    be->free(be, c.q);
+    be->free(be, c.s);
+    be->free(be, c.rstd);
+}
+
+int main(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (mt_cuda_device_count() <= 0) {
+        fprintf(stderr, "bench_ops_cuda: no CUDA device\n");
+        return 77;
+    }
+    CK(mt_backend_cuda_create(&be, 0, (size_t)40 << 30));
+    printf("GEMMs (DeepSeek-V3 proxy shapes, 4096 tokens)\n");
+    bench_gemm("bf16 8192^3 (ceiling check)", 0, 8192, 8192, 8192, 1, 890);
+    bench_gemm("fp8 8192^3", 1, 8192, 8192, 8192, 1, 1340);
+    bench_gemm("fp8 q_a  [4096,7168]x[1536]", 1, 4096, 1536, 7168, 1, 1340);
+    bench_gemm("fp8 q_b  [4096,1536]x[24576]", 1, 4096, 24576, 1536, 1, 1340);
+    bench_gemm("fp8 kv_b [4096,512]x[32768]", 1, 4096, 32768, 512, 1, 1340);
+    bench_gemm("fp8 o    [4096,16384]x[7168]", 1, 4096, 7168, 16384, 1, 1340);
+    bench_gemm("fp8 dense gate [4096,7168]x[18432]", 1, 4096, 18432, 7168, 1, 1340);
+    bench_gemm("fp8 dense down [4096,18432]x[7168]", 1, 4096, 7168, 18432, 1, 1340);
+    bench_gemm("fp8 experts gate 32x[1024,7168]x[2048]", 1, 1024, 2048, 7168, 32, 1340);
+    bench_gemm("fp8 experts down 32x[1024,2048]x[7168]", 1, 1024, 7168, 2048, 32, 1340);
+    bench_gemm("bf16 head [4096,7168]x[129280]", 0, 4096, 129280, 7168, 1, 890);
+    printf("memory-bound ops (bf16 activations)\n");
+    bench_mem("d2d copy (ceiling check)", 0, 4096, 7168, 2.0 * 4096 * 7168 * 2);
+    bench_mem("quant_rows 1x128", 1, 4096, 7168, 4096.0 * 7168 * 3);
+    bench_mem("quant_cols_t 128x1", 2, 4096, 7168, 4096.0 * 7168 * 3);
+    bench_mem("rmsnorm_fwd", 3, 4096, 7168, 4096.0 * 7168 * 4);
+    bench_mem("swiglu_fwd", 4, 4096, 4096, 4096.0 * 4096 * 3);
+    be->destroy(be);
+    return 0;
+}
