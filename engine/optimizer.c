@@ -179,6 +179,12 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
             continue;
         }
         void *w = master_of(o, p);
+        if (p->q) { /* FP8 weight: update and re-quantise in one pass */
+            MT_CHECK(be->adamw_fp8(be, w, o->main == MT_MAIN_BF16, o->m + off, o->v + off,
+                                   p->grad, (int)p->d.rows, (int)p->d.cols, &hp, p->q, p->s,
+                                   p->qt, p->st));
+            continue;
+        }
         MT_CHECK(be->adamw(be, w, o->main == MT_MAIN_BF16, o->m + off, o->v + off, p->grad, n,
                            &hp));
         const float *wf = w;

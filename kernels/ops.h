@@ -276,6 +276,14 @@ struct mt_backend {
      * bits when p_bf16 (round to nearest even). */
     int (*adamw)(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
                  const float *grad, int64_t n, const mt_adamw_hp *hp);
+    /* AdamW of an FP8 weight's main copy fused with its re-quantisation:
+     * p [N, K] (f32, or bf16 bits when p_bf16), m, v, grad as adamw; then
+     * q, s = quant_blocks(p) and qt, st = transpose_blocks(q, s), all from
+     * the updated p (bf16: its rounded value). Bit-identical to those three
+     * ops in sequence; one pass over memory instead of three on the GPU. */
+    int (*adamw_fp8)(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
+                     const float *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
+                     float *s, uint8_t *qt, float *st);
     /* Stochastic rounding (the main_params "none" mode, where the compute
      * copy is the only copy of a weight). The random bits of element i are
      * mt_hash_u64(seed, i) on every backend, so results are bit-identical.

@@ -710,15 +710,19 @@ static void quant_both(const float *xh, int M, int K, const int *rows, int G, in
     cpu->free(cpu, x);
 }
 
-static void test_gemm_fp8_rows(const int *rows, int G, int N, int K, int c_f32, int acc)
+/* ldc = N + pad: an odd pad misaligns C's rows, which cuBLASLt's direct FP8
+ * order (C written in place) cannot take, so such cases run the swapped
+ * order or the fallback kernel; pad 0 or 8 with K < 4096 runs the direct
+ * order, K >= 4096 the swapped one (cuda_gemm.cu, fp8_direct_pays). */
+static void test_gemm_fp8_rows(const int *rows, int G, int N, int K, int c_f32, int acc, int pad)
 {
     int M = 0;
     for (int g = 0; g < G; g++) M += rows[g];
-    const int NB = mt_ceil_div(N, 128), KB = mt_ceil_div(K, 128), ldc = N + 2;
+    const int NB = mt_ceil_div(N, 128), KB = mt_ceil_div(K, 128), ldc = N + pad;
     char sh[128], rs[64] = "";
     int l = 0;
     for (int g = 0; g < G && l < 50; g++) l += snprintf(rs + l, sizeof rs - (size_t)l, "%s%d", g ? "," : "", rows[g]);
-    snprintf(sh, sizeof sh, "red0 rows{%s} N%d K%d %s acc%d", rs, N, K, c_f32 ? "f32" : "act", acc);
+    snprintf(sh, sizeof sh, "red0 rows{%s} N%d K%d ldc%d %s acc%d", rs, N, K, ldc, c_f32 ? "f32" : "act", acc);
     float *xh = rnd_act((int64_t)M * K, 70 + G, 1.0f);
     tb qa, sa;
     quant_both(xh, M, K, rows, G, 0, &qa, &sa);
@@ -752,16 +756,16 @@ static void test_gemm_fp8_rows(const int *rows, int G, int N, int K, int c_f32, 
     free(xh), free(w), free(qbh), free(sbh);
 }
 
-static void test_gemm_fp8_reduce(const int *rows, int G, int N, int K, int c_f32, int acc)
+static void test_gemm_fp8_reduce(const int *rows, int G, int N, int K, int c_f32, int acc, int pad)
 {
     int M = 0;
     for (int g = 0; g < G; g++) M += rows[g];
-    const int ldc = K + 1;
+    const int ldc = K + pad;
     const int64_t cstride = (int64_t)N * ldc + 3;
     char sh[128], rs[64] = "";
     int l = 0;
     for (int g = 0; g < G && l < 50; g++) l += snprintf(rs + l, sizeof rs - (size_t)l, "%s%d", g ? "," : "", rows[g]);
-    snprintf(sh, sizeof sh, "red1 rows{%s} N%d K%d %s acc%d", rs, N, K, c_f32 ? "f32" : "act", acc);
+    snprintf(sh, sizeof sh, "red1 rows{%s} N%d K%d ldc%d %s acc%d", rs, N, K, ldc, c_f32 ? "f32" : "act", acc);
     float *dy = rnd_act((int64_t)M * N, 80 + G, 1.0f), *x = rnd_act((int64_t)M * K, 81 + G, 1.0f);
     tb qa, sa, qb, sb;
     quant_both(dy, M, N, rows, G, 1, &qa, &sa);
@@ -784,15 +788,29 @@ static void test_gemm_fp8_reduce(const int *rows, int G, int N, int K, int c_f32
 static void test_gemm_fp8(void)
 {
     const int r1[] = {200}, r2[] = {128}, r3[] = {130, 0, 77, 256}, r4[] = {1, 383};
-    test_gemm_fp8_rows(r1, 1, 300, 260, 0, 0);
-    test_gemm_fp8_rows(r2, 1, 256, 512, 0, 1);
-    test_gemm_fp8_rows(r2, 1, 256, 512, 1, 1);
-    test_gemm_fp8_rows(r3, 4, 128, 384, 0, 0);
-    test_gemm_fp8_rows(r4, 2, 96, 200, 0, 1);
-    test_gemm_fp8_reduce(r1, 1, 300, 260, 1, 1);
-    test_gemm_fp8_reduce(r2, 1, 256, 128, 1, 0);
-    test_gemm_fp8_reduce(r3, 4, 128, 384, 1, 1);
-    test_gemm_fp8_reduce(r4, 2, 96, 200, 0, 0);
+    const int r5[] = {256, 0, 128, 384}, r6[] = {512};
+    /* misaligned C: swapped order or fallback */
+    test_gemm_fp8_rows(r1, 1, 300, 260, 0, 0, 2);
+    test_gemm_fp8_rows(r2, 1, 256, 512, 0, 1, 2);
+    test_gemm_fp8_rows(r2, 1, 256, 512, 1, 1, 2);
+    test_gemm_fp8_rows(r3, 4, 128, 384, 0, 0, 2);
+    test_gemm_fp8_rows(r4, 2, 96, 200, 0, 1, 2);
+    test_gemm_fp8_reduce(r1, 1, 300, 260, 1, 1, 1);
+    test_gemm_fp8_reduce(r2, 1, 256, 128, 1, 0, 1);
+    test_gemm_fp8_reduce(r3, 4, 128, 384, 1, 1, 1);
+    test_gemm_fp8_reduce(r4, 2, 96, 200, 0, 0, 1);
+    /* aligned C, K < 4096: direct order (expanded block scales, C in place) */
+    test_gemm_fp8_rows(r2, 1, 256, 512, 0, 0, 0);
+    test_gemm_fp8_rows(r2, 1, 256, 512, 0, 1, 8);
+    test_gemm_fp8_rows(r2, 1, 384, 640, 1, 1, 0);
+    test_gemm_fp8_rows(r5, 4, 256, 384, 0, 0, 0);
+    test_gemm_fp8_rows(r5, 4, 256, 384, 0, 1, 0);
+    test_gemm_fp8_reduce(r2, 1, 256, 128, 1, 0, 0);
+    test_gemm_fp8_reduce(r5, 4, 256, 384, 1, 1, 0);
+    test_gemm_fp8_reduce(r6, 1, 384, 256, 0, 1, 0);
+    /* aligned C, K >= 4096: swapped order */
+    test_gemm_fp8_rows(r6, 1, 256, 4096, 0, 0, 0);
+    test_gemm_fp8_rows(r5, 4, 128, 4224, 0, 1, 8);
 }
 
 /* ---- norms, SwiGLU, embedding ------------------------------------------------------------- */
@@ -1237,6 +1255,52 @@ static void test_optimizer(void)
         }
         tb_free(&p), tb_free(&m), tb_free(&v);
         free(ph);
+    }
+    /* adamw_fp8: the fused update + re-quantisation, f32 and bf16 master, at
+     * shapes with partial 128x128 blocks; every output bit-exact */
+    {
+        const int shp[][2] = {{128, 128}, {200, 300}, {7, 130}, {384, 1000}};
+        for (size_t i = 0; i < sizeof shp / sizeof shp[0]; i++)
+            for (int pb = 0; pb < 2; pb++) {
+                const int N = shp[i][0], K = shp[i][1];
+                const int64_t n = (int64_t)N * K, nsc = (int64_t)mt_ceil_div(N, 128) * mt_ceil_div(K, 128);
+                char sh[96];
+                snprintf(sh, sizeof sh, "%dx%d %s master, 2 steps", N, K, pb ? "bf16" : "f32");
+                float *ph = rnd_f32(n, 230 + i, 0.05f);
+                tb p;
+                if (pb) {
+                    uint16_t *pbh = ref_alloc(2 * (size_t)n);
+                    for (int64_t j = 0; j < n; j++) pbh[j] = mt_bf16_from_f32(ph[j]);
+                    p = tb_from(T_U16, n, pbh);
+                    free(pbh);
+                } else {
+                    p = tb_from(T_F32, n, ph);
+                }
+                tb m = tb_new(T_U16, n), v = tb_new(T_U16, n), q = tb_new(T_U8, n), qt = tb_new(T_U8, n);
+                tb sc = tb_new(T_F32, nsc), st = tb_new(T_F32, nsc);
+                int ok = 1;
+                for (int step = 1; step <= 2 && ok; step++) {
+                    mt_adamw_hp hp = {3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0, 0, 0.7f};
+                    hp.bc1 = 1.0f - powf(0.9f, (float)step);
+                    hp.bc2 = 1.0f - powf(0.95f, (float)step);
+                    tb g = f32_rand(n, 240 + step, 1e-3f);
+                    BOTH(ok, "adamw_fp8", sh, be->adamw_fp8(be, p.p[s], pb, m.p[s], v.p[s], g.p[s], N, K,
+                                                            &hp, q.p[s], sc.p[s], qt.p[s], st.p[s]));
+                    tb_free(&g);
+                }
+                if (ok) {
+                    check_exact("adamw_fp8", sh, "p", &p, 0);
+                    check_exact("adamw_fp8", sh, "m", &m, 0);
+                    check_exact("adamw_fp8", sh, "v", &v, 0);
+                    check_exact("adamw_fp8", sh, "q", &q, 0);
+                    check_exact("adamw_fp8", sh, "s", &sc, 0);
+                    check_exact("adamw_fp8", sh, "qt", &qt, 0);
+                    check_exact("adamw_fp8", sh, "st", &st, 0);
+                }
+                tb_free(&p), tb_free(&m), tb_free(&v), tb_free(&q), tb_free(&qt);
+                tb_free(&sc), tb_free(&st);
+                free(ph);
+            }
     }
     /* bf16 -> f32: every code */
     {

@@ -73,9 +73,34 @@ static int cpu_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t 
     return MT_OK;
 }
 
+/* The reference: the three ops in sequence (ops.h defines the fused op so). */
+static int cpu_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
+                         const float *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
+                         float *s, uint8_t *qt, float *st)
+{
+    CPU_REQUIRE(N >= 1 && K >= 1, "adamw_fp8: N=%d K=%d", N, K);
+    CPU_REQUIRE(q && s && qt && st, "adamw_fp8: NULL pointer");
+    const int64_t n = (int64_t)N * K;
+    MT_CHECK(cpu_adamw(be, p, p_bf16, m, v, grad, n, hp));
+    const float *w = p;
+    float *tmp = NULL;
+    if (p_bf16) {
+        tmp = malloc((size_t)n * sizeof *tmp);
+        if (!tmp) return MT_ERR(MT_ENOMEM, "adamw_fp8: out of memory (%lld elements)", (long long)n);
+        const uint16_t *pb = p;
+        for (int64_t i = 0; i < n; i++) tmp[i] = mt_bf16_to_f32(pb[i]);
+        w = tmp;
+    }
+    int rc = be->quant_blocks(be, q, s, w, N, K);
+    if (rc == MT_OK) rc = be->transpose_blocks(be, qt, st, q, s, N, K);
+    free(tmp);
+    return rc;
+}
+
 void cpu_install_optim(mt_backend *be)
 {
     be->sumsq = cpu_sumsq;
     be->scale_f32 = cpu_scale_f32;
     be->adamw = cpu_adamw;
+    be->adamw_fp8 = cpu_adamw_fp8;
 }

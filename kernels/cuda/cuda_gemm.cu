@@ -3,12 +3,22 @@
  *
  * Row-major to cuBLASLt (column-major): our C[M, N] = A(m, k) B(n, k) is
  * cuBLASLt's D[N, M] = op(B') op(A') with B' and A' our buffers read
- * column-major, so for BF16 cuBLASLt's "A" is our B and its "B" our A:
+ * column-major, so cuBLASLt's "A" is our B and its "B" our A:
  *   transa = tb ? N : T,  transb = ta ? T : N,  m = N, n = M, k = K.
- * FP8 needs "TN" (ta = tb = 0) and its 1x128-scaled operand as cuBLASLt's
- * A (see plan_build): our activations (VEC128, s[kb * M + m]) go there, our
- * weights (BLK128x128, s[nb * KB + kb], or VEC128 in weight-gradient GEMMs)
- * are its B, and the column-major result is C^T, transposed into C.
+ * FP8 must be "TN" (ta = tb = 0) and runs in one of two operand orders:
+ *  - direct: the order above. cuBLASLt 13.1 pairs a 128x128-block-scaled
+ *    operand only with a 1x128-scaled A, and here our weights are its A, so
+ *    both operands get 1x128 scales (VEC128, s[kb * rows + r]): a weight's
+ *    block scales are expanded to per-row scales (the same value for the
+ *    128 rows of a block: the products are unchanged); weight-gradient
+ *    operands are 1x128 already. D is our C in place, bf16 or fp32, with
+ *    beta = 1 to accumulate.
+ *  - swapped: our activations (1x128) as its A against our BLK128x128
+ *    weights as its B; the column-major result is C^T, written in fp32 to
+ *    scratch and transposed into C by a kernel.
+ * The order of a shape is a fixed rule of K (fp8_direct_pays), so runs are
+ * reproducible; a shape cuBLASLt has no direct algorithm for runs swapped.
+ * MOETRAIN_FP8_GEMM=direct or =swap forces one order (benchmarks).
  *
  * Plans (descriptors, layouts, the heuristic's algorithm) are cached per
  * shape. A shape cuBLASLt cannot run (no algorithm: alignment, odd sizes in
@@ -31,14 +41,16 @@ typedef struct gemm_key {
     int lda, ldb, ldc;
     int c_f32;
     int beta;          /* 0 or 1 */
-    int a_vec;         /* fp8: our B (cuBLASLt A) is VEC128 (1) or BLK128 (0) */
+    int a_vec;         /* fp8 swapped order: our B is VEC128 (1) or BLK128 (0) */
+    int direct;        /* fp8: cuBLASLt A = our B (VEC128), D = our C (ok = 3) */
 } gemm_key;
 
 typedef struct gemm_plan {
     gemm_key key;
     int used;
-    int ok;            /* 1: BF16 on cuBLASLt; 2: FP8 on cuBLASLt (C^T into scratch,
-                        * then transposed); 0: the fallback kernel */
+    int ok;            /* 1: BF16 on cuBLASLt; 2: FP8 on cuBLASLt in the swapped
+                        * order (C^T into scratch, then transposed); 3: FP8 on
+                        * cuBLASLt straight into C; 0: the fallback kernel */
     int lt_status;     /* the last heuristic's cublasStatus_t, for the warning */
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc;
@@ -53,6 +65,8 @@ typedef struct fp8_scales {
 struct cuda_gemm_cache {
     gemm_plan slot[GEMM_SLOTS];
     int force_fallback;
+    int fp8_order;     /* MOETRAIN_FP8_GEMM: 0 "auto" (fp8_direct_pays), 1 "direct",
+                        * 2 "swap" wherever cuBLASLt runs them */
     int n_fallback_logged;
 };
 
@@ -111,13 +125,13 @@ static int set_scales(gemm_plan *p, cublasLtMatmulMatrixScale_t ma, const float 
 }
 
 /* Builds descriptors and asks the heuristic; p->ok = 0 when cuBLASLt has no
- * algorithm for the shape (not an error: the fallback runs it).
+ * algorithm for the shape (not an error: the caller tries the next order or
+ * the fallback kernel). Scale pointers: the heuristic validates them, so they
+ * are set here too.
  *
- * BF16 (ok = 1): cuBLASLt's A is our B, its B our A, D is our C.
- * FP8 (ok = 2): cuBLASLt 13.1 takes the 1x128-scaled operand only as its A
- * (with our weights as A the heuristic answers INVALID_VALUE, measured on an
- * H200), so the operands are swapped: D = C^T, column-major [M, N] in fp32
- * scratch, which k_transpose_into writes into C. */
+ * BF16 (ok = 1) and FP8 direct (ok = 3): cuBLASLt's A is our B, its B our A,
+ * D is our C. FP8 swapped (ok = 2): cuBLASLt's A is our A with 1x128 scales,
+ * B our B (128x128 blocks, or 1x128), D fp32 column-major [M, N] dense. */
 static int plan_build(mt_backend *be, gemm_plan *p, const fp8_scales *sc)
 {
     const gemm_key *k = &p->key;
@@ -135,10 +149,18 @@ static int plan_build(mt_backend *be, gemm_plan *p, const fp8_scales *sc)
         if (plan_heuristic(be, p)) p->ok = 1;
         return MT_OK;
     }
-    /* cuBLASLt A = our A [M, K] (1x128 scales), B = our B [N, K] (128x128
-     * blocks, or 1x128 in weight-gradient GEMMs), D fp32 [M, N] dense. The
-     * heuristic validates the scale pointers, so they are set here too. */
     MT_CHECK(plan_descs(p, CUBLAS_OP_T, CUBLAS_OP_N));
+    if (k->direct) {
+        /* A = our B [N, K], B = our A [M, K], both VEC128; D = C [N, M] col-major */
+        MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_8F_E4M3, k->K, k->N, k->ldb));
+        MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_8F_E4M3, k->K, k->M, k->lda));
+        MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, k->c_f32 ? CUDA_R_32F : CUDA_R_16BF,
+                                                   k->N, k->M, k->ldc));
+        MT_CHECK(set_scales(p, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sc->sb,
+                            CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sc->sa));
+        if (plan_heuristic(be, p)) p->ok = 3;
+        return MT_OK;
+    }
     MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_8F_E4M3, k->K, k->M, k->lda));
     MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_8F_E4M3, k->K, k->N, k->ldb));
     MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, CUDA_R_32F, k->M, k->N, k->M));
@@ -172,7 +194,7 @@ static int plan_get(mt_backend *be, const gemm_key *k, const fp8_scales *sc, gem
             /* The fallback is meant for the odd shapes of test models; on a
              * large shape it costs an order of magnitude: say so. */
             int big = (double)k->M * k->N * k->K >= 1e9;
-            if (!p->ok && !g->force_fallback && g->n_fallback_logged++ < 32)
+            if (!p->ok && !k->direct && !g->force_fallback && g->n_fallback_logged++ < 32)
                 mt_log(big ? MT_LOG_WARN : MT_LOG_DEBUG,
                        "gemm: no cuBLASLt algorithm for %s M=%d N=%d K=%d lda=%d ldb=%d ldc=%d "
                        "ta=%d tb=%d c_f32=%d (heuristic: %s): fallback kernel",
@@ -332,14 +354,37 @@ static int run_bf16(mt_backend *be, cudaStream_t s, void *ws, void *C, int c_f32
 }
 
 /* FP8 TN GEMM: A [M, K] with VEC128 sa, B [N, K] with sb (VEC128 if b_vec, else
- * BLK128). */
+ * BLK128); sb_vec, when not NULL, is B's scales as VEC128 (s[kb * N + n]) for
+ * the direct order. */
 static int run_fp8(mt_backend *be, cudaStream_t s, void *ws, void *tmp, size_t tmp_bytes, void *C,
                    int c_f32, int ldc, const uint8_t *A, int lda, const float *sa,
-                   const uint8_t *B, int ldb, const float *sb, int b_vec, int M, int N, int K,
-                   int accumulate)
+                   const uint8_t *B, int ldb, const float *sb, int b_vec, const float *sb_vec,
+                   int M, int N, int K, int accumulate)
 {
     if (M <= 0 || N <= 0) return MT_OK;
     if (K <= 0) return empty_sum(s, C, c_f32, ldc, M, N, accumulate);
+    if (sb_vec) {
+        gemm_key k;
+        memset(&k, 0, sizeof k);
+        k.fp8 = 1, k.direct = 1, k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc;
+        k.c_f32 = c_f32, k.beta = accumulate ? 1 : 0;
+        gemm_plan *p;
+        fp8_scales sc = {sa, sb_vec};
+        MT_CHECK(plan_get(be, &k, &sc, &p));
+        if (p->ok == 3) {
+            float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+            MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb_vec, sizeof sb_vec));
+            MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof sa));
+            cublasStatus_t st = cublasLtMatmul(cuda_of(be)->lt, p->op, &alpha, B, p->la, A, p->lb,
+                                               &beta, C, p->lc, C, p->lc, &p->algo, ws,
+                                               CUDA_LT_WORKSPACE, s);
+            if (st == CUBLAS_STATUS_SUCCESS) return MT_OK;
+            if (st != CUBLAS_STATUS_NOT_SUPPORTED)
+                return mt_err_at(MT_ECUBLAS, __FILE__, __LINE__, "gemm_fp8 M=%d N=%d K=%d: %s", M,
+                                 N, K, cublasGetStatusString(st));
+            p->ok = 0; /* remembered: the swapped order from now on */
+        }
+    }
     gemm_key k;
     memset(&k, 0, sizeof k);
     k.fp8 = 1, k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc;
@@ -392,15 +437,19 @@ static int cuda_gemm(mt_backend *be, void *C, int c_f32, int ldc, const void *A,
 }
 
 /* Fans groups out over the expert streams: stream i runs groups i, i+S, ...
- * The main stream waits for all of them before the next op. */
+ * The main stream waits for all of them before the next op. `reserved`
+ * bytes at the start of the op scratch belong to the caller (expanded scales);
+ * of the rest the main stream owns the first half, expert stream i an eighth. */
 typedef struct fanout {
     int S;
+    size_t reserved;
 } fanout;
 
-static int fan_begin(mt_backend *be, int G, fanout *f)
+static int fan_begin(mt_backend *be, int G, size_t reserved, fanout *f)
 {
     cuda_impl *c = cuda_of(be);
     f->S = G > 1 ? (G < CUDA_EXPERT_STREAMS ? G : CUDA_EXPERT_STREAMS) : 0;
+    f->reserved = reserved;
     if (!f->S) return MT_OK;
     MT_CUDA_CHECK(cudaEventRecord(c->xevent[CUDA_EXPERT_STREAMS], c->stream));
     for (int i = 0; i < f->S; i++)
@@ -408,24 +457,25 @@ static int fan_begin(mt_backend *be, int G, fanout *f)
     return MT_OK;
 }
 
-/* The stream, cuBLASLt workspace and scratch slice of group g: the main
- * stream owns the first half of the op scratch, expert stream i an eighth. */
+/* The stream, cuBLASLt workspace and scratch slice of group g. */
 static void fan_stream(mt_backend *be, const fanout *f, int g, cudaStream_t *s, void **ws,
                        void **tmp, size_t *tmp_bytes)
 {
     cuda_impl *c = cuda_of(be);
-    size_t half = c->scratch_cap / 2 / 256 * 256, part = half / CUDA_EXPERT_STREAMS / 256 * 256;
+    char *base = c->scratch + f->reserved;
+    size_t half = (c->scratch_cap - f->reserved) / 2 / 256 * 256;
+    size_t part = half / CUDA_EXPERT_STREAMS / 256 * 256;
     if (!f->S) {
         *s = c->stream;
         *ws = c->lt_ws[0];
-        *tmp = c->scratch;
+        *tmp = base;
         *tmp_bytes = half;
         return;
     }
     int i = g % f->S;
     *s = c->xstream[i];
     *ws = c->lt_ws[1 + i];
-    *tmp = c->scratch + half + (size_t)i * part;
+    *tmp = base + half + (size_t)i * part;
     *tmp_bytes = part;
 }
 
@@ -449,7 +499,7 @@ static int cuda_gemm_grouped(mt_backend *be, int reduce, void *C, int c_f32, int
     CUDA_REQUIRE(C && A && B, "gemm_grouped: NULL operand");
     const size_t ce = c_f32 ? 4 : 2;
     fanout f;
-    MT_CHECK(fan_begin(be, G, &f));
+    MT_CHECK(fan_begin(be, G, 0, &f));
     int64_t r = 0;
     int rc = MT_OK;
     for (int g = 0; g < G && rc == MT_OK; g++) {
@@ -475,6 +525,30 @@ static int cuda_gemm_grouped(mt_backend *be, int reduce, void *C, int c_f32, int
     return rc < 0 ? rc : rc2;
 }
 
+/* out[g][kb * N + n] = blk[g * stride + (n / 128) * KB + kb]: a weight's
+ * 128x128 block scales as the 1x128 (VEC128) scales of each of its rows. */
+__global__ void k_expand_blk_scales(float *out, const float *blk, int64_t stride, int N, int KB,
+                                    int G)
+{
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, per = (int64_t)N * KB;
+    if (i >= per * G) return;
+    int64_t g = i / per, j = i % per;
+    int kb = (int)(j / N), n = (int)(j % N);
+    out[i] = blk[g * stride + (int64_t)(n / 128) * KB + kb];
+}
+
+/* Which FP8 order a GEMM runs in. The direct order saves the fp32 C^T and its
+ * transposition, a cost per output element; cuBLASLt's 1x128 x 1x128 kernels
+ * are 12-20 % slower per FLOP than its 1x128 x 128x128 ones at large K, a
+ * cost per multiply-add. Measured on an H200 (2026-11-21, RESULTS.md), ms
+ * direct vs swapped: the first wins while K is small: q_b (K 1536) 0.34 vs
+ * 0.52, kv_b (K 512) 0.20 vs 0.49, experts down (K 2048) 1.13 vs 1.45, every
+ * weight gradient (K = tokens; fp32 dW accumulated in place) 1.4-2x; the
+ * second from K = 7168 on: o_proj (K 16384) 0.82 vs 0.94, dense down 0.92
+ * vs 1.10, experts gate 0.96 vs 1.07. */
+#define FP8_DIRECT_MAX_K 4096
+static int fp8_direct_pays(int reduce, int K) { return reduce || K < FP8_DIRECT_MAX_K; }
+
 static int cuda_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc,
                          int64_t c_stride, const uint8_t *A, const float *sa, const uint8_t *B,
                          const float *sb, int64_t b_stride, int64_t sb_stride, const int *rows,
@@ -483,10 +557,30 @@ static int cuda_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc
     int total;
     MT_CHECK(mt_segments_total("gemm_fp8", rows, G, &total));
     CUDA_REQUIRE(C && A && sa && B && sb, "gemm_fp8: NULL operand");
+    cuda_impl *c = cuda_of(be);
     const size_t ce = c_f32 ? 4 : 2;
     const int KB = (K + 127) / 128;
+    const int order = c->gemm->fp8_order;
+    const int direct = !c->gemm->force_fallback &&
+                       (order == 1 || (order == 0 && fp8_direct_pays(reduce, K)));
+    /* The direct order needs the weights' scales per row: expanded once for
+     * all groups into the head of the op scratch (G * N * KB floats, 1/128 of
+     * the weights' elements). Weight-gradient operands are 1x128 already. */
+    float *svec = NULL;
+    size_t reserved = 0;
+    if (direct && !reduce && total > 0) {
+        size_t need = ((size_t)G * N * KB * 4 + 255) / 256 * 256;
+        if (need <= c->scratch_cap / 4) {
+            svec = (float *)c->scratch;
+            reserved = need;
+            int64_t n = (int64_t)G * N * KB;
+            k_expand_blk_scales<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(
+                svec, sb, sb_stride, N, KB, G);
+            CUDA_LAUNCH_CHECK("gemm_fp8 (expand scales)");
+        }
+    }
     fanout f;
-    MT_CHECK(fan_begin(be, G, &f));
+    MT_CHECK(fan_begin(be, G, reserved, &f));
     int64_t r = 0, tiles = 0;
     int rc = MT_OK;
     for (int g = 0; g < G && rc == MT_OK; g++) {
@@ -498,15 +592,15 @@ static int cuda_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc
         if (!reduce) {
             /* A rows of segment g with its VEC128 scales [KB, Mg] at sa + KB*r */
             rc = run_fp8(be, s, ws, tmp, tmp_bytes, (char *)C + (size_t)(r * ldc) * ce, c_f32, ldc,
-                         A + r * K, K,
-                         sa + KB * r, B + g * b_stride, K, sb + g * sb_stride, 0, Mg, N, K,
-                         accumulate);
+                         A + r * K, K, sa + KB * r, B + g * b_stride, K, sb + g * sb_stride, 0,
+                         svec ? svec + (int64_t)g * N * KB : NULL, Mg, N, K, accumulate);
         } else {
             /* segment g: A_g [N, Mg] at A + N*r, B_g [K, Mg] at B + K*r, scales
              * [ceil(Mg/128), N] / [ceil(Mg/128), K] after the earlier segments' tiles */
+            const float *sbg = sb + (int64_t)K * tiles;
             rc = run_fp8(be, s, ws, tmp, tmp_bytes, (char *)C + (size_t)(g * c_stride) * ce, c_f32,
                          ldc, A + (int64_t)N * r, Mg, sa + (int64_t)N * tiles, B + (int64_t)K * r, Mg,
-                         sb + (int64_t)K * tiles, 1, N, K, Mg, accumulate);
+                         sbg, 1, direct ? sbg : NULL, N, K, Mg, accumulate);
         }
         r += Mg;
         tiles += (Mg + 127) / 128;
@@ -522,6 +616,10 @@ int cuda_install_gemm(mt_backend *be)
     if (!c->gemm) return MT_ERR(MT_ENOMEM, "gemm: out of host memory");
     const char *env = getenv("MOETRAIN_GEMM");
     c->gemm->force_fallback = env && strcmp(env, "fallback") == 0;
+    env = getenv("MOETRAIN_FP8_GEMM");
+    c->gemm->fp8_order = !env ? 0 : !strcmp(env, "direct") ? 1 : !strcmp(env, "swap") ? 2 : 0;
+    if (env && c->gemm->fp8_order == 0 && strcmp(env, "auto") != 0)
+        mt_log(MT_LOG_WARN, "MOETRAIN_FP8_GEMM=%s: expected auto, direct or swap; using auto", env);
     be->gemm = cuda_gemm;
     be->gemm_grouped = cuda_gemm_grouped;
     be->gemm_fp8 = cuda_gemm_fp8;

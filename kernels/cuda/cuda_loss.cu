@@ -17,6 +17,9 @@
  *                double (fixed tree), then one block adding the P partials
  *                (fixed tree): deterministic for a given n
  *   scale_f32, adamw, bf16_to_f32: element-wise grid-stride
+ *   adamw_fp8    one 256-thread block per 128x128 weight block: AdamW,
+ *                block amax, quantise, and the transposed copy via shared
+ *                memory (one pass instead of adamw + quant + transpose)
  */
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -162,19 +165,25 @@ __device__ __forceinline__ uint16_t loss_bf16_rne(float x)
  *   g = grad gs; m' = b1 m + (1 - b1) g; v' = b2 v + (1 - b2) g^2
  *   p - lr ((m' / bc1) / (sqrt(v' / bc2) + eps) + wd p)
  * with m', v' used unrounded and stored rounded to bf16. */
-__device__ __forceinline__ float adamw_one(const mt_adamw_hp &hp, float p, uint16_t *m,
-                                           uint16_t *v, float grad)
+__device__ __forceinline__ float adamw_val(const mt_adamw_hp &hp, float p, uint16_t m, uint16_t v,
+                                           float grad, uint16_t *m_out, uint16_t *v_out)
 {
     const float g = __fmul_rn(grad, hp.grad_scale);
-    const float mi = __fadd_rn(__fmul_rn(hp.beta1, loss_bf16_val(*m)),
+    const float mi = __fadd_rn(__fmul_rn(hp.beta1, loss_bf16_val(m)),
                                __fmul_rn(__fsub_rn(1.0f, hp.beta1), g));
-    const float vi = __fadd_rn(__fmul_rn(hp.beta2, loss_bf16_val(*v)),
+    const float vi = __fadd_rn(__fmul_rn(hp.beta2, loss_bf16_val(v)),
                                __fmul_rn(__fsub_rn(1.0f, hp.beta2), __fmul_rn(g, g)));
-    *m = loss_bf16_rne(mi);
-    *v = loss_bf16_rne(vi);
+    *m_out = loss_bf16_rne(mi);
+    *v_out = loss_bf16_rne(vi);
     const float den = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, hp.bc2)), hp.eps);
     const float upd = __fadd_rn(__fdiv_rn(__fdiv_rn(mi, hp.bc1), den), __fmul_rn(hp.weight_decay, p));
     return __fsub_rn(p, __fmul_rn(hp.lr, upd));
+}
+
+__device__ __forceinline__ float adamw_one(const mt_adamw_hp &hp, float p, uint16_t *m,
+                                           uint16_t *v, float grad)
+{
+    return adamw_val(hp, p, *m, *v, grad, m, v);
 }
 
 __global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
@@ -206,6 +215,102 @@ static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t
     return MT_OK;
 }
 
+/* ---- adamw_fp8 ---------------------------------------------------------------------------- */
+
+/* One 256-thread block per 128x128 block b = nb * KB + kb of p [N, K]:
+ * thread t updates column t % 128 of rows t / 128, + 2, ..., in chunks of
+ * AQ_CHUNK rows whose loads are all issued before the first store; the
+ * block max of |p'| gives the scale; each thread then re-reads the values it
+ * wrote (from L2: 64 KB per block, just written) to store the codes in q and,
+ * through a shared tile, in qt [K, N]. Holding the 64 values in registers
+ * instead costs 126 registers and ran at half the speed (2 blocks per SM;
+ * tests/bench/RESULTS.md). Element order and arithmetic as adamw_kernel
+ * then quant_blocks_kernel: bit-identical. */
+#define AQ_CHUNK 8
+
+__global__ void __launch_bounds__(256)
+adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
+                 const float *__restrict__ grad, int N, int K, int NB, int KB, mt_adamw_hp hp,
+                 uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
+                 float *__restrict__ st)
+{
+    __shared__ float sh[32];
+    __shared__ uint8_t tile[MT_QTILE][MT_QTILE + 4];
+    const int b = blockIdx.x, nb = b / KB, kb = b % KB;
+    const int n0 = nb * MT_QTILE, k0 = kb * MT_QTILE;
+    const int nn = min(MT_QTILE, N - n0), nk = min(MT_QTILE, K - k0);
+    const int c = threadIdx.x % MT_QTILE, r1 = threadIdx.x / MT_QTILE;
+    float amax = 0.0f;
+    float *__restrict__ pf = (float *)p;
+    uint16_t *__restrict__ pb = (uint16_t *)p;
+    if (c < nk)
+        for (int j0 = r1; j0 < nn; j0 += 2 * AQ_CHUNK) {
+            float pv[AQ_CHUNK], gv[AQ_CHUNK];
+            uint16_t mv[AQ_CHUNK], vv[AQ_CHUNK];
+#pragma unroll
+            for (int jj = 0; jj < AQ_CHUNK; jj++) {
+                const int r = j0 + 2 * jj;
+                pv[jj] = gv[jj] = 0.0f;
+                mv[jj] = vv[jj] = 0;
+                if (r >= nn) continue;
+                const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
+                pv[jj] = p_bf16 ? loss_bf16_val(pb[i]) : pf[i];
+                mv[jj] = m[i];
+                vv[jj] = v[i];
+                gv[jj] = grad[i];
+            }
+#pragma unroll
+            for (int jj = 0; jj < AQ_CHUNK; jj++) {
+                const int r = j0 + 2 * jj;
+                if (r >= nn) continue;
+                const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
+                float x = adamw_val(hp, pv[jj], mv[jj], vv[jj], gv[jj], m + i, v + i);
+                if (p_bf16) {
+                    const uint16_t h = loss_bf16_rne(x);
+                    pb[i] = h;
+                    x = loss_bf16_val(h);
+                } else {
+                    pf[i] = x;
+                }
+                amax = fmaxf(amax, fabsf(x));
+            }
+        }
+    amax = cu_block_max(amax, sh);
+    const float sc = cuda_scale_of(amax);
+    if (threadIdx.x == 0) {
+        s[b] = sc;
+        st[(int64_t)kb * NB + nb] = sc;
+    }
+    /* each thread re-reads what it wrote (ld.global.cg: from L2) */
+    if (c < nk)
+        for (int r = r1; r < nn; r += 2) {
+            const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
+            const float x = p_bf16 ? loss_bf16_val(__ldcg(pb + i)) : __ldcg(pf + i);
+            const uint8_t code = cuda_e4m3(x, sc);
+            q[i] = code;
+            tile[r][c] = code;
+        }
+    __syncthreads();
+    for (int kk = r1; kk < nk; kk += 2)
+        if (c < nn) qt[(int64_t)(k0 + kk) * N + n0 + c] = tile[c][kk];
+}
+
+static int cuda_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
+                          const float *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
+                          float *s, uint8_t *qt, float *st)
+{
+    CUDA_REQUIRE(N >= 1 && K >= 1, "adamw_fp8: N=%d K=%d", N, K);
+    CUDA_REQUIRE(hp != NULL, "adamw_fp8: hp is NULL");
+    CUDA_REQUIRE(p && m && v && grad && q && s && qt && st, "adamw_fp8: NULL pointer");
+    CUDA_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw_fp8: bias corrections bc1=%g bc2=%g must be > 0",
+                 hp->bc1, hp->bc2);
+    const int NB = mt_ceil_div(N, MT_QTILE), KB = mt_ceil_div(K, MT_QTILE);
+    adamw_fp8_kernel<<<(unsigned)((int64_t)NB * KB), 256, 0, cuda_stream(be)>>>(
+        p, p_bf16, m, v, grad, N, K, NB, KB, *hp, q, s, qt, st);
+    CUDA_LAUNCH_CHECK("adamw_fp8");
+    return MT_OK;
+}
+
 /* ---- bf16_to_f32 ------------------------------------------------------------------------ */
 
 __global__ void bf16_to_f32_kernel(float *__restrict__ dst, const uint16_t *__restrict__ src,
@@ -232,5 +337,6 @@ void cuda_install_loss(mt_backend *be)
     be->sumsq = cuda_sumsq;
     be->scale_f32 = cuda_scale_f32;
     be->adamw = cuda_adamw;
+    be->adamw_fp8 = cuda_adamw_fp8;
     be->bf16_to_f32 = cuda_bf16_to_f32;
 }

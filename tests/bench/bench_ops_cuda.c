@@ -1,11 +1,13 @@
 /* bench_ops_cuda.c - per-op throughput of the CUDA backend at DeepSeek-V3
  * shapes, against the ceilings measured on the same kind of GPU.
  *
- *   bench_ops_cuda [--iters N]
+ *   bench_ops_cuda [--iters N] [--only gemm|wgrad|mem|optim]
  *
- * GEMMs print TFLOPS and the ratio to the FP8 block-scaled (1240-1440) or
- * BF16 (890) ceilings; memory-bound ops print GB/s (bytes read + written once)
- * and the ratio to a device-to-device copy measured here. Timing: wall time
+ * GEMMs (forward shapes, then weight gradients) print TFLOPS and the ratio
+ * to the FP8 block-scaled (1240-1440) or BF16 (890) ceilings; memory-bound
+ * ops and the optimizer print GB/s (bytes read + written once) and the
+ * ratio to a device-to-device copy measured here. MOETRAIN_FP8_GEMM=
+ * direct|swap compares the FP8 operand orders (kernels/cuda/cuda_gemm.cu). Timing: wall time
  * of N back-to-back calls after warm-up and a synchronisation, median of 5.
  * Results: tests/bench/RESULTS.md.
  */
@@ -146,6 +148,47 @@ static void bench_gemm(const char *what, int fp8, int M, int N, int K, int G, do
     free(g.rows);
 }
 
+/* Weight gradients: dW[g] (fp32, [N, K]) += dy_g^T x_g over M tokens per group,
+ * both operands re-quantised 128x1 along the tokens, as engine/linear.c does.
+ * The fp32 read-modify-write of dW is part of the time. */
+typedef struct wgrad_ctx {
+    int M, N, K, G;
+    uint8_t *dyt, *xt;
+    float *dyts, *xts, *dw;
+    int *rows;
+} wgrad_ctx;
+
+static void run_wgrad(void *p)
+{
+    wgrad_ctx *w = p;
+    CK(be->gemm_fp8(be, 1, w->dw, 1, w->K, (int64_t)w->N * w->K, w->dyt, w->dyts, w->xt, w->xts,
+                    0, 0, w->rows, w->G, w->N, w->K, 1));
+}
+
+static void bench_wgrad(const char *what, int M, int N, int K, int G, double ceiling)
+{
+    wgrad_ctx w = {M, N, K, G, NULL, NULL, NULL, NULL, NULL, NULL};
+    int64_t Mt = (int64_t)M * G, tiles = (int64_t)G * ((M + 127) / 128);
+    void *dy = dev_random_act(Mt * N, 3, 1.0f), *x = dev_random_act(Mt * K, 4, 1.0f);
+    w.rows = malloc((size_t)G * sizeof *w.rows);
+    for (int i = 0; i < G; i++) w.rows[i] = M;
+    w.dyt = dev_alloc((size_t)(Mt * N));
+    w.xt = dev_alloc((size_t)(Mt * K));
+    w.dyts = dev_alloc((size_t)(tiles * N * 4));
+    w.xts = dev_alloc((size_t)(tiles * K * 4));
+    w.dw = dev_alloc((size_t)G * N * K * 4);
+    CK(be->zero(be, w.dw, (size_t)G * N * K * 4));
+    CK(be->quant_cols_t(be, w.dyt, w.dyts, dy, N, w.rows, G, N));
+    CK(be->quant_cols_t(be, w.xt, w.xts, x, K, w.rows, G, K));
+    double ms = time_ms(run_wgrad, &w);
+    double tf = 2.0 * Mt * N * K / (ms * 1e-3) / 1e12;
+    printf("  %-34s M=%-6d N=%-6d K=%-6d G=%-3d %8.3f ms %7.1f TFLOPS  %4.0f%% of %4.0f\n", what, M,
+           N, K, G, ms, tf, 100 * tf / ceiling, ceiling);
+    void *bufs[] = {dy, x, w.dyt, w.xt, w.dyts, w.xts, w.dw};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(be, bufs[i]);
+    free(w.rows);
+}
+
 /* ---- memory-bound ops ------------------------------------------------------------ */
 
 typedef struct mem_ctx {
@@ -192,34 +235,117 @@ static void bench_mem(const char *what, int kind, int M, int D, double bytes)
     be->free(be, c.rstd);
 }
 
+/* ---- optimizer ------------------------------------------------------------------ */
+
+/* AdamW of one FP8 weight [N, K] with an fp32 main copy: the three ops
+ * (adamw, quant_blocks, transpose_blocks) against the fused adamw_fp8.
+ * GB/s counts the fused op's traffic, 22 bytes per parameter (grad f32,
+ * main f32 read + write, m and v bf16 read + write, q and qt written). */
+typedef struct optim_ctx {
+    int N, K, fused;
+    float *p, *g, *s, *st;
+    uint16_t *m, *v;
+    uint8_t *q, *qt;
+} optim_ctx;
+
+static void run_optim(void *p)
+{
+    optim_ctx *o = p;
+    mt_adamw_hp hp = {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.5f, 1.0f};
+    if (o->fused) {
+        CK(be->adamw_fp8(be, o->p, 0, o->m, o->v, o->g, o->N, o->K, &hp, o->q, o->s, o->qt, o->st));
+        return;
+    }
+    CK(be->adamw(be, o->p, 0, o->m, o->v, o->g, (int64_t)o->N * o->K, &hp));
+    CK(be->quant_blocks(be, o->q, o->s, o->p, o->N, o->K));
+    CK(be->transpose_blocks(be, o->qt, o->st, o->q, o->s, o->N, o->K));
+}
+
+static void bench_optim(const char *what, int N, int K, int fused)
+{
+    const int64_t n = (int64_t)N * K, nsc = (int64_t)((N + 127) / 128) * ((K + 127) / 128);
+    optim_ctx o = {N, K, fused, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    o.p = dev_alloc((size_t)n * 4);
+    o.g = dev_alloc((size_t)n * 4);
+    o.m = dev_alloc((size_t)n * 2);
+    o.v = dev_alloc((size_t)n * 2);
+    o.q = dev_alloc((size_t)n);
+    o.qt = dev_alloc((size_t)n);
+    o.s = dev_alloc((size_t)nsc * 4);
+    o.st = dev_alloc((size_t)nsc * 4);
+    CK(be->zero(be, o.p, (size_t)n * 4));
+    CK(be->zero(be, o.g, (size_t)n * 4));
+    CK(be->zero(be, o.m, (size_t)n * 2));
+    CK(be->zero(be, o.v, (size_t)n * 2));
+    double ms = time_ms(run_optim, &o);
+    printf("  %-34s N=%-6d K=%-6d %8.3f ms %7.0f GB/s  %4.0f%% of copy\n", what, N, K, ms,
+           22.0 * n / (ms * 1e-3) / 1e9, copy_gbs > 0 ? 100 * 22.0 * n / (ms * 1e-3) / 1e9 / copy_gbs : 0);
+    void *bufs[] = {o.p, o.g, o.m, o.v, o.q, o.qt, o.s, o.st};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(be, bufs[i]);
+}
+
 int main(int argc, char **argv)
 {
-    for (int i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
+    const char *only = NULL; /* gemm | wgrad | mem | optim */
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--iters") && i + 1 < argc)
+            iters = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+            only = argv[++i];
+        else {
+            fprintf(stderr, "usage: bench_ops_cuda [--iters N] [--only gemm|wgrad|mem|optim]\n");
+            return 1;
+        }
+    }
+#define SECTION(name) (!only || !strcmp(only, name))
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (mt_cuda_device_count() <= 0) {
         fprintf(stderr, "bench_ops_cuda: no CUDA device\n");
         return 77;
     }
     CK(mt_backend_cuda_create(&be, 0, (size_t)40 << 30));
-    printf("GEMMs (DeepSeek-V3 proxy shapes, 4096 tokens)\n");
-    bench_gemm("bf16 8192^3 (ceiling check)", 0, 8192, 8192, 8192, 1, 890);
-    bench_gemm("fp8 8192^3", 1, 8192, 8192, 8192, 1, 1340);
-    bench_gemm("fp8 q_a  [4096,7168]x[1536]", 1, 4096, 1536, 7168, 1, 1340);
-    bench_gemm("fp8 q_b  [4096,1536]x[24576]", 1, 4096, 24576, 1536, 1, 1340);
-    bench_gemm("fp8 kv_b [4096,512]x[32768]", 1, 4096, 32768, 512, 1, 1340);
-    bench_gemm("fp8 o    [4096,16384]x[7168]", 1, 4096, 7168, 16384, 1, 1340);
-    bench_gemm("fp8 dense gate [4096,7168]x[18432]", 1, 4096, 18432, 7168, 1, 1340);
-    bench_gemm("fp8 dense down [4096,18432]x[7168]", 1, 4096, 7168, 18432, 1, 1340);
-    bench_gemm("fp8 experts gate 32x[1024,7168]x[2048]", 1, 1024, 2048, 7168, 32, 1340);
-    bench_gemm("fp8 experts down 32x[1024,2048]x[7168]", 1, 1024, 7168, 2048, 32, 1340);
-    bench_gemm("bf16 head [4096,7168]x[129280]", 0, 4096, 129280, 7168, 1, 890);
-    printf("memory-bound ops (bf16 activations)\n");
-    bench_mem("d2d copy (ceiling check)", 0, 4096, 7168, 2.0 * 4096 * 7168 * 2);
-    bench_mem("quant_rows 1x128", 1, 4096, 7168, 4096.0 * 7168 * 3);
-    bench_mem("quant_cols_t 128x1", 2, 4096, 7168, 4096.0 * 7168 * 3);
-    bench_mem("rmsnorm_fwd", 3, 4096, 7168, 4096.0 * 7168 * 4);
-    bench_mem("swiglu_fwd", 4, 4096, 4096, 4096.0 * 4096 * 3);
+    if (SECTION("gemm")) {
+        const char *order = getenv("MOETRAIN_FP8_GEMM");
+        printf("GEMMs (DeepSeek-V3 proxy shapes, 4096 tokens; FP8 operand order: %s)\n",
+               !order || !strcmp(order, "auto") ? "auto (direct below K 4096 and for weight gradients)"
+               : !strcmp(order, "swap")         ? "swapped, C^T transposed"
+                                                : order);
+        bench_gemm("bf16 8192^3 (ceiling check)", 0, 8192, 8192, 8192, 1, 890);
+        bench_gemm("fp8 8192^3", 1, 8192, 8192, 8192, 1, 1340);
+        bench_gemm("fp8 q_a  [4096,7168]x[1536]", 1, 4096, 1536, 7168, 1, 1340);
+        bench_gemm("fp8 q_b  [4096,1536]x[24576]", 1, 4096, 24576, 1536, 1, 1340);
+        bench_gemm("fp8 kv_b [4096,512]x[32768]", 1, 4096, 32768, 512, 1, 1340);
+        bench_gemm("fp8 o    [4096,16384]x[7168]", 1, 4096, 7168, 16384, 1, 1340);
+        bench_gemm("fp8 dense gate [4096,7168]x[18432]", 1, 4096, 18432, 7168, 1, 1340);
+        bench_gemm("fp8 dense down [4096,18432]x[7168]", 1, 4096, 7168, 18432, 1, 1340);
+        bench_gemm("fp8 experts gate 32x[1024,7168]x[2048]", 1, 1024, 2048, 7168, 32, 1340);
+        bench_gemm("fp8 experts down 32x[1024,2048]x[7168]", 1, 1024, 7168, 2048, 32, 1340);
+        bench_gemm("bf16 head [4096,7168]x[129280]", 0, 4096, 129280, 7168, 1, 890);
+    }
+    if (SECTION("wgrad")) {
+        printf("weight gradients (fp8, fp32 dW accumulated)\n");
+        bench_wgrad("wgrad o    [7168,16384] over 4096", 4096, 7168, 16384, 1, 1340);
+        bench_wgrad("wgrad dense gate [18432,7168]", 4096, 18432, 7168, 1, 1340);
+        bench_wgrad("wgrad experts gate 32x[2048,7168]", 1024, 2048, 7168, 32, 1340);
+        bench_wgrad("wgrad experts down 32x[7168,2048]", 1024, 7168, 2048, 32, 1340);
+    }
+    if (SECTION("mem") || SECTION("optim")) {
+        printf("memory-bound ops (bf16 activations)\n");
+        bench_mem("d2d copy (ceiling check)", 0, 4096, 7168, 2.0 * 4096 * 7168 * 2);
+    }
+    if (SECTION("mem")) {
+        bench_mem("quant_rows 1x128", 1, 4096, 7168, 4096.0 * 7168 * 3);
+        bench_mem("quant_cols_t 128x1", 2, 4096, 7168, 4096.0 * 7168 * 3);
+        bench_mem("rmsnorm_fwd", 3, 4096, 7168, 4096.0 * 7168 * 4);
+        bench_mem("swiglu_fwd", 4, 4096, 4096, 4096.0 * 4096 * 3);
+    }
+    if (SECTION("optim")) {
+        printf("optimizer (fp32 main copy, FP8 weight re-quantised)\n");
+        bench_optim("adamw + quant + transpose [7168,2048]", 7168, 2048, 0);
+        bench_optim("adamw_fp8 fused [7168,2048]", 7168, 2048, 1);
+        bench_optim("adamw + quant + transpose [18432,7168]", 18432, 7168, 0);
+        bench_optim("adamw_fp8 fused [18432,7168]", 18432, 7168, 1);
+    }
     be->destroy(be);
     return 0;
 }
