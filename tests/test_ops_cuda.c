@@ -674,6 +674,12 @@ static void test_fp8_quant(void)
     test_quant_rows_cols(r2, 1, 256, 300, NULL);
     test_quant_rows_cols(r3, 4, 200, 210, NULL);
     test_quant_rows_cols(r4, 3, 384, 384, NULL);
+    /* aligned rows and segments of 4: the kernels' vector paths, with a
+     * partial 64-column tile and partial 128-row tiles */
+    const int r5[] = {4, 0, 132, 256};
+    test_quant_rows_cols(r5, 4, 320, 328, NULL);
+    test_quant_rows_cols(r5, 4, 256, 256, NULL);
+    test_quant_rows_cols(r2, 1, 7168, 7168, NULL);
     test_e4m3_encoder();
     test_quant_blocks_family(1, 1, 60);
     test_quant_blocks_family(130, 300, 61);

@@ -126,9 +126,16 @@ __device__ __forceinline__ uint8_t fp8_e4m3_sr(float x, double u)
 
 #define QR_WARPS 8
 
-/* Tile t = m * KB + kb of x [M, K] (ldx): lane l holds elements
- * k0 + l + 32 j (j < 4), so each load instruction of the warp reads 64
- * contiguous bytes. Scale of segment g at s + KB r_g + kb rows[g] + (m - r_g). */
+/* bf16 bits -> float, the low and high halves of a 32-bit word. */
+__device__ __forceinline__ float fp8_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float fp8_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+/* Tile t = m * KB + kb of x [M, K] (ldx), one warp. A full tile whose source
+ * is 8-byte and destination 4-byte aligned (the common case): lane l holds
+ * elements 4l .. 4l + 3, read as one 8-byte word and stored as one 4-byte
+ * word of codes. Otherwise lane l holds k0 + l + 32 j (j < 4). The amax and
+ * the codes do not depend on which lane holds what. Scale of segment g at
+ * s + KB r_g + kb rows[g] + (m - r_g). */
 __global__ void __launch_bounds__(QR_WARPS * 32)
 quant_rows_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ x,
                   int ldx, int M, int K, int KB, const __grid_constant__ fp8_segs segs)
@@ -139,20 +146,36 @@ quant_rows_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__
     const int m = (int)(t / KB), kb = (int)(t % KB);
     const int k0 = kb * MT_QTILE, n = min(MT_QTILE, K - k0);
     const bf16 *xt = x + (int64_t)m * ldx + k0;
+    uint8_t *qt = q + (int64_t)m * K + k0;
+    const bool vec = n == MT_QTILE && ((uintptr_t)xt & 7) == 0 && ((uintptr_t)qt & 3) == 0;
     float v[4], amax = 0.0f;
+    if (vec) {
+        const uint2 w = *(const uint2 *)(xt + 4 * lane);
+        v[0] = fp8_bf16_lo(w.x), v[1] = fp8_bf16_hi(w.x);
+        v[2] = fp8_bf16_lo(w.y), v[3] = fp8_bf16_hi(w.y);
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        int k = lane + 32 * j;
-        v[j] = k < n ? cuda_ld(xt, k) : 0.0f;
-        amax = fmaxf(amax, fabsf(v[j]));
+        for (int j = 0; j < 4; j++) amax = fmaxf(amax, fabsf(v[j]));
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int k = lane + 32 * j;
+            v[j] = k < n ? cuda_ld(xt, k) : 0.0f;
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
     }
     amax = cu_warp_max(amax);
     const float sc = cuda_scale_of(amax);
-    uint8_t *qt = q + (int64_t)m * K + k0;
+    if (vec) {
+        uint32_t c = 0;
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        int k = lane + 32 * j;
-        if (k < n) qt[k] = cuda_e4m3(v[j], sc);
+        for (int j = 0; j < 4; j++) c |= (uint32_t)cuda_e4m3(v[j], sc) << (8 * j);
+        *(uint32_t *)(qt + 4 * lane) = c;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int k = lane + 32 * j;
+            if (k < n) qt[k] = cuda_e4m3(v[j], sc);
+        }
     }
     if (lane == 0) {
         int g = fp8_seg_find(segs.start, segs.G, m);
@@ -202,13 +225,26 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
     const int nk = min(QC_COLS, K - k0);
     const int tid = threadIdx.x;
 
-    /* load: 4 rows x 64 columns per pass (row-major, coalesced along k) */
-    {
+    /* load: full column ranges from a 16-byte-aligned source as 8 bf16 per
+     * thread (32 rows x 64 columns per pass), else 4 rows x 64 columns per
+     * pass one value per thread; coalesced along k either way */
+    const bf16 *xb = x + (int64_t)(r0 + i0) * ldx + k0;
+    if (nk == QC_COLS && (ldx & 7) == 0 && ((uintptr_t)xb & 15) == 0) {
+        const int c8 = (tid % 8) * 8;
+        for (int r = tid / 8; r < MT_QTILE; r += 256 / 8) {
+            uint4 w = make_uint4(0, 0, 0, 0);
+            if (r < n) w = *(const uint4 *)(xb + (int64_t)r * ldx + c8);
+            const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                tile[r][c8 + 2 * j] = fp8_bf16_lo(u[j]);
+                tile[r][c8 + 2 * j + 1] = fp8_bf16_hi(u[j]);
+            }
+        }
+    } else {
         const int c = tid % QC_COLS;
         for (int r = tid / QC_COLS; r < MT_QTILE; r += 256 / QC_COLS)
-            tile[r][c] = (r < n && c < nk)
-                             ? cuda_ld(x, (int64_t)(r0 + i0 + r) * ldx + k0 + c)
-                             : 0.0f;
+            tile[r][c] = (r < n && c < nk) ? cuda_ld(xb, (int64_t)r * ldx + c) : 0.0f;
     }
     __syncthreads();
     /* column maxima: warp w owns columns w * 8 .. w * 8 + 7 */
@@ -224,12 +260,25 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
     }
     __syncthreads();
     if (tid < nk) s[(int64_t)K * it + k0 + tid] = scl[tid];
-    /* codes: 2 columns x 128 rows per pass; each column's 128 codes are
-     * contiguous in q_g */
+    /* codes: each column's codes are contiguous in q_g. Segments whose start
+     * and length are multiples of 4 (expert segments are padded to 128): a
+     * warp writes 4 rows x 32 of one column as 32 4-byte words; else 2
+     * columns x 128 rows per pass, a byte per thread. */
     uint8_t *qg = q + (int64_t)K * r0;
-    const int r = tid % MT_QTILE;
-    for (int c = tid / MT_QTILE; c < nk; c += 256 / MT_QTILE)
-        if (r < n) qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(tile[r][c], scl[c]);
+    if ((rows & 3) == 0 && (r0 & 3) == 0 && ((uintptr_t)q & 3) == 0) {
+        const int r4 = (tid % 32) * 4;
+        for (int c = tid / 32; c < nk; c += 256 / 32) {
+            if (r4 >= n) continue;
+            uint32_t w = 0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) w |= (uint32_t)cuda_e4m3(tile[r4 + j][c], scl[c]) << (8 * j);
+            *(uint32_t *)(qg + (int64_t)(k0 + c) * rows + i0 + r4) = w;
+        }
+    } else {
+        const int r = tid % MT_QTILE;
+        for (int c = tid / MT_QTILE; c < nk; c += 256 / MT_QTILE)
+            if (r < n) qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(tile[r][c], scl[c]);
+    }
 }
 
 static int cuda_quant_cols_t(mt_backend *be, uint8_t *q, float *s, const void *x, int ldx,
