@@ -1205,6 +1205,32 @@ static void test_xent(int M, int V, float gscale)
     free(t);
 }
 
+/* A main copy of n random values: f32, or bf16 bits when bf16. */
+static tb main_copy_rand(int64_t n, uint64_t seed, int bf16)
+{
+    float *ph = rnd_f32(n, seed, 0.05f);
+    tb p;
+    if (bf16) {
+        uint16_t *pbh = ref_alloc(2 * (size_t)n);
+        for (int64_t i = 0; i < n; i++) pbh[i] = mt_bf16_from_f32(ph[i]);
+        p = tb_from(T_U16, n, pbh);
+        free(pbh);
+    } else {
+        p = tb_from(T_F32, n, ph);
+    }
+    free(ph);
+    return p;
+}
+
+/* AdamW hyper-parameters of step `step` (bias corrections for it). */
+static mt_adamw_hp adamw_hp_at(int step)
+{
+    mt_adamw_hp hp = {3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0, 0, 0.7f};
+    hp.bc1 = 1.0f - powf(0.9f, (float)step);
+    hp.bc2 = 1.0f - powf(0.95f, (float)step);
+    return hp;
+}
+
 static void test_optimizer(void)
 {
     const int64_t sizes[] = {1, 1000, 5000003};
@@ -1234,22 +1260,11 @@ static void test_optimizer(void)
     for (int pb = 0; pb < 2; pb++) {
         char sh[64];
         snprintf(sh, sizeof sh, "n=%lld %s master, 3 steps", (long long)n, pb ? "bf16" : "f32");
-        float *ph = rnd_f32(n, 200, 0.05f);
-        tb p;
-        if (pb) {
-            uint16_t *pbh = ref_alloc(2 * (size_t)n);
-            for (int64_t i = 0; i < n; i++) pbh[i] = mt_bf16_from_f32(ph[i]);
-            p = tb_from(T_U16, n, pbh);
-            free(pbh);
-        } else {
-            p = tb_from(T_F32, n, ph);
-        }
+        tb p = main_copy_rand(n, 200, pb);
         tb m = tb_new(T_U16, n), v = tb_new(T_U16, n);
         int ok = 1;
         for (int step = 1; step <= 3 && ok; step++) {
-            mt_adamw_hp hp = {3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0, 0, 0.7f};
-            hp.bc1 = 1.0f - powf(0.9f, (float)step);
-            hp.bc2 = 1.0f - powf(0.95f, (float)step);
+            mt_adamw_hp hp = adamw_hp_at(step);
             tb g = f32_rand(n, 210 + step, 1e-3f);
             BOTH(ok, "adamw", sh, be->adamw(be, p.p[s], pb, m.p[s], v.p[s], g.p[s], n, &hp));
             tb_free(&g);
@@ -1260,7 +1275,6 @@ static void test_optimizer(void)
             check_exact("adamw", sh, "v", &v, 0);
         }
         tb_free(&p), tb_free(&m), tb_free(&v);
-        free(ph);
     }
     /* adamw_fp8: the fused update + re-quantisation, f32 and bf16 master, at
      * shapes with partial 128x128 blocks; every output bit-exact */
@@ -1272,23 +1286,12 @@ static void test_optimizer(void)
                 const int64_t n = (int64_t)N * K, nsc = (int64_t)mt_ceil_div(N, 128) * mt_ceil_div(K, 128);
                 char sh[96];
                 snprintf(sh, sizeof sh, "%dx%d %s master, 2 steps", N, K, pb ? "bf16" : "f32");
-                float *ph = rnd_f32(n, 230 + i, 0.05f);
-                tb p;
-                if (pb) {
-                    uint16_t *pbh = ref_alloc(2 * (size_t)n);
-                    for (int64_t j = 0; j < n; j++) pbh[j] = mt_bf16_from_f32(ph[j]);
-                    p = tb_from(T_U16, n, pbh);
-                    free(pbh);
-                } else {
-                    p = tb_from(T_F32, n, ph);
-                }
+                tb p = main_copy_rand(n, 230 + i, pb);
                 tb m = tb_new(T_U16, n), v = tb_new(T_U16, n), q = tb_new(T_U8, n), qt = tb_new(T_U8, n);
                 tb sc = tb_new(T_F32, nsc), st = tb_new(T_F32, nsc);
                 int ok = 1;
                 for (int step = 1; step <= 2 && ok; step++) {
-                    mt_adamw_hp hp = {3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0, 0, 0.7f};
-                    hp.bc1 = 1.0f - powf(0.9f, (float)step);
-                    hp.bc2 = 1.0f - powf(0.95f, (float)step);
+                    mt_adamw_hp hp = adamw_hp_at(step);
                     tb g = f32_rand(n, 240 + step, 1e-3f);
                     BOTH(ok, "adamw_fp8", sh, be->adamw_fp8(be, p.p[s], pb, m.p[s], v.p[s], g.p[s], N, K,
                                                             &hp, q.p[s], sc.p[s], qt.p[s], st.p[s]));
@@ -1305,7 +1308,6 @@ static void test_optimizer(void)
                 }
                 tb_free(&p), tb_free(&m), tb_free(&v), tb_free(&q), tb_free(&qt);
                 tb_free(&sc), tb_free(&st);
-                free(ph);
             }
     }
     /* bf16 -> f32: every code */
