@@ -358,16 +358,7 @@ static int export_tensor(mt_st_writer *w, const mt_shard_map *m, const mt_tensor
     for (int64_t r = 0; r < x->shape[0] && rc == MT_OK; r += br) {
         int64_t nr = x->shape[0] - r < br ? x->shape[0] - r : br;
         mt_tensor_desc d;
-        memset(&d, 0, sizeof d);
-        snprintf(d.name, sizeof d.name, "%s", x->name);
-        d.dtype = x->dtype;
-        d.ndim = x->ndim;
-        d.shape[0] = x->shape[0];
-        d.shape[1] = x->shape[1];
-        d.off[0] = r;
-        d.count[0] = nr;
-        d.count[1] = cols;
-        d.data = buf;
+        mt_tensor_desc_slab(&d, x->name, x->dtype, x->ndim, x->shape, r, 0, nr, cols, buf);
         rc = ck_read_map_band(m, src, t, &d);
         if (rc == MT_OK) rc = mt_st_writer_write(w, buf, (size_t)nr * (size_t)cols * es);
         mt_progress_add(prog, nr * cols * (int64_t)es);

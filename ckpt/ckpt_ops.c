@@ -249,17 +249,8 @@ static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog)
     for (int64_t a = 0; a < r->count[0] && ok; a += br) {
         int64_t nr = r->count[0] - a < br ? r->count[0] - a : br;
         mt_tensor_desc d;
-        memset(&d, 0, sizeof d);
-        snprintf(d.name, sizeof d.name, "%s", r->tensor);
-        d.dtype = x->dtype;
-        d.ndim = x->ndim;
-        d.shape[0] = x->shape[0];
-        d.shape[1] = x->shape[1];
-        d.off[0] = r->off[0] + a;
-        d.off[1] = r->off[1];
-        d.count[0] = nr;
-        d.count[1] = cols;
-        d.data = buf;
+        mt_tensor_desc_slab(&d, r->tensor, x->dtype, x->ndim, x->shape, r->off[0] + a, r->off[1],
+                            nr, cols, buf);
         /* only this piece: other pieces of the tensor do not intersect it */
         ck_lock();
         int rc = ck_read_piece(ck, p, &d);
@@ -441,16 +432,7 @@ static int diff_tensor(mt_ckpt *a, mt_ckpt *b, const mt_ckpt_tensor *x, vstate *
     for (int64_t r = 0; r < x->shape[0] && rc == MT_OK; r += br) {
         int64_t nr = x->shape[0] - r < br ? x->shape[0] - r : br;
         mt_tensor_desc d;
-        memset(&d, 0, sizeof d);
-        snprintf(d.name, sizeof d.name, "%s", x->name);
-        d.dtype = x->dtype;
-        d.ndim = x->ndim;
-        d.shape[0] = x->shape[0];
-        d.shape[1] = x->shape[1];
-        d.off[0] = r;
-        d.count[0] = nr;
-        d.count[1] = cols;
-        d.data = ba;
+        mt_tensor_desc_slab(&d, x->name, x->dtype, x->ndim, x->shape, r, 0, nr, cols, ba);
         if ((rc = sa.read_raw(sa.impl, &d)) < 0) break;
         d.data = bb;
         if ((rc = sb.read_raw(sb.impl, &d)) < 0) break;

@@ -72,19 +72,31 @@ static inline size_t mt_tensor_desc_bytes(const mt_tensor_desc *d)
     return (size_t)mt_tensor_desc_numel(d) * mt_dtype_size(d->dtype);
 }
 
-/* Fills a descriptor covering the whole tensor (1-D: rows unused). */
-static inline void mt_tensor_desc_whole(mt_tensor_desc *d, const char *name, mt_dtype dtype,
-                                        int ndim, int64_t rows, int64_t cols, void *data)
+/* Fills a descriptor of the hyperslab [r0, r0 + nr) x [c0, c0 + nc) of a
+ * tensor of global shape `shape` (readers stream bands of rows with it). */
+static inline void mt_tensor_desc_slab(mt_tensor_desc *d, const char *name, mt_dtype dtype,
+                                       int ndim, const int64_t shape[2], int64_t r0, int64_t c0,
+                                       int64_t nr, int64_t nc, void *data)
 {
     memset(d, 0, sizeof *d);
     snprintf(d->name, sizeof d->name, "%s", name);
     d->dtype = dtype;
     d->ndim = ndim;
-    d->shape[0] = ndim == 1 ? cols : rows;
-    d->shape[1] = ndim == 1 ? 1 : cols;
-    d->count[0] = d->shape[0];
-    d->count[1] = d->shape[1];
+    d->shape[0] = shape[0];
+    d->shape[1] = shape[1];
+    d->off[0] = r0;
+    d->off[1] = c0;
+    d->count[0] = nr;
+    d->count[1] = nc;
     d->data = data;
+}
+
+/* Fills a descriptor covering the whole tensor (1-D: rows unused). */
+static inline void mt_tensor_desc_whole(mt_tensor_desc *d, const char *name, mt_dtype dtype,
+                                        int ndim, int64_t rows, int64_t cols, void *data)
+{
+    const int64_t shape[2] = {ndim == 1 ? cols : rows, ndim == 1 ? 1 : cols};
+    mt_tensor_desc_slab(d, name, dtype, ndim, shape, 0, 0, shape[0], shape[1], data);
 }
 
 #endif

@@ -11,7 +11,6 @@
 
 #include <errno.h>
 #include <stdarg.h>
-#include <stddef.h>
 #include <jansson.h>
 #include <math.h>
 #include <mpi.h>
@@ -318,11 +317,8 @@ static void publish_state(control *c, const char *fmt, ...)
     c->st.state = c->state;
     pthread_mutex_unlock(&c->mu);
     if (c->o.hub) {
-        hub_event *e = calloc(1, sizeof *e);
+        hub_event *e = hub_event_new(c->run_id, c->job.name, HUB_STATE);
         if (!e) return;
-        e->run_id = c->run_id;
-        snprintf(e->job, sizeof e->job, "%s", c->job.name);
-        e->kind = HUB_STATE;
         e->u.state.state = c->state;
         e->u.state.step = c->t ? c->t->step : c->st.step;
         snprintf(e->u.state.message, sizeof e->u.state.message, "%s", msg);
@@ -358,12 +354,8 @@ typedef struct hub_sink {
 static int hub_emit(mt_metrics_sink *s, const mt_step_metrics *m)
 {
     control *c = ((hub_sink *)s->impl)->c;
-    hub_event *e = malloc(sizeof *e);
+    hub_event *e = hub_event_new(c->run_id, c->job.name, HUB_STEP);
     if (!e) return MT_ERR(MT_ENOMEM, "metrics hub: out of memory");
-    memset(e, 0, offsetof(hub_event, u));
-    e->run_id = c->run_id;
-    snprintf(e->job, sizeof e->job, "%s", c->job.name);
-    e->kind = HUB_STEP;
     e->u.step = *m;
     hub_publish(c->o.hub, e);
     free(e);
@@ -517,11 +509,8 @@ static void note_checkpoint(control *c, const svc_ckpt *ck)
     c->st.ckpt_saved_total++;
     pthread_mutex_unlock(&c->mu);
     if (c->o.hub) {
-        hub_event *e = calloc(1, sizeof *e);
+        hub_event *e = hub_event_new(c->run_id, c->job.name, HUB_CHECKPOINT);
         if (!e) return;
-        e->run_id = c->run_id;
-        snprintf(e->job, sizeof e->job, "%s", c->job.name);
-        e->kind = HUB_CHECKPOINT;
         e->u.ckpt = *ck;
         hub_publish(c->o.hub, e);
         free(e);

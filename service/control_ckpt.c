@@ -213,11 +213,8 @@ static double progress_of(const mt_progress *p)
 static void publish(ctl_reshard *r)
 {
     if (!r->hub) return;
-    hub_event *e = calloc(1, sizeof *e);
+    hub_event *e = hub_event_new(r->run_id, r->job, HUB_RESHARD);
     if (!e) return;
-    e->run_id = r->run_id;
-    snprintf(e->job, sizeof e->job, "%s", r->job);
-    e->kind = HUB_RESHARD;
     pthread_mutex_lock(&r->mu);
     e->u.reshard = r->st;
     pthread_mutex_unlock(&r->mu);

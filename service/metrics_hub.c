@@ -2,6 +2,7 @@
 #include "service/metrics_hub.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -43,6 +44,16 @@ void hub_destroy(metrics_hub *h)
 }
 
 static uint64_t oldest(const metrics_hub *h) { return h->head > h->cap + 1 ? h->head - h->cap : 1; }
+
+hub_event *hub_event_new(uint64_t run_id, const char *job, hub_kind kind)
+{
+    hub_event *e = calloc(1, sizeof *e);
+    if (!e) return NULL;
+    e->run_id = run_id;
+    snprintf(e->job, sizeof e->job, "%s", job);
+    e->kind = kind;
+    return e;
+}
 
 uint64_t hub_publish(metrics_hub *h, const hub_event *e)
 {

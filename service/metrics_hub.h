@@ -47,6 +47,10 @@ typedef struct metrics_hub metrics_hub;
 int hub_create(metrics_hub **out, int capacity);
 void hub_destroy(metrics_hub *h);
 
+/* A zeroed event of `kind` for job `job` of run `run_id` (heap: an event
+ * holds a whole step's metrics), or NULL when out of memory. */
+hub_event *hub_event_new(uint64_t run_id, const char *job, hub_kind kind);
+
 /* Appends a copy of *e (its seq is assigned here) and returns the seq. */
 uint64_t hub_publish(metrics_hub *h, const hub_event *e);
 

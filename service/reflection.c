@@ -137,12 +137,17 @@ static int name_of(const uint8_t *d, size_t n, const uint8_t **name, size_t *len
 }
 
 /* Enum values live in the enum's enclosing scope (protobuf's C++ rule). */
-static int index_enum(reflection *r, const char *scope, const uint8_t *d, size_t n, int file)
+/* An enum or a service: its name, then each field-2 child (enum values, which
+ * protobuf scopes beside the enum; service methods, scoped inside it). */
+static int index_named(reflection *r, const char *scope, const uint8_t *d, size_t n, int file,
+                       int is_service)
 {
     const uint8_t *nm;
     size_t nl;
+    char *full = NULL;
     MT_CHECK(name_of(d, n, &nm, &nl));
-    MT_CHECK(add_symbol(r, scope, nm, nl, file, SYM_OTHER, NULL));
+    MT_CHECK(add_symbol(r, scope, nm, nl, file, is_service ? SYM_SERVICE : SYM_OTHER,
+                        is_service ? &full : NULL));
     wire w = {d, d + n};
     uint32_t f;
     const uint8_t *b;
@@ -151,9 +156,11 @@ static int index_enum(reflection *r, const char *scope, const uint8_t *d, size_t
     while ((rc = next_field(&w, &f, &b, &l)) == 1)
         if (f == 2 && b) {
             MT_CHECK(name_of(b, l, &nm, &nl));
-            MT_CHECK(add_symbol(r, scope, nm, nl, file, SYM_OTHER, NULL));
+            MT_CHECK(add_symbol(r, is_service ? full : scope, nm, nl, file, SYM_OTHER, NULL));
         }
-    return rc < 0 ? MT_ERR(MT_ECORRUPT, "reflection: bad enum descriptor") : MT_OK;
+    if (rc < 0)
+        return MT_ERR(MT_ECORRUPT, "reflection: bad %s descriptor", is_service ? "service" : "enum");
+    return MT_OK;
 }
 
 static int index_message(reflection *r, const char *scope, const uint8_t *d, size_t n, int file,
@@ -178,30 +185,10 @@ static int index_message(reflection *r, const char *scope, const uint8_t *d, siz
         } else if (f == 3) { /* nested_type */
             MT_CHECK(index_message(r, full, b, l, file, depth + 1));
         } else if (f == 4) { /* enum_type */
-            MT_CHECK(index_enum(r, full, b, l, file));
+            MT_CHECK(index_named(r, full, b, l, file, 0));
         }
     }
     return rc < 0 ? MT_ERR(MT_ECORRUPT, "reflection: bad message descriptor") : MT_OK;
-}
-
-static int index_service(reflection *r, const char *scope, const uint8_t *d, size_t n, int file)
-{
-    const uint8_t *nm;
-    size_t nl;
-    char *full;
-    MT_CHECK(name_of(d, n, &nm, &nl));
-    MT_CHECK(add_symbol(r, scope, nm, nl, file, SYM_SERVICE, &full));
-    wire w = {d, d + n};
-    uint32_t f;
-    const uint8_t *b;
-    size_t l;
-    int rc;
-    while ((rc = next_field(&w, &f, &b, &l)) == 1)
-        if (f == 2 && b) {
-            MT_CHECK(name_of(b, l, &nm, &nl));
-            MT_CHECK(add_symbol(r, full, nm, nl, file, SYM_OTHER, NULL));
-        }
-    return rc < 0 ? MT_ERR(MT_ECORRUPT, "reflection: bad service descriptor") : MT_OK;
 }
 
 static int index_file(reflection *r, int i)
@@ -236,8 +223,8 @@ static int index_file(reflection *r, int i)
     while ((rc = next_field(&w, &f, &b, &l)) == 1) {
         if (!b) continue;
         if (f == 4) MT_CHECK(index_message(r, fd->package, b, l, i, 0));
-        else if (f == 5) MT_CHECK(index_enum(r, fd->package, b, l, i));
-        else if (f == 6) MT_CHECK(index_service(r, fd->package, b, l, i));
+        else if (f == 5) MT_CHECK(index_named(r, fd->package, b, l, i, 0));
+        else if (f == 6) MT_CHECK(index_named(r, fd->package, b, l, i, 1));
     }
     return MT_OK;
 }

@@ -171,19 +171,10 @@ static void save_ckpt(const char *root, const char *layout, int64_t step, int ke
 static void check_slab(mt_ckpt *ck, const mt_ckpt_tensor *x, int64_t r0, int64_t c0, int64_t nr,
                        int64_t nc)
 {
-    mt_tensor_desc d;
-    memset(&d, 0, sizeof d);
-    snprintf(d.name, sizeof d.name, "%s", x->name);
-    d.dtype = x->dtype;
-    d.ndim = x->ndim;
-    d.shape[0] = x->shape[0];
-    d.shape[1] = x->shape[1];
-    d.off[0] = r0;
-    d.off[1] = c0;
-    d.count[0] = nr;
-    d.count[1] = nc;
     const size_t es = mt_dtype_size(x->dtype);
-    d.data = malloc((size_t)(nr * nc) * es);
+    mt_tensor_desc d;
+    mt_tensor_desc_slab(&d, x->name, x->dtype, x->ndim, x->shape, r0, c0, nr, nc,
+                        malloc((size_t)(nr * nc) * es));
     void *want = malloc((size_t)(nr * nc) * es);
     mt_tensor_desc w = d;
     w.data = want;

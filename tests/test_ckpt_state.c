@@ -31,12 +31,7 @@ static int setup(void **state)
     (void)state;
     mt_test_tmpdir(tmp, sizeof tmp, "ckpt_state");
     snprintf(corpus, sizeof corpus, "%s/syn", tmp);
-    const char *bin = getenv("MT_BIN_DIR");
-    char cmd[4096];
-    snprintf(cmd, sizeof cmd,
-             "%s/engine/moetrain-data synth --output %s --vocab 64 --tokens 100000 --seed 5 > /dev/null",
-             bin ? bin : "build", corpus);
-    if (system(cmd) != 0) return -1;
+    if (mt_test_synth(corpus, "--vocab 64 --tokens 100000 --seed 5") != 0) return -1;
     return mt_backend_cpu_create(&be, 0) == MT_OK ? 0 : -1;
 }
 

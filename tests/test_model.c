@@ -14,36 +14,9 @@
 #include "kernels/mt_rng.h"
 #include "kernels/mt_status.h"
 #include "test_util.h"
+#include "tiny_model.h"
 
 static mt_backend *be;
-
-/* Dense layer 0, MoE layer 1 (8 experts, 4 groups, top-2 of 2 groups, one
- * shared expert), MTP depth 1: the smallest model with every part. */
-static void tiny_config(mt_model_config *c)
-{
-    mt_config_defaults(c);
-    c->vocab_size = 16;
-    c->hidden_size = 32;
-    c->intermediate_size = 48;
-    c->moe_intermediate_size = 16;
-    c->num_hidden_layers = 2;
-    c->num_attention_heads = 2;
-    c->q_lora_rank = 16;
-    c->kv_lora_rank = 16;
-    c->qk_nope_head_dim = 8;
-    c->qk_rope_head_dim = 4;
-    c->v_head_dim = 8;
-    c->n_routed_experts = 8;
-    c->n_shared_experts = 1;
-    c->num_experts_per_tok = 2;
-    c->n_group = 4;
-    c->topk_group = 2;
-    c->first_k_dense_replace = 1;
-    c->num_nextn_predict_layers = 1;
-    c->routed_scaling_factor = 1.5;
-    c->max_position_embeddings = 64;
-    c->initializer_range = 0.3; /* large weights: gradients well above fp32 noise */
-}
 
 static void tiny_opts(mt_model_opts *o, mt_recipe recipe)
 {
@@ -85,7 +58,7 @@ static void test_param_names_follow_hugging_face(void **state)
 {
     (void)state;
     mt_model_config c;
-    tiny_config(&c);
+    mt_test_tiny_config(&c);
     mt_param_table t;
     assert_int_equal(mt_params_build(&t, &c, 0, -1), MT_OK);
     const char *must[] = {
@@ -159,7 +132,7 @@ static void test_whole_model_gradient_matches_finite_differences(void **state)
     (void)state;
     mt_model_config c;
     mt_model_opts o;
-    tiny_config(&c);
+    mt_test_tiny_config(&c);
     tiny_opts(&o, MT_RECIPE_FP32);
     mt_model *m = make_model(&c, &o, 7);
     int32_t tok[2 * 9];
@@ -255,7 +228,7 @@ static void test_recompute_gives_identical_gradients(void **state)
     (void)state;
     mt_model_config c;
     mt_model_opts o;
-    tiny_config(&c);
+    mt_test_tiny_config(&c);
     int32_t tok[2 * 9];
     random_tokens(tok, 2 * 9, 16, 5);
     float *ref = NULL;
@@ -284,7 +257,7 @@ static void test_step_is_deterministic(void **state)
     (void)state;
     mt_model_config c;
     mt_model_opts o;
-    tiny_config(&c);
+    mt_test_tiny_config(&c);
     tiny_opts(&o, MT_RECIPE_FP8_BLOCKWISE);
     int32_t tok[2 * 9];
     random_tokens(tok, 2 * 9, 16, 11);
@@ -355,7 +328,7 @@ static void test_initial_loss_is_near_log_vocab(void **state)
     (void)state;
     mt_model_config c;
     mt_model_opts o;
-    tiny_config(&c);
+    mt_test_tiny_config(&c);
     c.initializer_range = 0.02;
     tiny_opts(&o, MT_RECIPE_BF16);
     mt_model *m = make_model(&c, &o, 9);
@@ -403,7 +376,7 @@ static void test_flops_formula_counts_active_parameters(void **state)
 {
     (void)state;
     mt_model_config c;
-    tiny_config(&c);
+    mt_test_tiny_config(&c);
     c.num_nextn_predict_layers = 0;
     c.num_hidden_layers = 1;
     c.first_k_dense_replace = 1;

@@ -65,6 +65,7 @@
 #include "kernels/mt_rng.h"
 #include "kernels/mt_status.h"
 #include "test_util.h"
+#include "tiny_model.h"
 
 static mt_backend *BE[2]; /* [0] CPU, [1] CUDA */
 static int n_pass, n_fail;
@@ -98,34 +99,6 @@ static double now_s(void)
 }
 
 /* ---- configs ------------------------------------------------------------------------ */
-
-/* test_model.c's tiny_config: dense layer 0, MoE layer 1 (8 experts, 4
- * groups, top-2 of 2 groups, one shared expert), MTP depth 1. */
-static void tiny_config(mt_model_config *c)
-{
-    mt_config_defaults(c);
-    c->vocab_size = 16;
-    c->hidden_size = 32;
-    c->intermediate_size = 48;
-    c->moe_intermediate_size = 16;
-    c->num_hidden_layers = 2;
-    c->num_attention_heads = 2;
-    c->q_lora_rank = 16;
-    c->kv_lora_rank = 16;
-    c->qk_nope_head_dim = 8;
-    c->qk_rope_head_dim = 4;
-    c->v_head_dim = 8;
-    c->n_routed_experts = 8;
-    c->n_shared_experts = 1;
-    c->num_experts_per_tok = 2;
-    c->n_group = 4;
-    c->topk_group = 2;
-    c->first_k_dense_replace = 1;
-    c->num_nextn_predict_layers = 1;
-    c->routed_scaling_factor = 1.5;
-    c->max_position_embeddings = 64;
-    c->initializer_range = 0.3;
-}
 
 /* The demo model (deploy/examples/tiny-cpu.json): head dims 48 / 32, so
  * cuBLASLt and cuDNN take the shapes the tiny config leaves to fallbacks.
@@ -535,7 +508,7 @@ int main(int argc, char **argv)
         MUST(mt_backend_cuda_create(&BE[1], 0, (size_t)16 << 30));
     double t0 = now_s();
     mt_model_config tiny, demo;
-    tiny_config(&tiny);
+    mt_test_tiny_config(&tiny);
     demo_config(&demo);
     const mt_recipe recipes[2] = {MT_RECIPE_FP8_BLOCKWISE, MT_RECIPE_BF16};
     /* the backend's own choice of paths: cuBLASLt where it runs, cuDNN

@@ -102,14 +102,10 @@ static int setup(void **state)
 {
     (void)state;
     mt_test_tmpdir(tmp, sizeof tmp, "test_service_badinput");
-    snprintf(bin, sizeof bin, "%s", getenv("MT_BIN_DIR") ? getenv("MT_BIN_DIR") : "build");
+    snprintf(bin, sizeof bin, "%s", mt_test_bin_dir());
     snprintf(data, sizeof data, "%s/syn", tmp);
-    char cmd[4096], tok[1200];
-    snprintf(cmd, sizeof cmd,
-             "%s/engine/moetrain-data synth --output %s --vocab 64 --tokens 100000 --seed 2 "
-             "> /dev/null",
-             bin, data);
-    if (system(cmd) != 0) return -1;
+    char tok[1200];
+    if (mt_test_synth(data, "--vocab 64 --tokens 100000 --seed 2") != 0) return -1;
     snprintf(tok, sizeof tok, "%s/token", tmp);
     mt_test_write_file(tok, TOKEN "\n");
     chmod(tok, 0600);

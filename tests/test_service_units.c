@@ -265,13 +265,9 @@ static void test_strip(void **state)
 static void test_admit(void **state)
 {
     (void)state;
-    char data[1200], cmd[2600];
+    char data[1200];
     snprintf(data, sizeof data, "%s/syn", tmp);
-    snprintf(cmd, sizeof cmd,
-             "%s/engine/moetrain-data synth --output %s --vocab 64 --tokens 20000 --seed 1 "
-             "> /dev/null",
-             getenv("MT_BIN_DIR") ? getenv("MT_BIN_DIR") : "build", data);
-    assert_int_equal(system(cmd), 0);
+    assert_int_equal(mt_test_synth(data, "--vocab 64 --tokens 20000 --seed 1"), 0);
     char json[2048];
     snprintf(json, sizeof json,
              "{\"name\": \"t\", \"model\": {\"vocab_size\": 64, \"hidden_size\": 64, "

@@ -24,13 +24,8 @@ static int setup(void **state)
     (void)state;
     mt_test_tmpdir(tmp, sizeof tmp, "test_trainer");
     snprintf(corpus, sizeof corpus, "%s/syn", tmp);
-    const char *bin = getenv("MT_BIN_DIR");
-    char cmd[4096];
-    snprintf(cmd, sizeof cmd,
-             "%s/engine/moetrain-data synth --output %s --vocab 64 --tokens 300000 --seed 3 "
-             "--branching 4 > /dev/null",
-             bin ? bin : "build", corpus);
-    if (system(cmd) != 0) return -1;
+    if (mt_test_synth(corpus, "--vocab 64 --tokens 300000 --seed 3 --branching 4") != 0)
+        return -1;
     return mt_backend_cpu_create(&be, 0) == MT_OK ? 0 : -1;
 }
 

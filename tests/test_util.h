@@ -31,6 +31,23 @@ static inline void mt_test_write_file(const char *path, const char *text)
     }
 }
 
+/* The directory of the built tools: $MT_BIN_DIR (ctest sets it), or build. */
+static inline const char *mt_test_bin_dir(void)
+{
+    const char *bin = getenv("MT_BIN_DIR");
+    return bin ? bin : "build";
+}
+
+/* Writes a synthetic corpus PREFIX.bin/.idx/.json with `moetrain-data synth`
+ * and the given options ("--vocab 64 --tokens 100000 --seed 5"); 0 or -1. */
+static inline int mt_test_synth(const char *prefix, const char *options)
+{
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s/engine/moetrain-data synth --output %s %s > /dev/null",
+             mt_test_bin_dir(), prefix, options);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
 /* Asserts that `haystack` contains `needle`, printing both if not. */
 #define assert_contains(haystack, needle)                                          \
     do {                                                                           \
