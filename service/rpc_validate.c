@@ -62,6 +62,25 @@ int rpc_validate_start(const ProtobufCMessage *m, rpc_reply *r)
     return checkpoint_name_ok(q->from_checkpoint, "from_checkpoint", 1, 1, r);
 }
 
+job_request rpc_start_job_request(const ProtobufCMessage *m,
+                                  int (*find)(void *arg, const char *dir, const char *name,
+                                              char *path, size_t cap),
+                                  void *find_arg)
+{
+    const Moetrain__V1__StartJobRequest *q = (const void *)m;
+    job_request jr = {
+        .json = q->spec->json,
+        .path = q->spec->path,
+        .base_dir = q->spec->base_dir,
+        .sets = (const char *const *)q->spec->set,
+        .n_sets = (int)q->spec->n_set,
+        .from_checkpoint = q->from_checkpoint,
+        .find_checkpoint = find,
+        .find_arg = find_arg,
+    };
+    return jr;
+}
+
 int rpc_validate_list(const ProtobufCMessage *m, rpc_reply *r)
 {
     const Moetrain__V1__ListCheckpointsRequest *q = (const void *)m;

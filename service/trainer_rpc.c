@@ -219,18 +219,8 @@ static int find_checkpoint(void *arg, const char *dir, const char *name, char *p
 static rpc_stream *h_start(void *ctx, const ProtobufCMessage *req, rpc_reply *out)
 {
     service *sv = ctx;
-    const Moetrain__V1__StartJobRequest *q = (const void *)req;
     mt_jobspec job;
-    job_request jr = {
-        .json = q->spec->json,
-        .path = q->spec->path,
-        .base_dir = q->spec->base_dir,
-        .sets = (const char *const *)q->spec->set,
-        .n_sets = (int)q->spec->n_set,
-        .from_checkpoint = q->from_checkpoint,
-        .find_checkpoint = find_checkpoint,
-        .find_arg = sv,
-    };
+    job_request jr = rpc_start_job_request(req, find_checkpoint, sv);
     int rc = job_admit(sv->workdir, &jr, &job);
     if (rc < 0) {
         rpc_reply_mt(out, rc, NULL);

@@ -55,16 +55,7 @@ static int no_checkpoint(void *arg, const char *dir, const char *name, char *pat
 
 static void admit(const ProtobufCMessage *m)
 {
-    const Moetrain__V1__StartJobRequest *q = (const void *)m;
-    job_request jr = {
-        .json = q->spec->json,
-        .path = q->spec->path,
-        .base_dir = q->spec->base_dir,
-        .sets = (const char *const *)q->spec->set,
-        .n_sets = (int)q->spec->n_set,
-        .from_checkpoint = q->from_checkpoint,
-        .find_checkpoint = no_checkpoint,
-    };
+    job_request jr = rpc_start_job_request(m, no_checkpoint, NULL);
     static mt_jobspec job;
     (void)job_admit(root, &jr, &job);
 }
