@@ -24,8 +24,8 @@
 #include <stdint.h>
 
 #include "ckpt/progress.h"
-#include "engine/sharding.h"
-#include "engine/tensor_desc.h"
+#include "engine/parallel/sharding.h"
+#include "engine/model/tensor_desc.h"
 
 #define MT_CKPT_FORMAT "moetrain-ckpt"
 #define MT_CKPT_FORMAT_VERSION 1

@@ -14,9 +14,9 @@
 #include <unistd.h>
 
 #include "ckpt/ckpt_internal.h"
-#include "kernels/mt_fs.h"
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "base/mt_fs.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 
 int mt_ckpt_step_path(char *out, size_t cap, const char *root, int64_t step, int partial)
 {

@@ -7,9 +7,9 @@
 #include <string.h>
 
 #include "ckpt/ckpt_internal.h"
-#include "engine/config.h"
+#include "engine/model/config.h"
 #include "kernels/mt_fp8.h"
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 
 /* ---- lock ------------------------------------------------------------------ */
 

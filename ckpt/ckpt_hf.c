@@ -15,9 +15,9 @@
 #include "ckpt/hf.h"
 #include "ckpt/safetensors.h"
 #include "kernels/mt_fp8.h"
-#include "kernels/mt_fs.h"
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "base/mt_fs.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 
 #define HF_INDEX "model.safetensors.index.json"
 

@@ -14,9 +14,9 @@
 
 #include "ckpt/ckpt_internal.h"
 #include "ckpt/xxh64.h"
-#include "kernels/mt_fs.h"
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "base/mt_fs.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 
 /* ---- writing from a source ----------------------------------------------------------- */
 

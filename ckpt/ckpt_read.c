@@ -15,7 +15,7 @@
 #include "ckpt/ckpt_internal.h"
 #include "ckpt/xxh64.h"
 #include "kernels/mt_fp8.h"
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 
 static uint64_t fnv1a(const char *s)
 {

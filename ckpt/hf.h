@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #include "ckpt/ckpt.h"
-#include "engine/config.h"
+#include "engine/model/config.h"
 
 typedef struct mt_hf mt_hf;
 

@@ -13,8 +13,8 @@
 
 #include "ckpt/ckpt.h"
 #include "ckpt/hf.h"
-#include "engine/config.h"
-#include "kernels/mt_status.h"
+#include "engine/model/config.h"
+#include "base/mt_status.h"
 
 enum { EXIT_OK = 0, EXIT_USAGE = 1, EXIT_FAIL = 2 };
 

@@ -12,8 +12,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "kernels/mt_fs.h"
-#include "kernels/mt_status.h"
+#include "base/mt_fs.h"
+#include "base/mt_status.h"
 
 size_t mt_st_dtype_size(const char *d)
 {

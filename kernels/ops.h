@@ -44,7 +44,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -8,8 +8,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 
 int auth_read_token(const char *path, char *buf, size_t cap)
 {

@@ -20,9 +20,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/trainer.h"
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "engine/train/trainer.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 #include "kernels/ops.h"
 #include "service/control_ckpt.h"
 #include "service/svc_text.h"

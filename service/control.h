@@ -22,8 +22,8 @@
 #include <signal.h>
 #include <stdint.h>
 
-#include "engine/jobspec.h"
-#include "engine/metrics.h"
+#include "engine/train/jobspec.h"
+#include "engine/train/metrics.h"
 #include "service/metrics_hub.h"
 #include "service/svc_types.h"
 

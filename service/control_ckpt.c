@@ -14,9 +14,9 @@
 #include <time.h>
 
 #include "ckpt/ckpt.h"
-#include "engine/sharding.h"
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "engine/parallel/sharding.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 #include "service/job_checkpoint.h"
 #include "service/svc_text.h"
 

@@ -7,8 +7,8 @@
 
 #include <stddef.h>
 
-#include "engine/jobspec.h"
-#include "engine/trainer.h"
+#include "engine/train/jobspec.h"
+#include "engine/train/trainer.h"
 #include "service/metrics_hub.h"
 #include "service/svc_types.h"
 

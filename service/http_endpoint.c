@@ -10,8 +10,8 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 #include "service/prom.h"
 
 struct http_endpoint {

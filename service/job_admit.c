@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/json_util.h"
-#include "kernels/mt_status.h"
+#include "base/json_util.h"
+#include "base/mt_status.h"
 #include "service/workdir.h"
 
 #define MAX_SETS 256

@@ -17,7 +17,7 @@
 
 #include <stddef.h>
 
-#include "engine/jobspec.h"
+#include "engine/train/jobspec.h"
 
 typedef struct job_request {
     const char *json;             /* the spec document, or NULL / "" */

@@ -13,10 +13,10 @@
 
 #include "ckpt/ckpt.h"
 #include "ckpt/hf.h"
-#include "engine/sharding.h"
-#include "engine/train_state.h"
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "engine/parallel/sharding.h"
+#include "engine/train/train_state.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 
 static double now_ms(void)
 {

@@ -30,8 +30,8 @@
 
 #include <stdint.h>
 
-#include "engine/jobspec.h"
-#include "engine/trainer.h"
+#include "engine/train/jobspec.h"
+#include "engine/train/trainer.h"
 
 typedef struct mt_job_ckpt_stats {
     int64_t saves;           /* committed saves */

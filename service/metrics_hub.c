@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 
 struct metrics_hub {
     pthread_mutex_t mu;

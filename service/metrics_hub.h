@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#include "engine/metrics.h"
+#include "engine/train/metrics.h"
 #include "service/svc_types.h"
 
 typedef enum {

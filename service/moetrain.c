@@ -17,9 +17,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kernels/mt_fs.h"
+#include "base/mt_fs.h"
 #include "grpc/health/v1/health.pb-c.h"
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "moetrain.pb-c.h"
 #include "service/auth.h"
 #include "service/pb_json.h"

@@ -28,10 +28,10 @@
 
 #include <unistd.h>
 
-#include "engine/jobspec.h"
-#include "engine/json_util.h"
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "engine/train/jobspec.h"
+#include "base/json_util.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 #include "service/auth.h"
 #include "service/control.h"
 #include "service/http_endpoint.h"

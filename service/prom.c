@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 
 #ifndef MOETRAIN_VERSION
 #define MOETRAIN_VERSION "dev"

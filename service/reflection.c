@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 
 typedef enum { SYM_OTHER = 0, SYM_MESSAGE, SYM_SERVICE } sym_kind;
 

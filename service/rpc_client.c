@@ -1,7 +1,7 @@
 /* rpc_client.c - see rpc_client.h. Each call has its own pluck completion
  * queue, so a call is one blocking function with explicit batches. */
 #define _POSIX_C_SOURCE 200809L
-#include "kernels/mt_fs.h"
+#include "base/mt_fs.h"
 #include "service/rpc_client.h"
 
 #include <errno.h>
@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 
 struct rpc_client {
     grpc_channel *ch;

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "service/svc_text.h"
 
 const char *rpc_code_name(int code)

@@ -26,8 +26,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 
 #define POLL_MS 5
 

@@ -10,7 +10,7 @@
 
 #include "grpc/health/v1/health.pb-c.h"
 #include "grpc/reflection/v1/reflection.pb-c.h"
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "moetrain.pb-c.h"
 #include "service/workdir.h"
 

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "api/api_descriptors.h"
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 
 int service_init(service *s, control *ctl, metrics_hub *hub, const char *workdir)
 {

@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#include "engine/jobspec.h"
+#include "engine/train/jobspec.h"
 
 /* Numbered like moetrain.v1.JobState (trainer_rpc.c asserts it). */
 typedef enum {

@@ -8,7 +8,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "moetrain.pb-c.h"
 #include "service/job_admit.h"
 #include "service/rpc_validate.h"

@@ -9,8 +9,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "kernels/mt_fs.h"
-#include "kernels/mt_status.h"
+#include "base/mt_fs.h"
+#include "base/mt_status.h"
 
 int wd_open(const char *dir, char *root, size_t cap)
 {

@@ -18,11 +18,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/jobspec.h"
-#include "engine/metrics.h"
-#include "engine/trainer.h"
-#include "kernels/mt_log.h"
-#include "kernels/mt_status.h"
+#include "engine/train/jobspec.h"
+#include "engine/train/metrics.h"
+#include "engine/train/trainer.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
 #include "kernels/ops.h"
 #include "service/job_checkpoint.h"
 

@@ -16,7 +16,7 @@
 
 #include "grpc/health/v1/health.pb-c.h"
 #include "grpc/reflection/v1/reflection.pb-c.h"
-#include "kernels/mt_log.h"
+#include "base/mt_log.h"
 #include "moetrain.pb-c.h"
 #include "service/job_admit.h"
 #include "service/rpc_method.h"

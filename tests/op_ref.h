@@ -19,8 +19,8 @@
 #include <string.h>
 
 #include "kernels/mt_fp8.h"
-#include "kernels/mt_rng.h"
-#include "kernels/mt_status.h"
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
 #include "kernels/ops.h"
 
 /* Fails the current test unless stmt returns MT_OK, printing the message. */

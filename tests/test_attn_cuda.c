@@ -27,7 +27,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_attn.h"
-#include "kernels/mt_log.h"
+#include "base/mt_log.h"
 #include "op_ref.h"
 
 static mt_backend *gpu, *cpu;

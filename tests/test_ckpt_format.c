@@ -30,8 +30,8 @@
 #include "ckpt/safetensors.h"
 #include "ckpt/xxh64.h"
 #include "kernels/mt_fp8.h"
-#include "kernels/mt_rng.h"
-#include "kernels/mt_status.h"
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
 #include "test_util.h"
 
 static char tmp[1024];

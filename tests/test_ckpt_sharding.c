@@ -11,8 +11,8 @@
 #include <cmocka.h>
 #include <stdlib.h>
 
-#include "engine/sharding.h"
-#include "kernels/mt_status.h"
+#include "engine/parallel/sharding.h"
+#include "base/mt_status.h"
 #include "test_util.h"
 
 /* A small model whose split dimensions are multiples of 256, so FP8 layouts

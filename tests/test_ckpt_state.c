@@ -15,9 +15,9 @@
 
 #include "ckpt/ckpt.h"
 #include "ckpt/hf.h"
-#include "engine/train_state.h"
-#include "engine/trainer.h"
-#include "kernels/mt_status.h"
+#include "engine/train/train_state.h"
+#include "engine/train/trainer.h"
+#include "base/mt_status.h"
 #include "service/job_checkpoint.h"
 #include "test_util.h"
 

@@ -6,9 +6,9 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include "engine/config.h"
-#include "engine/jobspec.h"
-#include "kernels/mt_status.h"
+#include "engine/model/config.h"
+#include "engine/train/jobspec.h"
+#include "base/mt_status.h"
 #include "test_util.h"
 
 static char tmp[1024];

@@ -11,8 +11,8 @@
 
 #include <sys/stat.h>
 
-#include "engine/data_indexed.h"
-#include "kernels/mt_status.h"
+#include "engine/data/data_indexed.h"
+#include "base/mt_status.h"
 #include "test_util.h"
 
 static char tmp[512]; /* small enough that the rm/mkdir command in test_util.h fits */

@@ -8,9 +8,9 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include "engine/data_indexed.h"
-#include "engine/data_samples.h"
-#include "kernels/mt_status.h"
+#include "engine/data/data_indexed.h"
+#include "engine/data/data_samples.h"
+#include "base/mt_status.h"
 #include "test_util.h"
 
 static char tmp[512]; /* small enough that the rm/mkdir command in test_util.h fits */

@@ -8,11 +8,11 @@
 #include <cmocka.h>
 #include <math.h>
 
-#include "engine/layers.h"
-#include "engine/model.h"
-#include "engine/param_table.h"
-#include "kernels/mt_rng.h"
-#include "kernels/mt_status.h"
+#include "engine/model/layers.h"
+#include "engine/model/model.h"
+#include "engine/model/param_table.h"
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
 #include "test_util.h"
 #include "tiny_model.h"
 

@@ -57,13 +57,13 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/data_indexed.h"
-#include "engine/layers.h"
-#include "engine/model.h"
-#include "engine/param_table.h"
-#include "engine/trainer.h"
-#include "kernels/mt_rng.h"
-#include "kernels/mt_status.h"
+#include "engine/data/data_indexed.h"
+#include "engine/model/layers.h"
+#include "engine/model/model.h"
+#include "engine/model/param_table.h"
+#include "engine/train/trainer.h"
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
 #include "test_util.h"
 #include "tiny_model.h"
 

@@ -46,8 +46,8 @@
 
 #include "kernels/cuda/cuda_attn.h"
 #include "kernels/mt_fp8.h"
-#include "kernels/mt_rng.h"
-#include "kernels/mt_status.h"
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
 #include "kernels/ops.h"
 #include "op_ref.h"
 

@@ -18,7 +18,7 @@
 #include <time.h>
 
 #include "grpc/health/v1/health.pb-c.h"
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "moetrain.pb-c.h"
 #include "service/rpc_client.h"
 #include "test_util.h"

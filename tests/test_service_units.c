@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 
 #include "api/api_descriptors.h"
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "moetrain.pb-c.h"
 #include "service/auth.h"
 #include "service/job_admit.h"

@@ -5,7 +5,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "test_util.h"
 
 static int fails_with_einval(int x) { return MT_ERR(MT_EINVAL, "x=%d is bad", x); }

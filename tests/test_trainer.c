@@ -8,10 +8,10 @@
 #include <cmocka.h>
 #include <math.h>
 
-#include "engine/layers.h"
-#include "engine/lr_schedule.h"
-#include "engine/trainer.h"
-#include "kernels/mt_status.h"
+#include "engine/model/layers.h"
+#include "engine/train/lr_schedule.h"
+#include "engine/train/trainer.h"
+#include "base/mt_status.h"
 #include "test_util.h"
 
 static char tmp[1024];

@@ -3,7 +3,7 @@
 #ifndef MT_TEST_TINY_MODEL_H
 #define MT_TEST_TINY_MODEL_H
 
-#include "engine/config.h"
+#include "engine/model/config.h"
 
 /* Dense layer 0, MoE layer 1 (8 experts, 4 groups, top-2 of 2 groups, one
  * shared expert), MTP depth 1. */

@@ -8,7 +8,7 @@
 #endif
 
 #include "kernels/cpu/cpu_impl.h"
-#include "kernels/mt_rng.h"
+#include "base/mt_rng.h"
 
 /* Each allocation carries a header with its size so free() can account for
  * it; the header keeps the user pointer 64-byte aligned. */

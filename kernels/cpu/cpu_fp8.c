@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "kernels/cpu/cpu_impl.h"
-#include "kernels/mt_rng.h"
+#include "base/mt_rng.h"
 
 /* e4m3 code of x: the rule of mt_e4m3_from_f32 (round to nearest even,
  * subnormals in steps of 2^-9, saturation at +-448, NaN -> 0x7f | sign)

@@ -20,7 +20,7 @@
 #include <stdint.h>
 
 #include "kernels/mt_fp8.h"
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "kernels/ops.h"
 
 typedef struct cpu_impl {

@@ -2,7 +2,7 @@
  * creating a CUDA backend fails with MT_ENOTSUP and no device is usable. */
 #include <stddef.h>
 
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "kernels/ops.h"
 
 int mt_backend_cuda_create(mt_backend **out, int device, size_t arena_bytes)

@@ -25,7 +25,7 @@
 
 #include "kernels/cuda/cuda_attn.h"
 #include "kernels/cuda/cuda_impl.h"
-#include "kernels/mt_log.h"
+#include "base/mt_log.h"
 
 /* ======================================================================== */
 /* rope and MLA key/value assembly                                          */

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_impl.h"
-#include "kernels/mt_log.h"
+#include "base/mt_log.h"
 
 #define ARENA_ALIGN 256
 /* cuDNN's deterministic SDPA backward keeps dP (B*H*T*T bf16: 4 GiB at

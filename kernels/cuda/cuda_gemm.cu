@@ -30,7 +30,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_impl.h"
-#include "kernels/mt_log.h"
+#include "base/mt_log.h"
 
 #define GEMM_SLOTS 4096
 

@@ -34,7 +34,7 @@
 #include <stdint.h>
 
 #include "kernels/mt_fp8.h"
-#include "kernels/mt_status.h"
+#include "base/mt_status.h"
 #include "kernels/ops.h"
 
 typedef __nv_bfloat16 bf16;

@@ -30,9 +30,9 @@
 #include <unistd.h>
 
 #include "ckpt/ckpt.h"
-#include "engine/train_state.h"
-#include "engine/trainer.h"
-#include "kernels/mt_status.h"
+#include "engine/train/train_state.h"
+#include "engine/train/trainer.h"
+#include "base/mt_status.h"
 #include "service/job_checkpoint.h"
 
 static double now_s(void)

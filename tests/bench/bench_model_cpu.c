@@ -12,11 +12,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/jobspec.h"
-#include "engine/json_util.h"
-#include "engine/model.h"
-#include "kernels/mt_rng.h"
-#include "kernels/mt_status.h"
+#include "engine/train/jobspec.h"
+#include "base/json_util.h"
+#include "engine/model/model.h"
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
 
 static double now_s(void)
 {

@@ -17,8 +17,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "kernels/mt_rng.h"
-#include "kernels/mt_status.h"
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
 #include "kernels/ops.h"
 
 static mt_backend *be;

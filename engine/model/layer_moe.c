@@ -1,0 +1,204 @@
+/* layer_moe.c - DeepSeekMoE: sigmoid router with group-limited top-k and an
+ * aux-loss-free selection bias, shared experts, local routed experts behind
+ * a dispatcher, sequence-wise balance loss. No token is dropped.
+ *
+ *   logits = xn Wg^T (fp32)                       [N, E]
+ *   idx, w = router(logits, bias)                 [N, K]
+ *   xp     = permute(xn)  (expert-major, padded)  [R, D]
+ *   xl     = dispatch(xp)                         [Rl, D] rows of local experts
+ *   yl     = down_e(silu(gate_e(xl)) * up_e(xl))  per local expert segment
+ *   yp     = combine(yl)                          [R, D]
+ *   y      = shared(xn) + sum_k w[n, k] yp[slot[n, k]]
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/model/layers.h"
+#include "base/mt_status.h"
+
+#define ALLOC(p, bytes) MT_CHECK(be->alloc(be, (bytes), (void **)&(p)))
+
+int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_model_opts *o,
+                int N, mt_moe_dispatcher *disp)
+{
+    const size_t act = mt_act_size(be);
+    const int E = cfg->n_routed_experts, K = cfg->num_experts_per_tok;
+    m->D = cfg->hidden_size;
+    m->F = cfg->moe_intermediate_size;
+    m->disp = disp;
+    m->E_local = disp->E_local;
+    m->align = o->expert_align > 0 ? o->expert_align
+               : o->recipe == MT_RECIPE_FP8_BLOCKWISE ? 128
+                                                      : 1;
+    /* Every assignment plus the worst-case padding of each expert. Under
+     * expert parallelism the dispatcher bounds the received rows itself. */
+    m->R_cap = N * K + E * (m->align - 1);
+    m->rc.n_experts = E;
+    m->rc.top_k = K;
+    m->rc.n_group = cfg->topk_method == MT_TOPK_GREEDY ? 1 : cfg->n_group;
+    m->rc.topk_group = cfg->topk_method == MT_TOPK_GREEDY ? 1 : cfg->topk_group;
+    m->rc.score_fn = cfg->scoring_func == MT_SCORING_SOFTMAX ? MT_SCORE_SOFTMAX : MT_SCORE_SIGMOID;
+    m->rc.group_by_top2 = cfg->topk_method == MT_TOPK_NOAUX_TC;
+    m->rc.norm_topk = cfg->norm_topk_prob;
+    m->rc.scaling = (float)cfg->routed_scaling_factor;
+    const size_t n = (size_t)N, R = (size_t)m->R_cap;
+    ALLOC(m->logits, n * E * 4);
+    ALLOC(m->scores, n * E * 4);
+    ALLOC(m->idx, n * K * 4);
+    ALLOC(m->w, n * K * 4);
+    ALLOC(m->dscores, n * E * 4);
+    ALLOC(m->slot, n * K * 4);
+    ALLOC(m->src, R * 4);
+    ALLOC(m->counts, (size_t)E * 4);
+    ALLOC(m->aux_loss, 4);
+    ALLOC(m->xp, R * m->D * act);
+    ALLOC(m->gup, R * 2 * m->F * act);
+    if (!o->recompute_moe_act) ALLOC(m->hp, R * m->F * act);
+    ALLOC(m->yp, R * m->D * act);
+    m->rows = calloc((size_t)E, sizeof *m->rows);
+    m->local_rows = calloc((size_t)E, sizeof *m->local_rows);
+    m->load = calloc((size_t)E, sizeof *m->load);
+    if (!m->rows || !m->local_rows || !m->load) return MT_ERR(MT_ENOMEM, "moe: out of memory");
+    m->has_shared = cfg->n_shared_experts > 0;
+    if (m->has_shared)
+        MT_CHECK(mt_ffn_init(&m->shared, be, N, m->D, m->F * cfg->n_shared_experts,
+                             o->recompute_moe_act));
+    return MT_OK;
+}
+
+void mt_moe_free(mt_moe *m, mt_backend *be)
+{
+    void *bufs[] = {m->logits, m->scores, m->idx, m->w, m->dscores, m->slot, m->src,
+                    m->counts, m->aux_loss, m->xp, m->gup, m->hp, m->yp};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) be->free(be, bufs[i]);
+    free(m->rows);
+    free(m->local_rows);
+    free(m->load);
+    if (m->has_shared) mt_ffn_free(&m->shared, be);
+    memset(m, 0, sizeof *m);
+}
+
+size_t mt_moe_ws_bytes(const mt_model_config *cfg, int N, int R_cap)
+{
+    const size_t n = (size_t)N, R = (size_t)R_cap, D = cfg->hidden_size;
+    const size_t F = cfg->moe_intermediate_size, E = cfg->n_routed_experts;
+    const size_t K = cfg->num_experts_per_tok;
+    size_t mine = 4 * (R * (D + F + 2 * F + D + F) + n * (K + 2 * E + D));
+    size_t lin = 3 * R * (D > 2 * F ? D : 2 * F) + 64 * R + 4 * (R / 128 + E + 2) * (D + 2 * F) * 2;
+    size_t shared = cfg->n_shared_experts > 0
+                        ? mt_ffn_ws_bytes(N, (int)D, (int)F * cfg->n_shared_experts)
+                        : 0;
+    return mine + lin + shared + 32 * 256;
+}
+
+static int sum_rows(const int *rows, int n)
+{
+    int s = 0;
+    for (int i = 0; i < n; i++) s += rows[i];
+    return s;
+}
+
+/* Runs the local experts on xl [Rl, D] into yl [Rl, D]. */
+static int experts_fwd(const mt_ctx *c, mt_moe *m, void *yl, const void *xl)
+{
+    mt_backend *be = c->be;
+    const int F = m->F, D = m->D, G = m->E_local, Rl = sum_rows(m->local_rows, G);
+    const size_t act = mt_act_size(be);
+    size_t mark = mt_ws_mark(c->ws);
+    void *hp = m->hp;
+    if (!hp) MT_WS(hp, c->ws, (size_t)Rl * F * act);
+    MT_CHECK(mt_linear_grouped_fwd(c, m->exp_gate, m->gup, 2 * F, xl, D, m->local_rows, G));
+    MT_CHECK(mt_linear_grouped_fwd(c, m->exp_up, (char *)m->gup + (size_t)F * act, 2 * F, xl, D,
+                                   m->local_rows, G));
+    MT_CHECK(be->swiglu_fwd(be, hp, m->gup, Rl, F));
+    MT_CHECK(mt_linear_grouped_fwd(c, m->exp_down, yl, D, hp, F, m->local_rows, G));
+    mt_ws_release(c->ws, mark);
+    return MT_OK;
+}
+
+int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_alpha,
+               float grad_scale)
+{
+    mt_backend *be = c->be;
+    const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
+    MT_CHECK(be->gemm(be, m->logits, 1, E, xn, D, 0, m->router->w, D, 0, N, E, D, 1.0f, 0));
+    MT_CHECK(be->router_fwd(be, m->idx, m->w, m->scores, m->logits, m->bias ? m->bias->wf : NULL,
+                            N, &m->rc));
+    m->aux_on = aux_alpha > 0;
+    if (m->aux_on)
+        MT_CHECK(be->aux_loss(be, m->aux_loss, m->dscores, m->scores, m->idx, c->B, c->T,
+                              (float)aux_alpha, grad_scale, &m->rc));
+    MT_CHECK(be->moe_index(be, m->slot, m->src, m->counts, m->rows, m->idx, N, K, E, m->align,
+                           m->R_cap));
+    int32_t counts[4096];
+    if (E > 4096) return MT_ERR(MT_ENOTSUP, "moe: more than 4096 experts");
+    MT_CHECK(be->download(be, counts, m->counts, (size_t)E * 4));
+    for (int e = 0; e < E; e++) m->load[e] += counts[e];
+    m->R = sum_rows(m->rows, E);
+    MT_CHECK(be->moe_permute(be, m->xp, xn, m->src, m->R, D));
+    MT_CHECK(m->disp->dispatch(m->disp, be, &m->xl, m->local_rows, m->xp, m->rows, D));
+    void *yl = m->xl == m->xp ? m->yp : m->xl; /* identity: experts write yp directly */
+    MT_CHECK(experts_fwd(c, m, yl, m->xl));
+    MT_CHECK(m->disp->combine(m->disp, be, m->yp, yl, m->rows, D));
+    if (m->has_shared) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
+    return be->moe_unpermute(be, y, m->has_shared, m->yp, m->slot, m->w, N, K, D);
+}
+
+/* Local experts' backward: dyl [Rl, D] -> dxl [Rl, D]; expert gradients +=. */
+static int experts_bwd(const mt_ctx *c, mt_moe *m, void *dxl, const void *dyl, const void *xl)
+{
+    mt_backend *be = c->be;
+    const int F = m->F, D = m->D, G = m->E_local, Rl = sum_rows(m->local_rows, G);
+    const size_t act = mt_act_size(be);
+    size_t mark = mt_ws_mark(c->ws);
+    void *hp = m->hp, *dhp, *dgup;
+    if (!hp) {
+        MT_WS(hp, c->ws, (size_t)Rl * F * act);
+        MT_CHECK(be->swiglu_fwd(be, hp, m->gup, Rl, F));
+    }
+    MT_WS(dhp, c->ws, (size_t)Rl * F * act);
+    MT_WS(dgup, c->ws, (size_t)Rl * 2 * F * act);
+    MT_CHECK(mt_linear_grouped_bwd(c, m->exp_down, dhp, F, 0, dyl, D, hp, F, m->local_rows, G));
+    MT_CHECK(be->swiglu_bwd(be, dgup, dhp, m->gup, Rl, F));
+    MT_CHECK(mt_linear_grouped_bwd(c, m->exp_gate, dxl, D, 0, dgup, 2 * F, xl, D, m->local_rows,
+                                   G));
+    MT_CHECK(mt_linear_grouped_bwd(c, m->exp_up, dxl, D, 1, (char *)dgup + (size_t)F * act, 2 * F,
+                                   xl, D, m->local_rows, G));
+    mt_ws_release(c->ws, mark);
+    return MT_OK;
+}
+
+int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void *xn)
+{
+    mt_backend *be = c->be;
+    const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
+    const size_t act = mt_act_size(be), R = (size_t)m->R;
+    size_t mark = mt_ws_mark(c->ws);
+    void *dyp, *dxp, *dlog_act;
+    float *dw, *dlogits;
+    MT_WS(dyp, c->ws, R * D * act);
+    MT_WS(dxp, c->ws, R * D * act);
+    MT_WS(dw, c->ws, (size_t)N * K * 4);
+    MT_WS(dlogits, c->ws, (size_t)N * E * 4);
+    MT_WS(dlog_act, c->ws, (size_t)N * E * act);
+
+    if (m->has_shared) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
+    MT_CHECK(be->moe_unpermute_bwd(be, dyp, dw, dy, m->yp, m->slot, m->w, N, K, D, m->R));
+    /* The reverse of combine is a dispatch of the gradients, and vice versa. */
+    void *dyl;
+    int local_rows[4096];
+    MT_CHECK(m->disp->dispatch(m->disp, be, &dyl, local_rows, dyp, m->rows, D));
+    void *dxl = dyl == dyp ? dxp : dyl;
+    MT_CHECK(experts_bwd(c, m, dxl, dyl, m->xl));
+    MT_CHECK(m->disp->combine(m->disp, be, dxp, dxl, m->rows, D));
+    MT_CHECK(be->moe_permute_bwd(be, dxn, m->has_shared, dxp, m->slot, N, K, D));
+    /* router: gradient through the chosen weights and the balance loss */
+    MT_CHECK(be->router_bwd(be, dlogits, dw, m->aux_on ? m->dscores : NULL, m->scores, m->idx, N,
+                            &m->rc));
+    MT_CHECK(be->act_from_f32(be, dlog_act, dlogits, (int64_t)N * E));
+    MT_CHECK(be->gemm(be, dxn, 0, D, dlog_act, E, 0, m->router->w, D, 1, N, D, E, 1.0f, 1));
+    MT_CHECK(be->gemm(be, m->router->grad, 1, D, dlog_act, E, 1, xn, D, 1, E, D, N, 1.0f, 1));
+    mt_ws_release(c->ws, mark);
+    return MT_OK;
+}

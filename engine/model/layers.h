@@ -1,0 +1,113 @@
+/* layers.h - forward / backward of each layer (engine-internal).
+ *
+ * Every function takes the run context and its own layer struct; inputs and
+ * outputs are [N, *] act buffers of the backend. A backward reads what its
+ * forward saved and accumulates parameter gradients (f32, +=). "accumulate"
+ * on an input gradient means dx += ..., otherwise dx = ....
+ */
+#ifndef MT_LAYERS_H
+#define MT_LAYERS_H
+
+#include "engine/model/model.h"
+
+/* ---- workspace (model.c) ---- */
+/* Transient buffer of `bytes` (256-byte aligned) or NULL with an error set. */
+void *mt_ws_get(mt_ws *ws, size_t bytes);
+static inline size_t mt_ws_mark(const mt_ws *ws) { return ws->top; }
+static inline void mt_ws_release(mt_ws *ws, size_t mark) { ws->top = mark; }
+
+#define MT_WS(ptr, ws, bytes)                                                  \
+    do {                                                                       \
+        (ptr) = mt_ws_get((ws), (bytes));                                      \
+        if (!(ptr)) return MT_ENOMEM;                                          \
+    } while (0)
+
+/* ---- linear.c: y = x W^T in the recipe's precision ---- */
+int mt_linear_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x, int ldx,
+                  int M);
+/* dx (= or += with accumulate; dx NULL: skip) and dW += dy^T x. */
+int mt_linear_bwd(const mt_ctx *c, mt_param *w, void *dx, int lddx, int accumulate,
+                  const void *dy, int lddy, const void *x, int ldx, int M);
+/* Grouped over expert segments: w = first expert's param of a contiguous run. */
+int mt_linear_grouped_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x,
+                          int ldx, const int *rows, int G);
+int mt_linear_grouped_bwd(const mt_ctx *c, mt_param *w, void *dx, int lddx, int accumulate,
+                          const void *dy, int lddy, const void *x, int ldx, const int *rows,
+                          int G);
+/* Does this parameter compute in FP8 under the context's recipe? */
+int mt_linear_is_fp8(const mt_ctx *c, const mt_param *w);
+/* Transient bytes a linear of [M, in] -> [M, out] needs at most. */
+size_t mt_linear_ws_bytes(int64_t M, int64_t in, int64_t out);
+
+/* ---- layer_mla.c ---- */
+int mt_mla_init(mt_mla *a, mt_backend *be, const mt_model_config *cfg, int N, int B, int T,
+                int recompute);
+void mt_mla_free(mt_mla *a, mt_backend *be);
+/* y [N, D] = attn(norm(x)) (no residual). */
+int mt_mla_fwd(const mt_ctx *c, mt_mla *a, void *y, const void *x);
+/* dx += d/dx of the layer given dy. */
+int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void *x);
+size_t mt_mla_ws_bytes(const mt_model_config *cfg, int N);
+
+/* ---- layer_ffn.c ---- */
+int mt_ffn_init(mt_ffn *f, mt_backend *be, int N, int D, int F, int recompute);
+void mt_ffn_free(mt_ffn *f, mt_backend *be);
+/* y [N, D] (= or += with accumulate) = down(silu(gate(xn)) * up(xn)). */
+int mt_ffn_fwd(const mt_ctx *c, mt_ffn *f, void *y, int accumulate, const void *xn);
+int mt_ffn_bwd(const mt_ctx *c, mt_ffn *f, void *dxn, int accumulate, const void *dy,
+               const void *xn);
+size_t mt_ffn_ws_bytes(int N, int D, int F);
+
+/* ---- layer_moe.c ---- */
+int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_model_opts *o,
+                int N, mt_moe_dispatcher *disp);
+void mt_moe_free(mt_moe *m, mt_backend *be);
+/* y [N, D] = shared(xn) + sum_k w_k expert_k(xn); aux loss accumulated. */
+int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_alpha,
+               float grad_scale);
+int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void *xn);
+size_t mt_moe_ws_bytes(const mt_model_config *cfg, int N, int R_cap);
+
+/* ---- layer_block.c ---- */
+int mt_block_init(mt_block *b, mt_backend *be, const mt_model_config *cfg,
+                  const mt_model_opts *o, int layer, int N, mt_moe_dispatcher *disp);
+void mt_block_free(mt_block *b, mt_backend *be);
+/* out = block(x); x and out are [N, D] and must differ. */
+int mt_block_fwd(const mt_ctx *c, mt_block *b, void *out, const void *x, double aux_alpha,
+                 float aux_grad_scale);
+/* dx = d/dx given dout (dx and dout may alias: the residual passes through). */
+int mt_block_bwd(const mt_ctx *c, mt_block *b, void *dx, const void *dout, const void *x);
+/* Binds the block's parameter pointers from the model's table. */
+int mt_block_bind(mt_block *b, mt_param *params, const mt_param_table *t, int layer);
+
+/* ---- layer_head.c ---- */
+int mt_head_init(mt_head *h, mt_backend *be, int N, int D);
+void mt_head_free(mt_head *h, mt_backend *be);
+/* Final norm, logits and fused cross-entropy of hidden x [N, D] against
+ * tgt [N]; loss per token in h->loss; logits [N, V] left holding their
+ * gradient (grad_scale per token). Returns the loss sum on the host. */
+int mt_head_fwd(const mt_ctx *c, mt_head *h, void *logits, const void *x, const int32_t *tgt,
+                int V, float grad_scale, float *host_loss, double *loss_sum, int64_t *count,
+                const int32_t *host_tgt);
+/* dx (= or +=) from the logits' gradient; head and norm gradients +=. */
+int mt_head_bwd(const mt_ctx *c, mt_head *h, void *dx, int accumulate, const void *logits,
+                const void *x, int V);
+
+/* ---- layer_mtp.c ---- */
+int mt_mtp_init(mt_mtp *p, mt_backend *be, const mt_model_config *cfg, const mt_model_opts *o,
+                int depth, int N, mt_moe_dispatcher *disp);
+void mt_mtp_free(mt_mtp *p, mt_backend *be);
+/* hout = block(eh_proj([enorm(emb(ids)), hnorm(h)])). */
+int mt_mtp_fwd(const mt_ctx *c, mt_mtp *p, const mt_param *embed, const void *h,
+               double aux_alpha, float aux_grad_scale);
+/* dh (+=) and dembed from dhout. */
+int mt_mtp_bwd(const mt_ctx *c, mt_mtp *p, mt_param *embed, void *dh, const void *dhout,
+               const void *h);
+
+/* ---- rope_table.c ---- */
+/* cos / sin f32 [T, R/2] (host) with YaRN frequencies and attention factor;
+ * *attn_scale = softmax scale incl. mscale^2. */
+int mt_rope_tables(const mt_model_config *cfg, int T, float *cos_t, float *sin_t,
+                   float *attn_scale);
+
+#endif

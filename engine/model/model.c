@@ -1,0 +1,549 @@
+/* model.c - building the model on a backend and running one micro-batch.
+ *
+ * Forward order (one pipeline stage holding everything):
+ *   h0 = embed(ids); h_{l+1} = block_l(h_l); main head on h_L;
+ *   MTP depth k on h_L (k = 1) or the previous depth's output, with its head.
+ * Each head's backward runs right after its forward (the logits buffer then
+ * holds their gradient), so one [N, V] buffer serves every head. Backward
+ * then runs MTP depths D..1, blocks L-1..0 and the embedding.
+ */
+#include "engine/model/model.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/model/layers.h"
+#include "kernels/mt_fp8.h"
+#include "base/mt_log.h"
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
+
+/* ---- workspace ------------------------------------------------------------ */
+
+void *mt_ws_get(mt_ws *ws, size_t bytes)
+{
+    size_t start = (ws->top + 255) & ~(size_t)255;
+    if (start + bytes > ws->cap) {
+        mt_err_at(MT_ENOMEM, __FILE__, __LINE__,
+                  "step workspace exhausted: need %zu more bytes, capacity %zu", bytes, ws->cap);
+        return NULL;
+    }
+    ws->top = start + bytes;
+    if (ws->top > ws->peak) ws->peak = ws->top;
+    return ws->base + start;
+}
+
+static size_t max_sz(size_t a, size_t b) { return a > b ? a : b; }
+
+static size_t model_ws_bytes(const mt_model_config *c, int N, int R_cap)
+{
+    const size_t nd = (size_t)N * c->hidden_size * 4;
+    size_t layer = max_sz(mt_mla_ws_bytes(c, N), mt_ffn_ws_bytes(N, c->hidden_size,
+                                                                  c->intermediate_size));
+    if (c->n_routed_experts > 0) layer = max_sz(layer, mt_moe_ws_bytes(c, N, R_cap));
+    /* block: y / dxn2; MTP: dhin, dcat (2), demb; head: dhn */
+    return 2 * nd + 4 * nd + nd + layer + 64 * 256;
+}
+
+/* ---- options ------------------------------------------------------------- */
+
+void mt_model_opts_from_job(mt_model_opts *o, const mt_jobspec *j)
+{
+    memset(o, 0, sizeof *o);
+    o->recipe = j->precision.recipe;
+    o->micro_batch = j->batch.micro_batch_size;
+    o->seq_len = j->batch.seq_len;
+    o->recompute_mla_up = j->precision.recompute_mla_up;
+    o->recompute_moe_act = j->precision.recompute_moe_act;
+    o->mtp_weight = j->loss.mtp_weight;
+    o->aux_alpha = j->loss.aux_alpha;
+    o->expert_align = 0;
+}
+
+/* ---- parameters ------------------------------------------------------------ */
+
+static int64_t scale_count(int64_t rows, int64_t cols)
+{
+    return ((rows + 127) / 128) * ((cols + 127) / 128);
+}
+
+static int param_uses_fp8(const mt_model *m, const mt_param_desc *d)
+{
+    return m->opts.recipe == MT_RECIPE_FP8_BLOCKWISE && mt_param_kind_is_fp8(d->kind);
+}
+
+/* Lays the parameters out in table order over the flat buffers. */
+static int params_alloc(mt_model *m)
+{
+    mt_backend *be = m->be;
+    const size_t act = mt_act_size(be);
+    int64_t n_act = 0, n_q = 0, n_s = 0, n_f32 = 0, n_grad = 0;
+    m->params = calloc((size_t)m->table.n, sizeof *m->params);
+    if (!m->params) return MT_ERR(MT_ENOMEM, "model: out of memory");
+    for (int i = 0; i < m->table.n; i++) {
+        const mt_param_desc *d = &m->table.p[i];
+        int64_t n = mt_param_numel(d);
+        if (d->kind == MT_PK_ROUTER_BIAS)
+            n_f32 += n;
+        else if (param_uses_fp8(m, d)) {
+            n_q += n;
+            n_s += scale_count(d->rows, d->cols);
+        } else
+            n_act += n;
+        if (d->kind != MT_PK_ROUTER_BIAS) n_grad += n;
+    }
+    MT_CHECK(be->alloc(be, (size_t)(n_act > 0 ? n_act : 1) * act, &m->buf_act));
+    MT_CHECK(be->alloc(be, (size_t)(n_q > 0 ? n_q : 1), (void **)&m->buf_q));
+    MT_CHECK(be->alloc(be, (size_t)(n_q > 0 ? n_q : 1), (void **)&m->buf_qt));
+    MT_CHECK(be->alloc(be, (size_t)(n_s > 0 ? n_s : 1) * 4, (void **)&m->buf_s));
+    MT_CHECK(be->alloc(be, (size_t)(n_s > 0 ? n_s : 1) * 4, (void **)&m->buf_st));
+    MT_CHECK(be->alloc(be, (size_t)(n_f32 > 0 ? n_f32 : 1) * 4, (void **)&m->buf_f32));
+    MT_CHECK(be->alloc(be, (size_t)(n_grad > 0 ? n_grad : 1) * 4, (void **)&m->buf_grad));
+    m->n_grad = n_grad;
+    m->param_bytes = (size_t)n_act * act + 2 * (size_t)n_q + 8 * (size_t)n_s + 4 * (size_t)n_f32 +
+                     4 * (size_t)n_grad;
+    int64_t o_act = 0, o_q = 0, o_s = 0, o_f32 = 0, o_grad = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        mt_param *p = &m->params[i];
+        p->d = m->table.p[i];
+        int64_t n = mt_param_numel(&p->d);
+        p->index = o_grad;
+        if (p->d.kind == MT_PK_ROUTER_BIAS) {
+            p->wf = m->buf_f32 + o_f32;
+            o_f32 += n;
+            continue;
+        }
+        if (param_uses_fp8(m, &p->d)) {
+            p->q = m->buf_q + o_q;
+            p->qt = m->buf_qt + o_q;
+            p->s = m->buf_s + o_s;
+            p->st = m->buf_st + o_s;
+            o_q += n;
+            o_s += scale_count(p->d.rows, p->d.cols);
+        } else {
+            p->w = (char *)m->buf_act + (size_t)o_act * act;
+            o_act += n;
+        }
+        p->grad = m->buf_grad + o_grad;
+        o_grad += n;
+    }
+    return MT_OK;
+}
+
+int mt_model_set_param_dev(mt_model *m, int i, const float *dev)
+{
+    mt_backend *be = m->be;
+    mt_param *p = &m->params[i];
+    const int rows = (int)p->d.rows, cols = (int)p->d.cols;
+    if (p->wf) return be->copy(be, p->wf, dev, (size_t)mt_param_numel(&p->d) * 4);
+    if (p->q) {
+        MT_CHECK(be->quant_blocks(be, p->q, p->s, dev, rows, cols));
+        return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, rows, cols);
+    }
+    return be->act_from_f32(be, p->w, dev, mt_param_numel(&p->d));
+}
+
+/* A device f32 scratch large enough for the largest parameter. */
+static int param_scratch(mt_model *m, float **out)
+{
+    int64_t mx = 1;
+    for (int i = 0; i < m->table.n; i++)
+        if (mt_param_numel(&m->table.p[i]) > mx) mx = mt_param_numel(&m->table.p[i]);
+    return m->be->alloc(m->be, (size_t)mx * 4, (void **)out);
+}
+
+int mt_model_set_param(mt_model *m, int i, const float *host)
+{
+    if (i < 0 || i >= m->table.n) return MT_ERR(MT_EINVAL, "set_param: index %d out of range", i);
+    float *tmp;
+    MT_CHECK(param_scratch(m, &tmp));
+    int rc = m->be->upload(m->be, tmp, host, (size_t)mt_param_numel(&m->params[i].d) * 4);
+    if (rc == MT_OK) rc = mt_model_set_param_dev(m, i, tmp);
+    m->be->free(m->be, tmp);
+    return rc;
+}
+
+int mt_model_get_param(mt_model *m, int i, float *host)
+{
+    if (i < 0 || i >= m->table.n) return MT_ERR(MT_EINVAL, "get_param: index %d out of range", i);
+    mt_backend *be = m->be;
+    mt_param *p = &m->params[i];
+    const int64_t n = mt_param_numel(&p->d);
+    if (p->wf) return be->download(be, host, p->wf, (size_t)n * 4);
+    float *tmp;
+    MT_CHECK(param_scratch(m, &tmp));
+    int rc = p->q ? be->dequant_blocks(be, tmp, p->q, p->s, (int)p->d.rows, (int)p->d.cols)
+                  : be->act_to_f32(be, tmp, p->w, n);
+    if (rc == MT_OK) rc = be->download(be, host, tmp, (size_t)n * 4);
+    be->free(be, tmp);
+    return rc;
+}
+
+/* FNV-1a of a parameter name: the per-tensor stream of the initialiser. */
+static uint64_t name_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ULL;
+    return h;
+}
+
+float mt_model_init_value(const mt_param_desc *d, double std, uint64_t seed, int64_t i)
+{
+    switch (d->kind) {
+    case MT_PK_NORM: return 1.0f;
+    case MT_PK_ROUTER_BIAS: return 0.0f;
+    default: return (float)(std * mt_hash_normal(seed ^ name_hash(d->name), (uint64_t)i));
+    }
+}
+
+int mt_model_init_random(mt_model *m, uint64_t seed)
+{
+    int64_t mx = 1;
+    for (int i = 0; i < m->table.n; i++)
+        if (mt_param_numel(&m->table.p[i]) > mx) mx = mt_param_numel(&m->table.p[i]);
+    float *host = malloc((size_t)mx * sizeof *host);
+    if (!host) return MT_ERR(MT_ENOMEM, "init: out of memory");
+    int rc = MT_OK;
+    for (int i = 0; i < m->table.n && rc == MT_OK; i++) {
+        const mt_param_desc *d = &m->table.p[i];
+        for (int64_t j = 0; j < mt_param_numel(d); j++)
+            host[j] = mt_model_init_value(d, m->cfg.initializer_range, seed, j);
+        rc = mt_model_set_param(m, i, host);
+    }
+    free(host);
+    return rc;
+}
+
+int mt_model_zero_grads(mt_model *m)
+{
+    return m->be->zero(m->be, m->buf_grad, (size_t)m->n_grad * 4);
+}
+
+/* ---- build ------------------------------------------------------------------ */
+
+static mt_param *param_by_role(mt_model *m, int layer, mt_param_role role)
+{
+    for (int i = 0; i < m->table.n; i++)
+        if (m->table.p[i].layer == layer && m->table.p[i].role == role) return &m->params[i];
+    return NULL;
+}
+
+static int model_build_layers(mt_model *m)
+{
+    mt_backend *be = m->be;
+    const mt_model_config *c = &m->cfg;
+    const int N = m->ctx.N, D = c->hidden_size, L = c->num_hidden_layers;
+    const size_t act = mt_act_size(be);
+    m->embed = param_by_role(m, -1, MT_PR_EMBED);
+    m->head.norm = param_by_role(m, -1, MT_PR_FINAL_NORM);
+    m->head.head = c->tie_word_embeddings ? m->embed : param_by_role(m, -1, MT_PR_HEAD);
+    MT_CHECK(mt_head_init(&m->head, be, N, D));
+    m->n_blocks = L;
+    m->blocks = calloc((size_t)L, sizeof *m->blocks);
+    m->h = calloc((size_t)L + 1, sizeof *m->h);
+    if (!m->blocks || !m->h) return MT_ERR(MT_ENOMEM, "model: out of memory");
+    for (int l = 0; l < L; l++) {
+        MT_CHECK(mt_block_init(&m->blocks[l], be, c, &m->opts, l, N, m->disp));
+        MT_CHECK(mt_block_bind(&m->blocks[l], m->params, &m->table, l));
+    }
+    for (int l = 0; l <= L; l++) MT_CHECK(be->alloc(be, (size_t)N * D * act, &m->h[l]));
+    m->n_mtp = c->num_nextn_predict_layers;
+    if (m->n_mtp > 0) {
+        m->mtp = calloc((size_t)m->n_mtp, sizeof *m->mtp);
+        m->mtp_head = calloc((size_t)m->n_mtp, sizeof *m->mtp_head);
+        m->dmtp = calloc((size_t)m->n_mtp, sizeof *m->dmtp);
+        if (!m->mtp || !m->mtp_head || !m->dmtp) return MT_ERR(MT_ENOMEM, "model: out of memory");
+    }
+    for (int k = 0; k < m->n_mtp; k++) {
+        mt_mtp *p = &m->mtp[k];
+        int l = L + k;
+        MT_CHECK(mt_mtp_init(p, be, c, &m->opts, k + 1, N, m->disp));
+        MT_CHECK(mt_block_bind(&p->block, m->params, &m->table, l));
+        p->enorm = param_by_role(m, l, MT_PR_MTP_ENORM);
+        p->hnorm = param_by_role(m, l, MT_PR_MTP_HNORM);
+        p->eh = param_by_role(m, l, MT_PR_MTP_EH);
+        p->norm = param_by_role(m, l, MT_PR_MTP_NORM);
+        m->mtp_head[k].norm = p->norm;
+        m->mtp_head[k].head = m->head.head;
+        MT_CHECK(mt_head_init(&m->mtp_head[k], be, N, D));
+        MT_CHECK(be->alloc(be, (size_t)N * D * act, &m->dmtp[k]));
+    }
+    MT_CHECK(be->alloc(be, (size_t)N * D * act, &m->dh));
+    MT_CHECK(be->alloc(be, (size_t)N * c->vocab_size * act, &m->logits));
+    MT_CHECK(be->alloc(be, (size_t)N * 4, (void **)&m->ids));
+    MT_CHECK(be->alloc(be, (size_t)N * 4, (void **)&m->tgt));
+    return MT_OK;
+}
+
+int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_opts *opts,
+                    mt_backend *be)
+{
+    *out = NULL;
+    if (opts->recipe == MT_RECIPE_FP32 && be->kind != MT_BE_CPU)
+        return MT_ERR(MT_ENOTSUP, "precision.recipe \"fp32\" runs on the cpu backend only");
+    if (opts->micro_batch < 1 || opts->seq_len < 1)
+        return MT_ERR(MT_EINVAL, "model: micro-batch %d x sequence %d", opts->micro_batch,
+                      opts->seq_len);
+    mt_model *m = calloc(1, sizeof *m);
+    if (!m) return MT_ERR(MT_ENOMEM, "model: out of memory");
+    int rc;
+    m->cfg = *cfg;
+    m->opts = *opts;
+    m->be = be;
+    be->round_bf16 = opts->recipe != MT_RECIPE_FP32;
+    const int B = opts->micro_batch, T = opts->seq_len, N = B * T;
+    const int R = cfg->qk_rope_head_dim;
+    m->n_stages = 1;
+    m->stage = (mt_stage){0, cfg->num_hidden_layers, 1, 1};
+    MT_GOTO(mt_params_build(&m->table, cfg, 0, -1), fail);
+    MT_GOTO(params_alloc(m), fail);
+    MT_GOTO(mt_moe_dispatch_identity(&m->disp, cfg->n_routed_experts), fail);
+
+    mt_ctx *c = &m->ctx;
+    c->be = be;
+    c->recipe = opts->recipe;
+    c->B = B;
+    c->T = T;
+    c->N = N;
+    c->ws = &m->ws;
+    c->rope_interleave = cfg->rope_interleave;
+    c->recompute_mla_up = opts->recompute_mla_up;
+    c->recompute_moe_act = opts->recompute_moe_act;
+    c->rms_eps = (float)cfg->rms_norm_eps;
+    {
+        float *ct = malloc((size_t)T * (R / 2) * 4), *st = malloc((size_t)T * (R / 2) * 4);
+        rc = ct && st ? mt_rope_tables(cfg, T, ct, st, &c->attn_scale)
+                      : MT_ERR(MT_ENOMEM, "model: out of memory");
+        if (rc == MT_OK) rc = be->alloc(be, (size_t)T * (R / 2) * 4, (void **)&m->rope_cos);
+        if (rc == MT_OK) rc = be->alloc(be, (size_t)T * (R / 2) * 4, (void **)&m->rope_sin);
+        if (rc == MT_OK) rc = be->upload(be, m->rope_cos, ct, (size_t)T * (R / 2) * 4);
+        if (rc == MT_OK) rc = be->upload(be, m->rope_sin, st, (size_t)T * (R / 2) * 4);
+        free(ct);
+        free(st);
+        if (rc < 0) goto fail;
+        c->rope_cos = m->rope_cos;
+        c->rope_sin = m->rope_sin;
+    }
+    MT_GOTO(model_build_layers(m), fail);
+    {
+        int align = opts->expert_align > 0 ? opts->expert_align
+                    : opts->recipe == MT_RECIPE_FP8_BLOCKWISE ? 128
+                                                              : 1;
+        int R_cap = N * cfg->num_experts_per_tok + cfg->n_routed_experts * (align - 1);
+        m->ws.be = be;
+        m->ws.cap = model_ws_bytes(cfg, N, R_cap);
+        MT_GOTO(be->alloc(be, m->ws.cap, (void **)&m->ws.base), fail);
+    }
+    m->host_tok = malloc((size_t)B * (T + 1) * 4);
+    m->host_i32 = malloc((size_t)N * 4);
+    m->host_tgt = malloc((size_t)N * 4);
+    m->host_loss = malloc((size_t)N * 4);
+    if (!m->host_tok || !m->host_i32 || !m->host_tgt || !m->host_loss) {
+        rc = MT_ERR(MT_ENOMEM, "model: out of memory");
+        goto fail;
+    }
+    *out = m;
+    return MT_OK;
+fail:
+    mt_model_destroy(m);
+    return rc;
+}
+
+void mt_model_destroy(mt_model *m)
+{
+    if (!m) return;
+    mt_backend *be = m->be;
+    for (int l = 0; m->blocks && l < m->n_blocks; l++) mt_block_free(&m->blocks[l], be);
+    for (int k = 0; m->mtp && k < m->n_mtp; k++) {
+        mt_mtp_free(&m->mtp[k], be);
+        mt_head_free(&m->mtp_head[k], be);
+        if (m->dmtp[k]) be->free(be, m->dmtp[k]);
+    }
+    mt_head_free(&m->head, be);
+    for (int l = 0; m->h && l <= m->n_blocks; l++)
+        if (m->h[l]) be->free(be, m->h[l]);
+    void *bufs[] = {m->dh, m->logits, m->ids, m->tgt, m->rope_cos, m->rope_sin,
+                    m->buf_act, m->buf_q, m->buf_qt, m->buf_s, m->buf_st, m->buf_f32,
+                    m->buf_grad, m->ws.base};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) be->free(be, bufs[i]);
+    if (m->disp) m->disp->destroy(m->disp);
+    free(m->blocks);
+    free(m->h);
+    free(m->mtp);
+    free(m->mtp_head);
+    free(m->dmtp);
+    free(m->params);
+    free(m->host_tok);
+    free(m->host_i32);
+    free(m->host_tgt);
+    free(m->host_loss);
+    mt_params_free(&m->table);
+    free(m);
+}
+
+/* ---- one micro-batch ------------------------------------------------------- */
+
+/* ids[b, t] = tokens[b, t + k]; tgt[b, t] = tokens[b, t + k + 1] or ignore. */
+static void shift_tokens(const int32_t *tokens, int B, int T, int k, int32_t *ids, int32_t *tgt)
+{
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const int32_t *row = tokens + (size_t)b * (T + 1);
+            ids[b * T + t] = t + k <= T ? row[t + k] : 0;
+            tgt[b * T + t] = t + k + 1 <= T ? row[t + k + 1] : MT_IGNORE;
+        }
+}
+
+static int moe_aux_sum(mt_model *m, mt_block *b, double *sum)
+{
+    if (!b->is_moe || !b->moe.aux_on) return MT_OK;
+    float v;
+    MT_CHECK(m->be->download(m->be, &v, b->moe.aux_loss, 4));
+    *sum += v;
+    return m->be->zero(m->be, b->moe.aux_loss, 4);
+}
+
+int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
+                  mt_mb_stats *st)
+{
+    mt_backend *be = m->be;
+    mt_ctx *c = &m->ctx;
+    const int N = c->N, B = c->B, T = c->T, D = m->cfg.hidden_size, L = m->n_blocks;
+    const int V = (int)m->cfg.vocab_size;
+    const size_t nd_bytes = (size_t)N * D * mt_act_size(be);
+    const double alpha = m->opts.aux_alpha, lambda = m->opts.mtp_weight;
+    const float aux_gs = backward ? (float)loss_scale : 0.0f;
+    memset(st, 0, sizeof *st);
+    m->ws.top = 0;
+    for (int i = 0; i < B * (T + 1); i++)
+        if (tokens[i] < 0 || tokens[i] >= V)
+            return MT_ERR(MT_EINVAL, "token %d at position %d is outside the vocabulary [0, %d)",
+                          tokens[i], i, V);
+
+    /* main model */
+    shift_tokens(tokens, B, T, 0, m->host_i32, m->host_tgt);
+    MT_CHECK(be->upload(be, m->ids, m->host_i32, (size_t)N * 4));
+    MT_CHECK(be->upload(be, m->tgt, m->host_tgt, (size_t)N * 4));
+    MT_CHECK(be->embedding_fwd(be, m->h[0], m->embed->w, m->ids, N, D));
+    for (int l = 0; l < L; l++)
+        MT_CHECK(mt_block_fwd(c, &m->blocks[l], m->h[l + 1], m->h[l], alpha, aux_gs));
+    double sum;
+    int64_t cnt;
+    float gs = backward ? (float)(loss_scale / N) : 0.0f;
+    MT_CHECK(mt_head_fwd(c, &m->head, m->logits, m->h[L], m->tgt, V, gs, m->host_loss, &sum, &cnt,
+                         m->host_tgt));
+    st->loss = sum / (double)cnt;
+    st->tokens = cnt;
+    if (backward) MT_CHECK(mt_head_bwd(c, &m->head, m->dh, 0, m->logits, m->h[L], V));
+
+    /* MTP depths */
+    for (int k = 0; k < m->n_mtp; k++) {
+        mt_mtp *p = &m->mtp[k];
+        const void *hprev = k == 0 ? m->h[L] : m->mtp[k - 1].hout;
+        shift_tokens(tokens, B, T, k + 1, m->host_i32, m->host_tgt);
+        MT_CHECK(be->upload(be, p->ids, m->host_i32, (size_t)N * 4));
+        MT_CHECK(be->upload(be, p->tgt, m->host_tgt, (size_t)N * 4));
+        MT_CHECK(mt_mtp_fwd(c, p, m->embed, hprev, alpha, aux_gs));
+        int valid = B * (T - k - 1);
+        if (valid <= 0) return MT_ERR(MT_EINVAL, "MTP depth %d needs sequences longer than %d", k + 1, T);
+        gs = backward ? (float)(loss_scale * lambda / m->n_mtp / valid) : 0.0f;
+        MT_CHECK(mt_head_fwd(c, &m->mtp_head[k], m->logits, p->hout, p->tgt, V, gs, m->host_loss,
+                             &sum, &cnt, m->host_tgt));
+        st->mtp_loss += sum / (double)cnt / m->n_mtp;
+        if (backward)
+            MT_CHECK(mt_head_bwd(c, &m->mtp_head[k], m->dmtp[k], 0, m->logits, p->hout, V));
+    }
+    for (int l = 0; l < L; l++) MT_CHECK(moe_aux_sum(m, &m->blocks[l], &st->aux_loss));
+    for (int k = 0; k < m->n_mtp; k++) MT_CHECK(moe_aux_sum(m, &m->mtp[k].block, &st->aux_loss));
+    st->total = st->loss + lambda * st->mtp_loss + st->aux_loss;
+    if (!backward) return MT_OK;
+
+    /* backward */
+    for (int k = m->n_mtp - 1; k >= 0; k--) {
+        mt_mtp *p = &m->mtp[k];
+        void *dprev = k == 0 ? m->dh : m->dmtp[k - 1];
+        const void *hprev = k == 0 ? m->h[L] : m->mtp[k - 1].hout;
+        MT_CHECK(mt_mtp_bwd(c, p, m->embed, dprev, m->dmtp[k], hprev));
+    }
+    for (int l = L - 1; l >= 0; l--)
+        MT_CHECK(mt_block_bwd(c, &m->blocks[l], m->dh, m->dh, m->h[l]));
+    MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->dh, m->ids, N, D));
+    (void)nd_bytes;
+    return MT_OK;
+}
+
+/* ---- router state ------------------------------------------------------------ */
+
+static mt_block *block_of_layer(const mt_model *m, int layer)
+{
+    if (layer >= 0 && layer < m->n_blocks) return &m->blocks[layer];
+    int k = layer - m->n_blocks;
+    if (k >= 0 && k < m->n_mtp) return &m->mtp[k].block;
+    return NULL;
+}
+
+const int64_t *mt_model_expert_load(const mt_model *m, int layer)
+{
+    mt_block *b = block_of_layer(m, layer);
+    return b && b->is_moe ? b->moe.load : NULL;
+}
+
+void mt_model_reset_load(mt_model *m)
+{
+    const int E = m->cfg.n_routed_experts;
+    for (int l = 0; l < m->n_blocks + m->n_mtp; l++) {
+        mt_block *b = block_of_layer(m, l);
+        if (b->is_moe) memset(b->moe.load, 0, (size_t)E * sizeof *b->moe.load);
+    }
+}
+
+int mt_model_get_router_bias(mt_model *m, int layer, float *host)
+{
+    mt_block *b = block_of_layer(m, layer);
+    if (!b || !b->is_moe || !b->moe.bias)
+        return MT_ERR(MT_EINVAL, "layer %d has no router bias", layer);
+    return m->be->download(m->be, host, b->moe.bias->wf, (size_t)m->cfg.n_routed_experts * 4);
+}
+
+int mt_model_set_router_bias(mt_model *m, int layer, const float *host)
+{
+    mt_block *b = block_of_layer(m, layer);
+    if (!b || !b->is_moe || !b->moe.bias)
+        return MT_ERR(MT_EINVAL, "layer %d has no router bias", layer);
+    return m->be->upload(m->be, b->moe.bias->wf, host, (size_t)m->cfg.n_routed_experts * 4);
+}
+
+/* ---- FLOPs ------------------------------------------------------------------- */
+
+/* Multiply-adds per token of one decoder layer's linears (active experts only). */
+static double layer_linear_macs(const mt_model_config *c, int l)
+{
+    const double D = c->hidden_size, H = c->num_attention_heads;
+    const double dqk = mt_config_qk_head_dim(c), dv = c->v_head_dim;
+    const double QL = c->q_lora_rank, KL = c->kv_lora_rank, R = c->qk_rope_head_dim;
+    double a = QL > 0 ? D * QL + QL * H * dqk : D * H * dqk;
+    a += D * (KL + R) + KL * H * (c->qk_nope_head_dim + dv) + H * dv * D;
+    if (mt_config_layer_is_moe(c, l)) {
+        const double F = c->moe_intermediate_size;
+        a += D * c->n_routed_experts; /* router */
+        a += 3.0 * D * F * (c->num_experts_per_tok + c->n_shared_experts);
+    } else {
+        a += 3.0 * D * c->intermediate_size;
+    }
+    return a;
+}
+
+double mt_model_flops_per_token(const mt_model_config *c, int T)
+{
+    const double D = c->hidden_size, V = (double)c->vocab_size, H = c->num_attention_heads;
+    const double attn = H * (mt_config_qk_head_dim(c) + c->v_head_dim) * (T + 1) / 2.0;
+    double macs = 0;
+    for (int l = 0; l < c->num_hidden_layers; l++) macs += layer_linear_macs(c, l) + attn;
+    macs += D * V; /* head */
+    for (int k = 0; k < c->num_nextn_predict_layers; k++)
+        macs += layer_linear_macs(c, c->num_hidden_layers + k) + attn + 2 * D * D + D * V;
+    /* 2 FLOPs per multiply-add, forward + 2x backward */
+    return 6.0 * macs;
+}

@@ -1,0 +1,271 @@
+/* model.h - the DeepSeek-V3 model on an op backend: parameters, layers with
+ * explicit forward and backward, and one micro-batch step.
+ *
+ * Shapes: a micro-batch is B sequences of T tokens, N = B * T rows; D is
+ * hidden_size, H heads, Dn/R/Dv the nope/rope/value head dims, E routed
+ * experts, K experts per token, F expert width, V vocabulary.
+ *
+ * Ownership: a layer sees only its own parameters (mt_param pointers into the
+ * model's table) and its own saved activations; transient buffers come from
+ * the step workspace (mt_ws) and are released when the layer returns. The
+ * MoE layer holds only its local experts and moves tokens through a
+ * dispatcher (identity on one rank, all-to-all under expert parallelism).
+ * The model is a list of pipeline stages; with one stage it holds every layer.
+ */
+#ifndef MT_MODEL_H
+#define MT_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/model/config.h"
+#include "engine/train/jobspec.h"
+#include "engine/model/moe_dispatch.h"
+#include "engine/model/param_table.h"
+#include "kernels/ops.h"
+
+/* Target id that contributes no loss (positions past the end for MTP). */
+#define MT_IGNORE (-1)
+
+/* A parameter's compute copies and gradient, all in backend memory. */
+typedef struct mt_param {
+    mt_param_desc d;
+    int64_t index;      /* element offset of the parameter in the flat buffers */
+    void *w;            /* act [rows, cols] (non-FP8 compute copy), or NULL */
+    uint8_t *q;         /* e4m3 [rows, cols] (FP8 compute copy), or NULL */
+    float *s;           /* BLK128 scales [ceil(rows/128), ceil(cols/128)] */
+    uint8_t *qt;        /* e4m3 [cols, rows]: transposed copy for the data gradient */
+    float *st;          /* BLK128 scales of qt [ceil(cols/128), ceil(rows/128)] */
+    float *wf;          /* f32 [cols] (router bias: used as is), or NULL */
+    float *grad;        /* f32 [rows, cols] gradient accumulator; NULL for the router bias */
+} mt_param;
+
+/* A bump allocator over one backend buffer for a layer's transient values. */
+typedef struct mt_ws {
+    mt_backend *be;
+    char *base;
+    size_t cap, top, peak;
+} mt_ws;
+
+/* What every layer needs to run. */
+typedef struct mt_ctx {
+    mt_backend *be;
+    mt_recipe recipe;
+    int B, T, N;               /* sequences, tokens per sequence, rows */
+    mt_ws *ws;
+    const float *rope_cos;     /* f32 [T, R/2] with the YaRN attention factor */
+    const float *rope_sin;
+    float attn_scale;          /* softmax scale incl. YaRN mscale^2 */
+    int rope_interleave;
+    int recompute_mla_up;
+    int recompute_moe_act;
+    float rms_eps;
+} mt_ctx;
+
+/* Multi-head latent attention with its input norm (one decoder layer's). */
+typedef struct mt_mla {
+    mt_param *in_norm, *q_a, *q_a_norm, *q_b, *q, *kv_a, *kv_a_norm, *kv_b, *o;
+    int D, H, Dn, R, Dv, QL, KL; /* QL = q_lora_rank (0: plain q_proj), KL = kv_lora_rank */
+    /* saved for backward */
+    void *xn;        /* [N, D] normed input */
+    float *rstd_in;  /* [N] */
+    void *qa;        /* [N, QL] q_a output */
+    void *qan;       /* [N, QL] normed */
+    float *rstd_q;   /* [N] */
+    void *qh;        /* [N, H, Dn + R] queries after RoPE (NULL with recompute) */
+    void *kva;       /* [N, KL + R] kv_a output, its rope part rotated */
+    float *rstd_kv;  /* [N] */
+    void *kvn;       /* [N, KL] normed compressed kv */
+    void *k;         /* [N, H, Dn + R] (NULL with recompute) */
+    void *v;         /* [N, H, Dv] (NULL with recompute) */
+    void *o_attn;    /* [N, H, Dv] attention output */
+    float *lse;      /* [B, H, T] */
+} mt_mla;
+
+/* SwiGLU FFN: the dense FFN and the shared experts. */
+typedef struct mt_ffn {
+    mt_param *gate, *up, *down;
+    int D, F;
+    void *gu;        /* [N, 2F] gate and up outputs */
+    void *h;         /* [N, F] SwiGLU output (NULL with recompute) */
+} mt_ffn;
+
+/* DeepSeekMoE: router, shared experts, local routed experts. */
+typedef struct mt_moe {
+    mt_param *router, *bias;
+    mt_param *exp_gate, *exp_up, *exp_down; /* first local expert of each projection */
+    mt_ffn shared;
+    int has_shared;
+    mt_router_cfg rc;
+    int D, F, E_local, align, R_cap;
+    mt_moe_dispatcher *disp;
+    /* saved for backward */
+    void *xn;          /* [N, D] (owned by the block: post-attention norm output) */
+    float *logits;     /* [N, E] f32 */
+    float *scores;     /* [N, E] f32 */
+    int32_t *idx;      /* [N, K] */
+    float *w;          /* [N, K] */
+    float *dscores;    /* [N, E] aux-loss gradient (computed in forward) */
+    int32_t *slot;     /* [N, K] */
+    int32_t *src;      /* [R_cap] */
+    int32_t *counts;   /* [E] */
+    int *rows;         /* host [E]: padded rows per expert of this micro-batch */
+    int *local_rows;   /* host [E_local]: rows per local expert after dispatch */
+    int R;             /* rows of the permuted buffer */
+    void *xp;          /* [R_cap, D] tokens in expert-major order */
+    void *xl;          /* rows of the local experts (xp itself when nothing moves) */
+    int aux_on;        /* dscores holds this micro-batch's balance-loss gradient */
+    void *gup;         /* [R_cap, 2F] */
+    void *hp;          /* [R_cap, F] (NULL with recompute) */
+    void *yp;          /* [R_cap, D] */
+    float *aux_loss;   /* f32 [1] accumulated per micro-batch */
+    int64_t *load;     /* host [E]: tokens routed to each expert since the last reset */
+} mt_moe;
+
+/* One decoder layer: x + attn(norm(x)), then + ffn/moe(norm(.)). */
+typedef struct mt_block {
+    int layer;
+    int is_moe;
+    mt_mla attn;
+    mt_param *post_norm;
+    mt_ffn ffn;
+    mt_moe moe;
+    void *mid;         /* [N, D] residual after attention */
+    void *xn2;         /* [N, D] post-attention norm output */
+    float *rstd2;      /* [N] */
+} mt_block;
+
+/* Multi-token prediction module k (1-based depth). */
+typedef struct mt_mtp {
+    int depth;
+    mt_param *enorm, *hnorm, *eh, *norm;
+    mt_block block;
+    void *emb;         /* [N, D] embedding of the tokens k ahead */
+    void *cat;         /* [N, 2D] [enorm(emb), hnorm(h)] */
+    float *rstd_e, *rstd_h; /* [N] */
+    void *hin;         /* [N, D] eh_proj output: the block's input */
+    void *hout;        /* [N, D] block output */
+    int32_t *ids;      /* [N] input tokens k ahead */
+    int32_t *tgt;      /* [N] targets k + 1 ahead (ignore past the end) */
+} mt_mtp;
+
+/* Final norm + output head + cross-entropy (main model or MTP). */
+typedef struct mt_head {
+    mt_param *norm, *head;
+    void *hn;          /* [N, D] normed hidden */
+    float *rstd;       /* [N] */
+    float *loss;       /* [N] f32 per-token loss */
+} mt_head;
+
+typedef struct mt_stage {
+    int layer_lo, layer_hi; /* decoder layers [lo, hi) */
+    int first, last;        /* holds the embedding / the head and MTP */
+} mt_stage;
+
+typedef struct mt_model_opts {
+    mt_recipe recipe;
+    int micro_batch;        /* B */
+    int seq_len;            /* T */
+    int recompute_mla_up;
+    int recompute_moe_act;
+    double mtp_weight;      /* lambda */
+    double aux_alpha;       /* alpha */
+    int expert_align;       /* expert segment padding; 0: 128 for fp8, 1 otherwise */
+} mt_model_opts;
+
+/* Losses of one micro-batch (host). */
+typedef struct mt_mb_stats {
+    double loss;            /* LM loss, mean over tokens */
+    double mtp_loss;        /* mean over depths of the MTP losses; 0 without MTP */
+    double aux_loss;        /* sequence balance loss summed over layers (with alpha) */
+    double total;           /* loss + lambda * mtp_loss + aux_loss */
+    int64_t tokens;         /* target tokens counted in loss */
+} mt_mb_stats;
+
+typedef struct mt_model {
+    mt_model_config cfg;
+    mt_model_opts opts;
+    mt_backend *be;
+    mt_ctx ctx;
+    mt_ws ws;
+    mt_param_table table;
+    mt_param *params;       /* [table.n] */
+    int n_stages;
+    mt_stage stage;         /* this rank's stage */
+    mt_moe_dispatcher *disp;
+    /* layers */
+    mt_param *embed;
+    int n_blocks;
+    mt_block *blocks;       /* [num_hidden_layers] */
+    mt_head head;
+    int n_mtp;
+    mt_mtp *mtp;            /* [num_nextn_predict_layers] */
+    mt_head *mtp_head;      /* [n_mtp] */
+    /* activations */
+    void **h;               /* [L + 1] residual stream [N, D]: h[0] embedding, h[l+1] block l */
+    void *dh;               /* [N, D] gradient of the residual stream */
+    void **dmtp;            /* [n_mtp] [N, D] gradient of each MTP depth's output */
+    void *logits;           /* [N, V] logits, then their gradient */
+    int32_t *ids;           /* [N] input tokens */
+    int32_t *tgt;           /* [N] targets */
+    int32_t *host_tok;      /* host [B, T + 1] staging */
+    int32_t *host_i32;      /* host [N] staging of input ids */
+    int32_t *host_tgt;      /* host [N] staging of targets */
+    float *host_loss;       /* host [N] */
+    float *rope_cos, *rope_sin;
+    /* flat buffers (backend memory) */
+    void *buf_act;
+    uint8_t *buf_q, *buf_qt;
+    float *buf_s, *buf_st, *buf_f32, *buf_grad;
+    int64_t n_grad;         /* elements of buf_grad */
+    size_t param_bytes;     /* backend bytes of compute copies and gradients */
+} mt_model;
+
+/* Builds the model for B x T micro-batches on a backend. Weights are zero
+ * until mt_model_init_random() or mt_model_set_param(). */
+int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_opts *opts,
+                    mt_backend *be);
+void mt_model_destroy(mt_model *m);
+
+/* Model options from a job spec. */
+void mt_model_opts_from_job(mt_model_opts *o, const mt_jobspec *j);
+
+/* Random initial value of parameter element i (layout independent: a pure
+ * function of seed, parameter name and element index). */
+float mt_model_init_value(const mt_param_desc *d, double std, uint64_t seed, int64_t i);
+
+/* Writes initial values of every parameter into host f32 buffers and loads
+ * them: normal(0, initializer_range) for matrices, 1 for norms, 0 for biases. */
+int mt_model_init_random(mt_model *m, uint64_t seed);
+
+/* Sets parameter i from host f32 values [rows, cols] (builds its compute
+ * copies: FP8 blocks and transpose, or act). */
+int mt_model_set_param(mt_model *m, int i, const float *host);
+/* The same from an f32 buffer in backend memory (the optimizer's master). */
+int mt_model_set_param_dev(mt_model *m, int i, const float *dev);
+/* Reads the value parameter i computes with, as host f32 (dequantised). */
+int mt_model_get_param(mt_model *m, int i, float *host);
+
+int mt_model_zero_grads(mt_model *m);
+
+/* One micro-batch: tokens host int32 [B, T + 1] (inputs and shifted
+ * targets). Forward, loss and, if `backward`, gradients accumulated with
+ * weight loss_scale (1 / micro-batches per step). */
+int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
+                  mt_mb_stats *st);
+
+/* Tokens routed to each expert of MoE layer `layer` since the last reset
+ * (host [E]); NULL for dense layers. */
+const int64_t *mt_model_expert_load(const mt_model *m, int layer);
+void mt_model_reset_load(mt_model *m);
+
+/* Router bias of MoE decoder layer `layer` (host f32 [E], read / write). */
+int mt_model_get_router_bias(mt_model *m, int layer, float *host);
+int mt_model_set_router_bias(mt_model *m, int layer, const float *host);
+
+/* Model FLOPs of one training token: 6 x the active linear parameters
+ * (incl. head, router and MTP) + causal attention 6 x T/2 x (Dqk + Dv) per head
+ * per layer, i.e. forward x3. Documented in README's throughput section. */
+double mt_model_flops_per_token(const mt_model_config *c, int seq_len);
+
+#endif

@@ -1,0 +1,143 @@
+/* jobspec.h - a training job: model, layout, precision, optimizer, schedule,
+ * batch, data, checkpoint policy, initialisation.
+ *
+ * The job spec is a JSON document (deploy/examples/); the protobuf
+ * JobSpec of the service carries the same fields. Every field is listed once,
+ * with its default and range, in the table in jobspec.c; `moetraind
+ * --help-job` prints it. --set overrides use the same dotted paths
+ * ("train.steps=50", "model.num_hidden_layers=2").
+ */
+#ifndef MT_JOBSPEC_H
+#define MT_JOBSPEC_H
+
+#include <jansson.h>
+#include <stdint.h>
+
+#include "engine/model/config.h"
+
+#define MT_PATH_CAP 1024
+
+typedef enum { MT_BACKEND_CPU = 0, MT_BACKEND_CUDA } mt_backend_kind;
+/* Linear-layer precision. fp32: no rounding anywhere (gradient checks). */
+typedef enum { MT_RECIPE_FP8_BLOCKWISE = 0, MT_RECIPE_BF16, MT_RECIPE_FP32 } mt_recipe;
+/* High-precision main copy of the weights held by the optimizer. */
+typedef enum { MT_MAIN_FP32 = 0, MT_MAIN_BF16, MT_MAIN_NONE } mt_main_params;
+typedef enum { MT_LR_COSINE = 0, MT_LR_LINEAR, MT_LR_WSD, MT_LR_CONSTANT } mt_lr_decay;
+typedef enum { MT_PP_1F1B = 0, MT_PP_INTERLEAVED, MT_PP_DUALPIPEV } mt_pp_schedule;
+typedef enum { MT_INIT_RANDOM = 0, MT_INIT_CHECKPOINT, MT_INIT_HF } mt_init_kind;
+
+typedef struct mt_parallel {
+    int tp, pp, vpp, ep, etp, dp;  /* dp 0: world / (tp * pp) */
+    mt_pp_schedule schedule;
+} mt_parallel;
+
+typedef struct mt_precision {
+    mt_recipe recipe;
+    mt_main_params main_params;
+    int recompute_mla_up;   /* recompute q_b / kv_b outputs in backward */
+    int recompute_moe_act;  /* recompute expert SwiGLU outputs in backward */
+} mt_precision;
+
+typedef struct mt_optimizer_cfg {
+    double lr, min_lr;
+    double beta1, beta2, eps;
+    double weight_decay;    /* not applied to norms and biases */
+    double clip_grad;       /* global-norm clip; 0: off */
+} mt_optimizer_cfg;
+
+typedef struct mt_lr_schedule {
+    mt_lr_decay decay;
+    int64_t warmup_steps;
+    int64_t decay_steps;     /* 0: until train.steps */
+    double wsd_decay_fraction; /* WSD: final fraction of decay_steps spent decaying */
+} mt_lr_schedule;
+
+typedef struct mt_batch {
+    int micro_batch_size;    /* sequences per micro-batch per data-parallel rank */
+    int global_batch_size;   /* sequences per optimizer step, all ranks */
+    int seq_len;             /* tokens per sequence */
+} mt_batch;
+
+typedef struct mt_data_cfg {
+    char path[MT_PATH_CAP];  /* Megatron dataset prefix (PREFIX.bin / PREFIX.idx) */
+    char split[64];          /* train,valid,test weights, "98,1,1" */
+    int eod_token;           /* -1: vocab_size - 1 */
+    int valid_interval;      /* steps between validation passes; 0: never */
+    int valid_batches;       /* micro-batches per validation pass */
+} mt_data_cfg;
+
+typedef struct mt_loss_cfg {
+    double mtp_weight;       /* lambda: weight of the mean MTP loss */
+    double aux_alpha;        /* alpha: sequence-wise balance loss */
+    double bias_update_rate; /* gamma: aux-loss-free router bias step */
+} mt_loss_cfg;
+
+typedef struct mt_ckpt_cfg {
+    char dir[MT_PATH_CAP];   /* "" : no checkpoints */
+    int64_t interval;        /* steps between saves; 0: none */
+    int keep_last;           /* retention; 0: keep all */
+    int async;               /* save from a host snapshot in the background */
+    int save_on_stop;        /* save when the job is stopped */
+} mt_ckpt_cfg;
+
+typedef struct mt_init_cfg {
+    mt_init_kind kind;
+    char path[MT_PATH_CAP];  /* checkpoint or HF directory */
+} mt_init_cfg;
+
+typedef struct mt_train_cfg {
+    int64_t steps;
+    int64_t seed;
+    int log_interval;
+    int max_bad_steps;       /* consecutive NaN/Inf steps before the job fails */
+} mt_train_cfg;
+
+typedef struct mt_jobspec {
+    char name[128];
+    mt_backend_kind backend;
+    char model_path[MT_PATH_CAP]; /* config.json the model came from, or "" (inline) */
+    mt_model_config model;
+    mt_parallel parallel;
+    mt_precision precision;
+    mt_optimizer_cfg optimizer;
+    mt_lr_schedule lr_schedule;
+    mt_batch batch;
+    mt_data_cfg data;
+    mt_loss_cfg loss;
+    mt_ckpt_cfg checkpoint;
+    mt_init_cfg init;
+    mt_train_cfg train;
+} mt_jobspec;
+
+/* Parses a job spec JSON document. `base_dir` resolves a relative model path
+ * and relative data / checkpoint paths (NULL: the working directory).
+ * `sets` are "dotted.path=value" overrides applied before validation. */
+int mt_jobspec_from_json(mt_jobspec *j, json_t *root, const char *base_dir,
+                         const char *const *sets, int n_sets);
+
+/* Loads a job spec file; relative paths in it are relative to its folder. */
+int mt_jobspec_load(mt_jobspec *j, const char *path, const char *const *sets, int n_sets);
+
+/* Cross-field and environment checks (divisibility, sequence length, data
+ * files present when `check_files`). Called by the parsers. */
+int mt_jobspec_validate(const mt_jobspec *j, int check_files);
+
+/* The complete job spec with every default filled in, model inline. */
+json_t *mt_jobspec_to_json(const mt_jobspec *j);
+
+/* Prints every field with type, default and meaning. */
+void mt_jobspec_print_fields(FILE *out);
+
+/* Sequences per micro-batch step on one rank, micro-batches per step. */
+static inline int mt_jobspec_grad_accum(const mt_jobspec *j)
+{
+    int dp = j->parallel.dp > 0 ? j->parallel.dp : 1;
+    return j->batch.global_batch_size / (j->batch.micro_batch_size * dp);
+}
+
+static inline int mt_jobspec_eod(const mt_jobspec *j)
+{
+    return j->data.eod_token >= 0 ? j->data.eod_token : (int)(j->model.vocab_size - 1);
+}
+
+#endif

@@ -1,0 +1,199 @@
+/* optimizer.c - AdamW with BF16 moments over a shard of the flat parameters. */
+#include "engine/train/optimizer.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/mt_fp8.h"
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
+
+static size_t master_elem(mt_main_params p) { return p == MT_MAIN_FP32 ? 4 : 2; }
+
+/* Does parameter p lie in the shard? (one shard per tensor set for now:
+ * a tensor is never split across shards) */
+static int in_shard(const mt_optimizer *o, const mt_param *p)
+{
+    return p->grad && p->index >= o->lo && p->index + mt_param_numel(&p->d) <= o->hi;
+}
+
+int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j, int64_t lo,
+                        int64_t hi)
+{
+    mt_backend *be = m->be;
+    *out = NULL;
+    if (hi < 0) hi = m->n_grad;
+    if (lo < 0 || lo > hi || hi > m->n_grad)
+        return MT_ERR(MT_EINVAL, "optimizer: shard [%lld, %lld) outside [0, %lld)",
+                      (long long)lo, (long long)hi, (long long)m->n_grad);
+    mt_optimizer *o = calloc(1, sizeof *o);
+    if (!o) return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
+    o->be = be;
+    o->main = j->precision.main_params;
+    o->cfg = j->optimizer;
+    o->lo = lo;
+    o->hi = hi;
+    o->seed = mt_hash_u64((uint64_t)j->train.seed, 0x5eed0f0a);
+    const size_t n = (size_t)(hi - lo > 0 ? hi - lo : 1);
+    int64_t mx = 1;
+    for (int i = 0; i < m->table.n; i++)
+        if (mt_param_numel(&m->table.p[i]) > mx) mx = mt_param_numel(&m->table.p[i]);
+    int rc = MT_OK;
+    if (o->main != MT_MAIN_NONE) MT_GOTO(be->alloc(be, n * master_elem(o->main), &o->master), fail);
+    MT_GOTO(be->alloc(be, n * 2, (void **)&o->m), fail);
+    MT_GOTO(be->alloc(be, n * 2, (void **)&o->v), fail);
+    MT_GOTO(be->alloc(be, (size_t)mx * 4, (void **)&o->tmp), fail);
+    MT_GOTO(be->alloc(be, 4, (void **)&o->sumsq), fail);
+    *out = o;
+    return MT_OK;
+fail:
+    mt_optimizer_destroy(o);
+    return rc;
+}
+
+void mt_optimizer_destroy(mt_optimizer *o)
+{
+    if (!o) return;
+    void *bufs[] = {o->master, o->m, o->v, o->tmp, o->sumsq};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) o->be->free(o->be, bufs[i]);
+    free(o);
+}
+
+size_t mt_optimizer_state_bytes(const mt_optimizer *o)
+{
+    size_t n = (size_t)(o->hi - o->lo);
+    return n * (4 + (o->main == MT_MAIN_NONE ? 0 : master_elem(o->main)));
+}
+
+/* Device address of parameter p's main copy. */
+static void *master_of(const mt_optimizer *o, const mt_param *p)
+{
+    return (char *)o->master + (size_t)(p->index - o->lo) * master_elem(o->main);
+}
+
+int mt_optimizer_set_param(mt_optimizer *o, mt_model *m, int i, const float *host)
+{
+    mt_backend *be = o->be;
+    mt_param *p = &m->params[i];
+    if (!o->master || !in_shard(o, p)) return mt_model_set_param(m, i, host);
+    const int64_t n = mt_param_numel(&p->d);
+    MT_CHECK(be->upload(be, o->tmp, host, (size_t)n * 4));
+    if (o->main == MT_MAIN_FP32) {
+        MT_CHECK(be->copy(be, master_of(o, p), o->tmp, (size_t)n * 4));
+    } else {
+        /* bf16 main copy: round once, and compute from the rounded value */
+        uint16_t *h = malloc((size_t)n * 2);
+        float *f = malloc((size_t)n * 4);
+        if (!h || !f) {
+            free(h);
+            free(f);
+            return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
+        }
+        for (int64_t k = 0; k < n; k++) {
+            h[k] = mt_bf16_from_f32(host[k]);
+            f[k] = mt_bf16_to_f32(h[k]);
+        }
+        int rc = be->upload(be, master_of(o, p), h, (size_t)n * 2);
+        if (rc == MT_OK) rc = be->upload(be, o->tmp, f, (size_t)n * 4);
+        free(h);
+        free(f);
+        MT_CHECK(rc);
+    }
+    return mt_model_set_param_dev(m, i, o->tmp);
+}
+
+int mt_optimizer_init_random(mt_optimizer *o, mt_model *m, uint64_t seed)
+{
+    int64_t mx = 1;
+    for (int i = 0; i < m->table.n; i++)
+        if (mt_param_numel(&m->table.p[i]) > mx) mx = mt_param_numel(&m->table.p[i]);
+    float *host = malloc((size_t)mx * 4);
+    if (!host) return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
+    int rc = MT_OK;
+    for (int i = 0; i < m->table.n && rc == MT_OK; i++) {
+        const mt_param_desc *d = &m->table.p[i];
+        const int64_t n = mt_param_numel(d);
+        /* Each value is a pure function of (seed, name, index): threads only
+         * change the speed (billions of values for the full-size models). */
+#pragma omp parallel for schedule(static) if (n > 65536)
+        for (int64_t k = 0; k < n; k++)
+            host[k] = mt_model_init_value(d, m->cfg.initializer_range, seed, k);
+        rc = mt_optimizer_set_param(o, m, i, host);
+    }
+    free(host);
+    return rc;
+}
+
+int mt_optimizer_grad_sumsq(mt_optimizer *o, mt_model *m, double *sumsq)
+{
+    mt_backend *be = o->be;
+    float v;
+    MT_CHECK(be->sumsq(be, o->sumsq, m->buf_grad + o->lo, o->hi - o->lo));
+    MT_CHECK(be->download(be, &v, o->sumsq, 4));
+    *sumsq = v;
+    return MT_OK;
+}
+
+/* none: the compute copy is the weight. Dequantise, update, round back. */
+static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_hp *hp)
+{
+    mt_backend *be = o->be;
+    mt_param *p = &m->params[i];
+    const int64_t n = mt_param_numel(&p->d), off = p->index - o->lo;
+    const int rows = (int)p->d.rows, cols = (int)p->d.cols;
+    const uint64_t seed = mt_hash_u64(o->seed, (uint64_t)o->step * 1000003u + (uint64_t)i);
+    if (p->q)
+        MT_CHECK(be->dequant_blocks(be, o->tmp, p->q, p->s, rows, cols));
+    else
+        MT_CHECK(be->act_to_f32(be, o->tmp, p->w, n));
+    MT_CHECK(be->adamw(be, o->tmp, 0, o->m + off, o->v + off, p->grad, n, hp));
+    if (p->q) {
+        MT_CHECK(be->quant_blocks_sr(be, p->q, p->s, o->tmp, rows, cols, seed));
+        return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, rows, cols);
+    }
+    return be->act_from_f32_sr(be, p->w, o->tmp, n, seed);
+}
+
+int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_scale)
+{
+    mt_backend *be = o->be;
+    const int t = (int)(o->step + 1);
+    mt_adamw_hp hp = {
+        .lr = (float)lr,
+        .beta1 = (float)o->cfg.beta1,
+        .beta2 = (float)o->cfg.beta2,
+        .eps = (float)o->cfg.eps,
+        .bc1 = (float)(1.0 - pow(o->cfg.beta1, t)),
+        .bc2 = (float)(1.0 - pow(o->cfg.beta2, t)),
+        .grad_scale = (float)grad_scale,
+    };
+    for (int i = 0; i < m->table.n; i++) {
+        mt_param *p = &m->params[i];
+        if (!in_shard(o, p)) continue;
+        hp.weight_decay = p->d.weight_decay ? (float)o->cfg.weight_decay : 0.0f;
+        const int64_t n = mt_param_numel(&p->d), off = p->index - o->lo;
+        if (o->main == MT_MAIN_NONE) {
+            MT_CHECK(update_in_place(o, m, i, &hp));
+            continue;
+        }
+        void *w = master_of(o, p);
+        if (p->q) { /* FP8 weight: update and re-quantise in one pass */
+            MT_CHECK(be->adamw_fp8(be, w, o->main == MT_MAIN_BF16, o->m + off, o->v + off,
+                                   p->grad, (int)p->d.rows, (int)p->d.cols, &hp, p->q, p->s,
+                                   p->qt, p->st));
+            continue;
+        }
+        MT_CHECK(be->adamw(be, w, o->main == MT_MAIN_BF16, o->m + off, o->v + off, p->grad, n,
+                           &hp));
+        const float *wf = w;
+        if (o->main == MT_MAIN_BF16) {
+            MT_CHECK(be->bf16_to_f32(be, o->tmp, w, n));
+            wf = o->tmp;
+        }
+        MT_CHECK(mt_model_set_param_dev(m, i, wf));
+    }
+    o->step++;
+    return MT_OK;
+}

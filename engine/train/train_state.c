@@ -1,0 +1,474 @@
+/* train_state.c - see train_state.h. */
+#include "engine/train/train_state.h"
+
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/train/lr_schedule.h"
+#include "kernels/mt_fp8.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
+
+void mt_train_state_opts(const mt_jobspec *j, mt_shard_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->fp8 = j->precision.recipe == MT_RECIPE_FP8_BLOCKWISE;
+    o->act_dtype = j->precision.recipe == MT_RECIPE_FP32 ? MT_DT_F32 : MT_DT_BF16;
+    o->optimizer = 1;
+    o->has_main = j->precision.main_params != MT_MAIN_NONE;
+    o->main_dtype = j->precision.main_params == MT_MAIN_BF16 ? MT_DT_BF16 : MT_DT_F32;
+}
+
+char *mt_train_state_config_json(const mt_model_config *c)
+{
+    json_t *o = mt_config_to_json(c);
+    char *s = o ? json_dumps(o, JSON_SORT_KEYS | JSON_COMPACT) : NULL;
+    json_decref(o);
+    return s;
+}
+
+/* ---- snapshot ------------------------------------------------------------------ */
+
+static const char *main_name(mt_main_params p)
+{
+    return p == MT_MAIN_FP32 ? "fp32" : p == MT_MAIN_BF16 ? "bf16" : "none";
+}
+
+static char *state_json(const mt_trainer *t)
+{
+    const mt_jobspec *j = &t->job;
+    const mt_optimizer *o = t->opt;
+    char seed[32];
+    snprintf(seed, sizeof seed, "0x%016" PRIx64, o->seed);
+    const int64_t samples = j->train.steps * j->batch.global_batch_size;
+    double lr = mt_lr_at(&j->lr_schedule, j->optimizer.lr, j->optimizer.min_lr, j->train.steps,
+                         t->step);
+    static const char *const decay[] = {"cosine", "linear", "wsd", "constant"};
+    json_t *s = json_pack(
+        "{s:I,s:I,s:I,s:I,s:i,"
+        "s:{s:I,s:s,s:s,s:I,s:I},"
+        "s:{s:s,s:s,s:I,s:I,s:I,s:i,s:I},"
+        "s:{s:s,s:I,s:I,s:f,s:f,s:f,s:I,s:I,s:f},"
+        "s:{s:I,s:s},"
+        "s:{s:f}}",
+        "step", (json_int_t)t->step, "consumed_samples", (json_int_t)t->consumed_samples,
+        "consumed_tokens", (json_int_t)(t->consumed_samples * j->batch.seq_len), "skipped_total",
+        (json_int_t)t->skipped_total, "bad_in_row", t->bad_in_row,
+        "optimizer", "step", (json_int_t)o->step, "sr_seed", seed, "main_params",
+        main_name(o->main), "shard_lo", (json_int_t)o->lo, "shard_hi", (json_int_t)o->hi,
+        "data", "path", j->data.path, "split", j->data.split, "seq_len",
+        (json_int_t)j->batch.seq_len, "num_samples", (json_int_t)samples, "seed",
+        (json_int_t)j->train.seed, "eod", mt_jobspec_eod(j), "next_sample",
+        (json_int_t)t->consumed_samples,
+        "lr_schedule", "decay", decay[j->lr_schedule.decay], "warmup_steps",
+        (json_int_t)j->lr_schedule.warmup_steps, "decay_steps",
+        (json_int_t)j->lr_schedule.decay_steps, "wsd_decay_fraction",
+        j->lr_schedule.wsd_decay_fraction, "lr", j->optimizer.lr, "min_lr", j->optimizer.min_lr,
+        "total_steps", (json_int_t)j->train.steps, "next_step", (json_int_t)t->step, "next_lr", lr,
+        "rng", "train_seed", (json_int_t)j->train.seed, "sr_seed", seed,
+        "router", "bias_update_rate", j->loss.bias_update_rate);
+    char *text = s ? json_dumps(s, JSON_SORT_KEYS | JSON_COMPACT) : NULL;
+    json_decref(s);
+    return text;
+}
+
+void mt_train_snapshot_free(mt_train_snapshot *s)
+{
+    if (!s) return;
+    free(s->params);
+    free(s->act);
+    free(s->q);
+    free(s->s);
+    free(s->f32);
+    free(s->m);
+    free(s->v);
+    free(s->master);
+    free(s->state_json);
+    free(s->config_json);
+    free(s->job_json);
+    memset(s, 0, sizeof *s);
+}
+
+/* Host copy of `bytes` of backend memory into *dst, reusing a buffer of a
+ * previous snapshot (same trainer, same size) when there is one. */
+static int grab(mt_backend *be, void **dst, const void *src, size_t bytes, size_t *total)
+{
+    if (!*dst) *dst = malloc(bytes ? bytes : 1);
+    if (!*dst) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of host memory (%zu bytes)", bytes);
+    *total += bytes;
+    return bytes ? be->download(be, *dst, src, bytes) : MT_OK;
+}
+
+int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
+{
+    mt_model *m = t->model;
+    mt_optimizer *o = t->opt;
+    mt_backend *be = m->be;
+    const size_t act = (size_t)be->act_bytes;
+    int rc = MT_OK;
+    if (!(s->params && s->n_params == m->table.n && s->trainer == t)) {
+        mt_train_snapshot_free(s);
+        s->params = calloc((size_t)(m->table.n > 0 ? m->table.n : 1), sizeof *s->params);
+        if (!s->params) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of memory");
+    }
+    free(s->state_json);
+    free(s->config_json);
+    free(s->job_json);
+    s->state_json = s->config_json = s->job_json = NULL;
+    s->trainer = t;
+    s->n_params = m->table.n;
+    s->bytes = 0;
+    int64_t n_act = 0, n_q = 0, n_s = 0, n_f = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const mt_param *p = &m->params[i];
+        mt_snap_param *sp = &s->params[i];
+        const int64_t n = mt_param_numel(&p->d);
+        sp->q_off = sp->s_off = sp->act_off = sp->f32_off = sp->opt_off = -1;
+        if (p->q) {
+            sp->q_off = p->q - m->buf_q;
+            sp->s_off = p->s - m->buf_s;
+            int64_t nb = ((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128);
+            if (sp->q_off + n > n_q) n_q = sp->q_off + n;
+            if (sp->s_off + nb > n_s) n_s = sp->s_off + nb;
+        } else if (p->wf) {
+            sp->f32_off = p->wf - m->buf_f32;
+            if (sp->f32_off + n > n_f) n_f = sp->f32_off + n;
+        } else {
+            sp->act_off = (int64_t)(((const char *)p->w - (const char *)m->buf_act) / (ptrdiff_t)act);
+            if (sp->act_off + n > n_act) n_act = sp->act_off + n;
+        }
+        if (p->grad && p->index >= o->lo && p->index + n <= o->hi) sp->opt_off = p->index - o->lo;
+    }
+    s->act_bytes = (int)act;
+    s->master_bytes = o->main == MT_MAIN_FP32 ? 4 : 2;
+    const size_t nopt = (size_t)(o->hi - o->lo);
+    MT_GOTO(be->sync(be), fail);
+    MT_GOTO(grab(be, &s->act, m->buf_act, (size_t)n_act * act, &s->bytes), fail);
+    MT_GOTO(grab(be, (void **)&s->q, m->buf_q, (size_t)n_q, &s->bytes), fail);
+    MT_GOTO(grab(be, (void **)&s->s, m->buf_s, (size_t)n_s * 4, &s->bytes), fail);
+    MT_GOTO(grab(be, (void **)&s->f32, m->buf_f32, (size_t)n_f * 4, &s->bytes), fail);
+    MT_GOTO(grab(be, (void **)&s->m, o->m, nopt * 2, &s->bytes), fail);
+    MT_GOTO(grab(be, (void **)&s->v, o->v, nopt * 2, &s->bytes), fail);
+    if (o->master)
+        MT_GOTO(grab(be, &s->master, o->master, nopt * (size_t)s->master_bytes, &s->bytes), fail);
+    s->step = t->step;
+    s->consumed_samples = t->consumed_samples;
+    s->consumed_tokens = t->consumed_samples * t->job.batch.seq_len;
+    s->state_json = state_json(t);
+    s->config_json = mt_train_state_config_json(&t->job.model);
+    json_t *jj = mt_jobspec_to_json(&t->job);
+    s->job_json = jj ? json_dumps(jj, JSON_SORT_KEYS | JSON_COMPACT) : NULL;
+    json_decref(jj);
+    if (!s->state_json || !s->config_json || !s->job_json) {
+        rc = MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of memory");
+        goto fail;
+    }
+    return MT_OK;
+fail:
+    mt_train_snapshot_free(s);
+    return rc;
+}
+
+/* Converts n elements of a source type to the band dtype. Source types:
+ * 0 float, 1 bf16 bits, 2 bytes (e4m3). */
+enum { SRC_F32 = 0, SRC_BF16, SRC_BYTE };
+
+static int convert_run(void *dst, mt_dtype dt, const void *src, int st, int64_t n)
+{
+    if ((dt == MT_DT_E4M3 && st == SRC_BYTE) || (dt == MT_DT_F32 && st == SRC_F32) ||
+        (dt == MT_DT_BF16 && st == SRC_BF16)) {
+        memcpy(dst, src, (size_t)n * mt_dtype_size(dt));
+    } else if (dt == MT_DT_BF16 && st == SRC_F32) {
+        const float *x = src;
+        uint16_t *y = dst;
+        for (int64_t k = 0; k < n; k++) y[k] = mt_bf16_from_f32(x[k]);
+    } else if (dt == MT_DT_F32 && st == SRC_BF16) {
+        const uint16_t *x = src;
+        float *y = dst;
+        for (int64_t k = 0; k < n; k++) y[k] = mt_bf16_to_f32(x[k]);
+    } else {
+        return MT_ERR(MT_EINVAL, "checkpoint snapshot: cannot store a %s tensor from this copy",
+                      mt_dtype_name(dt));
+    }
+    return MT_OK;
+}
+
+/* Where tensor t of the map lives in the snapshot: base of the parameter's
+ * row-major [rows, cols] copy, its element type and size. */
+static int locate(const mt_train_snapshot *s, const mt_shard_map *map, const mt_tensor_desc *band,
+                  const mt_shard_tensor **tp, const void **base, int *st, size_t *es)
+{
+    int ti = mt_shard_map_find(map, band->name);
+    if (ti < 0) return MT_ERR(MT_EINVAL, "checkpoint snapshot: unknown tensor %s", band->name);
+    const mt_shard_tensor *t = &map->tensors[ti];
+    if (map->n_params != s->n_params || t->param >= s->n_params)
+        return MT_ERR(MT_EINVAL, "checkpoint snapshot: %d parameters, the map has %d", s->n_params,
+                      map->n_params);
+    const mt_snap_param *sp = &s->params[t->param];
+    *tp = t;
+    *base = NULL;
+    *st = SRC_F32;
+    *es = 4;
+    switch (t->role) {
+    case MT_TS_WEIGHT:
+        if (sp->q_off >= 0) *base = s->q + sp->q_off, *st = SRC_BYTE, *es = 1;
+        else if (sp->f32_off >= 0) *base = s->f32 + sp->f32_off;
+        else if (sp->act_off >= 0) {
+            *es = (size_t)s->act_bytes;
+            *st = s->act_bytes == 4 ? SRC_F32 : SRC_BF16;
+            *base = (const char *)s->act + (size_t)sp->act_off * *es;
+        }
+        break;
+    case MT_TS_SCALE:
+        if (sp->s_off >= 0) *base = s->s + sp->s_off;
+        break;
+    case MT_TS_EXP_AVG:
+    case MT_TS_EXP_AVG_SQ:
+        if (sp->opt_off >= 0) {
+            *base = (t->role == MT_TS_EXP_AVG ? s->m : s->v) + sp->opt_off;
+            *st = SRC_BF16;
+            *es = 2;
+        }
+        break;
+    case MT_TS_MAIN:
+        if (sp->opt_off >= 0 && s->master) {
+            *es = (size_t)s->master_bytes;
+            *st = *es == 4 ? SRC_F32 : SRC_BF16;
+            *base = (const char *)s->master + (size_t)sp->opt_off * *es;
+        }
+        break;
+    default:
+        break;
+    }
+    if (!*base)
+        return MT_ERR(MT_EINVAL, "checkpoint snapshot: tensor %s (%s) is not in this rank's state",
+                      t->name, mt_tensor_role_name(t->role));
+    return MT_OK;
+}
+
+static int same_type(mt_dtype dt, int st)
+{
+    return (dt == MT_DT_E4M3 && st == SRC_BYTE) || (dt == MT_DT_F32 && st == SRC_F32) ||
+           (dt == MT_DT_BF16 && st == SRC_BF16);
+}
+
+int mt_train_snapshot_fill(const mt_train_snapshot *s, const mt_shard_map *map,
+                           const mt_tensor_desc *band, void *buf)
+{
+    const mt_shard_tensor *t;
+    const void *base;
+    int st;
+    size_t es;
+    MT_CHECK(locate(s, map, band, &t, &base, &st, &es));
+    /* row-major [shape0, shape1] (1-D: [n, 1]); the band is rows x cols of it */
+    const int64_t C = t->shape[1];
+    const int64_t c0 = t->ndim == 2 ? band->off[1] : 0, nc = t->ndim == 2 ? band->count[1] : 1;
+    const size_t os = mt_dtype_size(band->dtype);
+    for (int64_t i = 0; i < band->count[0]; i++) {
+        const char *src = (const char *)base + ((size_t)(band->off[0] + i) * (size_t)C + (size_t)c0) * es;
+        MT_CHECK(convert_run((char *)buf + (size_t)i * (size_t)nc * os, band->dtype, src, st, nc));
+    }
+    return MT_OK;
+}
+
+const void *mt_train_snapshot_direct(const mt_train_snapshot *s, const mt_shard_map *map,
+                                     const mt_tensor_desc *d)
+{
+    const mt_shard_tensor *t;
+    const void *base;
+    int st;
+    size_t es;
+    if (locate(s, map, d, &t, &base, &st, &es) < 0) {
+        mt_err_clear();
+        return NULL;
+    }
+    /* whole rows of the same type are contiguous in the snapshot */
+    if (!same_type(d->dtype, st) || (t->ndim == 2 && d->count[1] != t->shape[1])) return NULL;
+    return (const char *)base + (size_t)d->off[0] * (size_t)t->shape[1] * es;
+}
+
+/* ---- restore -------------------------------------------------------------------- */
+
+static void param_desc(mt_tensor_desc *d, const mt_param_desc *p, const char *name, mt_dtype dt,
+                       void *data)
+{
+    mt_tensor_desc_whole(d, name, dt, p->ndim, p->rows, p->cols, data);
+}
+
+typedef struct scalars {
+    int64_t step, samples, skipped, opt_step;
+    int bad_in_row, has_opt;
+    uint64_t sr_seed;
+    int64_t seq_len, num_samples, seed;
+} scalars;
+
+static int parse_state(const char *text, scalars *sc)
+{
+    memset(sc, 0, sizeof *sc);
+    sc->seq_len = sc->num_samples = sc->seed = -1;
+    if (!text) return MT_OK;
+    json_error_t e;
+    json_t *o = json_loads(text, 0, &e);
+    if (!o) return MT_ERR(MT_ECORRUPT, "checkpoint state: %s", e.text);
+    json_int_t step = 0, samples = 0, skipped = 0;
+    int bad = 0;
+    json_t *opt = NULL, *data = NULL;
+    int rc = MT_OK;
+    if (json_unpack_ex(o, &e, 0, "{s:I,s:I,s?I,s?i,s?o,s?o}", "step", &step, "consumed_samples",
+                       &samples, "skipped_total", &skipped, "bad_in_row", &bad, "optimizer", &opt,
+                       "data", &data) != 0) {
+        rc = MT_ERR(MT_ECORRUPT, "checkpoint state: %s", e.text);
+        goto out;
+    }
+    sc->step = step;
+    sc->samples = samples;
+    sc->skipped = skipped;
+    sc->bad_in_row = bad;
+    if (opt) {
+        json_int_t ostep = 0;
+        const char *seed = NULL;
+        if (json_unpack_ex(opt, &e, 0, "{s:I,s:s}", "step", &ostep, "sr_seed", &seed) != 0) {
+            rc = MT_ERR(MT_ECORRUPT, "checkpoint state.optimizer: %s", e.text);
+            goto out;
+        }
+        sc->has_opt = 1;
+        sc->opt_step = ostep;
+        sc->sr_seed = strtoull(seed, NULL, 16);
+    }
+    if (data) {
+        json_int_t a = -1, b = -1, c = -1;
+        json_unpack(data, "{s?I,s?I,s?I}", "seq_len", &a, "num_samples", &b, "seed", &c);
+        sc->seq_len = a;
+        sc->num_samples = b;
+        sc->seed = c;
+    }
+out:
+    json_decref(o);
+    return rc;
+}
+
+/* Reads a tensor of a whole parameter, naming it on failure. */
+static int read_whole(const mt_tensor_reader *r, mt_tensor_desc *d)
+{
+    int rc = r->read(r->ctx, d);
+    return rc < 0 ? mt_err_wrap(rc, "restoring %s", d->name) : MT_OK;
+}
+
+static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const scalars *sc,
+                         void *host, float *hs)
+{
+    mt_model *m = t->model;
+    mt_optimizer *o = t->opt;
+    mt_backend *be = m->be;
+    mt_param *p = &m->params[i];
+    const mt_param_desc *pd = &p->d;
+    const int64_t n = mt_param_numel(pd);
+    mt_tensor_desc d;
+    if (p->q) {
+        /* the FP8 compute copy exactly as stored; its transpose rebuilt */
+        param_desc(&d, pd, pd->name, MT_DT_E4M3, host);
+        int rc = r->read_fp8(r->ctx, &d, hs);
+        if (rc < 0) return mt_err_wrap(rc, "restoring %s", pd->name);
+        const int64_t nb = ((pd->rows + 127) / 128) * ((pd->cols + 127) / 128);
+        MT_CHECK(be->upload(be, p->q, host, (size_t)n));
+        MT_CHECK(be->upload(be, p->s, hs, (size_t)nb * 4));
+        MT_CHECK(be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)pd->rows, (int)pd->cols));
+    } else if (p->wf) {
+        param_desc(&d, pd, pd->name, MT_DT_F32, host);
+        MT_CHECK(read_whole(r, &d));
+        MT_CHECK(be->upload(be, p->wf, host, (size_t)n * 4));
+    } else {
+        /* bf16-valued act copy: through f32, exactly */
+        param_desc(&d, pd, pd->name, MT_DT_F32, host);
+        MT_CHECK(read_whole(r, &d));
+        MT_CHECK(be->upload(be, o->tmp, host, (size_t)n * 4));
+        MT_CHECK(be->act_from_f32(be, p->w, o->tmp, n));
+    }
+    if (!p->grad || p->index < o->lo || p->index + n > o->hi) return MT_OK;
+    const int64_t off = p->index - o->lo;
+    const size_t mb = o->main == MT_MAIN_FP32 ? 4 : 2;
+    char name[MT_TENSOR_NAME_CAP];
+    if (!sc->has_opt) {
+        /* weights only (an import): zero moments, main params = the weights */
+        MT_CHECK(be->zero(be, o->m + off, (size_t)n * 2));
+        MT_CHECK(be->zero(be, o->v + off, (size_t)n * 2));
+        if (!o->master) return MT_OK;
+        float *f = host;
+        MT_CHECK(mt_model_get_param(m, i, f));
+        if (o->main == MT_MAIN_BF16) {
+            uint16_t *h = host;
+            for (int64_t k = 0; k < n; k++) h[k] = mt_bf16_from_f32(f[k]);
+        }
+        return be->upload(be, (char *)o->master + (size_t)off * mb, host, (size_t)n * mb);
+    }
+    MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg", pd->name));
+    param_desc(&d, pd, name, MT_DT_BF16, host);
+    MT_CHECK(read_whole(r, &d));
+    MT_CHECK(be->upload(be, o->m + off, host, (size_t)n * 2));
+    MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg_sq", pd->name));
+    param_desc(&d, pd, name, MT_DT_BF16, host);
+    MT_CHECK(read_whole(r, &d));
+    MT_CHECK(be->upload(be, o->v + off, host, (size_t)n * 2));
+    if (!o->master) return MT_OK;
+    MT_CHECK(mt_param_optim_name(name, sizeof name, "main", pd->name));
+    param_desc(&d, pd, name, o->main == MT_MAIN_FP32 ? MT_DT_F32 : MT_DT_BF16, host);
+    int rc = r->read(r->ctx, &d);
+    if (rc == MT_ENOTFOUND) {
+        /* saved with main_params none: start the main copy from the weights */
+        mt_err_clear();
+        float *f = host;
+        MT_CHECK(mt_model_get_param(m, i, f));
+        if (o->main == MT_MAIN_BF16)
+            for (int64_t k = 0; k < n; k++) ((uint16_t *)host)[k] = mt_bf16_from_f32(f[k]);
+    } else if (rc < 0) {
+        return mt_err_wrap(rc, "restoring %s", name);
+    }
+    return be->upload(be, (char *)o->master + (size_t)off * mb, host, (size_t)n * mb);
+}
+
+int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char *state_json)
+{
+    mt_model *m = t->model;
+    scalars sc;
+    MT_CHECK(parse_state(state_json, &sc));
+    int64_t mx = 1, mxs = 1;
+    for (int i = 0; i < m->table.n; i++) {
+        const mt_param_desc *d = &m->table.p[i];
+        int64_t nb = ((d->rows + 127) / 128) * ((d->cols + 127) / 128);
+        if (mt_param_numel(d) > mx) mx = mt_param_numel(d);
+        if (nb > mxs) mxs = nb;
+    }
+    void *host = malloc((size_t)mx * 4);
+    float *hs = malloc((size_t)mxs * 4);
+    if (!host || !hs) {
+        free(host);
+        free(hs);
+        return MT_ERR(MT_ENOMEM, "restore: out of memory");
+    }
+    int rc = MT_OK;
+    for (int i = 0; i < m->table.n && rc == MT_OK; i++) rc = restore_param(t, r, i, &sc, host, hs);
+    free(host);
+    free(hs);
+    MT_CHECK(rc);
+    MT_CHECK(m->be->sync(m->be));
+    const mt_jobspec *j = &t->job;
+    t->step = sc.step;
+    t->consumed_samples = sc.samples;
+    t->skipped_total = sc.skipped;
+    t->bad_in_row = sc.bad_in_row;
+    if (sc.has_opt) {
+        t->opt->step = sc.opt_step;
+        t->opt->seed = sc.sr_seed; /* the stochastic-rounding stream continues */
+    }
+    const int64_t samples = j->train.steps * j->batch.global_batch_size;
+    if ((sc.num_samples >= 0 && sc.num_samples != samples) || (sc.seq_len >= 0 && sc.seq_len != j->batch.seq_len) ||
+        (sc.seed >= 0 && sc.seed != j->train.seed))
+        MT_LOGW("restore: the data order differs from the saved run (num_samples %lld -> %lld, "
+                "seq_len %lld -> %d, seed %lld -> %lld): training continues, not bit-identically",
+                (long long)sc.num_samples, (long long)samples, (long long)sc.seq_len,
+                j->batch.seq_len, (long long)sc.seed, (long long)j->train.seed);
+    return MT_OK;
+}

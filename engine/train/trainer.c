@@ -1,0 +1,280 @@
+/* trainer.c - see trainer.h. */
+#define _POSIX_C_SOURCE 200809L
+#include "engine/train/trainer.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine/train/lr_schedule.h"
+#include "base/mt_log.h"
+#include "base/mt_status.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void mt_router_bias_update(float *bias, const int64_t *load, int E, double gamma)
+{
+    double mean = 0;
+    for (int e = 0; e < E; e++) mean += (double)load[e];
+    mean /= E;
+    for (int e = 0; e < E; e++) {
+        double d = mean - (double)load[e];
+        bias[e] += (float)(gamma * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0));
+    }
+}
+
+static int open_data(mt_trainer *t)
+{
+    const mt_jobspec *j = &t->job;
+    MT_CHECK(mt_indexed_open(j->data.path, &t->data));
+    mt_samples_config sc = {
+        .split_ratios = j->data.split,
+        .split = MT_SPLIT_TRAIN,
+        .seq_len = j->batch.seq_len,
+        .num_samples = j->train.steps * j->batch.global_batch_size,
+        .eod_token = mt_jobspec_eod(j),
+        .seed = (uint64_t)j->train.seed,
+    };
+    int rc = mt_samples_open(t->data, &sc, &t->train);
+    if (rc < 0) return mt_err_wrap(rc, "train split of %s", j->data.path);
+    if (j->data.valid_interval > 0) {
+        sc.split = MT_SPLIT_VALID;
+        sc.num_samples = (int64_t)j->data.valid_batches * j->batch.micro_batch_size;
+        rc = mt_samples_open(t->data, &sc, &t->valid);
+        if (rc < 0) return mt_err_wrap(rc, "valid split of %s", j->data.path);
+    }
+    return MT_OK;
+}
+
+int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
+{
+    *out = NULL;
+    mt_trainer *t = calloc(1, sizeof *t);
+    if (!t) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
+    int rc = MT_OK;
+    t->job = *job;
+    t->be = be;
+    t->accum = mt_jobspec_grad_accum(job);
+    t->flops_per_token = mt_model_flops_per_token(&job->model, job->batch.seq_len);
+    t->peak_tflops = be->peak_tflops;
+    const char *prof = getenv("MOETRAIN_PROFILE");
+    t->profile = prof && *prof && strcmp(prof, "0") != 0;
+    MT_GOTO(open_data(t), fail);
+    mt_model_opts mo;
+    mt_model_opts_from_job(&mo, job);
+    MT_GOTO(mt_model_create(&t->model, &job->model, &mo, be), fail);
+    MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, 0, -1), fail);
+    /* checkpoint / hf: the caller restores the state (engine/train_state.h) */
+    if (job->init.kind == MT_INIT_RANDOM)
+        MT_GOTO(mt_optimizer_init_random(t->opt, t->model, (uint64_t)job->train.seed), fail);
+    t->tokens = malloc((size_t)job->batch.micro_batch_size * (job->batch.seq_len + 1) * 4);
+    t->bias_host = malloc((size_t)(job->model.n_routed_experts + 1) * 4);
+    if (!t->tokens || !t->bias_host) {
+        rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
+        goto fail;
+    }
+    size_t in_use, peak;
+    be->mem_stats(be, &in_use, &peak);
+    const size_t wb = t->model->param_bytes, ob = mt_optimizer_state_bytes(t->opt);
+    MT_LOGI("job %s: %d layers (+%d MTP), %lld parameters, %s recipe, main params %s, "
+            "%d micro-batch(es) of %d x %d per step, %.1f MB on %s (weights and gradients "
+            "%.1f MB, optimizer state %.1f MB, activations and workspace %.1f MB)",
+            job->name, job->model.num_hidden_layers, job->model.num_nextn_predict_layers,
+            (long long)mt_params_numel(&t->model->table),
+            job->precision.recipe == MT_RECIPE_FP8_BLOCKWISE ? "fp8-blockwise"
+            : job->precision.recipe == MT_RECIPE_BF16        ? "bf16"
+                                                             : "fp32",
+            job->precision.main_params == MT_MAIN_FP32   ? "fp32"
+            : job->precision.main_params == MT_MAIN_BF16 ? "bf16"
+                                                         : "none",
+            t->accum, job->batch.micro_batch_size, job->batch.seq_len, in_use / 1e6, be->name,
+            wb / 1e6, ob / 1e6, (double)(in_use - wb - ob) / 1e6);
+    *out = t;
+    return MT_OK;
+fail:
+    mt_trainer_destroy(t);
+    return rc;
+}
+
+void mt_trainer_destroy(mt_trainer *t)
+{
+    if (!t) return;
+    for (int i = 0; i < t->n_sinks; i++) t->sinks[i]->close(t->sinks[i]);
+    mt_optimizer_destroy(t->opt);
+    mt_model_destroy(t->model);
+    if (t->valid) mt_samples_close(t->valid);
+    if (t->train) mt_samples_close(t->train);
+    if (t->data) mt_indexed_close(t->data);
+    free(t->tokens);
+    free(t->bias_host);
+    free(t);
+}
+
+int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s)
+{
+    if (t->n_sinks == MT_TRAINER_MAX_SINKS)
+        return MT_ERR(MT_EINVAL, "trainer: more than %d metric sinks", MT_TRAINER_MAX_SINKS);
+    t->sinks[t->n_sinks++] = s;
+    return MT_OK;
+}
+
+/* Reads micro-batch samples [first, first + micro_batch) of a split. */
+static int load_batch(mt_trainer *t, mt_samples *s, int64_t first)
+{
+    const int B = t->job.batch.micro_batch_size, T = t->job.batch.seq_len;
+    for (int b = 0; b < B; b++)
+        MT_CHECK(mt_samples_get(s, first + b, t->tokens + (size_t)b * (T + 1)));
+    return MT_OK;
+}
+
+int mt_trainer_validate(mt_trainer *t, double *loss)
+{
+    if (!t->valid) return MT_ERR(MT_ESTATE, "validation: the job has no valid split");
+    const int B = t->job.batch.micro_batch_size;
+    double sum = 0;
+    for (int i = 0; i < t->job.data.valid_batches; i++) {
+        mt_mb_stats st;
+        MT_CHECK(load_batch(t, t->valid, (int64_t)i * B));
+        MT_CHECK(mt_model_step(t->model, t->tokens, 0, 1.0, &st));
+        sum += st.loss;
+    }
+    *loss = sum / t->job.data.valid_batches;
+    return MT_OK;
+}
+
+/* Per-layer expert load statistics of the step into the metrics, and the
+ * router bias update. */
+static int balance_step(mt_trainer *t, mt_step_metrics *mt)
+{
+    mt_model *m = t->model;
+    const int E = m->cfg.n_routed_experts;
+    const double gamma = t->job.loss.bias_update_rate;
+    mt->n_moe = 0;
+    for (int l = 0; l < m->n_blocks + m->n_mtp; l++) {
+        const int64_t *load = mt_model_expert_load(m, l);
+        if (!load) continue;
+        if (mt->n_moe < MT_METRICS_MAX_MOE) {
+            int i = mt->n_moe++;
+            mt->moe_layer[i] = l;
+            mt_metrics_load_stats(load, E, &mt->load_min[i], &mt->load_max[i], &mt->load_cv[i]);
+        }
+        if (gamma > 0 && m->cfg.topk_method == MT_TOPK_NOAUX_TC) {
+            MT_CHECK(mt_model_get_router_bias(m, l, t->bias_host));
+            mt_router_bias_update(t->bias_host, load, E, gamma);
+            MT_CHECK(mt_model_set_router_bias(m, l, t->bias_host));
+        }
+    }
+    mt_model_reset_load(m);
+    return MT_OK;
+}
+
+int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
+{
+    const mt_jobspec *j = &t->job;
+    mt_model *m = t->model;
+    const int B = j->batch.micro_batch_size;
+    mt_step_metrics mt;
+    memset(&mt, 0, sizeof mt);
+    double t0 = now_s();
+    if (t->step >= j->train.steps)
+        return MT_ERR(MT_ESTATE, "the job has completed its %lld steps", (long long)j->train.steps);
+
+    /* MOETRAIN_PROFILE=1: synchronise after each phase and log its time. */
+    const int profile = t->profile;
+    double tp[4] = {0, 0, 0, 0};
+    MT_CHECK(mt_model_zero_grads(m));
+    mt_model_reset_load(m);
+    double loss = 0, mtp = 0, aux = 0;
+    for (int i = 0; i < t->accum; i++) {
+        mt_mb_stats st;
+        MT_CHECK(load_batch(t, t->train, t->consumed_samples));
+        t->consumed_samples += B;
+        double ta = profile ? now_s() : 0;
+        MT_CHECK(mt_model_step(m, t->tokens, 1, 1.0 / t->accum, &st));
+        if (profile) {
+            MT_CHECK(t->be->sync(t->be));
+            tp[0] += now_s() - ta;
+        }
+        loss += st.loss / t->accum;
+        mtp += st.mtp_loss / t->accum;
+        aux += st.aux_loss / t->accum;
+    }
+    double sumsq;
+    MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
+    double norm = sqrt(sumsq);
+    double lr = mt_lr_at(&j->lr_schedule, j->optimizer.lr, j->optimizer.min_lr, j->train.steps,
+                         t->step);
+    mt.skipped = !isfinite(loss) || !isfinite(mtp) || !isfinite(norm);
+    if (mt.skipped) {
+        t->skipped_total++;
+        t->bad_in_row++;
+        mt_model_reset_load(m);
+        if (t->bad_in_row >= j->train.max_bad_steps)
+            return MT_ERR(MT_ENUMERIC,
+                          "step %lld: loss or gradients non-finite in %d steps in a row "
+                          "(train.max_bad_steps); lower optimizer.lr or check the data",
+                          (long long)t->step + 1, t->bad_in_row);
+    } else {
+        t->bad_in_row = 0;
+        double clip = j->optimizer.clip_grad;
+        double scale = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
+        double tu = profile ? now_s() : 0;
+        MT_CHECK(mt_optimizer_update(t->opt, m, lr, scale));
+        if (profile) {
+            MT_CHECK(t->be->sync(t->be));
+            tp[1] = now_s() - tu;
+        }
+        MT_CHECK(balance_step(t, &mt));
+    }
+    t->step++;
+    MT_CHECK(t->be->sync(t->be));
+    double dt = now_s() - t0;
+    if (profile)
+        MT_LOGI("profile step %lld: forward+backward %.1f ms (%d micro-batches), optimizer %.1f ms, "
+                "rest %.1f ms", (long long)t->step, 1e3 * tp[0], t->accum, 1e3 * tp[1],
+                1e3 * (dt - tp[0] - tp[1]));
+
+    mt.step = t->step;
+    mt.total_steps = j->train.steps;
+    mt.loss = loss;
+    mt.mtp_loss = mtp;
+    mt.aux_loss = aux;
+    mt.lr = lr;
+    mt.grad_norm = norm;
+    mt.valid_loss = NAN;
+    mt.step_ms = dt * 1e3;
+    const double tokens = (double)t->accum * B * j->batch.seq_len;
+    mt.tokens_per_s = tokens / dt;
+    mt.tflops = t->flops_per_token * tokens / dt / 1e12;
+    mt.mfu = t->peak_tflops > 0 ? mt.tflops / t->peak_tflops : NAN;
+    mt.samples = t->consumed_samples;
+    mt.tokens = t->consumed_samples * j->batch.seq_len;
+    mt.skipped_total = t->skipped_total;
+    t->be->mem_stats(t->be, &mt.mem_in_use, &mt.mem_peak);
+    if (t->valid && j->data.valid_interval > 0 &&
+        (t->step % j->data.valid_interval == 0 || t->step == j->train.steps))
+        MT_CHECK(mt_trainer_validate(t, &mt.valid_loss));
+    for (int i = 0; i < t->n_sinks; i++) MT_CHECK(t->sinks[i]->emit(t->sinks[i], &mt));
+    t->last = mt;
+    if (out) *out = mt;
+    return MT_OK;
+}
+
+int mt_trainer_run(mt_trainer *t, volatile sig_atomic_t *stop)
+{
+    while (t->step < t->job.train.steps) {
+        if (stop && *stop) {
+            MT_LOGI("stop requested: stopping at step %lld of %lld", (long long)t->step,
+                    (long long)t->job.train.steps);
+            return MT_EINTR;
+        }
+        MT_CHECK(mt_trainer_step(t, NULL));
+    }
+    return MT_OK;
+}

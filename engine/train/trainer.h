@@ -1,0 +1,70 @@
+/* trainer.h - the training loop of one job on one rank.
+ *
+ * A step: gradient accumulation over micro-batches to the global batch,
+ * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
+ * gradient skips the step (max_bad_steps in a row fail the job); global-norm
+ * clipping; AdamW on this rank's shard; the router's aux-loss-free bias
+ * update from the step's expert loads; validation every valid_interval
+ * steps; metrics to every registered sink. The loop stops at train.steps or
+ * at a step boundary once *stop becomes non-zero.
+ */
+#ifndef MT_TRAINER_H
+#define MT_TRAINER_H
+
+#include <signal.h>
+#include <stdint.h>
+
+#include "engine/data/data_indexed.h"
+#include "engine/data/data_samples.h"
+#include "engine/train/jobspec.h"
+#include "engine/train/metrics.h"
+#include "engine/model/model.h"
+#include "engine/train/optimizer.h"
+
+#define MT_TRAINER_MAX_SINKS 8
+
+typedef struct mt_trainer {
+    mt_jobspec job;
+    mt_backend *be;
+    mt_model *model;
+    mt_optimizer *opt;
+    mt_indexed *data;
+    mt_samples *train;            /* train.steps x global batch samples */
+    mt_samples *valid;            /* valid_batches x micro-batch samples, or NULL */
+    int32_t *tokens;              /* host [micro_batch, seq_len + 1] */
+    int accum;                    /* micro-batches per step on this rank */
+    int64_t step;                 /* optimizer steps completed */
+    int64_t consumed_samples;     /* train samples read so far */
+    int64_t skipped_total;
+    int bad_in_row;               /* consecutive skipped steps */
+    double flops_per_token;
+    double peak_tflops;           /* dense BF16 peak of one device; 0: unknown */
+    int profile;                  /* MOETRAIN_PROFILE: time the phases of each step */
+    int n_sinks;
+    mt_metrics_sink *sinks[MT_TRAINER_MAX_SINKS];
+    mt_step_metrics last;         /* metrics of the last step */
+    float *bias_host;             /* [E] scratch for the router bias update */
+} mt_trainer;
+
+/* Builds model, optimizer and data readers for a validated job on a backend.
+ * With init.kind random the weights are initialised here; otherwise they are
+ * zero until the caller restores a checkpoint into the trainer. */
+int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be);
+void mt_trainer_destroy(mt_trainer *t);
+
+/* Registers a sink; the trainer closes it on destroy. */
+int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s);
+
+/* One optimizer step; metrics of the step in *out (may be NULL). */
+int mt_trainer_step(mt_trainer *t, mt_step_metrics *out);
+
+/* Mean LM loss over the valid samples (no gradients). */
+int mt_trainer_validate(mt_trainer *t, double *loss);
+
+/* Steps until train.steps or until *stop is set (checked between steps). */
+int mt_trainer_run(mt_trainer *t, volatile sig_atomic_t *stop);
+
+/* The aux-loss-free balancing rule: bias[e] += gamma * sign(mean - load[e]). */
+void mt_router_bias_update(float *bias, const int64_t *load, int E, double gamma);
+
+#endif
