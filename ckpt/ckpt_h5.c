@@ -289,7 +289,7 @@ static char *dump(json_t *o)
 char *ck_layout_json(const mt_layout *l)
 {
     return dump(json_pack("{s:i,s:i,s:i,s:i,s:i,s:i,s:b}", "tp", l->tp, "pp", l->pp, "vpp", l->vpp,
-                          "ep", l->ep, "etp", l->etp, "dp", l->dp, "dualpipev", l->dualpipev));
+                          "ep", l->ep, "etp", l->etp, "dp", l->dp, "dualpipev", l->schedule == MT_PP_DUALPIPEV));
 }
 
 int ck_layout_from_json(const char *text, mt_layout *l)
@@ -303,7 +303,7 @@ int ck_layout_from_json(const char *text, mt_layout *l)
                                  "dualpipev", &dual) == 0
                  ? MT_OK
                  : MT_ERR(MT_ECORRUPT, "layout: %s", e.text);
-    l->dualpipev = dual;
+    if (dual) l->schedule = MT_PP_DUALPIPEV;
     json_decref(o);
     return rc;
 }

@@ -165,7 +165,7 @@ static int cmd_inspect(const opts *o)
         }
         json_t *lj = json_pack("{s:i,s:i,s:i,s:i,s:i,s:i,s:b}", "tp", m->layout.tp, "pp", m->layout.pp,
                                "vpp", m->layout.vpp, "ep", m->layout.ep, "etp", m->layout.etp, "dp",
-                               m->layout.dp, "dualpipev", m->layout.dualpipev);
+                               m->layout.dp, "dualpipev", m->layout.schedule == MT_PP_DUALPIPEV);
         json_t *out = json_pack(
             "{s:s,s:s,s:i,s:I,s:I,s:I,s:o,s:s,s:O?,s:O?,s:I,s:i,s:i,s:o,s:o}", "path", mt_ckpt_dir(ck),
             "format", MT_CKPT_FORMAT, "format_version", MT_CKPT_FORMAT_VERSION, "step",

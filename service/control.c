@@ -290,6 +290,8 @@ void control_get_status(control *c, control_status *out)
     if (c->reshard) ctl_reshard_get(c->reshard, &out->reshard);
 }
 
+int control_world(const control *c) { return c->o.world; }
+
 int control_shutting_down(control *c)
 {
     pthread_mutex_lock(&c->mu);
@@ -419,6 +421,7 @@ static int build_job(control *c, const char *spec)
     if (!root) return MT_ERR(MT_EINVAL, "job spec: %s", je.text);
     int rc = mt_jobspec_from_json(&c->job, root, NULL, NULL, 0);
     json_decref(root);
+    if (rc == MT_OK) rc = mt_jobspec_admit(&c->job, c->o.world);
     if (rc == MT_OK) rc = make_backend(&c->job, c->o.threads, c->o.rank, &c->be);
     if (rc == MT_OK) rc = mt_trainer_create(&c->t, &c->job, c->be);
     if (rc == MT_OK) rc = add_sinks(c);
@@ -428,15 +431,6 @@ static int build_job(control *c, const char *spec)
     if (any_bad && !bad) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
     if (rc < 0) release_job(c);
     return rc;
-}
-
-static void set_layout_locked(control *c)
-{
-    c->st.layout = c->job.parallel;
-    if (c->st.layout.dp == 0) {
-        int tpp = c->job.parallel.tp * c->job.parallel.pp;
-        c->st.layout.dp = tpp > 0 ? c->o.world / tpp : 1;
-    }
 }
 
 static void apply_start(control *c, const wire_cmd *w, const char *spec, ctl_ticket *t)
@@ -486,7 +480,7 @@ static void apply_start(control *c, const wire_cmd *w, const char *spec, ctl_tic
     snprintf(c->st.ckpt_dir, sizeof c->st.ckpt_dir, "%s", c->job.checkpoint.dir);
     c->st.error[0] = c->st.outcome[0] = '\0';
     c->st.last_ckpt.valid = 0;
-    set_layout_locked(c);
+    c->st.layout = c->job.parallel; /* admitted: dp resolved */
     c->st.have_layout = 1;
     r.run_id = c->run_id;
     snprintf(r.job, sizeof r.job, "%s", c->job.name);
@@ -816,7 +810,7 @@ int control_checkpoint_path(control *c, const char *ckpt_dir, const char *name, 
 }
 
 int control_reshard(control *c, const char *job, const char *source, const char *target,
-                    const mt_parallel *layout, char *path, size_t path_cap)
+                    const mt_layout *layout, char *path, size_t path_cap)
 {
     if (!c->reshard) return MT_ERR(MT_ENOTSUP, "reshard: not available here");
     char dir[MT_PATH_CAP], name[SVC_NAME_CAP], src[MT_PATH_CAP];

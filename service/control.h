@@ -95,7 +95,7 @@ typedef struct control_status {
     mt_step_metrics last;
     double last_valid_loss;    /* the last measured one; NaN: none yet */
     svc_ckpt last_ckpt;
-    mt_parallel layout;
+    mt_layout layout;
     int have_layout;           /* a job was built (layout and backend known) */
     int ranks;
     char backend[16];
@@ -109,6 +109,9 @@ typedef struct control_status {
 } control_status;
 
 void control_get_status(control *c, control_status *out);
+
+/* The number of ranks that run jobs (what StartJob admits a layout for). */
+int control_world(const control *c);
 
 /* The daemon is going down: new commands get MT_EINTR. */
 int control_shutting_down(control *c);
@@ -124,7 +127,7 @@ int control_list_checkpoints(control *c, const char *job, char *dir, size_t dir_
  * (fields 0: as the source) in the background; progress in the status and
  * as hub events. */
 int control_reshard(control *c, const char *job, const char *source, const char *target,
-                    const mt_parallel *layout, char *path, size_t path_cap);
+                    const mt_layout *layout, char *path, size_t path_cap);
 
 /* Resolves checkpoint `name` ("latest" allowed) in a job's checkpoint
  * directory to its path; MT_ENOTFOUND if there is none. */

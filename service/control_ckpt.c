@@ -22,7 +22,7 @@
 
 struct ctl_ckpt {
     mt_job_ckpt *jc;
-    mt_parallel layout;   /* the job's, for the records */
+    mt_layout layout;   /* the job's, for the records */
     int64_t saves_seen;   /* committed saves already reported */
 };
 
@@ -43,7 +43,7 @@ static int64_t dir_bytes(const char *dir)
     return sum;
 }
 
-static void describe(svc_ckpt *c, const char *path, int64_t step, const mt_parallel *layout)
+static void describe(svc_ckpt *c, const char *path, int64_t step, const mt_layout *layout)
 {
     memset(c, 0, sizeof *c);
     c->valid = 1;
@@ -229,7 +229,7 @@ typedef struct worker {
 } worker;
 
 /* The target layout: request fields of 0 keep the source's. */
-static int target_layout(const char *src, const mt_parallel *req, mt_layout *out)
+static int target_layout(const char *src, const mt_layout *req, mt_layout *out)
 {
     mt_ckpt *ck;
     MT_CHECK(mt_ckpt_open(&ck, src));
@@ -272,23 +272,17 @@ static void *reshard_main(void *arg)
     worker *w = arg;
     ctl_reshard *r = w->r;
     char msg[SVC_MSG_CAP];
-    mt_parallel req;
+    mt_layout req;
     pthread_mutex_lock(&r->mu);
     req = r->st.layout;
     pthread_mutex_unlock(&r->mu);
     int rc = target_layout(r->src, &req, &w->layout);
     if (rc == MT_OK) {
         pthread_mutex_lock(&r->mu);
-        mt_parallel *l = &r->st.layout;
-        l->tp = w->layout.tp;
-        l->pp = w->layout.pp;
-        l->vpp = w->layout.vpp;
-        l->ep = w->layout.ep;
-        l->etp = w->layout.etp;
-        l->dp = w->layout.dp;
-        l->schedule = w->layout.dualpipev ? MT_PP_DUALPIPEV
-                      : w->layout.vpp > 1 ? MT_PP_INTERLEAVED
-                                          : MT_PP_1F1B;
+        mt_layout *l = &r->st.layout;
+        *l = w->layout;
+        /* checkpoints record DualPipeV only; other chunked layouts interleave */
+        if (l->schedule == MT_PP_1F1B && l->vpp > 1) l->schedule = MT_PP_INTERLEAVED;
         pthread_mutex_unlock(&r->mu);
         pthread_t tk;
         __atomic_store_n(&w->ticking, 1, __ATOMIC_RELEASE);
@@ -319,7 +313,7 @@ static void *reshard_main(void *arg)
 }
 
 int ctl_reshard_start(ctl_reshard *r, const char *src, const char *dst, const char *src_name,
-                      const char *dst_name, const mt_parallel *layout, uint64_t run_id,
+                      const char *dst_name, const mt_layout *layout, uint64_t run_id,
                       const char *job)
 {
     char busy_src[SVC_NAME_CAP], busy_dst[SVC_NAME_CAP];

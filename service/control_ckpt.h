@@ -43,7 +43,7 @@ void ctl_reshard_destroy(ctl_reshard *r);
 /* Starts rewriting checkpoint `src` as `dst` (a new checkpoint directory)
  * for `layout` (0 fields: as the source); MT_ESTATE while one runs. */
 int ctl_reshard_start(ctl_reshard *r, const char *src, const char *dst, const char *src_name,
-                      const char *dst_name, const mt_parallel *layout, uint64_t run_id,
+                      const char *dst_name, const mt_layout *layout, uint64_t run_id,
                       const char *job);
 
 /* Progress of the current or last reshard. */

@@ -61,10 +61,9 @@ int job_admit(const char *workdir, const job_request *r, mt_jobspec *out)
     MT_CHECK(load_root(workdir, r, &root, base, sizeof base));
 
     int rc;
-    const char *sets[MAX_SETS];
-    int n = r->n_sets;
-    for (int i = 0; i < n; i++) sets[i] = r->sets[i];
-    char ckdir[MT_PATH_CAP], set_ckdir[MT_PATH_CAP + 32], set_init[MT_PATH_CAP + 32];
+    const char *const *sets = r->sets;
+    const int n = r->n_sets;
+    char ckdir[MT_PATH_CAP];
     rc = mt_jobspec_from_json(out, root, base, sets, n);
     if (rc < 0) {
         mt_err_wrap(rc, "job spec");
@@ -80,8 +79,7 @@ int job_admit(const char *workdir, const job_request *r, mt_jobspec *out)
         raw = dflt;
     }
     MT_GOTO(wd_resolve(workdir, raw, "checkpoint.dir", ckdir, sizeof ckdir), out);
-    snprintf(set_ckdir, sizeof set_ckdir, "checkpoint.dir=%s", ckdir);
-    sets[n++] = set_ckdir;
+    snprintf(out->checkpoint.dir, sizeof out->checkpoint.dir, "%s", ckdir);
 
     if (r->from_checkpoint && r->from_checkpoint[0]) {
         char path[MT_PATH_CAP];
@@ -97,19 +95,18 @@ int job_admit(const char *workdir, const job_request *r, mt_jobspec *out)
             goto out;
         }
         MT_GOTO(wd_resolve(workdir, path, "from_checkpoint", path, sizeof path), out);
-        sets[n++] = "init.kind=checkpoint";
-        snprintf(set_init, sizeof set_init, "init.path=%s", path);
-        sets[n++] = set_init;
+        out->init.kind = MT_INIT_CHECKPOINT;
+        snprintf(out->init.path, sizeof out->init.path, "%s", path);
     } else if (out->init.kind == MT_INIT_CHECKPOINT) {
         /* The parser resolved a relative path against base_dir; checkpoints
          * are workdir-relative instead. */
         const char *ip = raw_value(root, sets, n, "init.path");
         char path[MT_PATH_CAP];
         MT_GOTO(wd_resolve(workdir, ip ? ip : "", "init.path", path, sizeof path), out);
-        snprintf(set_init, sizeof set_init, "init.path=%s", path);
-        sets[n++] = set_init;
+        snprintf(out->init.path, sizeof out->init.path, "%s", path);
     }
-    rc = mt_jobspec_from_json(out, root, base, sets, n);
+    rc = mt_jobspec_validate(out, 1);
+    if (rc == MT_OK) rc = mt_jobspec_admit(out, r->world > 0 ? r->world : 1);
     if (rc < 0) mt_err_wrap(rc, "job spec");
 out:
     json_decref(root);

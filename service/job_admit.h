@@ -11,6 +11,9 @@
  *   - the job name must be a plain name (it names a directory).
  * Data and model paths are inputs that are only read; they resolve against
  * base_dir (the client's job file folder) or the workdir.
+ * The spec is parsed once; the confined paths are written into the parsed
+ * job and checked again, and the job is admitted for `world` ranks
+ * (mt_jobspec_admit): a layout the ranks cannot run is refused here.
  */
 #ifndef MT_JOB_ADMIT_H
 #define MT_JOB_ADMIT_H
@@ -30,6 +33,7 @@ typedef struct job_request {
      * directory `dir`; MT_ENOTFOUND if there is none. */
     int (*find_checkpoint)(void *arg, const char *dir, const char *name, char *path, size_t cap);
     void *find_arg;
+    int world;                    /* ranks that will run the job; 0: 1 */
 } job_request;
 
 int job_admit(const char *workdir, const job_request *r, mt_jobspec *out);

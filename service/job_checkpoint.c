@@ -82,13 +82,12 @@ int mt_job_ckpt_open(mt_job_ckpt **out, const mt_jobspec *job)
     jc->async = job->checkpoint.async;
     *out = jc;
     if (!jc->root[0]) return MT_OK;
-    /* the layout of the processes: the trainer of one process holds all */
-    mt_layout l;
-    mt_layout_default(&l);
-    if (jc->world > 1) {
-        int rc = mt_layout_from_parallel(&l, &job->parallel, jc->world);
-        if (rc < 0) return rc;
-    }
+    /* the admitted layout of the processes */
+    mt_layout l = job->parallel;
+    if (mt_layout_world(&l) != jc->world)
+        return MT_ERR(MT_EINVAL, "checkpoint.dir %s: the job's layout covers %d ranks, not the "
+                      "%d that run it (the job was not admitted)", jc->root,
+                      l.dp > 0 ? mt_layout_world(&l) : 0, jc->world);
     mt_shard_opts o;
     mt_train_state_opts(job, &o);
     int rc = mt_shard_map_build(&jc->map, &job->model, &l, &o);

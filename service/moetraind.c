@@ -184,6 +184,11 @@ static int run_foreground(const args *a, int rank, int world)
     int rc;
     /* Every rank parses the file: a bad spec fails all of them alike. */
     MT_GOTO(mt_jobspec_load(&job, a->job, a->sets, a->n_sets), out);
+    rc = mt_jobspec_admit(&job, world);
+    if (rc < 0) {
+        mt_err_wrap(rc, "--job %s on %d rank%s", a->job, world, world == 1 ? "" : "s");
+        goto out;
+    }
     control_opts o = {.rank = rank, .world = world, .threads = a->threads, .jsonl = a->jsonl,
                       .exit_when_idle = 1};
     MT_GOTO(control_create(&ctl, &o), out);
@@ -211,7 +216,7 @@ static int check_listen(const args *a)
 }
 
 /* The --job of the daemon, admitted like a StartJob request. */
-static int start_job_file(const args *a, const char *workdir, control *ctl)
+static int start_job_file(const args *a, const char *workdir, int world, control *ctl)
 {
     json_t *root;
     MT_CHECK(mt_json_load_file(a->job, &root));
@@ -227,7 +232,8 @@ static int start_job_file(const args *a, const char *workdir, control *ctl)
         free(text);
         return MT_ERR(MT_EIO, "%s: %s", dir, strerror(errno));
     }
-    job_request jr = {.json = text, .base_dir = real, .sets = a->sets, .n_sets = a->n_sets};
+    job_request jr = {.json = text, .base_dir = real, .sets = a->sets, .n_sets = a->n_sets,
+                      .world = world};
     mt_jobspec job;
     int rc = job_admit(workdir, &jr, &job);
     free(text);
@@ -286,7 +292,7 @@ static int run_daemon(const args *a, int rank, int world)
         MT_LOGI("moetraind serving gRPC on %s:%d%s%s, workdir %s, %d rank(s)", ghost, gport,
                 a->tls_cert ? " (TLS)" : "", au.enabled ? " with a token" : "", workdir, world);
         if (a->http) MT_LOGI("HTTP /metrics and /healthz on %s:%d", hhost, hport);
-        if (a->job) MT_GOTO(start_job_file(a, workdir, ctl), setup_done);
+        if (a->job) MT_GOTO(start_job_file(a, workdir, world, ctl), setup_done);
         if (a->ready_file)
             MT_GOTO(write_ready(a->ready_file, ghost, gport, a->http ? hhost : NULL, hport), setup_done);
     }

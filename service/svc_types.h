@@ -32,7 +32,7 @@ typedef struct svc_ckpt {
     char name[SVC_NAME_CAP];
     int64_t step;
     char path[MT_PATH_CAP];
-    mt_parallel layout;
+    mt_layout layout;
     int have_layout;           /* 0: not known without opening the index */
     int64_t bytes;
 } svc_ckpt;
@@ -40,7 +40,7 @@ typedef struct svc_ckpt {
 typedef struct svc_reshard {
     int active, done, failed;
     char source[SVC_NAME_CAP], target[SVC_NAME_CAP];
-    mt_parallel layout;        /* target layout */
+    mt_layout layout;        /* target layout */
     double progress;           /* 0..1 */
     char message[SVC_MSG_CAP];
 } svc_reshard;

@@ -27,7 +27,7 @@ _Static_assert((int)SVC_IDLE == (int)MOETRAIN__V1__JOB_STATE__JOB_STATE_IDLE &&
 
 /* ---- records to messages -------------------------------------------------------- */
 
-static void layout_pb(const mt_parallel *p, Moetrain__V1__Layout *l)
+static void layout_pb(const mt_layout *p, Moetrain__V1__Layout *l)
 {
     *l = (Moetrain__V1__Layout)MOETRAIN__V1__LAYOUT__INIT;
     l->tp = p->tp;
@@ -221,6 +221,7 @@ static rpc_stream *h_start(void *ctx, const ProtobufCMessage *req, rpc_reply *ou
     service *sv = ctx;
     mt_jobspec job;
     job_request jr = rpc_start_job_request(req, find_checkpoint, sv);
+    jr.world = control_world(sv->ctl);
     int rc = job_admit(sv->workdir, &jr, &job);
     if (rc < 0) {
         rpc_reply_mt(out, rc, NULL);
@@ -348,7 +349,7 @@ static rpc_stream *h_list(void *ctx, const ProtobufCMessage *req, rpc_reply *out
     return NULL;
 }
 
-static void layout_from_pb(const Moetrain__V1__Layout *l, mt_parallel *p)
+static void layout_from_pb(const Moetrain__V1__Layout *l, mt_layout *p)
 {
     memset(p, 0, sizeof *p);
     p->tp = l->tp;
@@ -363,7 +364,7 @@ static rpc_stream *h_reshard(void *ctx, const ProtobufCMessage *req, rpc_reply *
 {
     service *sv = ctx;
     const Moetrain__V1__ReshardCheckpointRequest *q = (const void *)req;
-    mt_parallel layout;
+    mt_layout layout;
     layout_from_pb(q->layout, &layout);
     char path[MT_PATH_CAP];
     int rc = control_reshard(sv->ctl, q->job, q->source, q->target, &layout, path, sizeof path);

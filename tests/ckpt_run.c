@@ -53,9 +53,10 @@ int main(int argc, char **argv)
         }
     }
     if (!job_path) return 1;
-    int provided, rank = 0;
+    int provided, rank = 0, world = 1;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
     mt_log_set_rank(rank);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -70,6 +71,7 @@ int main(int argc, char **argv)
     mt_metrics_sink *s;
     int rc;
     MT_GOTO(mt_jobspec_load(&job, job_path, sets, n_sets), out);
+    MT_GOTO(mt_jobspec_admit(&job, world), out);
     MT_GOTO(mt_backend_cpu_create(&be, threads), out);
     MT_GOTO(mt_trainer_create(&t, &job, be), out);
     MT_GOTO(mt_job_ckpt_open(&ck, &job), out);

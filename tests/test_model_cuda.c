@@ -420,6 +420,7 @@ static double *train_curve(const char *examples, const char *corpus, const char 
     const char *sets[] = {data, st, be_set, "data.valid_interval=0", "lr_schedule.warmup_steps=10"};
     mt_jobspec j;
     int rc = mt_jobspec_load(&j, path, sets, 5);
+    if (rc == MT_OK) rc = mt_jobspec_admit(&j, 1);
     if (rc != MT_OK) die("mt_jobspec_load(tiny-cpu.json)", rc);
     mt_trainer *t;
     rc = mt_trainer_create(&t, &j, BE[s]);

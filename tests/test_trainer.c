@@ -48,6 +48,7 @@ static void tiny_job(mt_jobspec *j, const char *const *extra, int n_extra)
     int n = 7;
     for (int i = 0; i < n_extra; i++) sets[n++] = extra[i];
     int rc = mt_jobspec_load(j, path, sets, n);
+    if (rc == MT_OK) rc = mt_jobspec_admit(j, 1);
     if (rc) fprintf(stderr, "%s\n", mt_errmsg());
     assert_int_equal(rc, MT_OK);
 }

@@ -5,129 +5,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/train/jobspec.h"
 #include "engine/model/param_table.h"
 #include "base/mt_status.h"
 
-/* ---- layout ------------------------------------------------------------------ */
-
-void mt_layout_default(mt_layout *l)
-{
-    memset(l, 0, sizeof *l);
-    l->tp = l->pp = l->vpp = l->ep = l->etp = l->dp = 1;
-}
-
-int mt_layout_world(const mt_layout *l) { return l->tp * l->dp * l->pp; }
-
-int mt_layout_edp(const mt_layout *l) { return l->tp * l->dp / (l->etp * l->ep); }
-
-void mt_layout_coords(const mt_layout *l, int rank, mt_rank_coords *c)
-{
-    c->tp = rank % l->tp;
-    c->dp = (rank / l->tp) % l->dp;
-    c->pp = rank / (l->tp * l->dp);
-    int local = rank % (l->tp * l->dp);
-    c->etp = local % l->etp;
-    c->ep = (local / l->etp) % l->ep;
-    c->edp = local / (l->etp * l->ep);
-}
-
-int mt_layout_rank(const mt_layout *l, int tp, int dp, int pp)
-{
-    return tp + l->tp * (dp + l->dp * pp);
-}
-
-/* Rank of expert coordinates on stage pp. */
-static int expert_rank(const mt_layout *l, int etp, int ep, int edp, int pp)
-{
-    return etp + l->etp * (ep + l->ep * edp) + l->tp * l->dp * pp;
-}
-
-int mt_layout_parse(mt_layout *l, const char *text)
-{
-    mt_layout_default(l);
-    const char *s = text;
-    while (*s) {
-        char key[16];
-        size_t k = 0;
-        while (*s && *s != '=' && *s != ',' && k + 1 < sizeof key) key[k++] = *s++;
-        key[k] = '\0';
-        if (*s != '=')
-            return MT_ERR(MT_EINVAL, "layout \"%s\": expected key=value at \"%s\"", text, key);
-        s++;
-        char *end;
-        long v = strtol(s, &end, 10);
-        if (end == s || v < 0 || v > 1 << 20)
-            return MT_ERR(MT_EINVAL, "layout \"%s\": %s needs a number", text, key);
-        s = end;
-        int *dst = !strcmp(key, "tp")          ? &l->tp
-                   : !strcmp(key, "pp")        ? &l->pp
-                   : !strcmp(key, "vpp")       ? &l->vpp
-                   : !strcmp(key, "ep")        ? &l->ep
-                   : !strcmp(key, "etp")       ? &l->etp
-                   : !strcmp(key, "dp")        ? &l->dp
-                   : !strcmp(key, "dualpipev") ? &l->dualpipev
-                                               : NULL;
-        if (!dst)
-            return MT_ERR(MT_EINVAL,
-                          "layout \"%s\": unknown key \"%s\" (tp pp vpp ep etp dp dualpipev)",
-                          text, key);
-        if (dst != &l->dualpipev && v < 1)
-            return MT_ERR(MT_EINVAL, "layout \"%s\": %s must be >= 1", text, key);
-        *dst = (int)v;
-        if (*s == ',') s++;
-        else if (*s)
-            return MT_ERR(MT_EINVAL, "layout \"%s\": unexpected \"%s\"", text, s);
-    }
-    if (l->dualpipev) l->vpp = 2;
-    return MT_OK;
-}
-
-int mt_layout_format(const mt_layout *l, char *buf, size_t cap)
-{
-    int n = snprintf(buf, cap, "tp=%d,pp=%d,vpp=%d,ep=%d,etp=%d,dp=%d%s", l->tp, l->pp, l->vpp,
-                     l->ep, l->etp, l->dp, l->dualpipev ? ",dualpipev=1" : "");
-    return n >= 0 && (size_t)n < cap ? MT_OK : MT_ERR(MT_EINVAL, "layout text too long");
-}
-
-int mt_layout_from_parallel(mt_layout *l, const struct mt_parallel *p, int world)
-{
-    mt_layout_default(l);
-    l->tp = p->tp > 0 ? p->tp : 1;
-    l->pp = p->pp > 0 ? p->pp : 1;
-    l->vpp = p->vpp > 0 ? p->vpp : 1;
-    l->ep = p->ep > 0 ? p->ep : 1;
-    l->etp = p->etp > 0 ? p->etp : 1;
-    l->dualpipev = p->schedule == MT_PP_DUALPIPEV;
-    if (l->dualpipev) l->vpp = 2;
-    if (p->dp > 0)
-        l->dp = p->dp;
-    else {
-        if (world % (l->tp * l->pp) != 0)
-            return MT_ERR(MT_EINVAL, "parallel: %d ranks are not a multiple of tp %d x pp %d",
-                          world, l->tp, l->pp);
-        l->dp = world / (l->tp * l->pp);
-    }
-    return MT_OK;
-}
-
-/* Chunks of the pipeline and the stage of each. */
-static int n_chunks(const mt_layout *l) { return l->pp * l->vpp; }
-
-static int stage_of_chunk(const mt_layout *l, int c)
-{
-    if (l->dualpipev) return c < l->pp ? c : 2 * l->pp - 1 - c;
-    return c % l->pp;
-}
+/* ---- layout against the model ------------------------------------------------- */
 
 int mt_layout_stage_of_layer(const mt_layout *l, const mt_model_config *c, int layer)
 {
-    const int L = c->num_hidden_layers, C = n_chunks(l);
-    if (layer >= L) return stage_of_chunk(l, C - 1);
+    const int L = c->num_hidden_layers, C = mt_layout_chunks(l);
+    if (layer >= L) return mt_layout_stage_of_chunk(l, C - 1);
     /* chunk k holds layers [k * L / C, (k + 1) * L / C) */
     for (int k = 0; k < C; k++)
-        if (layer < (int)((int64_t)(k + 1) * L / C)) return stage_of_chunk(l, k);
-    return stage_of_chunk(l, C - 1);
+        if (layer < (int)((int64_t)(k + 1) * L / C)) return mt_layout_stage_of_chunk(l, k);
+    return mt_layout_stage_of_chunk(l, C - 1);
 }
 
 /* ---- parameter classes ---------------------------------------------------------- */
@@ -157,8 +47,8 @@ static int role_split_dim(mt_param_role r)
 static void classify(const mt_layout *l, const mt_model_config *c, const mt_param_desc *d,
                      pclass *pc)
 {
-    const int C = n_chunks(l);
-    const int first = stage_of_chunk(l, 0), last = stage_of_chunk(l, C - 1);
+    const int C = mt_layout_chunks(l);
+    const int first = mt_layout_stage_of_chunk(l, 0), last = mt_layout_stage_of_chunk(l, C - 1);
     pc->expert = d->expert >= 0;
     pc->split_dim = role_split_dim(d->role);
     pc->stage[1] = -1;
@@ -196,9 +86,9 @@ int mt_layout_validate(const mt_layout *l, const mt_model_config *c, int fp8)
 {
     char lt[128];
     mt_layout_format(l, lt, sizeof lt);
-    if (l->tp < 1 || l->pp < 1 || l->vpp < 1 || l->ep < 1 || l->etp < 1 || l->dp < 1)
+    if (l->tp < 1 || l->pp < 1 || l->vpp < 1 || l->ep < 1 || l->etp < 1 || l->dp < 0)
         return MT_ERR(MT_EINVAL, "layout %s: every size must be >= 1", lt);
-    if (l->dualpipev && l->vpp != 2)
+    if (l->schedule == MT_PP_DUALPIPEV && l->vpp != 2)
         return MT_ERR(MT_EINVAL, "layout %s: DualPipeV needs vpp = 2", lt);
     if (c->num_attention_heads % l->tp != 0)
         return MT_ERR(MT_EINVAL, "layout %s: tp %d does not divide num_attention_heads %d", lt,
@@ -230,11 +120,11 @@ int mt_layout_validate(const mt_layout *l, const mt_model_config *c, int fp8)
     } else if (l->ep != 1 || l->etp != 1) {
         return MT_ERR(MT_EINVAL, "layout %s: ep and etp must be 1 without routed experts", lt);
     }
-    if ((l->tp * l->dp) % (l->etp * l->ep) != 0)
+    if (l->dp > 0 && (l->tp * l->dp) % (l->etp * l->ep) != 0)
         return MT_ERR(MT_EINVAL,
                       "layout %s: etp %d x ep %d must divide tp %d x dp %d (expert folding)", lt,
                       l->etp, l->ep, l->tp, l->dp);
-    if (n_chunks(l) > c->num_hidden_layers)
+    if (mt_layout_chunks(l) > c->num_hidden_layers)
         return MT_ERR(MT_EINVAL, "layout %s: pp %d x vpp %d chunks exceed num_hidden_layers %d",
                       lt, l->pp, l->vpp, c->num_hidden_layers);
     if (!fp8) return MT_OK;
@@ -412,7 +302,7 @@ static int add_pieces(builder *b, int t)
             int64_t off[2], cnt[2];
             if (!weight_slab(m, pc, w, &rc, off, cnt)) continue;
             if (!role_slab(st->role, z, Z, off, cnt)) continue;
-            int writer = pc->expert ? expert_rank(l, k, pc->ep_rank, z, stage)
+            int writer = pc->expert ? mt_layout_expert_rank(l, k, pc->ep_rank, z, stage)
                                     : mt_layout_rank(l, pc->split_dim < 0 ? 0 : k, z, stage);
             MT_CHECK(add_piece(b, t, writer, off, cnt));
         }
@@ -542,6 +432,9 @@ int mt_shard_map_build(mt_shard_map *m, const mt_model_config *c, const mt_layou
                        const mt_shard_opts *o)
 {
     memset(m, 0, sizeof *m);
+    if (l->dp < 1)
+        return MT_ERR(MT_EINVAL, "sharding map: the layout's dp is %d: resolve it against the "
+                      "world size first", l->dp);
     MT_CHECK(mt_layout_validate(l, c, o->fp8));
     if (o->act_dtype != MT_DT_BF16 && o->act_dtype != MT_DT_F32)
         return MT_ERR(MT_EINVAL, "sharding map: weights must be bf16 or f32, not %s",

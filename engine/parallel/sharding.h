@@ -2,16 +2,9 @@
  * hyperslabs each rank owns, for weights and for optimizer state.
  *
  * Save, load, reshard and the parallel runtime all use it; ckpt/ sees the
- * model only through this header and engine/tensor_desc.h.
+ * model only through this header, layout.h and engine/model/tensor_desc.h.
  *
- * Ranks (Megatron order, context parallelism 1):
- *   dense   rank = tp + TP * (dp + DP * pp)
- *   experts within a pipeline stage the TP * DP ranks are refolded as
- *           local = etp + ETP * (ep + EP * edp), EDP = TP * DP / (ETP * EP)
- *           (MoE parallel folding), rank = local + TP * DP * pp.
- * Pipeline: the decoder layers are cut into PP * VPP contiguous chunks of
- * balanced size; chunk c runs on stage c % PP (interleaved), or on
- * c < PP ? c : 2 PP - 1 - c under DualPipeV (V shape, VPP = 2). The
+ * Ranks, the expert folding and the pipeline chunks: see layout.h. The
  * embedding is on the first chunk's stage; the final norm, the output head
  * and the MTP modules on the last chunk's stage (which also holds a replica
  * of the embedding when MTP or tied embeddings need it).
@@ -44,39 +37,12 @@
 
 #include "engine/model/config.h"
 #include "engine/model/tensor_desc.h"
-
-typedef struct mt_layout {
-    int tp, pp, vpp, ep, etp, dp; /* all >= 1 */
-    int dualpipev;                /* V-shape chunk placement; needs vpp = 2 */
-} mt_layout;
-
-typedef struct mt_rank_coords {
-    int tp, dp, pp;     /* dense groups */
-    int etp, ep, edp;   /* expert groups of the same rank */
-} mt_rank_coords;
-
-/* 1 everywhere. */
-void mt_layout_default(mt_layout *l);
-int mt_layout_world(const mt_layout *l);
-/* Expert-data-parallel size: TP * DP / (ETP * EP). */
-int mt_layout_edp(const mt_layout *l);
-void mt_layout_coords(const mt_layout *l, int rank, mt_rank_coords *c);
-int mt_layout_rank(const mt_layout *l, int tp, int dp, int pp);
-
-/* Parses "tp=2,pp=2,ep=4,dp=1" (keys tp pp vpp ep etp dp dualpipev; missing
- * keys are 1, dualpipev 0). Errors name the key. */
-int mt_layout_parse(mt_layout *l, const char *text);
-/* "tp=2,pp=2,vpp=1,ep=4,etp=1,dp=1[,dualpipev=1]" into buf. */
-int mt_layout_format(const mt_layout *l, char *buf, size_t cap);
-
-struct mt_parallel;
-/* The layout of a job's parallel section for `world` ranks (dp 0: world /
- * (tp * pp); DualPipeV sets vpp = 2). */
-int mt_layout_from_parallel(mt_layout *l, const struct mt_parallel *p, int world);
+#include "engine/parallel/layout.h"
 
 /* Checks the layout against the model: divisibility of heads, widths and
- * experts by the split sizes, the expert folding, pipeline chunks; with
- * fp8, 128-aligned splits of every e4m3 tensor. Errors name the field. */
+ * experts by the split sizes, the expert folding (when dp is resolved),
+ * pipeline chunks; with fp8, 128-aligned splits of every e4m3 tensor.
+ * Errors name the layout and the numbers. */
 int mt_layout_validate(const mt_layout *l, const mt_model_config *c, int fp8);
 
 /* Pipeline stage (pp rank) of decoder layer `layer` (MTP layers >= L: the

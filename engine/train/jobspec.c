@@ -9,12 +9,12 @@
 #include <sys/stat.h>
 
 #include "base/mt_status.h"
+#include "engine/parallel/sharding.h"
 
 static const char *const backend_names[] = {"cpu", "cuda", NULL};
 static const char *const recipe_names[] = {"fp8-blockwise", "bf16", "fp32", NULL};
 static const char *const main_names[] = {"fp32", "bf16", "none", NULL};
 static const char *const decay_names[] = {"cosine", "linear", "wsd", "constant", NULL};
-static const char *const sched_names[] = {"1f1b", "interleaved", "dualpipev", NULL};
 static const char *const init_names[] = {"random", "checkpoint", "hf", NULL};
 
 #define O(m) offsetof(mt_jobspec, m)
@@ -37,7 +37,7 @@ static const mt_field job_fields[] = {
     I("parallel.ep", parallel.ep, "1", 1, 4096, "expert parallel size"),
     I("parallel.etp", parallel.etp, "1", 1, 1024, "expert tensor parallel size"),
     I("parallel.dp", parallel.dp, "0", 0, 1 << 20, "data parallel size; 0: world/(tp*pp)"),
-    E("parallel.schedule", parallel.schedule, "1f1b", sched_names, "pipeline schedule"),
+    E("parallel.schedule", parallel.schedule, "1f1b", mt_pp_schedule_names, "pipeline schedule"),
     E("precision.recipe", precision.recipe, "fp8-blockwise", recipe_names,
       "linear-layer precision"),
     E("precision.main_params", precision.main_params, "fp32", main_names,
@@ -219,33 +219,43 @@ static int file_exists(const char *path)
 
 #define BAD(field, ...) mt_err_at(MT_EINVAL, __FILE__, __LINE__, field ": " __VA_ARGS__)
 
-int mt_jobspec_validate(const mt_jobspec *j, int check_files)
+/* The batch against a data-parallel size (dp 0: not known yet; the batch
+ * must at least hold whole micro-batches). */
+static int check_batch(const mt_jobspec *j, int dp)
 {
-    const mt_model_config *c = &j->model;
-    const mt_parallel *p = &j->parallel;
-    int dp = p->dp > 0 ? p->dp : 1;
+    if (dp < 1) dp = 1;
     if (j->batch.global_batch_size % (j->batch.micro_batch_size * dp))
         return BAD("batch.global_batch_size",
                    "%d is not divisible by batch.micro_batch_size %d x data-parallel size %d",
                    j->batch.global_batch_size, j->batch.micro_batch_size, dp);
+    return MT_OK;
+}
+
+/* The layout against the model (sizes that divide, FP8 128x128 blocks). */
+static int check_layout(const mt_jobspec *j)
+{
+    int rc = mt_layout_validate(&j->parallel, &j->model,
+                                j->precision.recipe == MT_RECIPE_FP8_BLOCKWISE);
+    return rc < 0 ? mt_err_wrap(rc, "parallel") : MT_OK;
+}
+
+int mt_jobspec_admit(mt_jobspec *j, int world)
+{
+    MT_CHECK(mt_layout_resolve(&j->parallel, world));
+    MT_CHECK(check_layout(j));
+    return check_batch(j, j->parallel.dp);
+}
+
+int mt_jobspec_validate(const mt_jobspec *j, int check_files)
+{
+    const mt_model_config *c = &j->model;
+    MT_CHECK(check_batch(j, j->parallel.dp));
     if (j->batch.seq_len > c->max_position_embeddings)
         return BAD("batch.seq_len", "%d exceeds model.max_position_embeddings %lld",
                    j->batch.seq_len, (long long)c->max_position_embeddings);
     if (j->optimizer.min_lr > j->optimizer.lr)
         return BAD("optimizer.min_lr", "%g exceeds optimizer.lr %g", j->optimizer.min_lr,
                    j->optimizer.lr);
-    if (c->n_routed_experts > 0 && c->n_routed_experts % p->ep)
-        return BAD("parallel.ep", "model.n_routed_experts %d is not divisible by %d",
-                   c->n_routed_experts, p->ep);
-    if (c->num_attention_heads % p->tp)
-        return BAD("parallel.tp", "model.num_attention_heads %d is not divisible by %d",
-                   c->num_attention_heads, p->tp);
-    if (p->vpp > 1 && (c->num_hidden_layers % (p->pp * p->vpp)))
-        return BAD("parallel.vpp", "model.num_hidden_layers %d is not divisible by pp*vpp %d",
-                   c->num_hidden_layers, p->pp * p->vpp);
-    if (p->pp > c->num_hidden_layers)
-        return BAD("parallel.pp", "%d exceeds model.num_hidden_layers %d", p->pp,
-                   c->num_hidden_layers);
     int eod = mt_jobspec_eod(j);
     if (eod < 0 || eod >= c->vocab_size)
         return BAD("data.eod_token", "%d is outside the vocabulary [0, %lld)", eod,

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "engine/model/config.h"
+#include "engine/parallel/layout.h"
 
 #define MT_PATH_CAP 1024
 
@@ -23,13 +24,7 @@ typedef enum { MT_RECIPE_FP8_BLOCKWISE = 0, MT_RECIPE_BF16, MT_RECIPE_FP32 } mt_
 /* High-precision main copy of the weights held by the optimizer. */
 typedef enum { MT_MAIN_FP32 = 0, MT_MAIN_BF16, MT_MAIN_NONE } mt_main_params;
 typedef enum { MT_LR_COSINE = 0, MT_LR_LINEAR, MT_LR_WSD, MT_LR_CONSTANT } mt_lr_decay;
-typedef enum { MT_PP_1F1B = 0, MT_PP_INTERLEAVED, MT_PP_DUALPIPEV } mt_pp_schedule;
 typedef enum { MT_INIT_RANDOM = 0, MT_INIT_CHECKPOINT, MT_INIT_HF } mt_init_kind;
-
-typedef struct mt_parallel {
-    int tp, pp, vpp, ep, etp, dp;  /* dp 0: world / (tp * pp) */
-    mt_pp_schedule schedule;
-} mt_parallel;
 
 typedef struct mt_precision {
     mt_recipe recipe;
@@ -97,7 +92,7 @@ typedef struct mt_jobspec {
     mt_backend_kind backend;
     char model_path[MT_PATH_CAP]; /* config.json the model came from, or "" (inline) */
     mt_model_config model;
-    mt_parallel parallel;
+    mt_layout parallel;         /* dp 0 until mt_jobspec_admit resolves it */
     mt_precision precision;
     mt_optimizer_cfg optimizer;
     mt_lr_schedule lr_schedule;
@@ -119,7 +114,8 @@ int mt_jobspec_from_json(mt_jobspec *j, json_t *root, const char *base_dir,
 int mt_jobspec_load(mt_jobspec *j, const char *path, const char *const *sets, int n_sets);
 
 /* Cross-field and environment checks (divisibility, sequence length, data
- * files present when `check_files`). Called by the parsers. */
+ * files present when `check_files`). Called by the parsers. The layout is
+ * checked by admission, once the number of ranks is known. */
 int mt_jobspec_validate(const mt_jobspec *j, int check_files);
 
 /* The complete job spec with every default filled in, model inline. */
@@ -128,11 +124,18 @@ json_t *mt_jobspec_to_json(const mt_jobspec *j);
 /* Prints every field with type, default and meaning. */
 void mt_jobspec_print_fields(FILE *out);
 
-/* Sequences per micro-batch step on one rank, micro-batches per step. */
+/* Admission: the job as `world` ranks will run it. Resolves the layout
+ * (derives dp, checks tp * pp * dp == world and the expert folding), checks
+ * it against the model (FP8 block boundaries with the fp8 recipe) and the
+ * batch against the resolved dp. Refused before anything runs; the message
+ * names the layout, the numbers and the world size. */
+int mt_jobspec_admit(mt_jobspec *j, int world);
+
+/* Micro-batches per optimizer step on each data-parallel rank. Needs an
+ * admitted job (dp resolved). */
 static inline int mt_jobspec_grad_accum(const mt_jobspec *j)
 {
-    int dp = j->parallel.dp > 0 ? j->parallel.dp : 1;
-    return j->batch.global_batch_size / (j->batch.micro_batch_size * dp);
+    return j->batch.global_batch_size / (j->batch.micro_batch_size * j->parallel.dp);
 }
 
 static inline int mt_jobspec_eod(const mt_jobspec *j)

@@ -55,6 +55,10 @@ static int open_data(mt_trainer *t)
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
 {
     *out = NULL;
+    if (job->parallel.dp < 1)
+        return MT_ERR(MT_EINVAL, "trainer: job %s is not admitted (parallel.dp is %d): "
+                      "mt_jobspec_admit resolves the layout for the ranks", job->name,
+                      job->parallel.dp);
     mt_trainer *t = calloc(1, sizeof *t);
     if (!t) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
     int rc = MT_OK;

@@ -142,7 +142,7 @@ int main(int argc, char **argv)
     int ns = 27;
     snprintf(p, sizeof p, "%s/tiny-cpu.json", examples);
     mt_jobspec ja, jb;
-    if (mt_jobspec_load(&ja, p, sets, ns) < 0) return die("job");
+    if (mt_jobspec_load(&ja, p, sets, ns) < 0 || mt_jobspec_admit(&ja, 1) < 0) return die("job");
     mt_backend *be;
     if (mt_backend_cpu_create(&be, threads) < 0) return die("backend");
 
@@ -179,7 +179,8 @@ int main(int argc, char **argv)
     sets[ns] = "init.kind=checkpoint";
     sets[ns + 1] = s_init;
     snprintf(p, sizeof p, "%s/tiny-cpu.json", examples);
-    if (mt_jobspec_load(&jb, p, sets, ns + 2) < 0) return die("job");
+    if (mt_jobspec_load(&jb, p, sets, ns + 2) < 0 || mt_jobspec_admit(&jb, 1) < 0)
+        return die("job");
     mt_trainer *b;
     mt_job_ckpt *cb;
     if (mt_trainer_create(&b, &jb, be) < 0) return die("trainer");
