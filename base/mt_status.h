@@ -6,7 +6,8 @@
  *
  * The CHECK macros capture the failing statement, file and line. They expand
  * at the point of use, so a file only needs the headers of the libraries whose
- * macros it uses (cuda_runtime.h for MT_CUDA_CHECK, mpi.h for MT_MPI_CHECK...).
+ * macros it uses (cuda_runtime.h for MT_CUDA_CHECK, hdf5.h for MT_H5_CHECK...).
+ * MPI and NCCL errors are the comm layer's (engine/parallel/comm*.c).
  * Each macro returns from the enclosing function, so use them only in
  * functions returning int status; use MT_GOTO for cleanup paths.
  */
@@ -99,26 +100,6 @@ const char *mt_strstatus(int code);
         if (mt_e_ != CUDNN_STATUS_SUCCESS)                                     \
             return mt_err_at(MT_ECUDNN, __FILE__, __LINE__, "%s: %s", #stmt,   \
                              cudnnGetErrorString(mt_e_));                      \
-    } while (0)
-
-#define MT_NCCL_CHECK(stmt)                                                    \
-    do {                                                                       \
-        ncclResult_t mt_e_ = (stmt);                                           \
-        if (mt_e_ != ncclSuccess)                                              \
-            return mt_err_at(MT_ENCCL, __FILE__, __LINE__, "%s: %s", #stmt,    \
-                             ncclGetErrorString(mt_e_));                       \
-    } while (0)
-
-#define MT_MPI_CHECK(stmt)                                                     \
-    do {                                                                       \
-        int mt_e_ = (stmt);                                                    \
-        if (mt_e_ != MPI_SUCCESS) {                                            \
-            char mt_s_[MPI_MAX_ERROR_STRING];                                  \
-            int mt_n_ = 0;                                                     \
-            MPI_Error_string(mt_e_, mt_s_, &mt_n_);                            \
-            return mt_err_at(MT_EMPI, __FILE__, __LINE__, "%s: %s", #stmt,     \
-                             mt_s_);                                           \
-        }                                                                      \
     } while (0)
 
 /* HDF5 calls return a negative herr_t or hid_t on failure. */

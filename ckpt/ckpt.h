@@ -5,8 +5,8 @@
  * step_NNNNNNNN.partial/ and is committed by a rename (mt_ckpt_begin /
  * mt_ckpt_commit); ROOT/latest names the newest committed checkpoint.
  *
- * Writers hand over tensor descriptors (engine/tensor_desc.h) for the
- * pieces the sharding map (engine/sharding.h) assigns to their rank.
+ * Writers hand over tensor descriptors (engine/model/tensor_desc.h) for the
+ * pieces the sharding map (engine/parallel/sharding.h) assigns to their rank.
  * Readers see global tensors and read any hyperslab of them in the stored
  * dtype or converted (bf16 <-> f32, e4m3 + scales -> f32 / bf16, anything
  * -> e4m3 + scales by the project's quantisation rule); the same reading
@@ -161,7 +161,7 @@ int64_t mt_ckpt_bytes(const mt_ckpt *ck);
  * chunk and xxh64 on every piece read whole. */
 mt_tensor_source mt_ckpt_source(mt_ckpt *ck);
 
-/* mt_source_read on the checkpoint; the signature of engine/train_state.h's
+/* mt_source_read on the checkpoint; the signature of engine/train/train_state.h's
  * mt_tensor_read_fn (ctx: the mt_ckpt). */
 int mt_ckpt_read_fn(void *ctx, mt_tensor_desc *d);
 /* mt_source_read_fp8 likewise (ctx: the mt_ckpt). */

@@ -13,7 +13,6 @@
 #include <stdarg.h>
 #include <jansson.h>
 #include <math.h>
-#include <mpi.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +20,7 @@
 #include <time.h>
 
 #include "engine/train/trainer.h"
+#include "runtime/runtime.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 #include "kernels/ops.h"
@@ -39,18 +39,20 @@ typedef struct pending {
     ctl_kind kind;
     int save;
     char name[SVC_NAME_CAP];
-    char *spec;                 /* CTL_START: the complete job spec, JSON */
+    mt_jobspec *spec;           /* CTL_START: the admitted job */
     ctl_ticket *t;              /* NULL: internal (signal, foreground start) */
     struct pending *next;
 } pending;
 
-/* The record broadcast per command at a step boundary; CTL_NONE ends the
- * boundary's list. */
+/* The record shared per command at a step boundary; CTL_NONE ends the
+ * boundary's list. A start is followed by the admitted job spec itself (a
+ * plain struct: every rank runs the same binary), so no rank parses it
+ * again. */
 typedef struct wire_cmd {
     int32_t kind;
     int32_t save;
     uint64_t run_id;
-    int64_t spec_len;
+    int64_t spec_len;           /* sizeof(mt_jobspec) for a start, else 0 */
     char name[SVC_NAME_CAP];
 } wire_cmd;
 
@@ -69,8 +71,8 @@ struct control {
     /* engine thread only */
     svc_state state;
     mt_jobspec job;
-    mt_backend *be;
-    mt_trainer *t;
+    mt_job *run;                /* the resident job (runtime/) */
+    mt_trainer *t;              /* run->trainer */
     ctl_ckpt *ck;
     uint64_t run_id;
     int quit, term_seen, ran_job;
@@ -219,7 +221,7 @@ static int illegal(ctl_kind k, svc_state s)
 }
 
 /* Under mu. */
-static int enqueue(control *c, ctl_kind kind, int save, const char *name, char *spec,
+static int enqueue(control *c, ctl_kind kind, int save, const char *name, mt_jobspec *spec,
                    ctl_ticket **t)
 {
     pending *p = calloc(1, sizeof *p);
@@ -245,7 +247,7 @@ static int enqueue(control *c, ctl_kind kind, int save, const char *name, char *
     return MT_OK;
 }
 
-static int submit(control *c, ctl_kind kind, int save, const char *name, char *spec,
+static int submit(control *c, ctl_kind kind, int save, const char *name, mt_jobspec *spec,
                   ctl_ticket **t)
 {
     pthread_mutex_lock(&c->mu);
@@ -268,10 +270,11 @@ static int submit(control *c, ctl_kind kind, int save, const char *name, char *s
 
 int control_start(control *c, const mt_jobspec *job, ctl_ticket **t)
 {
-    json_t *root = mt_jobspec_to_json(job);
-    char *spec = root ? json_dumps(root, JSON_COMPACT) : NULL;
-    json_decref(root);
-    if (!spec) return MT_ERR(MT_ENOMEM, "control: cannot serialise the job spec");
+    if (mt_layout_world(&job->parallel) != c->o.world || job->parallel.dp < 1)
+        return MT_ERR(MT_EINVAL, "job %s was not admitted for %d ranks", job->name, c->o.world);
+    mt_jobspec *spec = malloc(sizeof *spec);
+    if (!spec) return MT_ERR(MT_ENOMEM, "control: out of memory for a job spec");
+    *spec = *job;
     return submit(c, CTL_START, 0, job->name, spec, t);
 }
 
@@ -366,18 +369,6 @@ static int hub_emit(mt_metrics_sink *s, const mt_step_metrics *m)
 
 static void hub_sink_close(mt_metrics_sink *s) { free(s->impl); }
 
-static int make_backend(const mt_jobspec *j, int threads, int rank, mt_backend **be)
-{
-    if (j->backend == MT_BACKEND_CUDA) {
-        int n = mt_cuda_device_count();
-        if (n <= 0)
-            return MT_ERR(MT_ENOTSUP, "backend \"cuda\": no CUDA device (this build or this "
-                                      "machine); use --set backend=cpu");
-        return mt_backend_cuda_create(be, rank % n, 0);
-    }
-    return mt_backend_cpu_create(be, threads);
-}
-
 static int add_sinks(control *c)
 {
     mt_metrics_sink *s;
@@ -407,33 +398,30 @@ static void release_job(control *c)
 {
     ctl_ckpt_close(c->ck);
     c->ck = NULL;
-    mt_trainer_destroy(c->t);
+    int rc = mt_job_end(c->run);
+    if (rc < 0) MT_LOGE("checkpoint: %s", mt_errmsg());
+    c->run = NULL;
     c->t = NULL;
-    if (c->be) c->be->destroy(c->be);
-    c->be = NULL;
 }
 
-/* Builds the job on this rank; all ranks agree on the outcome. */
-static int build_job(control *c, const char *spec)
+/* Builds the admitted job on this rank; all ranks agree on the outcome
+ * (mt_job_start). */
+static int build_job(control *c, const mt_jobspec *spec)
 {
-    json_error_t je;
-    json_t *root = json_loads(spec, 0, &je);
-    if (!root) return MT_ERR(MT_EINVAL, "job spec: %s", je.text);
-    int rc = mt_jobspec_from_json(&c->job, root, NULL, NULL, 0);
-    json_decref(root);
-    if (rc == MT_OK) rc = mt_jobspec_admit(&c->job, c->o.world);
-    if (rc == MT_OK) rc = make_backend(&c->job, c->o.threads, c->o.rank, &c->be);
-    if (rc == MT_OK) rc = mt_trainer_create(&c->t, &c->job, c->be);
-    if (rc == MT_OK) rc = add_sinks(c);
-    if (rc == MT_OK) rc = ctl_ckpt_open(&c->ck, &c->job, c->t, c->o.rank, c->o.world);
-    int bad = rc < 0, any_bad = bad;
-    MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (any_bad && !bad) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
+    c->job = *spec;
+    mt_job_opts jo = {.threads = c->o.threads};
+    MT_CHECK(mt_job_start(&c->run, c->o.rt, &c->job, &jo));
+    c->t = c->run->trainer;
+    int rc = add_sinks(c);
+    if (rc == MT_OK) rc = ctl_ckpt_open(&c->ck, c->run);
+    /* a sink that cannot open fails the job on every rank alike */
+    int ok = mt_runtime_agree(c->o.rt, rc == MT_OK);
+    if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
     if (rc < 0) release_job(c);
     return rc;
 }
 
-static void apply_start(control *c, const wire_cmd *w, const char *spec, ctl_ticket *t)
+static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, ctl_ticket *t)
 {
     ctl_result r;
     memset(&r, 0, sizeof r);
@@ -476,7 +464,7 @@ static void apply_start(control *c, const wire_cmd *w, const char *spec, ctl_tic
     c->st.last_valid_loss = NAN;
     c->st.run_id = c->run_id;
     snprintf(c->st.job, sizeof c->st.job, "%s", c->job.name);
-    snprintf(c->st.backend, sizeof c->st.backend, "%s", c->be->name);
+    snprintf(c->st.backend, sizeof c->st.backend, "%s", c->run->be->name);
     snprintf(c->st.ckpt_dir, sizeof c->st.ckpt_dir, "%s", c->job.checkpoint.dir);
     c->st.error[0] = c->st.outcome[0] = '\0';
     c->st.last_ckpt.valid = 0;
@@ -520,7 +508,7 @@ static int end_job(control *c, const char *outcome, int save, svc_ckpt *saved)
         c->state = SVC_STOPPING;
         snapshot(c);
         publish_state(c, "stopping at step %lld: saving a final checkpoint", (long long)c->t->step);
-        rc = ctl_ckpt_save(c->ck, c->t, saved);
+        rc = ctl_ckpt_save(c->ck, saved);
         if (rc < 0) MT_LOGE("final checkpoint failed: %s", mt_errmsg());
         else note_checkpoint(c, saved);
     }
@@ -594,7 +582,7 @@ static int still_legal(control *c, ctl_kind k, ctl_ticket *t)
     return 0;
 }
 
-static void apply(control *c, const wire_cmd *w, const char *spec, ctl_ticket *t)
+static void apply(control *c, const wire_cmd *w, const mt_jobspec *spec, ctl_ticket *t)
 {
     ctl_kind k = (ctl_kind)w->kind;
     ctl_result r;
@@ -633,7 +621,7 @@ static void apply(control *c, const wire_cmd *w, const char *spec, ctl_ticket *t
                                mt_errmsg());
         break;
     case CTL_SAVE:
-        r.rc = ctl_ckpt_save(c->ck, c->t, &r.ckpt);
+        r.rc = ctl_ckpt_save(c->ck, &r.ckpt);
         if (r.rc < 0) {
             snprintf(r.msg, sizeof r.msg, "%s", mt_errmsg());
             MT_LOGE("checkpoint failed: %s", r.msg);
@@ -654,18 +642,13 @@ static void step_once(control *c)
         end_job(c, "completed", 0, &ck);
         return;
     }
-    int rc = mt_trainer_step(c->t, NULL);
+    int rc = mt_job_step(c->run, NULL);
     if (rc < 0) {
         fail_job(c, rc);
         return;
     }
     svc_ckpt ck;
-    memset(&ck, 0, sizeof ck);
-    rc = ctl_ckpt_after_step(c->ck, c->t, &ck);
-    if (rc < 0) {
-        fail_job(c, rc);
-        return;
-    }
+    ctl_ckpt_newly_saved(c->ck, &ck);
     note_checkpoint(c, &ck);
     snapshot(c);
     if (c->t->step >= c->job.train.steps) end_job(c, "completed", 0, &ck);
@@ -709,17 +692,19 @@ static int boundary(control *c, pending *list)
             w.kind = p->kind;
             w.save = p->save;
             snprintf(w.name, sizeof w.name, "%s", p->name);
-            w.spec_len = p->spec ? (int64_t)strlen(p->spec) : 0;
+            w.spec_len = p->spec ? (int64_t)sizeof *p->spec : 0;
             if (p->kind == CTL_START) w.run_id = ++c->run_seq;
         }
-        MT_MPI_CHECK(MPI_Bcast(&w, (int)sizeof w, MPI_BYTE, 0, MPI_COMM_WORLD));
+        MT_CHECK(mt_runtime_share(c->o.rt, &w, sizeof w));
         if (w.kind == CTL_NONE) break;
-        char *spec = NULL;
+        mt_jobspec *spec = NULL;
         if (w.spec_len > 0) {
-            spec = rank0(c) ? p->spec : malloc((size_t)w.spec_len + 1);
+            if (w.spec_len != (int64_t)sizeof *spec)
+                return MT_ERR(MT_EGENERIC, "control: a job spec of %lld bytes, not %zu",
+                              (long long)w.spec_len, sizeof *spec);
+            spec = rank0(c) ? p->spec : malloc(sizeof *spec);
             if (!spec) return MT_ERR(MT_ENOMEM, "control: out of memory for a job spec");
-            MT_MPI_CHECK(MPI_Bcast(spec, (int)w.spec_len, MPI_CHAR, 0, MPI_COMM_WORLD));
-            spec[w.spec_len] = '\0';
+            MT_CHECK(mt_runtime_share(c->o.rt, spec, sizeof *spec));
         }
         apply(c, &w, spec, rank0(c) ? p->t : NULL);
         sync_projected(c, 1);

@@ -4,10 +4,11 @@
  *
  * The engine loop (control_run) runs on every rank. Service threads on
  * rank 0 queue commands (control_start, control_command); at the next step
- * boundary rank 0 broadcasts them as fixed-size records (plus the job spec
- * text for a start) and every rank applies them in the same order, so all
- * ranks change state at the same step. With one rank the broadcast is a
- * local copy. A paused job keeps everything resident; resume continues with
+ * boundary rank 0 shares them through the runtime (runtime/runtime.h) as
+ * fixed-size records (plus the admitted job spec for a start) and every
+ * rank applies them in the same order, so all ranks change state at the
+ * same step. With one rank the share is a local copy. Jobs are built,
+ * stepped, saved and ended through the runtime's mt_job. A paused job keeps everything resident; resume continues with
  * the next step.
  *
  * A queued command comes back through a ticket that the caller polls: the
@@ -24,14 +25,16 @@
 
 #include "engine/train/jobspec.h"
 #include "engine/train/metrics.h"
+#include "runtime/runtime.h"
 #include "service/metrics_hub.h"
 #include "service/svc_types.h"
 
 typedef struct control control;
 
 typedef struct control_opts {
+    mt_runtime *rt;          /* the process's runtime (every rank) */
     const char *workdir;     /* canonical (wd_open); NULL in the foreground mode */
-    int rank, world;
+    int rank, world;         /* rt's */
     int threads;             /* CPU backend threads; 0: all cores */
     metrics_hub *hub;        /* rank 0; may be NULL */
     const char *jsonl;       /* rank 0: also write each step as a JSON line here */
@@ -72,7 +75,7 @@ typedef struct ctl_result {
 
 typedef struct ctl_ticket ctl_ticket;
 
-/* Queues the start of a validated job spec. */
+/* Queues the start of a job admitted for this world (mt_jobspec_admit). */
 int control_start(control *c, const mt_jobspec *job, ctl_ticket **t);
 
 /* Queues pause / resume / stop (`save`: final checkpoint) / save a

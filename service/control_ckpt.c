@@ -1,5 +1,5 @@
 /* control_ckpt.c - see control_ckpt.h. The policy itself (when to save,
- * how, restore, retention) is service/job_checkpoint.c's; this file turns
+ * how, restore, retention) is runtime/job_checkpoint.c's; this file turns
  * its results into the service's records and runs the reshard in the
  * background. */
 #define _POSIX_C_SOURCE 200809L
@@ -17,11 +17,12 @@
 #include "engine/parallel/sharding.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
-#include "service/job_checkpoint.h"
+#include "runtime/job_checkpoint.h"
 #include "service/svc_text.h"
 
 struct ctl_ckpt {
-    mt_job_ckpt *jc;
+    mt_job *job;          /* not owned */
+    mt_job_ckpt *jc;      /* job->ckpt */
     mt_layout layout;   /* the job's, for the records */
     int64_t saves_seen;   /* committed saves already reported */
 };
@@ -58,23 +59,14 @@ static void describe(svc_ckpt *c, const char *path, int64_t step, const mt_layou
     c->bytes = dir_bytes(path);
 }
 
-int ctl_ckpt_open(ctl_ckpt **out, const mt_jobspec *job, mt_trainer *t, int rank, int world)
+int ctl_ckpt_open(ctl_ckpt **out, mt_job *job)
 {
-    (void)rank;
     *out = NULL;
     ctl_ckpt *ck = calloc(1, sizeof *ck);
     if (!ck) return MT_ERR(MT_ENOMEM, "checkpoints: out of memory");
-    ck->layout = job->parallel;
-    if (ck->layout.dp == 0) {
-        int tpp = job->parallel.tp * job->parallel.pp;
-        ck->layout.dp = tpp > 0 ? world / tpp : 1;
-    }
-    int rc = mt_job_ckpt_open(&ck->jc, job);
-    if (rc == MT_OK) rc = mt_job_ckpt_restore(ck->jc, t);
-    if (rc < 0) {
-        ctl_ckpt_close(ck);
-        return rc;
-    }
+    ck->job = job;
+    ck->jc = job->ckpt;
+    ck->layout = job->spec.parallel;
     mt_job_ckpt_stats st;
     mt_job_ckpt_get_stats(ck->jc, &st);
     ck->saves_seen = st.saves;
@@ -82,15 +74,9 @@ int ctl_ckpt_open(ctl_ckpt **out, const mt_jobspec *job, mt_trainer *t, int rank
     return MT_OK;
 }
 
-void ctl_ckpt_close(ctl_ckpt *ck)
-{
-    if (!ck) return;
-    if (mt_job_ckpt_close(ck->jc) < 0) MT_LOGE("checkpoint: %s", mt_errmsg());
-    free(ck);
-}
+void ctl_ckpt_close(ctl_ckpt *ck) { free(ck); }
 
-/* A save committed since the last look, as a record. */
-static void newly_saved(ctl_ckpt *ck, svc_ckpt *saved)
+void ctl_ckpt_newly_saved(ctl_ckpt *ck, svc_ckpt *saved)
 {
     mt_job_ckpt_stats st;
     mt_job_ckpt_get_stats(ck->jc, &st);
@@ -101,21 +87,12 @@ static void newly_saved(ctl_ckpt *ck, svc_ckpt *saved)
     }
 }
 
-int ctl_ckpt_after_step(ctl_ckpt *ck, mt_trainer *t, svc_ckpt *saved)
-{
-    memset(saved, 0, sizeof *saved);
-    if (!ck) return MT_OK;
-    MT_CHECK(mt_job_ckpt_after_step(ck->jc, t));
-    newly_saved(ck, saved);
-    return MT_OK;
-}
-
-int ctl_ckpt_save(ctl_ckpt *ck, mt_trainer *t, svc_ckpt *saved)
+int ctl_ckpt_save(ctl_ckpt *ck, svc_ckpt *saved)
 {
     memset(saved, 0, sizeof *saved);
     if (!ck) return MT_ERR(MT_ESTATE, "no job");
-    MT_CHECK(mt_job_ckpt_save_now(ck->jc, t));
-    newly_saved(ck, saved);
+    MT_CHECK(mt_job_save(ck->job));
+    ctl_ckpt_newly_saved(ck, saved);
     if (!saved->valid) {
         /* This step was saved already (e.g. by the interval policy). */
         mt_job_ckpt_stats st;

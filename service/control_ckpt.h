@@ -1,5 +1,5 @@
 /* control_ckpt.h - the engine loop's view of checkpoints: the job's
- * checkpoint hooks (service/job_checkpoint.h: restore at start, the
+ * checkpoint hooks (runtime/job_checkpoint.h: restore at start, the
  * periodic policy after each step, save on request, close), listing, and
  * the background reshard. Turns their results into svc_ckpt records. */
 #ifndef MT_CONTROL_CKPT_H
@@ -9,22 +9,24 @@
 
 #include "engine/train/jobspec.h"
 #include "engine/train/trainer.h"
+#include "runtime/runtime.h"
 #include "service/metrics_hub.h"
 #include "service/svc_types.h"
 
 typedef struct ctl_ckpt ctl_ckpt;
 
-/* Opens the job's checkpointing on this rank and restores the trainer when
- * the job starts from a checkpoint (all ranks). */
-int ctl_ckpt_open(ctl_ckpt **out, const mt_jobspec *job, mt_trainer *t, int rank, int world);
+/* The records of a running job's checkpoint policy (the job, started by
+ * the runtime, has restored its state already; not owned). */
+int ctl_ckpt_open(ctl_ckpt **out, mt_job *job);
 void ctl_ckpt_close(ctl_ckpt *ck);
 
-/* The job's policy after a step (every checkpoint.interval steps); a saved
- * checkpoint is described in *saved (valid set). All ranks. */
-int ctl_ckpt_after_step(ctl_ckpt *ck, mt_trainer *t, svc_ckpt *saved);
+/* After a step of the job: a save committed since the last look (the
+ * policy saves every checkpoint.interval steps) in *saved (valid set), or
+ * valid 0. */
+void ctl_ckpt_newly_saved(ctl_ckpt *ck, svc_ckpt *saved);
 
 /* Saves now (ROOT/step_NNNNNNNN of the current step). All ranks. */
-int ctl_ckpt_save(ctl_ckpt *ck, mt_trainer *t, svc_ckpt *saved);
+int ctl_ckpt_save(ctl_ckpt *ck, svc_ckpt *saved);
 
 /* Committed checkpoints under a job's checkpoint directory, oldest first. */
 int ctl_ckpt_list(const char *dir, svc_ckpt **out, int *n);

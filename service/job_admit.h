@@ -1,6 +1,6 @@
 /* job_admit.h - a StartJob request turned into a validated job spec.
  *
- * The spec is parsed by the one job spec parser (engine/jobspec.c), so its
+ * The spec is parsed by the one job spec parser (engine/train/jobspec.c), so its
  * errors name the field. On top of it the service confines what the job
  * writes or restores to the workdir:
  *   - checkpoint.dir: relative paths are relative to the workdir, absolute

@@ -177,10 +177,11 @@ static int parse_args(int argc, char **argv, args *a)
 
 /* ---- the foreground mode ---------------------------------------------------------- */
 
-static int run_foreground(const args *a, int rank, int world)
+static int run_foreground(const args *a, mt_runtime *rt)
 {
     mt_jobspec job;
     control *ctl = NULL;
+    const int rank = rt->rank, world = rt->size;
     int rc;
     /* Every rank parses the file: a bad spec fails all of them alike. */
     MT_GOTO(mt_jobspec_load(&job, a->job, a->sets, a->n_sets), out);
@@ -189,8 +190,8 @@ static int run_foreground(const args *a, int rank, int world)
         mt_err_wrap(rc, "--job %s on %d rank%s", a->job, world, world == 1 ? "" : "s");
         goto out;
     }
-    control_opts o = {.rank = rank, .world = world, .threads = a->threads, .jsonl = a->jsonl,
-                      .exit_when_idle = 1};
+    control_opts o = {.rt = rt, .rank = rank, .world = world, .threads = a->threads,
+                      .jsonl = a->jsonl, .exit_when_idle = 1};
     MT_GOTO(control_create(&ctl, &o), out);
     if (rank == 0) MT_GOTO(control_start(ctl, &job, NULL), out);
     rc = control_run(ctl, &stop_requested);
@@ -256,8 +257,9 @@ static int write_ready(const char *path, const char *grpc_host, int grpc_port, c
     return MT_OK;
 }
 
-static int run_daemon(const args *a, int rank, int world)
+static int run_daemon(const args *a, mt_runtime *rt)
 {
+    const int rank = rt->rank, world = rt->size;
     char workdir[PATH_MAX];
     auth au;
     metrics_hub *hub = NULL;
@@ -273,7 +275,7 @@ static int run_daemon(const args *a, int rank, int world)
         if (a->token_file) MT_GOTO(auth_load(&au, a->token_file), setup_done);
         MT_GOTO(hub_create(&hub, a->ring), setup_done);
     }
-    control_opts o = {.workdir = rank == 0 ? workdir : NULL, .rank = rank, .world = world,
+    control_opts o = {.rt = rt, .workdir = rank == 0 ? workdir : NULL, .rank = rank, .world = world,
                       .threads = a->threads, .hub = hub, .jsonl = a->jsonl};
     MT_GOTO(control_create(&ctl, &o), setup_done);
     if (rank == 0) {
@@ -298,9 +300,8 @@ static int run_daemon(const args *a, int rank, int world)
     }
 setup_done:;
     /* All ranks enter the engine loop, or none does. */
-    int bad = rc < 0, any_bad = bad;
-    MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (!any_bad) {
+    int bad = rc < 0, all_ok = mt_runtime_agree(rt, !bad);
+    if (all_ok == 1) {
         rc = control_run(ctl, &stop_requested);
         if (rank == 0) MT_LOGI("draining: the job is stopped, closing streams");
     } else if (!bad) {
@@ -324,18 +325,24 @@ int main(int argc, char **argv)
     args a;
     int pr = parse_args(argc, argv, &a);
     if (pr) return pr == 2 ? 0 : 1;
-    int provided, rank = 0, world = 1;
+    int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    mt_log_set_rank(rank);
+    mt_runtime *rt;
+    int rc = mt_runtime_create(&rt);
+    if (rc < 0) {
+        MT_LOGE("%s", mt_errmsg());
+        MPI_Finalize();
+        return 2;
+    }
+    mt_log_set_rank(rt->rank);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN); /* a client gone mid-write is the RPC layer's business */
-    int rc = a.daemon ? run_daemon(&a, rank, world) : run_foreground(&a, rank, world);
+    rc = a.daemon ? run_daemon(&a, rt) : run_foreground(&a, rt);
+    mt_runtime_destroy(rt);
     MPI_Finalize();
     return rc < 0 ? 2 : 0;
 }

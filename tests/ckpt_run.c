@@ -1,6 +1,6 @@
 /* ckpt_run.c - a foreground job runner with the checkpoint policy, for the
  * checkpoint tests: what moetraind's foreground mode does with
- * service/job_checkpoint.h (create the trainer, restore per init.kind,
+ * runtime/job_checkpoint.h (create the trainer, restore per init.kind,
  * after_step on every step, save on stop, close), without the service.
  *
  *   ckpt_run --job JOB.json [--set key.path=value ...] [--metrics-jsonl FILE]
@@ -24,7 +24,7 @@
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 #include "kernels/ops.h"
-#include "service/job_checkpoint.h"
+#include "runtime/runtime.h"
 
 static volatile sig_atomic_t stop_requested = 0;
 
@@ -53,11 +53,9 @@ int main(int argc, char **argv)
         }
     }
     if (!job_path) return 1;
-    int provided, rank = 0, world = 1;
+    int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    mt_log_set_rank(rank);
+    mt_runtime *rt = NULL;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
@@ -65,17 +63,17 @@ int main(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
 
     mt_jobspec job;
-    mt_backend *be = NULL;
+    mt_job *jb = NULL;
     mt_trainer *t = NULL;
-    mt_job_ckpt *ck = NULL;
     mt_metrics_sink *s;
     int rc;
+    MT_GOTO(mt_runtime_create(&rt), out);
+    mt_log_set_rank(rt->rank);
     MT_GOTO(mt_jobspec_load(&job, job_path, sets, n_sets), out);
-    MT_GOTO(mt_jobspec_admit(&job, world), out);
-    MT_GOTO(mt_backend_cpu_create(&be, threads), out);
-    MT_GOTO(mt_trainer_create(&t, &job, be), out);
-    MT_GOTO(mt_job_ckpt_open(&ck, &job), out);
-    MT_GOTO(mt_job_ckpt_restore(ck, t), out);
+    MT_GOTO(mt_jobspec_admit(&job, rt->size), out);
+    mt_job_opts jo = {.threads = threads};
+    MT_GOTO(mt_job_start(&jb, rt, &job, &jo), out);
+    t = jb->trainer;
     MT_GOTO(mt_metrics_log_sink(&s, job.train.log_interval), out);
     MT_GOTO(mt_trainer_add_sink(t, s), out);
     if (jsonl) {
@@ -87,20 +85,18 @@ int main(int argc, char **argv)
         if (stop_after >= 0 && done == stop_after) stop_requested = 1;
         if (stop_requested) {
             MT_LOGI("stopped at step %lld", (long long)t->step);
-            if (job.checkpoint.save_on_stop) rc = mt_job_ckpt_save_now(ck, t);
+            if (job.checkpoint.save_on_stop) rc = mt_job_save(jb);
             break;
         }
-        MT_GOTO(mt_trainer_step(t, NULL), out);
-        MT_GOTO(mt_job_ckpt_after_step(ck, t), out);
+        MT_GOTO(mt_job_step(jb, NULL), out);
         done++;
     }
 out:
     if (rc < 0) MT_LOGE("%s", mt_errmsg());
-    int crc = mt_job_ckpt_close(ck);
+    int crc = mt_job_end(jb);
     if (crc < 0) MT_LOGE("%s", mt_errmsg());
     if (rc == MT_OK) rc = crc;
-    mt_trainer_destroy(t);
-    if (be) be->destroy(be);
+    mt_runtime_destroy(rt);
     MPI_Finalize();
     return rc < 0 ? 2 : 0;
 }

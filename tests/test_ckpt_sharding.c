@@ -1,4 +1,4 @@
-/* test_ckpt_sharding.c - the sharding map (engine/sharding.h): for many
+/* test_ckpt_sharding.c - the sharding map (engine/parallel/sharding.h): for many
  * layouts, the pieces of every tensor tile its global shape exactly (no
  * gap, no overlap); every piece is held by its writer and the writer is the
  * lowest rank holding it; what a rank holds is one piece; FP8 scale pieces

@@ -1,5 +1,5 @@
 /* test_ckpt_state.c - a trainer saved and loaded through the job's
- * checkpoint policy (service/job_checkpoint.h, engine/train_state.h) is
+ * checkpoint policy (runtime/job_checkpoint.h, engine/train/train_state.h) is
  * restored exactly: FP8 compute copies and their transposes, act weights,
  * router biases, optimizer moments and main params (each main_params
  * mode, each recipe), step and data position; the next step then computes
@@ -18,7 +18,7 @@
 #include "engine/train/train_state.h"
 #include "engine/train/trainer.h"
 #include "base/mt_status.h"
-#include "service/job_checkpoint.h"
+#include "runtime/job_checkpoint.h"
 #include "test_util.h"
 
 static char tmp[1024];
@@ -72,7 +72,7 @@ static mt_trainer *make(const mt_jobspec *j, mt_job_ckpt **jc)
 {
     mt_trainer *t;
     ok(mt_trainer_create(&t, j, be));
-    ok(mt_job_ckpt_open(jc, j));
+    ok(mt_job_ckpt_open(jc, j, NULL));
     ok(mt_job_ckpt_restore(*jc, t));
     return t;
 }
@@ -331,7 +331,7 @@ static void test_refuses_newer_history(void **state)
     mt_trainer *t;
     mt_job_ckpt *c;
     ok(mt_trainer_create(&t, &j, be));
-    ok(mt_job_ckpt_open(&c, &j));
+    ok(mt_job_ckpt_open(&c, &j, NULL));
     assert_int_equal(mt_job_ckpt_restore(c, t), MT_EINVAL);
     assert_contains(mt_errmsg(), "step_00000003");
     ok(mt_job_ckpt_close(c));

@@ -15,6 +15,10 @@
 
 typedef enum { MT_ROPE_SCALING_NONE = 0, MT_ROPE_SCALING_YARN } mt_rope_scaling_type;
 
+/* Linear-layer precision of the model. fp32: no rounding anywhere
+ * (gradient checks). */
+typedef enum { MT_RECIPE_FP8_BLOCKWISE = 0, MT_RECIPE_BF16, MT_RECIPE_FP32 } mt_recipe;
+
 typedef struct mt_rope_scaling {
     mt_rope_scaling_type type;
     double factor;                             /* context extension factor s */

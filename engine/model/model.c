@@ -46,21 +46,6 @@ static size_t model_ws_bytes(const mt_model_config *c, int N, int R_cap)
     return 2 * nd + 4 * nd + nd + layer + 64 * 256;
 }
 
-/* ---- options ------------------------------------------------------------- */
-
-void mt_model_opts_from_job(mt_model_opts *o, const mt_jobspec *j)
-{
-    memset(o, 0, sizeof *o);
-    o->recipe = j->precision.recipe;
-    o->micro_batch = j->batch.micro_batch_size;
-    o->seq_len = j->batch.seq_len;
-    o->recompute_mla_up = j->precision.recompute_mla_up;
-    o->recompute_moe_act = j->precision.recompute_moe_act;
-    o->mtp_weight = j->loss.mtp_weight;
-    o->aux_alpha = j->loss.aux_alpha;
-    o->expert_align = 0;
-}
-
 /* ---- parameters ------------------------------------------------------------ */
 
 static int64_t scale_count(int64_t rows, int64_t cols)

@@ -19,7 +19,6 @@
 #include <stdint.h>
 
 #include "engine/model/config.h"
-#include "engine/train/jobspec.h"
 #include "engine/model/moe_dispatch.h"
 #include "engine/model/param_table.h"
 #include "kernels/ops.h"
@@ -227,8 +226,6 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
                     mt_backend *be);
 void mt_model_destroy(mt_model *m);
 
-/* Model options from a job spec. */
-void mt_model_opts_from_job(mt_model_opts *o, const mt_jobspec *j);
 
 /* Random initial value of parameter element i (layout independent: a pure
  * function of seed, parameter name and element index). */

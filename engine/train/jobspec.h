@@ -19,8 +19,6 @@
 #define MT_PATH_CAP 1024
 
 typedef enum { MT_BACKEND_CPU = 0, MT_BACKEND_CUDA } mt_backend_kind;
-/* Linear-layer precision. fp32: no rounding anywhere (gradient checks). */
-typedef enum { MT_RECIPE_FP8_BLOCKWISE = 0, MT_RECIPE_BF16, MT_RECIPE_FP32 } mt_recipe;
 /* High-precision main copy of the weights held by the optimizer. */
 typedef enum { MT_MAIN_FP32 = 0, MT_MAIN_BF16, MT_MAIN_NONE } mt_main_params;
 typedef enum { MT_LR_COSINE = 0, MT_LR_LINEAR, MT_LR_WSD, MT_LR_CONSTANT } mt_lr_decay;

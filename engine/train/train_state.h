@@ -7,7 +7,7 @@
  * is bit-exact; bf16 otherwise, f32 under the fp32 recipe), router biases
  * (f32), optimizer exp_avg / exp_avg_sq (bf16) and main params (f32 or
  * bf16; absent for main_params none), all in global coordinates named by
- * engine/sharding.h; and the scalars of "state" (FORMAT.md): step,
+ * engine/parallel/sharding.h; and the scalars of "state" (FORMAT.md): step,
  * consumed samples and tokens, skipped-step counters, optimizer step and
  * stochastic-rounding seed, data sampler and LR schedule settings.
  *

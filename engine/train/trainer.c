@@ -29,6 +29,21 @@ void mt_router_bias_update(float *bias, const int64_t *load, int E, double gamma
     }
 }
 
+/* The model's options from the job: precision, batch shape, recompute and
+ * loss weights. */
+static void model_opts(mt_model_opts *o, const mt_jobspec *j)
+{
+    memset(o, 0, sizeof *o);
+    o->recipe = j->precision.recipe;
+    o->micro_batch = j->batch.micro_batch_size;
+    o->seq_len = j->batch.seq_len;
+    o->recompute_mla_up = j->precision.recompute_mla_up;
+    o->recompute_moe_act = j->precision.recompute_moe_act;
+    o->mtp_weight = j->loss.mtp_weight;
+    o->aux_alpha = j->loss.aux_alpha;
+    o->expert_align = 0;
+}
+
 static int open_data(mt_trainer *t)
 {
     const mt_jobspec *j = &t->job;
@@ -55,15 +70,21 @@ static int open_data(mt_trainer *t)
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
 {
     *out = NULL;
-    if (job->parallel.dp < 1)
+    const mt_layout *l = &job->parallel;
+    if (l->dp < 1)
         return MT_ERR(MT_EINVAL, "trainer: job %s is not admitted (parallel.dp is %d): "
-                      "mt_jobspec_admit resolves the layout for the ranks", job->name,
-                      job->parallel.dp);
+                      "mt_jobspec_admit resolves the layout for the ranks", job->name, l->dp);
+    if (l->tp != 1 || l->pp != 1 || l->ep != 1 || l->etp != 1)
+        return MT_ERR(MT_ENOTSUP, "trainer: parallel tp %d, pp %d, ep %d, etp %d: the trainer "
+                      "runs data parallelism only so far (tensor, pipeline and expert "
+                      "parallelism are not implemented); use tp = pp = ep = etp = 1",
+                      l->tp, l->pp, l->ep, l->etp);
     mt_trainer *t = calloc(1, sizeof *t);
     if (!t) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
     int rc = MT_OK;
     t->job = *job;
     t->be = be;
+    t->dp_size = 1;
     t->accum = mt_jobspec_grad_accum(job);
     t->flops_per_token = mt_model_flops_per_token(&job->model, job->batch.seq_len);
     t->peak_tflops = be->peak_tflops;
@@ -71,10 +92,10 @@ int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
     t->profile = prof && *prof && strcmp(prof, "0") != 0;
     MT_GOTO(open_data(t), fail);
     mt_model_opts mo;
-    mt_model_opts_from_job(&mo, job);
+    model_opts(&mo, job);
     MT_GOTO(mt_model_create(&t->model, &job->model, &mo, be), fail);
     MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, 0, -1), fail);
-    /* checkpoint / hf: the caller restores the state (engine/train_state.h) */
+    /* checkpoint / hf: the caller restores the state (engine/train/train_state.h) */
     if (job->init.kind == MT_INIT_RANDOM)
         MT_GOTO(mt_optimizer_init_random(t->opt, t->model, (uint64_t)job->train.seed), fail);
     t->tokens = malloc((size_t)job->batch.micro_batch_size * (job->batch.seq_len + 1) * 4);
@@ -117,7 +138,32 @@ void mt_trainer_destroy(mt_trainer *t)
     if (t->data) mt_indexed_close(t->data);
     free(t->tokens);
     free(t->bias_host);
+    free(t->load_sum);
     free(t);
+}
+
+int mt_trainer_set_dp(mt_trainer *t, mt_comm *dp)
+{
+    if (t->step > 0 || t->consumed_samples > 0)
+        return MT_ERR(MT_ESTATE, "trainer: join the data-parallel group before the first step");
+    const int n = dp ? mt_comm_size(dp) : 1;
+    if (n != t->job.parallel.dp)
+        return MT_ERR(MT_EINVAL, "trainer: the data-parallel group has %d ranks, the layout "
+                      "dp %d", n, t->job.parallel.dp);
+    if (!dp) return MT_OK;
+    const mt_comm_mem want = t->be->kind == MT_BE_CPU ? MT_COMM_HOST : MT_COMM_DEVICE;
+    if (mt_comm_mem_kind(dp) != want)
+        return MT_ERR(MT_EINVAL, "trainer: the %s backend's gradients need a %s communicator",
+                      t->be->name, want == MT_COMM_HOST ? "host" : "device");
+    const int E = t->model->cfg.n_routed_experts;
+    if (E > 0 && !t->load_sum) {
+        t->load_sum = calloc((size_t)E, sizeof *t->load_sum);
+        if (!t->load_sum) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
+    }
+    t->dp = dp;
+    t->dp_rank = mt_comm_rank(dp);
+    t->dp_size = n;
+    return MT_OK;
 }
 
 int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s)
@@ -163,6 +209,11 @@ static int balance_step(mt_trainer *t, mt_step_metrics *mt)
     for (int l = 0; l < m->n_blocks + m->n_mtp; l++) {
         const int64_t *load = mt_model_expert_load(m, l);
         if (!load) continue;
+        if (t->dp) { /* every rank sees the loads of the whole global batch */
+            MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), load, t->load_sum, (size_t)E,
+                                        MT_COMM_I64, MT_COMM_SUM));
+            load = t->load_sum;
+        }
         if (mt->n_moe < MT_METRICS_MAX_MOE) {
             int i = mt->n_moe++;
             mt->moe_layer[i] = l;
@@ -194,21 +245,36 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     double tp[4] = {0, 0, 0, 0};
     MT_CHECK(mt_model_zero_grads(m));
     mt_model_reset_load(m);
-    double loss = 0, mtp = 0, aux = 0;
+    /* micro-batches of the whole global batch; this rank's are a contiguous
+     * share of them */
+    const int n_mb = t->accum * t->dp_size;
+    const int64_t first = t->consumed_samples + (int64_t)t->dp_rank * t->accum * B;
+    double ls[3] = {0, 0, 0}; /* LM, MTP and aux loss: means over the global batch */
     for (int i = 0; i < t->accum; i++) {
         mt_mb_stats st;
-        MT_CHECK(load_batch(t, t->train, t->consumed_samples));
-        t->consumed_samples += B;
+        MT_CHECK(load_batch(t, t->train, first + (int64_t)i * B));
         double ta = profile ? now_s() : 0;
-        MT_CHECK(mt_model_step(m, t->tokens, 1, 1.0 / t->accum, &st));
+        MT_CHECK(mt_model_step(m, t->tokens, 1, 1.0 / n_mb, &st));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
             tp[0] += now_s() - ta;
         }
-        loss += st.loss / t->accum;
-        mtp += st.mtp_loss / t->accum;
-        aux += st.aux_loss / t->accum;
+        ls[0] += st.loss / n_mb;
+        ls[1] += st.mtp_loss / n_mb;
+        ls[2] += st.aux_loss / n_mb;
     }
+    t->consumed_samples += (int64_t)n_mb * B;
+    if (t->dp) {
+        double tr = profile ? now_s() : 0;
+        MT_CHECK(mt_comm_all_reduce(t->dp, m->buf_grad, m->buf_grad, (size_t)m->n_grad,
+                                    MT_COMM_F32, MT_COMM_SUM));
+        MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), ls, ls, 3, MT_COMM_F64, MT_COMM_SUM));
+        if (profile) {
+            MT_CHECK(t->be->sync(t->be));
+            tp[2] = now_s() - tr;
+        }
+    }
+    const double loss = ls[0], mtp = ls[1], aux = ls[2];
     double sumsq;
     MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
     double norm = sqrt(sumsq);
@@ -240,9 +306,10 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     MT_CHECK(t->be->sync(t->be));
     double dt = now_s() - t0;
     if (profile)
-        MT_LOGI("profile step %lld: forward+backward %.1f ms (%d micro-batches), optimizer %.1f ms, "
-                "rest %.1f ms", (long long)t->step, 1e3 * tp[0], t->accum, 1e3 * tp[1],
-                1e3 * (dt - tp[0] - tp[1]));
+        MT_LOGI("profile step %lld: forward+backward %.1f ms (%d micro-batches), gradient "
+                "all-reduce %.1f ms, optimizer %.1f ms, rest %.1f ms", (long long)t->step,
+                1e3 * tp[0], t->accum, 1e3 * tp[2], 1e3 * tp[1],
+                1e3 * (dt - tp[0] - tp[1] - tp[2]));
 
     mt.step = t->step;
     mt.total_steps = j->train.steps;
@@ -253,9 +320,9 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     mt.grad_norm = norm;
     mt.valid_loss = NAN;
     mt.step_ms = dt * 1e3;
-    const double tokens = (double)t->accum * B * j->batch.seq_len;
+    const double tokens = (double)n_mb * B * j->batch.seq_len; /* all ranks */
     mt.tokens_per_s = tokens / dt;
-    mt.tflops = t->flops_per_token * tokens / dt / 1e12;
+    mt.tflops = t->flops_per_token * tokens / dt / 1e12 / t->dp_size; /* per rank */
     mt.mfu = t->peak_tflops > 0 ? mt.tflops / t->peak_tflops : NAN;
     mt.samples = t->consumed_samples;
     mt.tokens = t->consumed_samples * j->batch.seq_len;

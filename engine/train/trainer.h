@@ -1,5 +1,15 @@
 /* trainer.h - the training loop of one job on one rank.
  *
+ * Data parallelism: with a dp communicator (mt_trainer_set_dp) each of the
+ * DP ranks reads its contiguous share of the step's global batch (rank d:
+ * samples [consumed + d * A * B, consumed + (d + 1) * A * B), A = global /
+ * (B * DP) micro-batches of B sequences), scales its gradients by 1 / (A *
+ * DP) and the gradients are summed over the group, so every rank holds the
+ * gradient of the whole global batch, as one rank would. Losses and expert
+ * loads are summed likewise; every rank applies the same update. Tensor,
+ * pipeline and expert parallelism are not in the trainer yet: a layout that
+ * needs them is refused.
+ *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
  * gradient skips the step (max_bad_steps in a row fail the job); global-norm
@@ -20,6 +30,7 @@
 #include "engine/train/metrics.h"
 #include "engine/model/model.h"
 #include "engine/train/optimizer.h"
+#include "engine/parallel/comm.h"
 
 #define MT_TRAINER_MAX_SINKS 8
 
@@ -44,6 +55,9 @@ typedef struct mt_trainer {
     mt_metrics_sink *sinks[MT_TRAINER_MAX_SINKS];
     mt_step_metrics last;         /* metrics of the last step */
     float *bias_host;             /* [E] scratch for the router bias update */
+    int64_t *load_sum;            /* [E] expert loads summed over the dp group */
+    mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
+    int dp_rank, dp_size;
 } mt_trainer;
 
 /* Builds model, optimizer and data readers for a validated job on a backend.
@@ -51,6 +65,11 @@ typedef struct mt_trainer {
  * zero until the caller restores a checkpoint into the trainer. */
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be);
 void mt_trainer_destroy(mt_trainer *t);
+
+/* Joins the data-parallel group `dp` (not owned; its size must be the job's
+ * parallel.dp, host memory for the CPU backend, device memory for CUDA).
+ * Before the first step. */
+int mt_trainer_set_dp(mt_trainer *t, mt_comm *dp);
 
 /* Registers a sink; the trainer closes it on destroy. */
 int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s);

@@ -33,7 +33,7 @@
 #include "engine/train/train_state.h"
 #include "engine/train/trainer.h"
 #include "base/mt_status.h"
-#include "service/job_checkpoint.h"
+#include "runtime/job_checkpoint.h"
 
 static double now_s(void)
 {
@@ -151,7 +151,7 @@ int main(int argc, char **argv)
     mt_trainer *a;
     mt_job_ckpt *ca;
     if (mt_trainer_create(&a, &ja, be) < 0) return die("trainer");
-    if (mt_job_ckpt_open(&ca, &ja) < 0 || mt_job_ckpt_restore(ca, a) < 0) return die("checkpoint policy");
+    if (mt_job_ckpt_open(&ca, &ja, NULL) < 0 || mt_job_ckpt_restore(ca, a) < 0) return die("checkpoint policy");
     printf("trainer: %lld parameters, created in %.1f s\n", (long long)mt_params_numel(&a->model->table),
            now_s() - t0);
     t0 = now_s();
@@ -184,7 +184,7 @@ int main(int argc, char **argv)
     mt_trainer *b;
     mt_job_ckpt *cb;
     if (mt_trainer_create(&b, &jb, be) < 0) return die("trainer");
-    if (mt_job_ckpt_open(&cb, &jb) < 0) return die("checkpoint policy");
+    if (mt_job_ckpt_open(&cb, &jb, NULL) < 0) return die("checkpoint policy");
     drop_cache(root);
     t0 = now_s();
     if (mt_job_ckpt_restore(cb, b) < 0) return die("load");
@@ -202,7 +202,7 @@ int main(int argc, char **argv)
     jb.checkpoint.interval = 1;
     jb.init.kind = MT_INIT_RANDOM;
     snprintf(jb.checkpoint.dir, sizeof jb.checkpoint.dir, "%s/async", dir);
-    if (mt_job_ckpt_open(&cb, &jb) < 0) return die("checkpoint policy");
+    if (mt_job_ckpt_open(&cb, &jb, NULL) < 0) return die("checkpoint policy");
     /* first save: fresh host buffers; second: the same buffers again */
     double t_stall1 = 0, t_stall = 0;
     mt_job_ckpt_stats st;

@@ -149,7 +149,7 @@ static void bench_gemm(const char *what, int fp8, int M, int N, int K, int G, do
 }
 
 /* Weight gradients: dW[g] (fp32, [N, K]) += dy_g^T x_g over M tokens per group,
- * both operands re-quantised 128x1 along the tokens, as engine/linear.c does.
+ * both operands re-quantised 128x1 along the tokens, as engine/model/linear.c does.
  * The fp32 read-modify-write of dW is part of the time. */
 typedef struct wgrad_ctx {
     int M, N, K, G;

@@ -13,7 +13,7 @@
  * rank's shard file, and (rank 0) the index, commits and applies retention
  * while training continues. At most one save is in flight: a save that
  * falls due while the previous one is still writing waits for it. Under
- * several MPI ranks each rank writes its own shard; the pieces' records are
+ * several ranks each rank writes its own shard; the pieces' records are
  * gathered to rank 0 at the first step boundary after every rank finished,
  * and rank 0 writes the index and commits in the background.
  *
@@ -32,6 +32,7 @@
 
 #include "engine/train/jobspec.h"
 #include "engine/train/trainer.h"
+#include "engine/parallel/comm.h"
 
 typedef struct mt_job_ckpt_stats {
     int64_t saves;           /* committed saves */
@@ -47,8 +48,9 @@ typedef struct mt_job_ckpt_stats {
 
 typedef struct mt_job_ckpt mt_job_ckpt;
 
-/* The policy of a validated job. MPI (if initialised) gives rank and size. */
-int mt_job_ckpt_open(mt_job_ckpt **out, const mt_jobspec *job);
+/* The policy of an admitted job run by the ranks of `world` (a host
+ * communicator, not owned; NULL: one rank). */
+int mt_job_ckpt_open(mt_job_ckpt **out, const mt_jobspec *job, mt_comm *world);
 
 /* Restores the trainer per init.kind (nothing for random); then checks
  * checkpoint.dir holds no checkpoint newer than the start step. */

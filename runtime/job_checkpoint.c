@@ -1,9 +1,8 @@
 /* job_checkpoint.c - see job_checkpoint.h. */
 #define _POSIX_C_SOURCE 200809L
-#include "service/job_checkpoint.h"
+#include "runtime/job_checkpoint.h"
 
 #include <jansson.h>
-#include <mpi.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -29,6 +28,7 @@ enum { PHASE_SHARD = 1, PHASE_INDEX = 2 };
 
 struct mt_job_ckpt {
     mt_jobspec job;
+    mt_comm *comm;             /* the world's host communicator; NULL: one rank */
     int rank, world;
     char root[MT_PATH_CAP];
     mt_shard_map map;          /* the job's contents under the processes' layout */
@@ -56,25 +56,15 @@ struct mt_job_ckpt {
     pthread_mutex_t mu;        /* guards st */
 };
 
-static int mpi_on(void)
-{
-    int init = 0, fin = 0;
-    MPI_Initialized(&init);
-    MPI_Finalized(&fin);
-    return init && !fin;
-}
-
-int mt_job_ckpt_open(mt_job_ckpt **out, const mt_jobspec *job)
+int mt_job_ckpt_open(mt_job_ckpt **out, const mt_jobspec *job, mt_comm *world)
 {
     *out = NULL;
     mt_job_ckpt *jc = calloc(1, sizeof *jc);
     if (!jc) return MT_ERR(MT_ENOMEM, "checkpoint policy: out of memory");
     jc->job = *job;
-    jc->world = 1;
-    if (mpi_on()) {
-        MPI_Comm_rank(MPI_COMM_WORLD, &jc->rank);
-        MPI_Comm_size(MPI_COMM_WORLD, &jc->world);
-    }
+    jc->comm = world;
+    jc->rank = world ? mt_comm_rank(world) : 0;
+    jc->world = world ? mt_comm_size(world) : 1;
     pthread_mutex_init(&jc->mu, NULL);
     atomic_init(&jc->th_done, 0);
     jc->st.last_step = jc->st.restored_step = -1;
@@ -310,31 +300,57 @@ static int finish(mt_job_ckpt *jc)
 /* Gathers every rank's piece records to rank 0 (collective). */
 static int gather_records(mt_job_ckpt *jc)
 {
-    int n = jc->rc == MT_OK ? jc->n_recs : -1, bytes = n > 0 ? n * (int)sizeof *jc->recs : 0;
-    int *counts = NULL, *displs = NULL, rc = MT_OK, any_bad = 0;
-    if (jc->rank == 0) {
-        counts = calloc((size_t)jc->world, sizeof *counts);
-        displs = calloc((size_t)jc->world, sizeof *displs);
-        if (!counts || !displs) rc = MT_ERR(MT_ENOMEM, "checkpoint: out of memory");
-    }
-    int bad = n < 0;
-    MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Gather(&bytes, 1, MPI_INT, counts, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    int total = 0;
-    if (jc->rank == 0 && rc == MT_OK)
-        for (int r = 0; r < jc->world; r++) {
-            displs[r] = total;
-            total += counts[r];
+    const size_t rec = sizeof *jc->recs, W = (size_t)jc->world;
+    const int root = jc->rank == 0;
+    int64_t n = jc->rc == MT_OK ? jc->n_recs : 0;
+    /* rank 0: record counts (one I64 per rank at slot r), then bytes */
+    int64_t *counts = root ? calloc(W, sizeof *counts) : NULL;
+    size_t *ones = root ? calloc(W, sizeof *ones) : NULL;
+    size_t *slot = root ? calloc(W, sizeof *slot) : NULL;
+    size_t *bytes = root ? calloc(W, sizeof *bytes) : NULL;
+    size_t *displs = root ? calloc(W, sizeof *displs) : NULL;
+    int rc = MT_OK;
+    if (root && (!counts || !ones || !slot || !bytes || !displs))
+        rc = MT_ERR(MT_ENOMEM, "checkpoint: out of memory");
+    int all_ok = mt_comm_agree(jc->comm, jc->rc == MT_OK && rc == MT_OK);
+    if (all_ok < 0) rc = all_ok;
+    size_t total = 0;
+    char *buf = NULL;
+    if (all_ok == 1) {
+        for (size_t r = 0; root && r < W; r++) {
+            ones[r] = 1;
+            slot[r] = r;
         }
-    char *buf = jc->rank == 0 ? malloc((size_t)total + 1) : NULL;
-    MPI_Gatherv(jc->recs, bytes, MPI_BYTE, buf, counts, displs, MPI_BYTE, 0, MPI_COMM_WORLD);
-    free(counts);
-    free(displs);
-    if (jc->rank == 0) {
-        jc->all = (mt_ckpt_piece_rec *)buf;
-        jc->n_all = total / (int)sizeof *jc->recs;
+        rc = mt_comm_gather_v(jc->comm, &n, 1, counts, ones, slot, MT_COMM_I64, 0);
+        if (rc == MT_OK && root) {
+            for (size_t r = 0; r < W; r++) {
+                displs[r] = total;
+                bytes[r] = (size_t)counts[r] * rec;
+                total += bytes[r];
+            }
+            buf = malloc(total + 1);
+            if (!buf) rc = MT_ERR(MT_ENOMEM, "checkpoint: out of memory");
+        }
+        /* rank 0's allocation failure would leave the others waiting: agree */
+        int ready = mt_comm_agree(jc->comm, rc == MT_OK);
+        if (ready == 1)
+            rc = mt_comm_gather_v(jc->comm, jc->recs, (size_t)n * rec, buf, bytes, displs,
+                                  MT_COMM_BYTE, 0);
+        else if (rc == MT_OK)
+            rc = ready < 0 ? ready : MT_ERR(MT_EIO, "checkpoint: rank 0 cannot gather the records");
     }
-    if (any_bad && jc->rc == MT_OK) {
+    free(counts);
+    free(ones);
+    free(slot);
+    free(bytes);
+    free(displs);
+    if (root && rc == MT_OK) {
+        jc->all = (mt_ckpt_piece_rec *)buf;
+        jc->n_all = (int)(total / rec);
+    } else {
+        free(buf);
+    }
+    if (all_ok == 0 && jc->rc == MT_OK) {
         jc->rc = MT_EIO;
         snprintf(jc->err, sizeof jc->err, "another rank failed to write its shard");
     }
@@ -353,8 +369,8 @@ static int progress(mt_job_ckpt *jc, int block)
             jc->th_live = 0;
             done = 1;
         }
-        int all = 0;
-        MPI_Allreduce(&done, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+        int all = mt_comm_agree(jc->comm, done);
+        if (all < 0) return all;
         if (!all) return MT_OK;
         if (jc->th_live) {
             pthread_join(jc->th, NULL);
@@ -398,9 +414,10 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
     /* rank 0 makes the partial directory; nobody writes before it exists */
     if (rc == MT_OK && jc->rank == 0) rc = mt_ckpt_begin(jc->root, jc->step, jc->partial, sizeof jc->partial);
     if (jc->world > 1) {
-        int mine = rc, worst = 0;
-        MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-        if (rc == MT_OK && worst < 0) rc = MT_ERR(MT_EIO, "checkpoint: another rank could not start the save");
+        int all_ok = mt_comm_agree(jc->comm, rc == MT_OK);
+        if (rc == MT_OK && all_ok < 0) rc = all_ok;
+        if (rc == MT_OK && all_ok == 0)
+            rc = MT_ERR(MT_EIO, "checkpoint: another rank could not start the save");
         if (rc == MT_OK && jc->rank != 0) rc = mt_ckpt_step_path(jc->partial, sizeof jc->partial, jc->root, jc->step, 1);
     }
     double stall = now_ms() - t0;

@@ -1,0 +1,134 @@
+/* runtime.c - see runtime.h. */
+#include "runtime/runtime.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/mt_log.h"
+#include "base/mt_status.h"
+#include "kernels/ops.h"
+
+int mt_runtime_create(mt_runtime **out)
+{
+    *out = NULL;
+    mt_runtime *rt = calloc(1, sizeof *rt);
+    if (!rt) return MT_ERR(MT_ENOMEM, "runtime: out of memory");
+    mt_comm_opts o = {.backend = MT_COMM_AUTO, .mem = MT_COMM_HOST};
+    int rc = mt_comm_world(&rt->world, &o);
+    if (rc < 0) {
+        free(rt);
+        return mt_err_wrap(rc, "runtime: the world communicator");
+    }
+    rt->rank = mt_comm_rank(rt->world);
+    rt->size = mt_comm_size(rt->world);
+    *out = rt;
+    return MT_OK;
+}
+
+void mt_runtime_destroy(mt_runtime *rt)
+{
+    if (!rt) return;
+    mt_comm_destroy(rt->world);
+    free(rt);
+}
+
+int mt_runtime_agree(mt_runtime *rt, int ok) { return mt_comm_agree(rt->world, ok); }
+
+int mt_runtime_share(mt_runtime *rt, void *buf, size_t bytes)
+{
+    return mt_comm_broadcast(rt->world, buf, bytes, MT_COMM_BYTE, 0);
+}
+
+/* ---- a job ----------------------------------------------------------------------------- */
+
+static int make_backend(const mt_jobspec *j, int threads, int rank, mt_backend **be)
+{
+    if (j->backend == MT_BACKEND_CUDA) {
+        int n = mt_cuda_device_count();
+        if (n <= 0)
+            return MT_ERR(MT_ENOTSUP, "backend \"cuda\": no CUDA device (this build or this "
+                                      "machine); use --set backend=cpu");
+        return mt_backend_cuda_create(be, rank % n, 0);
+    }
+    return mt_backend_cpu_create(be, threads);
+}
+
+/* The groups live on the memory the backend computes in: gradients are
+ * reduced where they are. */
+static int make_groups(mt_job *j)
+{
+    mt_comm *world = j->rt->world;
+    if (j->be->kind != MT_BE_CPU) {
+        mt_comm_opts o = {.backend = MT_COMM_AUTO, .mem = MT_COMM_DEVICE};
+        MT_CHECK(mt_comm_world(&j->dev_world, &o));
+        world = j->dev_world;
+    }
+    MT_CHECK(mt_groups_build(&j->groups, world, &j->spec.parallel));
+    j->have_groups = 1;
+    return MT_OK;
+}
+
+static void release(mt_job *j)
+{
+    mt_job_ckpt_close(j->ckpt);
+    mt_trainer_destroy(j->trainer);
+    if (j->have_groups) mt_groups_free(&j->groups);
+    mt_comm_destroy(j->dev_world);
+    if (j->be) j->be->destroy(j->be);
+    free(j);
+}
+
+int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_job_opts *o)
+{
+    *out = NULL;
+    mt_job *j = calloc(1, sizeof *j);
+    int rc = j ? MT_OK : MT_ERR(MT_ENOMEM, "job: out of memory");
+    if (j) {
+        j->spec = *spec;
+        j->rt = rt;
+    }
+    const mt_layout *l = &spec->parallel;
+    if (rc == MT_OK && (l->dp < 1 || mt_layout_world(l) != rt->size))
+        rc = MT_ERR(MT_EINVAL, "job %s: its layout covers %d ranks, %d run it (admit the job "
+                    "for this world first)", spec->name, l->dp > 0 ? mt_layout_world(l) : 0,
+                    rt->size);
+    if (rc == MT_OK) rc = make_backend(spec, o ? o->threads : 0, rt->rank, &j->be);
+    if (rc == MT_OK) rc = mt_trainer_create(&j->trainer, &j->spec, j->be);
+    /* every rank reaches the group building (collective) or none does */
+    int ok = mt_runtime_agree(rt, rc == MT_OK);
+    if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
+    if (rc == MT_OK) rc = make_groups(j);
+    ok = mt_runtime_agree(rt, rc == MT_OK);
+    if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
+    if (rc == MT_OK && l->dp > 1) rc = mt_trainer_set_dp(j->trainer, j->groups.g[MT_GROUP_DP]);
+    if (rc == MT_OK) rc = mt_job_ckpt_open(&j->ckpt, &j->spec, rt->world);
+    ok = mt_runtime_agree(rt, rc == MT_OK);
+    if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
+    if (rc == MT_OK) rc = mt_job_ckpt_restore(j->ckpt, j->trainer);
+    ok = mt_runtime_agree(rt, rc == MT_OK);
+    if (rc == MT_OK && ok != 1)
+        rc = MT_ERR(MT_EGENERIC, "the job's initial state failed to load on another rank");
+    if (rc < 0) {
+        if (j) release(j);
+        return rc;
+    }
+    *out = j;
+    return MT_OK;
+}
+
+int mt_job_step(mt_job *j, mt_step_metrics *m)
+{
+    MT_CHECK(mt_trainer_step(j->trainer, m));
+    return mt_job_ckpt_after_step(j->ckpt, j->trainer);
+}
+
+int mt_job_save(mt_job *j) { return mt_job_ckpt_save_now(j->ckpt, j->trainer); }
+
+int mt_job_end(mt_job *j)
+{
+    if (!j) return MT_OK;
+    int rc = mt_job_ckpt_close(j->ckpt);
+    j->ckpt = NULL;
+    release(j);
+    return rc;
+}
