@@ -62,6 +62,24 @@ static const char *dsv3_config_tf5 =
     " \"topk_method\": \"noaux_tc\", \"transformers_version\": \"5.0.0\", \"use_cache\": true,"
     " \"v_head_dim\": 128, \"vocab_size\": 129280}";
 
+/* Kimi-K2's rotary settings (config.json of moonshotai/Kimi-K2-Instruct,
+ * the other fields abridged): YaRN with beta_fast == beta_slow. */
+#define KIMI_K2_ROPE_TF4                                                                   \
+    "\"max_position_embeddings\": 131072, \"rope_theta\": 50000.0,"                         \
+    " \"rope_scaling\": {\"beta_fast\": 1.0, \"beta_slow\": 1.0, \"factor\": 32.0,"         \
+    " \"mscale\": 1.0, \"mscale_all_dim\": 1.0, \"original_max_position_embeddings\": 4096," \
+    " \"type\": \"yarn\"}"
+#define KIMI_K2_ROPE_TF5                                                                   \
+    "\"max_position_embeddings\": 131072, \"rope_parameters\": {\"beta_fast\": 1.0,"        \
+    " \"beta_slow\": 1.0, \"factor\": 32.0, \"mscale\": 1.0, \"mscale_all_dim\": 1.0,"      \
+    " \"original_max_position_embeddings\": 4096, \"rope_theta\": 50000.0,"                 \
+    " \"rope_type\": \"yarn\"}"
+#define KIMI_K2_REST                                                                       \
+    "\"architectures\": [\"DeepseekV3ForCausalLM\"], \"model_type\": \"kimi_k2\","          \
+    " \"aux_loss_alpha\": 0.001, \"seq_aux\": true, \"ep_size\": 1, \"first_k_dense_replace\": 1," \
+    " \"n_group\": 1, \"topk_group\": 1, \"n_routed_experts\": 384, \"num_attention_heads\": 64," \
+    " \"num_key_value_heads\": 64, \"routed_scaling_factor\": 2.827, \"vocab_size\": 163840"
+
 static int setup(void **state)
 {
     (void)state;
@@ -209,6 +227,13 @@ static void test_transformers5_rope_parameters_give_the_same_model(void **state)
     assert_true(b.rope_theta == 10000);
     assert_same_config(&a, &b);
     assert_same_rope_tables(&a, &b);
+    /* Kimi-K2 (rope_theta 50000, not the default) in both spellings */
+    parse_config("{" KIMI_K2_ROPE_TF4 ", " KIMI_K2_REST "}", &a);
+    parse_config("{" KIMI_K2_ROPE_TF5 ", " KIMI_K2_REST "}", &b);
+    assert_true(b.rope_theta == 50000);
+    assert_true(b.rope_scaling.factor == 32);
+    assert_same_config(&a, &b);
+    assert_same_rope_tables(&a, &b);
     /* plain RoPE: rope_type "default" */
     parse_config("{\"rope_theta\": 50000}", &a);
     parse_config("{\"rope_parameters\": {\"rope_theta\": 50000, \"rope_type\": \"default\"}}", &b);
@@ -216,14 +241,23 @@ static void test_transformers5_rope_parameters_give_the_same_model(void **state)
     assert_true(b.rope_theta == 50000);
     assert_same_rope_tables(&a, &b);
     /* both spellings in one file are fine where they agree */
-    parse_config("{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 40, \"beta_fast\": 32,"
-                 " \"beta_slow\": 1, \"mscale\": 1, \"mscale_all_dim\": 1,"
-                 " \"original_max_position_embeddings\": 4096}, \"rope_parameters\":"
-                 " {\"rope_type\": \"yarn\", \"factor\": 40, \"beta_fast\": 32, \"beta_slow\": 1,"
-                 " \"mscale\": 1, \"mscale_all_dim\": 1, \"original_max_position_embeddings\": 4096,"
-                 " \"rope_theta\": 10000}}", &b);
-    parse_config(dsv3_config, &a);
+    parse_config("{" KIMI_K2_ROPE_TF4 "}", &a);
+    parse_config("{" KIMI_K2_ROPE_TF4 ", \"rope_parameters\": {\"beta_fast\": 1, \"beta_slow\": 1,"
+                 " \"factor\": 32, \"mscale\": 1, \"mscale_all_dim\": 1,"
+                 " \"original_max_position_embeddings\": 4096, \"rope_theta\": 50000,"
+                 " \"rope_type\": \"yarn\"}}", &b);
     assert_same_rope_tables(&a, &b);
+}
+
+static void test_kimi_k2_config_loads(void **state)
+{
+    (void)state;
+    mt_model_config c;
+    parse_config("{" KIMI_K2_ROPE_TF4 ", " KIMI_K2_REST "}", &c);
+    assert_int_equal(c.rope_scaling.type, MT_ROPE_SCALING_YARN);
+    assert_true(c.rope_scaling.beta_fast == 1 && c.rope_scaling.beta_slow == 1);
+    assert_true(c.rope_theta == 50000);
+    assert_int_equal(c.n_routed_experts, 384);
 }
 
 /* Parses config text as a downloaded config.json; expects an error naming `needle`. */
@@ -268,12 +302,15 @@ static void test_unknown_keys_that_could_change_the_math_are_errors(void **state
     expect_config_json_error("{\"rope_theta\": 10000, \"rope_parameters\": {\"rope_theta\": 50000,"
                              " \"rope_type\": \"default\"}}",
                              "config.json.rope_parameters.rope_theta: 50000 disagrees");
-    expect_config_json_error("{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 32,"
-                             " \"original_max_position_embeddings\": 4096}, \"rope_parameters\":"
-                             " {\"rope_type\": \"yarn\", \"factor\": 40, \"original_max_position_embeddings\": 4096}}",
+    expect_config_json_error("{" KIMI_K2_ROPE_TF4 ", \"rope_parameters\": {\"rope_type\": \"yarn\","
+                             " \"factor\": 40, \"original_max_position_embeddings\": 4096}}",
                              "config.json.rope_parameters: disagrees with rope_scaling");
     expect_config_json_error("{\"rope_scaling\": {\"type\": \"yarn\", \"rope_type\": \"linear\","
                              " \"factor\": 4}}", "config.json.rope_scaling.type: disagrees");
+    /* a ramp from beta_slow down to beta_fast would be upside down */
+    expect_config_json_error("{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4,"
+                             " \"original_max_position_embeddings\": 64, \"beta_fast\": 1,"
+                             " \"beta_slow\": 2}}", "config.json.rope_scaling.beta_fast: 1 must be at least");
 }
 
 static void test_keys_irrelevant_to_training_are_ignored(void **state)
@@ -519,6 +556,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_null_q_lora_rank_means_plain_q_proj),
         cmocka_unit_test(test_bad_model_configs_name_the_field),
         cmocka_unit_test(test_transformers5_rope_parameters_give_the_same_model),
+        cmocka_unit_test(test_kimi_k2_config_loads),
         cmocka_unit_test(test_unknown_keys_that_could_change_the_math_are_errors),
         cmocka_unit_test(test_keys_irrelevant_to_training_are_ignored),
         cmocka_unit_test(test_examples_load),

@@ -376,9 +376,14 @@ int mt_config_validate(const mt_model_config *c, const char *ctx)
         if (c->scoring_func == MT_SCORING_SOFTMAX && c->topk_method == MT_TOPK_NOAUX_TC)
             return BAD("topk_method", "noaux_tc needs scoring_func \"sigmoid\"", ctx, dot);
     }
+    /* beta_fast == beta_slow is Kimi-K2's setting: a ramp of one step (see
+     * rope_table.c); beta_fast below beta_slow would invert the ramp. */
+    if (c->rope_scaling.type == MT_ROPE_SCALING_YARN && !(c->rope_scaling.beta_slow > 0))
+        return BAD("rope_scaling.beta_slow", "%g must be positive", ctx, dot,
+                   c->rope_scaling.beta_slow);
     if (c->rope_scaling.type == MT_ROPE_SCALING_YARN &&
-        c->rope_scaling.beta_fast <= c->rope_scaling.beta_slow)
-        return BAD("rope_scaling.beta_fast", "%g must exceed beta_slow %g", ctx, dot,
+        c->rope_scaling.beta_fast < c->rope_scaling.beta_slow)
+        return BAD("rope_scaling.beta_fast", "%g must be at least beta_slow %g", ctx, dot,
                    c->rope_scaling.beta_fast, c->rope_scaling.beta_slow);
     return MT_OK;
 }
