@@ -342,6 +342,51 @@ static void test_initial_loss_is_near_log_vocab(void **state)
     mt_model_destroy(m);
 }
 
+/* Scoring is the training forward: the same per-micro-batch loss bit for
+ * bit, per-token losses whose mean it is, and logits whose log-softmax at
+ * the target is that loss. */
+static void test_score_is_the_training_forward(void **state)
+{
+    (void)state;
+    const int B = 2, T = 9;
+    for (int r = 0; r < 2; r++) {
+        mt_recipe recipe = r == 0 ? MT_RECIPE_FP8_BLOCKWISE : MT_RECIPE_FP32;
+        mt_model_config c;
+        mt_model_opts o;
+        mt_test_tiny_config(&c);
+        tiny_opts(&o, recipe);
+        o.seq_len = T;
+        mt_model *m = make_model(&c, &o, 11);
+        const int V = (int)c.vocab_size;
+        int32_t tok[2 * 10];
+        random_tokens(tok, B * (T + 1), V, 3);
+        mt_mb_stats train, score;
+        assert_int_equal(mt_model_step(m, tok, 0, 1.0, &train), MT_OK);
+        float loss[2 * 9], *logits = malloc((size_t)B * T * V * sizeof *logits);
+        mt_score_out so = {loss, logits};
+        assert_int_equal(mt_model_score(m, tok, &so, &score), MT_OK);
+        assert_true(score.loss == train.loss);
+        assert_true(score.mtp_loss == train.mtp_loss);
+        double sum = 0;
+        for (int i = 0; i < B * T; i++) sum += loss[i];
+        assert_true(sum / (B * T) == train.loss);
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                const float *z = logits + ((size_t)b * T + t) * V;
+                double mx = z[0], se = 0;
+                for (int v = 1; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+                for (int v = 0; v < V; v++) se += exp(z[v] - mx);
+                double want = mx + log(se) - z[tok[b * (T + 1) + t + 1]];
+                assert_float_equal(loss[b * T + t], want, 1e-5);
+            }
+        /* the logits are not left holding their gradient */
+        assert_int_equal(mt_model_score(m, tok, &so, &score), MT_OK);
+        assert_true(score.loss == train.loss);
+        free(logits);
+        mt_model_destroy(m);
+    }
+}
+
 static void test_yarn_tables_follow_deepseek_v3(void **state)
 {
     (void)state;
@@ -489,6 +534,7 @@ int main(void)
         cmocka_unit_test(test_step_is_deterministic),
         cmocka_unit_test(test_fp8_loss_within_one_percent_of_bf16),
         cmocka_unit_test(test_initial_loss_is_near_log_vocab),
+        cmocka_unit_test(test_score_is_the_training_forward),
         cmocka_unit_test(test_yarn_tables_follow_deepseek_v3),
         cmocka_unit_test(test_yarn_tables_follow_kimi_k2),
         cmocka_unit_test(test_yarn_empty_correction_range_is_a_step_at_its_start),
