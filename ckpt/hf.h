@@ -26,7 +26,9 @@
 
 typedef struct mt_hf mt_hf;
 
-/* Opens DIR: config.json (parsed non-strict) and the safetensors files. */
+/* Opens DIR: config.json (engine/model/config.h: either rotary spelling;
+ * unknown keys that could change the model are errors) and the safetensors
+ * files. */
 int mt_hf_open(mt_hf **out, const char *dir);
 void mt_hf_close(mt_hf *h);
 const mt_model_config *mt_hf_config(const mt_hf *h);

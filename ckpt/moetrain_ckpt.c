@@ -1,19 +1,23 @@
 /* moetrain_ckpt.c - the moetrain-ckpt tool: inspect, verify, reshard,
- * export-hf, import-hf, diff, list (ckpt/FORMAT.md).
+ * export-hf, import-hf, diff, list (ckpt/FORMAT.md), eval (ckpt_eval.h).
  *
  * Exit status: 0 success, 1 usage error, 2 failure (verify / diff: the
  * checkpoint is damaged or different; the report is on stderr).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <jansson.h>
+#include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
 #include "ckpt/ckpt.h"
+#include "runtime/ckpt_eval.h"
 #include "ckpt/hf.h"
 #include "engine/model/config.h"
+#include "base/mt_log.h"
 #include "base/mt_status.h"
 
 enum { EXIT_OK = 0, EXIT_USAGE = 1, EXIT_FAIL = 2 };
@@ -35,6 +39,19 @@ static const char usage_text[] =
     "  diff A B [--weights-only] [--meta]\n"
     "                              compare two checkpoints tensor by tensor (bytes)\n"
     "  list ROOT                   committed checkpoints under a root\n"
+    "  eval DIR [--tokens FILE | --job JOB.json [--set key.path=value ...]]\n"
+    "       [--out FILE.npy [--logits]] [--backend cpu|cuda] [--fp32] [--batch N]\n"
+    "       [--threads N] [--json]\n"
+    "                              score token sequences with the weights of DIR (a\n"
+    "                              checkpoint or a Hugging Face directory): mean loss;\n"
+    "                              --out writes the per-token loss [S, T] f32 to\n"
+    "                              FILE.npy, the scored tokens [S, T+1] to\n"
+    "                              FILE.tokens.npy and with --logits the logits\n"
+    "                              [S, T, V] f32 to FILE.logits.npy (numpy.load reads\n"
+    "                              them). --tokens: a .npy integer array [S, L] or [L],\n"
+    "                              or text, one sequence per line; default: the valid\n"
+    "                              split of --job, else of the job saved with DIR.\n"
+    "                              The checkpoint's recipe, or --fp32 (CPU only).\n"
     "\n"
     "DIR is a checkpoint directory (step_NNNNNNNN) or a root (its newest committed\n"
     "checkpoint). An --output root gets OUTPUT/step_NNNNNNNN through the commit\n"
@@ -61,7 +78,10 @@ typedef struct opts {
     const char *pos[4];
     int npos;
     const char *input, *output, *layout, *shard_size, *recipe;
-    int json, quiet, weights_only, meta;
+    const char *tokens, *job, *out, *backend, *batch, *threads;
+    const char *sets[128];
+    int n_sets;
+    int json, quiet, weights_only, meta, logits, fp32;
 } opts;
 
 static int parse(int argc, char **argv, opts *o)
@@ -74,14 +94,26 @@ static int parse(int argc, char **argv, opts *o)
                            : !strcmp(s, "--layout")     ? &o->layout
                            : !strcmp(s, "--shard-size") ? &o->shard_size
                            : !strcmp(s, "--recipe")     ? &o->recipe
+                           : !strcmp(s, "--tokens")     ? &o->tokens
+                           : !strcmp(s, "--job")        ? &o->job
+                           : !strcmp(s, "--out")        ? &o->out
+                           : !strcmp(s, "--backend")    ? &o->backend
+                           : !strcmp(s, "--batch")      ? &o->batch
+                           : !strcmp(s, "--threads")    ? &o->threads
                                                         : NULL;
-        if (val) {
+        if (!strcmp(s, "--set")) {
+            if (i + 1 >= argc) return usage_error("missing value for %s", s);
+            if (o->n_sets == 128) return usage_error("more than 128 %s", s);
+            o->sets[o->n_sets++] = argv[++i];
+        } else if (val) {
             if (i + 1 >= argc) return usage_error("missing value for %s", s);
             *val = argv[++i];
         } else if (!strcmp(s, "--json")) o->json = 1;
         else if (!strcmp(s, "--quiet")) o->quiet = 1;
         else if (!strcmp(s, "--weights-only")) o->weights_only = 1;
         else if (!strcmp(s, "--meta")) o->meta = 1;
+        else if (!strcmp(s, "--logits")) o->logits = 1;
+        else if (!strcmp(s, "--fp32")) o->fp32 = 1;
         else if (s[0] == '-' && s[1]) return usage_error("unknown option %s", s);
         else if (o->npos < 4) o->pos[o->npos++] = s;
         else return usage_error("too many arguments at %s", s);
@@ -300,6 +332,103 @@ static int cmd_list(const opts *o)
     return EXIT_OK;
 }
 
+/* ---- eval ---------------------------------------------------------------------------- */
+
+static volatile sig_atomic_t interrupted;
+static void on_signal(int sig)
+{
+    (void)sig;
+    interrupted = 1;
+}
+
+typedef struct eval_progress {
+    mt_progress bar;
+    int quiet, scoring, loading;
+} eval_progress;
+
+static void on_eval_progress(void *ctx, const char *phase, int64_t done, int64_t total)
+{
+    eval_progress *p = ctx;
+    if (!strcmp(phase, "load")) {
+        if (!p->loading) mt_progress_start_count(&p->bar, "load", total, "tensors", !p->quiet);
+        p->loading = 1;
+        mt_progress_add(&p->bar, done - p->bar.done);
+        if (done == total) mt_progress_end(&p->bar);
+        return;
+    }
+    if (!p->scoring) mt_progress_start_count(&p->bar, "eval", total, "tokens", !p->quiet);
+    p->scoring = 1;
+    if (done == 0) return;
+    mt_progress_add(&p->bar, done - p->bar.done);
+    if (done == total) mt_progress_end(&p->bar);
+}
+
+/* A positive integer option; 0 when absent. */
+static int int_option(const char *name, const char *v, int *out)
+{
+    *out = 0;
+    if (!v) return EXIT_OK;
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (*end || x < 0 || x > 1 << 20) return usage_error("%s: a count", name);
+    *out = (int)x;
+    return EXIT_OK;
+}
+
+static int cmd_eval(const opts *o)
+{
+    if (o->npos != 1) return usage_error("eval needs one DIR (a checkpoint or a Hugging Face directory)%s", "");
+    if (o->tokens && o->job) return usage_error("eval: give --tokens or --job, not both%s", "");
+    if (o->n_sets && !o->job) return usage_error("eval: --set needs --job%s", "");
+    if (o->logits && !o->out) return usage_error("eval: --logits needs --out FILE.npy%s", "");
+    mt_ckpt_eval_args a = {.ckpt = o->pos[0], .tokens = o->tokens, .out = o->out, .logits = o->logits,
+                           .backend = o->backend, .fp32 = o->fp32};
+    int rc;
+    if ((rc = int_option("--batch", o->batch, &a.micro_batch)) != EXIT_OK) return rc;
+    if ((rc = int_option("--threads", o->threads, &a.threads)) != EXIT_OK) return rc;
+    mt_jobspec job;
+    if (o->job) {
+        if (mt_jobspec_load(&job, o->job, o->sets, o->n_sets) < 0) return fail();
+        a.job = &job;
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    eval_progress p;
+    memset(&p, 0, sizeof p);
+    p.quiet = o->quiet || o->json;
+    if (p.quiet && mt_log_get_level() == MT_LOG_INFO) mt_log_set_level(MT_LOG_WARN);
+    mt_ckpt_eval_report rep;
+    if (mt_ckpt_eval(&a, on_eval_progress, &p, &interrupted, &rep) < 0) return fail();
+    const mt_eval_result *r = &rep.r;
+    if (o->json) {
+        json_t *j = json_pack("{s:s,s:s,s:f,s:f,s:I,s:I,s:i,s:s,s:s,s:f}", "checkpoint", rep.dir,
+                              "input", rep.input, "loss", r->loss, "perplexity", exp(r->loss),
+                              "sequences", (json_int_t)r->sequences, "tokens",
+                              (json_int_t)r->tokens, "seq_len", r->seq_len, "recipe", rep.recipe,
+                              "backend", rep.backend, "seconds", r->seconds);
+        if (rep.loss_path[0]) json_object_set_new(j, "loss_file", json_string(rep.loss_path));
+        if (rep.tokens_path[0]) json_object_set_new(j, "tokens_file", json_string(rep.tokens_path));
+        if (rep.logits_path[0]) json_object_set_new(j, "logits_file", json_string(rep.logits_path));
+        char *text = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(17));
+        puts(text);
+        free(text);
+        json_decref(j);
+        return EXIT_OK;
+    }
+    printf("checkpoint  %s\n", rep.dir);
+    printf("input       %s: %lld sequences x %d tokens scored\n", rep.input,
+           (long long)r->sequences, r->seq_len);
+    printf("loss        %.9g (perplexity %.6g), mean over %lld tokens\n", r->loss, exp(r->loss),
+           (long long)r->tokens);
+    printf("computed    %s recipe on %s in %.1f s\n", rep.recipe, rep.backend, r->seconds);
+    if (rep.loss_path[0]) printf("wrote       %s (loss), %s (tokens)\n", rep.loss_path, rep.tokens_path);
+    if (rep.logits_path[0]) printf("wrote       %s (logits)\n", rep.logits_path);
+    return EXIT_OK;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
@@ -317,5 +446,6 @@ int main(int argc, char **argv)
     if (!strcmp(c, "import-hf")) return cmd_import(&o);
     if (!strcmp(c, "diff")) return cmd_diff(&o);
     if (!strcmp(c, "list")) return cmd_list(&o);
+    if (!strcmp(c, "eval")) return cmd_eval(&o);
     return usage_error("unknown command %s", c);
 }

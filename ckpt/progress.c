@@ -25,6 +25,13 @@ void mt_progress_start(mt_progress *p, const char *label, int64_t total, int ena
     p->t0 = p->last = now_s();
 }
 
+void mt_progress_start_count(mt_progress *p, const char *label, int64_t total, const char *unit,
+                             int enabled)
+{
+    mt_progress_start(p, label, total, enabled);
+    if (p) snprintf(p->unit, sizeof p->unit, "%s", unit);
+}
+
 static void draw(mt_progress *p, double t, int final)
 {
     double frac = (double)p->done / (double)p->total;
@@ -37,9 +44,15 @@ static void draw(mt_progress *p, double t, int final)
     char eta[32] = "";
     if (!final && rate > 0) snprintf(eta, sizeof eta, "  eta %.0fs", (double)(p->total - p->done) / rate);
     else if (final) snprintf(eta, sizeof eta, "  %.1fs", el);
-    fprintf(stderr, "%s%s [%s] %3.0f%%  %.2f/%.2f GB  %.0f MB/s%s%s", p->tty ? "\r" : "",
-            p->label, bar, 100 * frac, (double)p->done / 1e9, (double)p->total / 1e9, rate / 1e6,
-            eta, p->tty && !final ? "\033[K" : "\n");
+    char amount[96];
+    if (p->unit[0])
+        snprintf(amount, sizeof amount, "%lld/%lld %s  %.0f %s/s", (long long)p->done,
+                 (long long)p->total, p->unit, rate, p->unit);
+    else
+        snprintf(amount, sizeof amount, "%.2f/%.2f GB  %.0f MB/s", (double)p->done / 1e9,
+                 (double)p->total / 1e9, rate / 1e6);
+    fprintf(stderr, "%s%s [%s] %3.0f%%  %s%s%s", p->tty ? "\r" : "", p->label, bar, 100 * frac,
+            amount, eta, p->tty && !final ? "\033[K" : "\n");
     fflush(stderr);
 }
 

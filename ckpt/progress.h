@@ -11,12 +11,16 @@
 
 typedef struct mt_progress {
     char label[32];
+    char unit[16];        /* "" : bytes; else counts of this ("tokens") */
     int64_t total, done;  /* bytes */
     double t0, last;      /* seconds (monotonic) */
     int enabled, tty, last_quarter;
 } mt_progress;
 
 void mt_progress_start(mt_progress *p, const char *label, int64_t total, int enabled);
+/* The same for counts of `unit` ("1200/5120 tokens  410 tokens/s"). */
+void mt_progress_start_count(mt_progress *p, const char *label, int64_t total, const char *unit,
+                             int enabled);
 void mt_progress_add(mt_progress *p, int64_t bytes);
 /* Final line with the elapsed time and the rate. */
 void mt_progress_end(mt_progress *p);

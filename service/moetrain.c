@@ -55,6 +55,10 @@ static void usage(FILE *f)
             "  reshard SOURCE TARGET [--tp N] [--pp N] [--vpp N] [--ep N] [--etp N] [--dp N]\n"
             "          [--job NAME] [--wait]\n"
             "  watch [--from STEP] [--all] [--json]   follow the job's steps live\n"
+            "  eval CHECKPOINT [--tokens FILE | --job JOB.json [--set key.path=value ...]]\n"
+            "       [--out FILE.npy [--logits]] [--backend cpu|cuda] [--fp32] [--batch N]\n"
+            "       [--threads N]         score tokens with a checkpoint on the server (paths\n"
+            "                             in its workdir; see moetrain-ckpt eval)\n"
             "  health [SERVICE]           exit 0 serving, 4 not serving\n"
             "\n"
             "--server defaults to $MOETRAIN_SERVER or " DEFAULT_SERVER "; --token-file to\n"
@@ -555,6 +559,97 @@ static int cmd_health(cli *k, int argc, char **argv)
     return serving ? EXIT_OK : EXIT_NOT_SERVING;
 }
 
+static int cmd_eval(cli *k, int argc, char **argv)
+{
+    Moetrain__V1__EvaluateRequest req = MOETRAIN__V1__EVALUATE_REQUEST__INIT;
+    Moetrain__V1__JobSpec spec = MOETRAIN__V1__JOB_SPEC__INIT;
+    const char *job = NULL;
+    char *sets[MAX_SETS];
+    size_t n_sets = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        int has = i + 1 < argc;
+        char **str = !strcmp(a, "--tokens")    ? &req.tokens
+                     : !strcmp(a, "--out")     ? &req.output
+                     : !strcmp(a, "--backend") ? &req.backend
+                                               : NULL;
+        int32_t *num = !strcmp(a, "--batch") ? &req.micro_batch : !strcmp(a, "--threads") ? &req.threads : NULL;
+        if (str && has) {
+            *str = argv[++i];
+        } else if (num && has) {
+            char *end;
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 0 || v > 65536) {
+                fprintf(stderr, "moetrain eval: %s %s: a count\n", a, argv[i]);
+                return EXIT_USAGE;
+            }
+            *num = (int32_t)v;
+        } else if (!strcmp(a, "--job") && has) {
+            job = argv[++i];
+        } else if (!strcmp(a, "--set") && has && n_sets < MAX_SETS) {
+            sets[n_sets++] = argv[++i];
+        } else if (!strcmp(a, "--logits")) {
+            req.logits = 1;
+        } else if (!strcmp(a, "--fp32")) {
+            req.fp32 = 1;
+        } else if (a[0] != '-' && !req.checkpoint[0]) {
+            req.checkpoint = (char *)a;
+        } else {
+            fprintf(stderr, "moetrain eval: unexpected '%s'\n", a);
+            return EXIT_USAGE;
+        }
+    }
+    if (!req.checkpoint[0]) {
+        fprintf(stderr, "moetrain eval: give a CHECKPOINT (a path in the server's workdir)\n");
+        return EXIT_USAGE;
+    }
+    if (n_sets && !job) {
+        fprintf(stderr, "moetrain eval: --set needs --job\n");
+        return EXIT_USAGE;
+    }
+    char *text = NULL;
+    char base[PATH_MAX];
+    if (job) {
+        text = mt_read_text_file(job);
+        if (!text) {
+            fprintf(stderr, "moetrain eval: %s: %s\n", job, strerror(errno));
+            return EXIT_USAGE;
+        }
+        /* relative data paths in the file are relative to its folder, as for start */
+        char dir[PATH_MAX];
+        snprintf(dir, sizeof dir, "%s", job);
+        char *slash = strrchr(dir, '/');
+        if (slash) *slash = '\0';
+        else snprintf(dir, sizeof dir, ".");
+        if (!realpath(dir, base)) snprintf(base, sizeof base, "%s", dir);
+        spec.json = text;
+        spec.n_set = n_sets;
+        spec.set = sets;
+        spec.base_dir = base;
+        req.spec = &spec;
+    }
+    Moetrain__V1__EvaluateResponse *r;
+    /* the answer comes when the evaluation is done */
+    int rc = call(k, "Evaluate", &req.base, &moetrain__v1__evaluate_response__descriptor,
+                  (ProtobufCMessage **)&r, k->timeout > 86400 ? k->timeout : 86400);
+    free(text);
+    if (rc) return rc;
+    if (k->json) {
+        print_json(&r->base);
+    } else {
+        printf("checkpoint  %s\n", r->checkpoint);
+        printf("input       %s: %lld sequences x %d tokens scored\n", r->input,
+               (long long)r->sequences, r->seq_len);
+        printf("loss        %.9g (perplexity %.6g), mean over %lld tokens\n", r->loss, exp(r->loss),
+               (long long)r->tokens);
+        printf("computed    %s recipe on %s in %.1f s\n", r->recipe, r->backend, r->seconds);
+        if (r->loss_file[0]) printf("wrote       %s (loss), %s (tokens)\n", r->loss_file, r->tokens_file);
+        if (r->logits_file[0]) printf("wrote       %s (logits)\n", r->logits_file);
+    }
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return EXIT_OK;
+}
+
 typedef struct command {
     const char *name;
     int (*run)(cli *k, int argc, char **argv);
@@ -564,7 +659,7 @@ static const command commands[] = {
     {"start", cmd_start},   {"pause", cmd_pause},     {"resume", cmd_resume},
     {"stop", cmd_stop},     {"status", cmd_status},   {"save", cmd_save},
     {"checkpoints", cmd_checkpoints}, {"reshard", cmd_reshard}, {"watch", cmd_watch},
-    {"health", cmd_health},
+    {"health", cmd_health}, {"eval", cmd_eval},
 };
 
 int main(int argc, char **argv)

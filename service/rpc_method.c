@@ -14,12 +14,14 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void join_tables(void)
 {
-    const rpc_method *t[] = {trainer_rpc_methods, health_rpc_methods, reflection_rpc_methods};
-    const int n[] = {trainer_rpc_n_methods, health_rpc_n_methods, reflection_rpc_n_methods};
-    int total = n[0] + n[1] + n[2];
+    const rpc_method *t[] = {trainer_rpc_methods, eval_rpc_methods, health_rpc_methods,
+                             reflection_rpc_methods};
+    const int n[] = {trainer_rpc_n_methods, eval_rpc_n_methods, health_rpc_n_methods,
+                     reflection_rpc_n_methods};
+    int total = n[0] + n[1] + n[2] + n[3];
     all = calloc((size_t)total, sizeof *all);
     if (!all) return;
-    for (int i = 0, k = 0; i < 3; i++)
+    for (int i = 0, k = 0; i < 4; i++)
         for (int j = 0; j < n[i]; j++) all[k++] = t[i][j];
     n_all = total;
 }

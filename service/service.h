@@ -35,6 +35,8 @@ void service_count_call(service *s, const rpc_method *m, int code);
 /* Per-module method tables, joined by rpc_methods(). */
 extern const rpc_method trainer_rpc_methods[];
 extern const int trainer_rpc_n_methods;
+extern const rpc_method eval_rpc_methods[];
+extern const int eval_rpc_n_methods;
 extern const rpc_method health_rpc_methods[];
 extern const int health_rpc_n_methods;
 extern const rpc_method reflection_rpc_methods[];

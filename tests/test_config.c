@@ -7,6 +7,7 @@
 #include <cmocka.h>
 
 #include "engine/model/config.h"
+#include "engine/model/layers.h"
 #include "engine/train/jobspec.h"
 #include "base/mt_status.h"
 #include "test_util.h"
@@ -37,6 +38,47 @@ static const char *dsv3_config =
     " \"topk_method\": \"noaux_tc\", \"torch_dtype\": \"bfloat16\","
     " \"transformers_version\": \"4.33.1\", \"use_cache\": true, \"v_head_dim\": 128,"
     " \"vocab_size\": 129280}";
+
+/* The same model as transformers 5 saves it: the rotary settings move into
+ * rope_parameters (rope_theta inside, rope_type), head_dim and qk_head_dim
+ * are written out, torch_dtype is now dtype. */
+static const char *dsv3_config_tf5 =
+    "{\"architectures\": [\"DeepseekV3ForCausalLM\"], \"attention_bias\": false,"
+    " \"attention_dropout\": 0.0, \"bos_token_id\": 0, \"dtype\": \"bfloat16\","
+    " \"eos_token_id\": 1, \"first_k_dense_replace\": 3, \"head_dim\": 64,"
+    " \"hidden_act\": \"silu\", \"hidden_size\": 7168, \"initializer_range\": 0.02,"
+    " \"intermediate_size\": 18432, \"kv_lora_rank\": 512, \"max_position_embeddings\": 163840,"
+    " \"model_type\": \"deepseek_v3\", \"moe_intermediate_size\": 2048, \"n_group\": 8,"
+    " \"n_routed_experts\": 256, \"n_shared_experts\": 1, \"norm_topk_prob\": true,"
+    " \"num_attention_heads\": 128, \"num_experts_per_tok\": 8, \"num_hidden_layers\": 61,"
+    " \"num_key_value_heads\": 128, \"num_nextn_predict_layers\": 1, \"pad_token_id\": null,"
+    " \"pretraining_tp\": 1, \"q_lora_rank\": 1536, \"qk_head_dim\": 192,"
+    " \"qk_nope_head_dim\": 128, \"qk_rope_head_dim\": 64, \"rms_norm_eps\": 1e-06,"
+    " \"rope_interleave\": true, \"rope_parameters\": {\"beta_fast\": 32.0, \"beta_slow\": 1.0,"
+    " \"factor\": 40.0, \"mscale\": 1.0, \"mscale_all_dim\": 1.0,"
+    " \"original_max_position_embeddings\": 4096, \"rope_theta\": 10000.0,"
+    " \"rope_type\": \"yarn\", \"type\": \"yarn\"}, \"routed_scaling_factor\": 2.5,"
+    " \"scoring_func\": \"sigmoid\", \"tie_word_embeddings\": false, \"topk_group\": 4,"
+    " \"topk_method\": \"noaux_tc\", \"transformers_version\": \"5.0.0\", \"use_cache\": true,"
+    " \"v_head_dim\": 128, \"vocab_size\": 129280}";
+
+/* Kimi-K2's rotary settings (config.json of moonshotai/Kimi-K2-Instruct,
+ * the other fields abridged): YaRN with beta_fast == beta_slow. */
+#define KIMI_K2_ROPE_TF4                                                                   \
+    "\"max_position_embeddings\": 131072, \"rope_theta\": 50000.0,"                         \
+    " \"rope_scaling\": {\"beta_fast\": 1.0, \"beta_slow\": 1.0, \"factor\": 32.0,"         \
+    " \"mscale\": 1.0, \"mscale_all_dim\": 1.0, \"original_max_position_embeddings\": 4096," \
+    " \"type\": \"yarn\"}"
+#define KIMI_K2_ROPE_TF5                                                                   \
+    "\"max_position_embeddings\": 131072, \"rope_parameters\": {\"beta_fast\": 1.0,"        \
+    " \"beta_slow\": 1.0, \"factor\": 32.0, \"mscale\": 1.0, \"mscale_all_dim\": 1.0,"      \
+    " \"original_max_position_embeddings\": 4096, \"rope_theta\": 50000.0,"                 \
+    " \"rope_type\": \"yarn\"}"
+#define KIMI_K2_REST                                                                       \
+    "\"architectures\": [\"DeepseekV3ForCausalLM\"], \"model_type\": \"kimi_k2\","          \
+    " \"aux_loss_alpha\": 0.001, \"seq_aux\": true, \"ep_size\": 1, \"first_k_dense_replace\": 1," \
+    " \"n_group\": 1, \"topk_group\": 1, \"n_routed_experts\": 384, \"num_attention_heads\": 64," \
+    " \"num_key_value_heads\": 64, \"routed_scaling_factor\": 2.827, \"vocab_size\": 163840"
 
 static int setup(void **state)
 {
@@ -131,6 +173,161 @@ static void test_bad_model_configs_name_the_field(void **state)
                        "model.first_k_dense_replace");
 }
 
+
+/* Parses config text as a downloaded config.json is parsed; expects MT_OK. */
+static void parse_config(const char *text, mt_model_config *c)
+{
+    json_error_t e;
+    json_t *j = json_loads(text, 0, &e);
+    if (!j) fprintf(stderr, "bad test JSON: %s\n", e.text);
+    assert_non_null(j);
+    int rc = mt_config_from_json(c, j, "config.json", 0);
+    if (rc) fprintf(stderr, "%s\n", mt_errmsg());
+    json_decref(j);
+    assert_int_equal(rc, MT_OK);
+}
+
+/* Two configs are the same model: their JSON forms are equal. */
+static void assert_same_config(const mt_model_config *a, const mt_model_config *b)
+{
+    json_t *ja = mt_config_to_json(a), *jb = mt_config_to_json(b);
+    char *sa = json_dumps(ja, JSON_SORT_KEYS), *sb = json_dumps(jb, JSON_SORT_KEYS);
+    assert_string_equal(sa, sb);
+    free(sa), free(sb);
+    json_decref(ja), json_decref(jb);
+}
+
+/* Both spellings' RoPE tables (cos, sin over T positions, softmax scale)
+ * are bit-identical. */
+static void assert_same_rope_tables(const mt_model_config *a, const mt_model_config *b)
+{
+    enum { T = 4096 };
+    const size_t n = (size_t)T * (size_t)(a->qk_rope_head_dim / 2);
+    float *ca = malloc(n * sizeof *ca), *sa = malloc(n * sizeof *sa);
+    float *cb = malloc(n * sizeof *cb), *sb = malloc(n * sizeof *sb);
+    float scale_a, scale_b;
+    assert_int_equal(mt_rope_tables(a, T, ca, sa, &scale_a), MT_OK);
+    assert_int_equal(mt_rope_tables(b, T, cb, sb, &scale_b), MT_OK);
+    assert_int_equal(memcmp(ca, cb, n * sizeof *ca), 0);
+    assert_int_equal(memcmp(sa, sb, n * sizeof *sa), 0);
+    assert_true(scale_a == scale_b);
+    free(ca), free(sa), free(cb), free(sb);
+}
+
+static void test_transformers5_rope_parameters_give_the_same_model(void **state)
+{
+    (void)state;
+    mt_model_config a, b;
+    /* DeepSeek-V3, written by transformers 4 (the release) and by transformers 5 */
+    parse_config(dsv3_config, &a);
+    parse_config(dsv3_config_tf5, &b);
+    assert_int_equal(b.rope_scaling.type, MT_ROPE_SCALING_YARN);
+    assert_true(b.rope_scaling.factor == 40);
+    assert_int_equal(b.rope_scaling.original_max_position_embeddings, 4096);
+    assert_true(b.rope_theta == 10000);
+    assert_same_config(&a, &b);
+    assert_same_rope_tables(&a, &b);
+    /* Kimi-K2 (rope_theta 50000, not the default) in both spellings */
+    parse_config("{" KIMI_K2_ROPE_TF4 ", " KIMI_K2_REST "}", &a);
+    parse_config("{" KIMI_K2_ROPE_TF5 ", " KIMI_K2_REST "}", &b);
+    assert_true(b.rope_theta == 50000);
+    assert_true(b.rope_scaling.factor == 32);
+    assert_same_config(&a, &b);
+    assert_same_rope_tables(&a, &b);
+    /* plain RoPE: rope_type "default" */
+    parse_config("{\"rope_theta\": 50000}", &a);
+    parse_config("{\"rope_parameters\": {\"rope_theta\": 50000, \"rope_type\": \"default\"}}", &b);
+    assert_int_equal(b.rope_scaling.type, MT_ROPE_SCALING_NONE);
+    assert_true(b.rope_theta == 50000);
+    assert_same_rope_tables(&a, &b);
+    /* both spellings in one file are fine where they agree */
+    parse_config("{" KIMI_K2_ROPE_TF4 "}", &a);
+    parse_config("{" KIMI_K2_ROPE_TF4 ", \"rope_parameters\": {\"beta_fast\": 1, \"beta_slow\": 1,"
+                 " \"factor\": 32, \"mscale\": 1, \"mscale_all_dim\": 1,"
+                 " \"original_max_position_embeddings\": 4096, \"rope_theta\": 50000,"
+                 " \"rope_type\": \"yarn\"}}", &b);
+    assert_same_rope_tables(&a, &b);
+}
+
+static void test_kimi_k2_config_loads(void **state)
+{
+    (void)state;
+    mt_model_config c;
+    parse_config("{" KIMI_K2_ROPE_TF4 ", " KIMI_K2_REST "}", &c);
+    assert_int_equal(c.rope_scaling.type, MT_ROPE_SCALING_YARN);
+    assert_true(c.rope_scaling.beta_fast == 1 && c.rope_scaling.beta_slow == 1);
+    assert_true(c.rope_theta == 50000);
+    assert_int_equal(c.n_routed_experts, 384);
+}
+
+/* Parses config text as a downloaded config.json; expects an error naming `needle`. */
+static void expect_config_json_error(const char *text, const char *needle)
+{
+    json_t *j = json_loads(text, 0, NULL);
+    assert_non_null(j);
+    mt_model_config c;
+    int rc = mt_config_from_json(&c, j, "config.json", 0);
+    json_decref(j);
+    if (rc != MT_EINVAL) fprintf(stderr, "config %s: rc %d\n", text, rc);
+    assert_int_equal(rc, MT_EINVAL);
+    assert_contains(mt_errmsg(), needle);
+}
+
+static void test_unknown_keys_that_could_change_the_math_are_errors(void **state)
+{
+    (void)state;
+    /* a downloaded config.json used to log these at debug level and go on */
+    expect_config_json_error("{\"mlp_bias\": true}", "config.json.mlp_bias: unknown field");
+    expect_config_json_error("{\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4,"
+                             " \"original_max_position_embeddings\": 64, \"attention_factor\": 2}}",
+                             "config.json.rope_parameters.attention_factor");
+    expect_config_json_error("{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4,"
+                             " \"original_max_position_embeddings\": 64, \"beta_fastt\": 2}}",
+                             "config.json.rope_scaling.beta_fastt: unknown field");
+    expect_config_json_error("{\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4,"
+                             " \"original_max_position_embeddings\": 64, \"truncate\": false}}",
+                             "config.json.rope_parameters.truncate");
+    expect_config_json_error("{\"rope_parameters\": {\"rope_type\": \"llama3\", \"factor\": 8}}",
+                             "config.json.rope_parameters.rope_type: \"llama3\" is not supported");
+    expect_config_json_error("{\"rope_parameters\": {\"rope_type\": \"default\", \"factor\": 8}}",
+                             "config.json.rope_parameters.factor: has no effect");
+    expect_config_json_error("{\"rope_parameters\": {\"rope_theta\": 10000,"
+                             " \"partial_rotary_factor\": 0.5, \"rope_type\": \"default\"}}",
+                             "config.json.rope_parameters.partial_rotary_factor: 0.5");
+    expect_config_json_error("{\"partial_rotary_factor\": 0.5}", "config.json.partial_rotary_factor");
+    expect_config_json_error("{\"head_dim\": 128}", "config.json.head_dim: 128 is not supported");
+    expect_config_json_error("{\"qk_head_dim\": 128}", "config.json.qk_head_dim");
+    expect_config_json_error("{\"attention_dropout\": 0.1}", "config.json.attention_dropout");
+    /* the two spellings must agree where both are given */
+    expect_config_json_error("{\"rope_theta\": 10000, \"rope_parameters\": {\"rope_theta\": 50000,"
+                             " \"rope_type\": \"default\"}}",
+                             "config.json.rope_parameters.rope_theta: 50000 disagrees");
+    expect_config_json_error("{" KIMI_K2_ROPE_TF4 ", \"rope_parameters\": {\"rope_type\": \"yarn\","
+                             " \"factor\": 40, \"original_max_position_embeddings\": 4096}}",
+                             "config.json.rope_parameters: disagrees with rope_scaling");
+    expect_config_json_error("{\"rope_scaling\": {\"type\": \"yarn\", \"rope_type\": \"linear\","
+                             " \"factor\": 4}}", "config.json.rope_scaling.type: disagrees");
+    /* a ramp from beta_slow down to beta_fast would be upside down */
+    expect_config_json_error("{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4,"
+                             " \"original_max_position_embeddings\": 64, \"beta_fast\": 1,"
+                             " \"beta_slow\": 2}}", "config.json.rope_scaling.beta_fast: 1 must be at least");
+}
+
+static void test_keys_irrelevant_to_training_are_ignored(void **state)
+{
+    (void)state;
+    mt_model_config a, b;
+    parse_config("{}", &a);
+    parse_config("{\"architectures\": [\"DeepseekV3ForCausalLM\"], \"auto_map\": {},"
+                 " \"model_type\": \"deepseek_v3\", \"transformers_version\": \"5.0.0\","
+                 " \"torch_dtype\": \"bfloat16\", \"dtype\": \"bfloat16\", \"_name_or_path\": \"x\","
+                 " \"bos_token_id\": 0, \"eos_token_id\": 1, \"pad_token_id\": null,"
+                 " \"use_cache\": true, \"quantization_config\": {\"fmt\": \"e4m3\"},"
+                 " \"ep_size\": 8, \"pretraining_tp\": 1, \"aux_loss_alpha\": 0.001,"
+                 " \"seq_aux\": true, \"head_dim\": 64, \"qk_head_dim\": 192,"
+                 " \"attention_dropout\": 0.0, \"partial_rotary_factor\": 1.0}", &b);
+    assert_same_config(&a, &b);
+}
 
 static void load_example(const char *name, mt_jobspec *j, const char *const *extra, int n_extra)
 {
@@ -358,6 +555,10 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_official_config_json_loads_as_is),
         cmocka_unit_test(test_null_q_lora_rank_means_plain_q_proj),
         cmocka_unit_test(test_bad_model_configs_name_the_field),
+        cmocka_unit_test(test_transformers5_rope_parameters_give_the_same_model),
+        cmocka_unit_test(test_kimi_k2_config_loads),
+        cmocka_unit_test(test_unknown_keys_that_could_change_the_math_are_errors),
+        cmocka_unit_test(test_keys_irrelevant_to_training_are_ignored),
         cmocka_unit_test(test_examples_load),
         cmocka_unit_test(test_set_overrides_job_and_model_fields),
         cmocka_unit_test(test_model_by_path_is_relative_to_the_spec),

@@ -1,6 +1,6 @@
 /* test_model.c - the whole DeepSeek-V3 model on the CPU reference backend:
  * parameter names, gradients against finite differences, recompute,
- * determinism, FP8 vs BF16 loss, YaRN tables. */
+ * determinism, FP8 vs BF16 loss, YaRN tables (DeepSeek-V3, Kimi-K2). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -342,6 +342,51 @@ static void test_initial_loss_is_near_log_vocab(void **state)
     mt_model_destroy(m);
 }
 
+/* Scoring is the training forward: the same per-micro-batch loss bit for
+ * bit, per-token losses whose mean it is, and logits whose log-softmax at
+ * the target is that loss. */
+static void test_score_is_the_training_forward(void **state)
+{
+    (void)state;
+    const int B = 2, T = 9;
+    for (int r = 0; r < 2; r++) {
+        mt_recipe recipe = r == 0 ? MT_RECIPE_FP8_BLOCKWISE : MT_RECIPE_FP32;
+        mt_model_config c;
+        mt_model_opts o;
+        mt_test_tiny_config(&c);
+        tiny_opts(&o, recipe);
+        o.seq_len = T;
+        mt_model *m = make_model(&c, &o, 11);
+        const int V = (int)c.vocab_size;
+        int32_t tok[2 * 10];
+        random_tokens(tok, B * (T + 1), V, 3);
+        mt_mb_stats train, score;
+        assert_int_equal(mt_model_step(m, tok, 0, 1.0, &train), MT_OK);
+        float loss[2 * 9], *logits = malloc((size_t)B * T * V * sizeof *logits);
+        mt_score_out so = {loss, logits};
+        assert_int_equal(mt_model_score(m, tok, &so, &score), MT_OK);
+        assert_true(score.loss == train.loss);
+        assert_true(score.mtp_loss == train.mtp_loss);
+        double sum = 0;
+        for (int i = 0; i < B * T; i++) sum += loss[i];
+        assert_true(sum / (B * T) == train.loss);
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                const float *z = logits + ((size_t)b * T + t) * V;
+                double mx = z[0], se = 0;
+                for (int v = 1; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+                for (int v = 0; v < V; v++) se += exp(z[v] - mx);
+                double want = mx + log(se) - z[tok[b * (T + 1) + t + 1]];
+                assert_float_equal(loss[b * T + t], want, 1e-5);
+            }
+        /* the logits are not left holding their gradient */
+        assert_int_equal(mt_model_score(m, tok, &so, &score), MT_OK);
+        assert_true(score.loss == train.loss);
+        free(logits);
+        mt_model_destroy(m);
+    }
+}
+
 static void test_yarn_tables_follow_deepseek_v3(void **state)
 {
     (void)state;
@@ -370,6 +415,86 @@ static void test_yarn_tables_follow_deepseek_v3(void **state)
     assert_int_equal(mt_rope_tables(&c, T, ct, st, &scale), MT_OK);
     assert_float_equal(scale, 1.0 / sqrt(192.0), 1e-7);
     assert_float_equal(ct[2 * half + 1], cos(2.0 / pow(10000.0, 2.0 / 64.0)), 1e-6);
+}
+
+/* The expected table of YaRN with a ramp that is a step at `step`: the
+ * frequencies i < step keep theta^(-2i/R), the others are divided by
+ * `factor`; long double, from the formula. Checks every entry of T rows. */
+static void assert_step_yarn_table(const mt_model_config *c, int T, int step, double factor)
+{
+    const int R = c->qk_rope_head_dim, half = R / 2;
+    float *ct = malloc((size_t)T * half * sizeof *ct), *st = malloc((size_t)T * half * sizeof *st);
+    float scale;
+    assert_int_equal(mt_rope_tables(c, T, ct, st, &scale), MT_OK);
+    long double worst = 0;
+    for (int i = 0; i < half; i++) {
+        long double inv = powl((long double)c->rope_theta, -2.0L * i / R);
+        if (i >= step) inv /= factor;
+        for (int t = 0; t < T; t++) {
+            long double a = (long double)t * inv;
+            long double e1 = fabsl(cosl(a) - ct[(size_t)t * half + i]);
+            long double e2 = fabsl(sinl(a) - st[(size_t)t * half + i]);
+            if (e1 > worst) worst = e1;
+            if (e2 > worst) worst = e2;
+        }
+    }
+    if (worst > 1e-6L) fprintf(stderr, "largest difference %Lg\n", worst);
+    assert_true(worst <= 1e-6L); /* float rounding of values in [-1, 1] */
+    free(ct);
+    free(st);
+}
+
+/* Kimi-K2's rotary settings: theta 50000, YaRN factor 32 over an original
+ * context of 4096, beta_fast == beta_slow == 1, mscale == mscale_all_dim == 1.
+ * One rotation over 4096 positions falls at dim 64 ln(4096 / 2 pi) /
+ * (2 ln 50000) = 19.1646 (python3), so the correction range is [floor, ceil]
+ * = [19, 20] and transformers' ramp (i - 19) / (20 - 19) is a step: i <= 19
+ * keep their frequency, i >= 20 are divided by 32. */
+static void test_yarn_tables_follow_kimi_k2(void **state)
+{
+    (void)state;
+    mt_model_config c;
+    mt_config_defaults(&c);
+    c.rope_theta = 50000;
+    c.rope_scaling.type = MT_ROPE_SCALING_YARN;
+    c.rope_scaling.factor = 32;
+    c.rope_scaling.beta_fast = 1;
+    c.rope_scaling.beta_slow = 1;
+    c.rope_scaling.mscale = 1;
+    c.rope_scaling.mscale_all_dim = 1;
+    c.rope_scaling.original_max_position_embeddings = 4096;
+    assert_int_equal(mt_config_validate(&c, ""), MT_OK);
+    assert_step_yarn_table(&c, 8192, 20, 32);
+    /* a few entries computed by python3 (double) */
+    const int T = 4096, half = 32;
+    float *ct = malloc((size_t)T * half * sizeof *ct), *st = malloc((size_t)T * half * sizeof *st);
+    float scale;
+    assert_int_equal(mt_rope_tables(&c, T, ct, st, &scale), MT_OK);
+    assert_float_equal(ct[4095 * half + 19], 0.9366269977324891, 1e-6);
+    assert_float_equal(st[4095 * half + 20], 0.14745556044163688, 1e-6);
+    assert_float_equal(scale, 0.13086079996295008, 1e-7);
+    free(ct);
+    free(st);
+}
+
+/* Where the correction range is empty (here both ends clamp to 0: one
+ * rotation of beta = 700 takes longer than the 4096 positions), transformers
+ * widens it to [0, 0.001]: only frequency 0 keeps its value. */
+static void test_yarn_empty_correction_range_is_a_step_at_its_start(void **state)
+{
+    (void)state;
+    mt_model_config c;
+    mt_config_defaults(&c);
+    c.rope_theta = 50000;
+    c.rope_scaling.type = MT_ROPE_SCALING_YARN;
+    c.rope_scaling.factor = 32;
+    c.rope_scaling.beta_fast = 700;
+    c.rope_scaling.beta_slow = 700;
+    c.rope_scaling.mscale = 1;
+    c.rope_scaling.mscale_all_dim = 1;
+    c.rope_scaling.original_max_position_embeddings = 4096;
+    assert_int_equal(mt_config_validate(&c, ""), MT_OK);
+    assert_step_yarn_table(&c, 1024, 1, 32);
 }
 
 static void test_flops_formula_counts_active_parameters(void **state)
@@ -409,7 +534,10 @@ int main(void)
         cmocka_unit_test(test_step_is_deterministic),
         cmocka_unit_test(test_fp8_loss_within_one_percent_of_bf16),
         cmocka_unit_test(test_initial_loss_is_near_log_vocab),
+        cmocka_unit_test(test_score_is_the_training_forward),
         cmocka_unit_test(test_yarn_tables_follow_deepseek_v3),
+        cmocka_unit_test(test_yarn_tables_follow_kimi_k2),
+        cmocka_unit_test(test_yarn_empty_correction_range_is_a_step_at_its_start),
         cmocka_unit_test(test_flops_formula_counts_active_parameters),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

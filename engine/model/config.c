@@ -5,7 +5,6 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "base/mt_log.h"
 #include "base/mt_status.h"
 
 static const char *const scoring_names[] = {"sigmoid", "softmax", NULL};
@@ -88,47 +87,248 @@ void mt_config_defaults(mt_model_config *c)
     (void)rc; /* the defaults above are constants checked by test_config */
 }
 
-static void warn_unknown(const char *path) { MT_LOGD("config: ignoring unknown key %s", path); }
+/* ---- keys outside the field table -------------------------------------------------- */
 
-static int parse_rope_scaling(mt_rope_scaling *r, json_t *v, const char *ctx)
+/* Keys of a Hugging Face config.json that do not change what is trained:
+ * bookkeeping of transformers and of inference code. Accepted and ignored
+ * without a word; every other key outside the tables is an error, because
+ * moetrain cannot tell whether it changes the model (issue 21). */
+static const char *const ignored_keys[] = {
+    "architectures", "auto_map", "model_type", "transformers_version",
+    "torch_dtype", "dtype",                  /* storage dtype; the job's recipe decides */
+    "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
+    "quantization_config",                   /* how released weights are stored; import-hf reads them */
+    "ep_size",                               /* DeepSeek's inference-time expert parallelism */
+    "pretraining_tp",                        /* read by Llama's slicing code, never by DeepSeek-V3's */
+    "aux_loss_alpha", "seq_aux",             /* the balance loss: the job spec's loss.aux_alpha */
+    NULL,
+};
+
+static int is_ignored_key(const char *k)
 {
+    for (int i = 0; ignored_keys[i]; i++)
+        if (strcmp(ignored_keys[i], k) == 0) return 1;
+    return 0;
+}
+
+static void field_path(char *buf, size_t cap, const char *ctx, const char *key)
+{
+    snprintf(buf, cap, "%s%s%s", ctx, *ctx ? "." : "", key);
+}
+
+/* A number `key` of obj, if present, must equal `want`: keys transformers 5
+ * writes that restate (head_dim, qk_head_dim) or fix (attention_dropout,
+ * partial_rotary_factor) what the tables say; any other value changes the
+ * math. Removes the key from obj. */
+static int check_restated(json_t *obj, const char *key, double want, const char *ctx,
+                          const char *why)
+{
+    json_t *v = json_object_get(obj, key);
+    if (!v) return MT_OK;
     char fp[256];
-    snprintf(fp, sizeof fp, "%s%srope_scaling", ctx, *ctx ? "." : "");
+    field_path(fp, sizeof fp, ctx, key);
+    if (!json_is_number(v) || json_number_value(v) != want) {
+        char got[64] = "not a number";
+        if (json_is_number(v)) snprintf(got, sizeof got, "%g", json_number_value(v));
+        return MT_ERR(MT_EINVAL, "%s: %s is not supported (must be %g: %s)", fp, got, want, why);
+    }
+    json_object_del(obj, key);
+    return MT_OK;
+}
+
+/* ---- rotary settings ---------------------------------------------------------------- */
+
+/* The rotary settings come in two spellings, which must give the same tables:
+ *  - transformers 4 and the official releases: top-level "rope_theta", and
+ *    "rope_scaling" null or {"type" | "rope_type": "yarn", factor, ...};
+ *  - transformers 5: "rope_parameters" {"rope_theta", "rope_type":
+ *    "default" | "yarn", the YaRN fields} and neither top-level key.
+ * A file may carry both only where they agree. */
+typedef struct rope_spec {
+    int present;           /* the object was given (not absent or null) */
+    int has_theta;
+    double theta;          /* rope_parameters.rope_theta */
+    mt_rope_scaling scaling;
+} rope_spec;
+
+/* Parses rope_scaling or rope_parameters (`name`; `with_theta`: the latter,
+ * which carries rope_theta and may carry partial_rotary_factor). */
+static int parse_rope_object(rope_spec *r, json_t *v, const char *ctx, const char *name,
+                             int with_theta)
+{
+    char fp[256], kp[320];
+    field_path(fp, sizeof fp, ctx, name);
     memset(r, 0, sizeof *r);
     if (!v || json_is_null(v)) return MT_OK;
     if (!json_is_object(v)) return MT_ERR(MT_EINVAL, "%s: must be an object or null", fp);
-    /* Older configs say "type", newer transformers say "rope_type". */
-    json_t *t = json_object_get(v, "type");
-    if (!t) t = json_object_get(v, "rope_type");
-    if (!t || !json_is_string(t))
-        return MT_ERR(MT_EINVAL, "%s.type: required, must be \"yarn\"", fp);
-    if (strcmp(json_string_value(t), "yarn") != 0)
-        return MT_ERR(MT_EINVAL, "%s.type: \"%s\" is not supported (only \"yarn\")", fp,
-                      json_string_value(t));
-    /* Parse a copy without the type keys so the table sees only its fields. */
+    r->present = 1;
     json_t *copy = json_deep_copy(v);
+    int rc = MT_OK;
+    /* Older configs say "type", transformers 4.4x and later "rope_type"; a
+     * converted file may keep both. */
+    json_t *t1 = json_object_get(copy, "type"), *t2 = json_object_get(copy, "rope_type");
+    json_t *t = t2 ? t2 : t1;
+    if (!t || !json_is_string(t)) {
+        rc = MT_ERR(MT_EINVAL, "%s.rope_type: required, must be \"yarn\" or \"default\"", fp);
+        goto out;
+    }
+    char type[32]; /* copied: the keys are deleted below */
+    snprintf(type, sizeof type, "%s", json_string_value(t));
+    if (t1 && t2 && (!json_is_string(t1) || strcmp(json_string_value(t1), type) != 0)) {
+        rc = MT_ERR(MT_EINVAL, "%s.type: disagrees with %s.rope_type \"%s\"", fp, fp, type);
+        goto out;
+    }
     json_object_del(copy, "type");
     json_object_del(copy, "rope_type");
-    int rc = mt_fields_defaults(rope_fields, N_ROPE_FIELDS, r);
-    if (rc == MT_OK) rc = mt_fields_parse(rope_fields, N_ROPE_FIELDS, r, copy, fp, 0, warn_unknown);
+    if (with_theta) {
+        json_t *th = json_object_get(copy, "rope_theta");
+        if (th) {
+            snprintf(kp, sizeof kp, "%s.rope_theta", fp);
+            if (!json_is_number(th) || !(json_number_value(th) >= 1) ||
+                !(json_number_value(th) <= 1e12)) {
+                rc = MT_ERR(MT_EINVAL, "%s: must be a number in [1, 1e12]", kp);
+                goto out;
+            }
+            r->has_theta = 1;
+            r->theta = json_number_value(th);
+            json_object_del(copy, "rope_theta");
+        }
+        rc = check_restated(copy, "partial_rotary_factor", 1, fp,
+                            "MLA rotates all qk_rope_head_dim dims");
+        if (rc < 0) goto out;
+    }
+    if (strcmp(type, "default") == 0) {
+        /* Plain RoPE: any other key would be a setting that does nothing
+         * here, which is more likely a mistake than intended. */
+        const char *k;
+        json_t *x;
+        json_object_foreach(copy, k, x)
+        {
+            if (k[0] == '#') continue;
+            rc = MT_ERR(MT_EINVAL, "%s.%s: has no effect with rope_type \"default\"", fp, k);
+            goto out;
+        }
+        goto out;
+    }
+    if (strcmp(type, "yarn") != 0) {
+        rc = MT_ERR(MT_EINVAL, "%s.%s: \"%s\" is not supported (only \"yarn\" or \"default\")",
+                    fp, t2 ? "rope_type" : "type", type);
+        goto out;
+    }
+    /* transformers' YaRN options beyond DeepSeek-V3's: "truncate" (true is
+     * the DeepSeek-V3 rule: floor / ceil of the correction range) and
+     * "attention_factor" (moetrain derives it from mscale / mscale_all_dim). */
+    json_t *tr = json_object_get(copy, "truncate");
+    if (tr) {
+        if (!json_is_true(tr)) {
+            rc = MT_ERR(MT_EINVAL, "%s.truncate: only true is supported", fp);
+            goto out;
+        }
+        json_object_del(copy, "truncate");
+    }
+    if (json_object_get(copy, "attention_factor")) {
+        rc = MT_ERR(MT_EINVAL, "%s.attention_factor: not supported (the attention factor comes "
+                    "from mscale and mscale_all_dim)", fp);
+        goto out;
+    }
+    rc = mt_fields_defaults(rope_fields, N_ROPE_FIELDS, &r->scaling);
+    if (rc == MT_OK) rc = mt_fields_parse(rope_fields, N_ROPE_FIELDS, &r->scaling, copy, fp, 1, NULL);
+    if (rc == MT_OK) r->scaling.type = MT_ROPE_SCALING_YARN;
+out:
     json_decref(copy);
-    MT_CHECK(rc);
-    r->type = MT_ROPE_SCALING_YARN;
+    return rc;
+}
+
+static int same_scaling(const mt_rope_scaling *a, const mt_rope_scaling *b)
+{
+    return a->type == b->type && a->factor == b->factor && a->beta_fast == b->beta_fast &&
+           a->beta_slow == b->beta_slow && a->mscale == b->mscale &&
+           a->mscale_all_dim == b->mscale_all_dim &&
+           a->original_max_position_embeddings == b->original_max_position_embeddings;
+}
+
+/* Sets c->rope_theta and c->rope_scaling from either spelling (see above). */
+static int resolve_rope(mt_model_config *c, json_t *root, const char *ctx)
+{
+    rope_spec rs, rp;
+    MT_CHECK(parse_rope_object(&rs, json_object_get(root, "rope_scaling"), ctx, "rope_scaling", 0));
+    MT_CHECK(parse_rope_object(&rp, json_object_get(root, "rope_parameters"), ctx,
+                               "rope_parameters", 1));
+    char fp[256];
+    field_path(fp, sizeof fp, ctx, "rope_parameters");
+    if (rp.has_theta) {
+        /* c->rope_theta holds the top-level value or the default */
+        if (json_object_get(root, "rope_theta") && c->rope_theta != rp.theta)
+            return MT_ERR(MT_EINVAL, "%s.rope_theta: %g disagrees with rope_theta %g", fp, rp.theta,
+                          c->rope_theta);
+        c->rope_theta = rp.theta;
+    }
+    c->rope_scaling = rs.scaling;
+    if (rp.present) {
+        if (rs.present && !same_scaling(&rs.scaling, &rp.scaling))
+            return MT_ERR(MT_EINVAL, "%s: disagrees with rope_scaling (give one of them, or the "
+                          "same settings in both)", fp);
+        c->rope_scaling = rp.scaling;
+    }
     return MT_OK;
 }
 
 int mt_config_from_json(mt_model_config *c, json_t *root, const char *ctx, int strict)
 {
+    /* `strict` no longer matters: since issue 21 every key outside the
+     * tables and the ignored list is an error in both modes. */
+    (void)strict;
     mt_config_defaults(c);
     if (!json_is_object(root)) return MT_ERR(MT_EINVAL, "%s: must be a JSON object", ctx);
-    /* rope_scaling is parsed by its own table; the rest by config_fields. */
-    json_t *copy = json_copy(root);
-    json_t *rs = json_object_get(root, "rope_scaling");
+    /* The rotary objects are parsed by resolve_rope; the rest by config_fields. */
+    json_t *copy = json_deep_copy(root);
     json_object_del(copy, "rope_scaling");
-    int rc = mt_fields_parse(config_fields, N_CONFIG_FIELDS, c, copy, ctx, strict, warn_unknown);
+    json_object_del(copy, "rope_parameters");
+    /* Keys transformers 5 writes that restate or fix what the tables say:
+     * set aside, checked against the parsed values below. */
+    static const char *const restated_keys[] = {"head_dim", "qk_head_dim", "attention_dropout",
+                                                "partial_rotary_factor", NULL};
+    json_t *restated = json_object();
+    for (int i = 0; restated_keys[i]; i++) {
+        json_t *x = json_object_get(copy, restated_keys[i]);
+        if (!x) continue;
+        json_object_set(restated, restated_keys[i], x);
+        json_object_del(copy, restated_keys[i]);
+    }
+    int rc = MT_OK;
+    const char *k;
+    json_t *v;
+    void *tmp;
+    json_object_foreach_safe(copy, tmp, k, v)
+    {
+        if (rc < 0) break;
+        if (is_ignored_key(k)) {
+            json_object_del(copy, k);
+            continue;
+        }
+        if (k[0] == '#' || mt_fields_find(config_fields, N_CONFIG_FIELDS, k)) continue;
+        char fp[256];
+        field_path(fp, sizeof fp, ctx, k);
+        rc = MT_ERR(MT_EINVAL, "%s: unknown field (it could change the model, so it is refused; "
+                    "remove it if it does not)", fp);
+    }
+    if (rc == MT_OK) rc = mt_fields_parse(config_fields, N_CONFIG_FIELDS, c, copy, ctx, 1, NULL);
+    if (rc == MT_OK)
+        rc = check_restated(restated, "head_dim", c->qk_rope_head_dim, ctx,
+                            "transformers takes the rotary dimension from head_dim, moetrain "
+                            "from qk_rope_head_dim");
+    if (rc == MT_OK)
+        rc = check_restated(restated, "qk_head_dim", mt_config_qk_head_dim(c), ctx,
+                            "qk_nope_head_dim + qk_rope_head_dim");
+    if (rc == MT_OK)
+        rc = check_restated(restated, "attention_dropout", 0, ctx, "moetrain has no dropout");
+    if (rc == MT_OK)
+        rc = check_restated(restated, "partial_rotary_factor", 1, ctx,
+                            "MLA rotates all qk_rope_head_dim dims");
+    json_decref(restated);
     json_decref(copy);
     MT_CHECK(rc);
-    MT_CHECK(parse_rope_scaling(&c->rope_scaling, rs, ctx));
+    MT_CHECK(resolve_rope(c, root, ctx));
     return mt_config_validate(c, ctx);
 }
 
@@ -176,9 +376,14 @@ int mt_config_validate(const mt_model_config *c, const char *ctx)
         if (c->scoring_func == MT_SCORING_SOFTMAX && c->topk_method == MT_TOPK_NOAUX_TC)
             return BAD("topk_method", "noaux_tc needs scoring_func \"sigmoid\"", ctx, dot);
     }
+    /* beta_fast == beta_slow is Kimi-K2's setting: a ramp of one step (see
+     * rope_table.c); beta_fast below beta_slow would invert the ramp. */
+    if (c->rope_scaling.type == MT_ROPE_SCALING_YARN && !(c->rope_scaling.beta_slow > 0))
+        return BAD("rope_scaling.beta_slow", "%g must be positive", ctx, dot,
+                   c->rope_scaling.beta_slow);
     if (c->rope_scaling.type == MT_ROPE_SCALING_YARN &&
-        c->rope_scaling.beta_fast <= c->rope_scaling.beta_slow)
-        return BAD("rope_scaling.beta_fast", "%g must exceed beta_slow %g", ctx, dot,
+        c->rope_scaling.beta_fast < c->rope_scaling.beta_slow)
+        return BAD("rope_scaling.beta_fast", "%g must be at least beta_slow %g", ctx, dot,
                    c->rope_scaling.beta_fast, c->rope_scaling.beta_slow);
     return MT_OK;
 }

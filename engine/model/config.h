@@ -69,12 +69,18 @@ typedef struct mt_model_config {
 /* Fills DeepseekV3Config's defaults. */
 void mt_config_defaults(mt_model_config *c);
 
-/* Parses a config.json object. `strict`: unknown keys are errors (inline
- * model in a job spec); otherwise they are logged and ignored (a config.json
- * from the Hub carries keys we do not use). ctx prefixes error paths. */
+/* Parses a config.json object (ctx prefixes error paths). The rotary
+ * settings may be written either way transformers does: top-level
+ * rope_theta + rope_scaling (transformers 4, the official releases) or
+ * rope_parameters (transformers 5); both give the same config. A key outside
+ * the field tables is an error naming it, since it could change the model,
+ * unless config.c lists it as irrelevant to training (architectures,
+ * torch_dtype, quantization_config, ...): those are ignored quietly.
+ * `strict` is no longer used (both modes refuse unknown keys, issue 21); it
+ * stays so that callers need not change. */
 int mt_config_from_json(mt_model_config *c, json_t *root, const char *ctx, int strict);
 
-/* Loads and parses a config.json file (non-strict). */
+/* Loads and parses a config.json file. */
 int mt_config_load(mt_model_config *c, const char *path);
 
 /* Checks cross-field consistency; errors name the field. */

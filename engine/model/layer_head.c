@@ -25,14 +25,20 @@ void mt_head_free(mt_head *h, mt_backend *be)
     h->rstd = h->loss = NULL;
 }
 
-int mt_head_fwd(const mt_ctx *c, mt_head *h, void *logits, const void *x, const int32_t *tgt,
-                int V, float grad_scale, float *host_loss, double *loss_sum, int64_t *count,
-                const int32_t *host_tgt)
+int mt_head_logits(const mt_ctx *c, mt_head *h, void *logits, const void *x, int V)
 {
     mt_backend *be = c->be;
     const int N = c->N, D = (int)h->norm->d.cols;
     MT_CHECK(be->rmsnorm_fwd(be, h->hn, D, h->rstd, x, D, h->norm->w, N, D, c->rms_eps));
-    MT_CHECK(be->gemm(be, logits, 0, V, h->hn, D, 0, h->head->w, D, 0, N, V, D, 1.0f, 0));
+    return be->gemm(be, logits, 0, V, h->hn, D, 0, h->head->w, D, 0, N, V, D, 1.0f, 0);
+}
+
+int mt_head_loss(const mt_ctx *c, mt_head *h, void *logits, const int32_t *tgt, int V,
+                 float grad_scale, float *host_loss, double *loss_sum, int64_t *count,
+                 const int32_t *host_tgt)
+{
+    mt_backend *be = c->be;
+    const int N = c->N;
     MT_CHECK(be->xent(be, h->loss, logits, tgt, N, V, MT_IGNORE, grad_scale));
     MT_CHECK(be->download(be, host_loss, h->loss, (size_t)N * 4));
     /* Fixed order in double: the same sum on every backend and layout. */
@@ -46,6 +52,14 @@ int mt_head_fwd(const mt_ctx *c, mt_head *h, void *logits, const void *x, const 
     *loss_sum = s;
     *count = n;
     return MT_OK;
+}
+
+int mt_head_fwd(const mt_ctx *c, mt_head *h, void *logits, const void *x, const int32_t *tgt,
+                int V, float grad_scale, float *host_loss, double *loss_sum, int64_t *count,
+                const int32_t *host_tgt)
+{
+    MT_CHECK(mt_head_logits(c, h, logits, x, V));
+    return mt_head_loss(c, h, logits, tgt, V, grad_scale, host_loss, loss_sum, count, host_tgt);
 }
 
 int mt_head_bwd(const mt_ctx *c, mt_head *h, void *dx, int accumulate, const void *logits,

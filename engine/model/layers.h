@@ -89,6 +89,13 @@ void mt_head_free(mt_head *h, mt_backend *be);
 int mt_head_fwd(const mt_ctx *c, mt_head *h, void *logits, const void *x, const int32_t *tgt,
                 int V, float grad_scale, float *host_loss, double *loss_sum, int64_t *count,
                 const int32_t *host_tgt);
+/* mt_head_fwd in its two halves, for a caller that reads the logits
+ * between them (scoring): logits [N, V] act = head(norm(x)), then the loss
+ * (the logits overwritten by their gradient). */
+int mt_head_logits(const mt_ctx *c, mt_head *h, void *logits, const void *x, int V);
+int mt_head_loss(const mt_ctx *c, mt_head *h, void *logits, const int32_t *tgt, int V,
+                 float grad_scale, float *host_loss, double *loss_sum, int64_t *count,
+                 const int32_t *host_tgt);
 /* dx (= or +=) from the logits' gradient; head and norm gradients +=. */
 int mt_head_bwd(const mt_ctx *c, mt_head *h, void *dx, int accumulate, const void *logits,
                 const void *x, int V);

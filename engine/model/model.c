@@ -390,8 +390,23 @@ static int moe_aux_sum(mt_model *m, mt_block *b, double *sum)
     return m->be->zero(m->be, b->moe.aux_loss, 4);
 }
 
-int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
-                  mt_mb_stats *st)
+/* Host f32 [N, V] copy of the logits buffer (act [N, V]). */
+static int download_logits(mt_model *m, float *out, int64_t n)
+{
+    mt_backend *be = m->be;
+    if (mt_act_size(be) == 4) return be->download(be, out, m->logits, (size_t)n * 4);
+    uint16_t *raw = malloc((size_t)n * 2); /* bf16 bits */
+    if (!raw) return MT_ERR(MT_ENOMEM, "logits: out of memory (%lld values)", (long long)n);
+    int rc = be->download(be, raw, m->logits, (size_t)n * 2);
+    for (int64_t i = 0; rc == MT_OK && i < n; i++) out[i] = mt_bf16_to_f32(raw[i]);
+    free(raw);
+    return rc;
+}
+
+/* The one forward of training, validation and scoring; `so` (scoring
+ * outputs) may be NULL. */
+static int model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
+                      mt_mb_stats *st, const mt_score_out *so)
 {
     mt_backend *be = m->be;
     mt_ctx *c = &m->ctx;
@@ -417,8 +432,11 @@ int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_
     double sum;
     int64_t cnt;
     float gs = backward ? (float)(loss_scale / N) : 0.0f;
-    MT_CHECK(mt_head_fwd(c, &m->head, m->logits, m->h[L], m->tgt, V, gs, m->host_loss, &sum, &cnt,
-                         m->host_tgt));
+    MT_CHECK(mt_head_logits(c, &m->head, m->logits, m->h[L], V));
+    if (so && so->logits) MT_CHECK(download_logits(m, so->logits, (int64_t)N * V));
+    MT_CHECK(mt_head_loss(c, &m->head, m->logits, m->tgt, V, gs, m->host_loss, &sum, &cnt,
+                          m->host_tgt));
+    if (so && so->tok_loss) memcpy(so->tok_loss, m->host_loss, (size_t)N * sizeof(float));
     st->loss = sum / (double)cnt;
     st->tokens = cnt;
     if (backward) MT_CHECK(mt_head_bwd(c, &m->head, m->dh, 0, m->logits, m->h[L], V));
@@ -457,6 +475,17 @@ int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_
     MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->dh, m->ids, N, D));
     (void)nd_bytes;
     return MT_OK;
+}
+
+int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
+                  mt_mb_stats *st)
+{
+    return model_step(m, tokens, backward, loss_scale, st, NULL);
+}
+
+int mt_model_score(mt_model *m, const int32_t *tokens, const mt_score_out *so, mt_mb_stats *st)
+{
+    return model_step(m, tokens, 0, 1.0, st, so);
 }
 
 /* ---- router state ------------------------------------------------------------ */

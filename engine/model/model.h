@@ -251,6 +251,17 @@ int mt_model_zero_grads(mt_model *m);
 int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
                   mt_mb_stats *st);
 
+/* What a scoring forward hands back (host buffers; either may be NULL). */
+typedef struct mt_score_out {
+    float *tok_loss;        /* [B, T]: -log p(tokens[b, t + 1] | tokens[b, <= t]) */
+    float *logits;          /* [B, T, V] f32: the main head's logits (bf16 values on CUDA
+                             * and in the bf16 / fp8 recipes, widened exactly) */
+} mt_score_out;
+
+/* The forward of mt_model_step without gradients (the same code, so the
+ * same losses bit for bit), also returning per-token losses and logits. */
+int mt_model_score(mt_model *m, const int32_t *tokens, const mt_score_out *so, mt_mb_stats *st);
+
 /* Tokens routed to each expert of MoE layer `layer` since the last reset
  * (host [E]); NULL for dense layers. */
 const int64_t *mt_model_expert_load(const mt_model *m, int layer);

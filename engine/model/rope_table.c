@@ -41,6 +41,11 @@ int mt_rope_tables(const mt_model_config *cfg, int T, float *cos_t, float *sin_t
         double hi = ceil(correction_dim(rs->beta_slow, R, base, ctx));
         if (lo < 0) lo = 0;
         if (hi > R - 1) hi = R - 1;
+        /* Kimi-K2 sets beta_fast == beta_slow: the range is then one step
+         * wide (floor / ceil of one correction dim) or, where that dim is an
+         * integer or both ends are clamped together, empty; transformers'
+         * linear ramp widens an empty range by 0.001, which makes it a step
+         * at lo. */
         if (lo == hi) hi += 0.001;
         for (int i = 0; i < half; i++) {
             double ramp = (i - lo) / (hi - lo);

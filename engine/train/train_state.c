@@ -357,6 +357,38 @@ static int read_whole(const mt_tensor_reader *r, mt_tensor_desc *d)
     return rc < 0 ? mt_err_wrap(rc, "restoring %s", d->name) : MT_OK;
 }
 
+/* Parameter i's compute copy from the reader: FP8 bytes and scales exactly
+ * as stored (the transpose rebuilt), router bias f32, other weights through
+ * f32 (exact for bf16 values) into act. dev_tmp: device f32 scratch of the
+ * largest parameter; host / hs: host scratch of its values / block scales. */
+static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host, float *hs,
+                      float *dev_tmp)
+{
+    mt_backend *be = m->be;
+    mt_param *p = &m->params[i];
+    const mt_param_desc *pd = &p->d;
+    const int64_t n = mt_param_numel(pd);
+    mt_tensor_desc d;
+    if (p->q) {
+        param_desc(&d, pd, pd->name, MT_DT_E4M3, host);
+        int rc = r->read_fp8(r->ctx, &d, hs);
+        if (rc < 0) return mt_err_wrap(rc, "restoring %s", pd->name);
+        const int64_t nb = ((pd->rows + 127) / 128) * ((pd->cols + 127) / 128);
+        MT_CHECK(be->upload(be, p->q, host, (size_t)n));
+        MT_CHECK(be->upload(be, p->s, hs, (size_t)nb * 4));
+        return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)pd->rows, (int)pd->cols);
+    }
+    if (p->wf) {
+        param_desc(&d, pd, pd->name, MT_DT_F32, host);
+        MT_CHECK(read_whole(r, &d));
+        return be->upload(be, p->wf, host, (size_t)n * 4);
+    }
+    param_desc(&d, pd, pd->name, MT_DT_F32, host);
+    MT_CHECK(read_whole(r, &d));
+    MT_CHECK(be->upload(be, dev_tmp, host, (size_t)n * 4));
+    return be->act_from_f32(be, p->w, dev_tmp, n);
+}
+
 static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const scalars *sc,
                          void *host, float *hs)
 {
@@ -367,26 +399,7 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     const mt_param_desc *pd = &p->d;
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
-    if (p->q) {
-        /* the FP8 compute copy exactly as stored; its transpose rebuilt */
-        param_desc(&d, pd, pd->name, MT_DT_E4M3, host);
-        int rc = r->read_fp8(r->ctx, &d, hs);
-        if (rc < 0) return mt_err_wrap(rc, "restoring %s", pd->name);
-        const int64_t nb = ((pd->rows + 127) / 128) * ((pd->cols + 127) / 128);
-        MT_CHECK(be->upload(be, p->q, host, (size_t)n));
-        MT_CHECK(be->upload(be, p->s, hs, (size_t)nb * 4));
-        MT_CHECK(be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)pd->rows, (int)pd->cols));
-    } else if (p->wf) {
-        param_desc(&d, pd, pd->name, MT_DT_F32, host);
-        MT_CHECK(read_whole(r, &d));
-        MT_CHECK(be->upload(be, p->wf, host, (size_t)n * 4));
-    } else {
-        /* bf16-valued act copy: through f32, exactly */
-        param_desc(&d, pd, pd->name, MT_DT_F32, host);
-        MT_CHECK(read_whole(r, &d));
-        MT_CHECK(be->upload(be, o->tmp, host, (size_t)n * 4));
-        MT_CHECK(be->act_from_f32(be, p->w, o->tmp, n));
-    }
+    MT_CHECK(load_param(m, r, i, host, hs, o->tmp));
     if (!p->grad || p->index < o->lo || p->index + n > o->hi) return MT_OK;
     const int64_t off = p->index - o->lo;
     const size_t mb = o->main == MT_MAIN_FP32 ? 4 : 2;
@@ -429,18 +442,46 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     return be->upload(be, (char *)o->master + (size_t)off * mb, host, (size_t)n * mb);
 }
 
+/* Elements of the largest parameter and block scales of the largest weight. */
+static void largest_param(const mt_model *m, int64_t *numel, int64_t *blocks)
+{
+    *numel = *blocks = 1;
+    for (int i = 0; i < m->table.n; i++) {
+        const mt_param_desc *d = &m->table.p[i];
+        int64_t nb = ((d->rows + 127) / 128) * ((d->cols + 127) / 128);
+        if (mt_param_numel(d) > *numel) *numel = mt_param_numel(d);
+        if (nb > *blocks) *blocks = nb;
+    }
+}
+
+int mt_train_state_load_weights(mt_model *m, const mt_tensor_reader *r,
+                                void (*progress)(void *ctx, int done, int total), void *ctx)
+{
+    int64_t mx, mxs;
+    largest_param(m, &mx, &mxs);
+    void *host = malloc((size_t)mx * 4);
+    float *hs = malloc((size_t)mxs * 4);
+    float *dev = NULL;
+    int rc = host && hs ? m->be->alloc(m->be, (size_t)mx * 4, (void **)&dev)
+                        : MT_ERR(MT_ENOMEM, "loading weights: out of memory");
+    for (int i = 0; i < m->table.n && rc == MT_OK; i++) {
+        rc = load_param(m, r, i, host, hs, dev);
+        if (progress) progress(ctx, i + 1, m->table.n);
+    }
+    if (rc == MT_OK) rc = m->be->sync(m->be);
+    if (dev) m->be->free(m->be, dev);
+    free(host);
+    free(hs);
+    return rc;
+}
+
 int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char *state_json)
 {
     mt_model *m = t->model;
     scalars sc;
     MT_CHECK(parse_state(state_json, &sc));
-    int64_t mx = 1, mxs = 1;
-    for (int i = 0; i < m->table.n; i++) {
-        const mt_param_desc *d = &m->table.p[i];
-        int64_t nb = ((d->rows + 127) / 128) * ((d->cols + 127) / 128);
-        if (mt_param_numel(d) > mx) mx = mt_param_numel(d);
-        if (nb > mxs) mxs = nb;
-    }
+    int64_t mx, mxs;
+    largest_param(m, &mx, &mxs);
     void *host = malloc((size_t)mx * 4);
     float *hs = malloc((size_t)mxs * 4);
     if (!host || !hs) {

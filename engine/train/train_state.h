@@ -92,6 +92,12 @@ typedef struct mt_tensor_reader {
  * optimizer buffers as stored; the trainer continues bit-identically. */
 int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char *state_json);
 
+/* Loads only the weights into a model (scoring, no optimizer): the compute
+ * copies exactly as mt_train_state_restore writes them. progress (may be
+ * NULL) is called after each parameter. */
+int mt_train_state_load_weights(mt_model *m, const mt_tensor_reader *r,
+                                void (*progress)(void *ctx, int done, int total), void *ctx);
+
 /* The model config as JSON text (malloc'd). */
 char *mt_train_state_config_json(const mt_model_config *c);
 

@@ -31,7 +31,7 @@ void mt_router_bias_update(float *bias, const int64_t *load, int E, double gamma
 
 /* The model's options from the job: precision, batch shape, recompute and
  * loss weights. */
-static void model_opts(mt_model_opts *o, const mt_jobspec *j)
+void mt_trainer_model_opts(mt_model_opts *o, const mt_jobspec *j)
 {
     memset(o, 0, sizeof *o);
     o->recipe = j->precision.recipe;
@@ -92,7 +92,7 @@ int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
     t->profile = prof && *prof && strcmp(prof, "0") != 0;
     MT_GOTO(open_data(t), fail);
     mt_model_opts mo;
-    model_opts(&mo, job);
+    mt_trainer_model_opts(&mo, job);
     MT_GOTO(mt_model_create(&t->model, &job->model, &mo, be), fail);
     MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, 0, -1), fail);
     /* checkpoint / hf: the caller restores the state (engine/train/train_state.h) */

@@ -66,6 +66,10 @@ typedef struct mt_trainer {
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be);
 void mt_trainer_destroy(mt_trainer *t);
 
+/* The model's options for a job: precision, batch shape, recompute and
+ * loss weights (the trainer's and evaluation's model). */
+void mt_trainer_model_opts(mt_model_opts *o, const mt_jobspec *j);
+
 /* Joins the data-parallel group `dp` (not owned; its size must be the job's
  * parallel.dp, host memory for the CPU backend, device memory for CUDA).
  * Before the first step. */
