@@ -76,7 +76,7 @@ int main(int argc, char **argv)
     t = jb->trainer;
     MT_GOTO(mt_metrics_log_sink(&s, job.train.log_interval), out);
     MT_GOTO(mt_trainer_add_sink(t, s), out);
-    if (jsonl) {
+    if (jsonl && rt->rank == 0) { /* the metrics are global: rank 0 writes them */
         MT_GOTO(mt_metrics_jsonl_sink(&s, jsonl), out);
         MT_GOTO(mt_trainer_add_sink(t, s), out);
     }
