@@ -286,7 +286,7 @@ static int run_daemon(const args *a, mt_runtime *rt)
         rpc_server_opts ro = {.listen = a->listen, .tls_cert = a->tls_cert,
                               .tls_key = a->tls_key, .auth = &au, .svc = &svc};
         MT_GOTO(rpc_server_start(&srv, &ro, &gport), setup_done);
-        if (a->http) MT_GOTO(http_start(&http, a->http, &svc, &hport), setup_done);
+        if (a->http) MT_GOTO(http_start(&http, a->http, &svc, &au, &hport), setup_done);
         char ghost[256], hhost[256];
         int p;
         http_parse_addr(a->listen, ghost, sizeof ghost, &p);
