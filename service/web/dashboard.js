@@ -51,7 +51,7 @@
   function fmt(v, digits) {
     if (v === null || v === undefined || !isFinite(v)) return "—";
     const a = Math.abs(v);
-    if (a !== 0 && (a >= 1e6 || a < 1e-3)) return v.toExponential(digits - 1);
+    if (a !== 0 && (a >= 1e6 || a < 1e-4)) return v.toExponential(digits - 1).replace(/\.?0+e/, "e");
     return Number(v.toPrecision(digits)).toString();
   }
   function fmtBytes(b) {
@@ -118,18 +118,32 @@
     return { width: w, height: Math.round(Math.min(260, Math.max(170, w * 0.42))) };
   }
 
+  // y tick labels with the fewest digits (3 or more) that keep neighbours
+  // apart: 0.0015 next to 0.002, not 0.002 twice
+  const yTicks = (u, vs) => {
+    for (let d = 3; d < 8; d++) {
+      const t = vs.map((v) => fmt(v, d));
+      if (new Set(t).size === t.length) return t;
+    }
+    return vs.map((v) => fmt(v, 8));
+  };
+
   function makeChart(id) {
     const el = $(id);
     if (charts[id]) { charts[id].u.destroy(); el.textContent = ""; }
     const def = chartDefs[id]();
+    const axes = def.axes || [{}, {}];
+    // y axis as wide as its longest label: ticks and gap (15 px) plus about
+    // 7.5 px a character of the 12 px axis font
+    const fit = (u, vals) => (vals ? Math.max(40, 22 + 7.5 * Math.max(...vals.map((v) => String(v).length))) : 40);
+    axes[1] = Object.assign({ size: fit, values: yTicks }, axes[1]);
     const opts = Object.assign(chartSize(el), {
       scales: Object.assign({ x: { time: false } }, def.scales || {}),
       series: def.series,
-      axes: def.axes || [{}, { size: 56 }],
+      axes,
       legend: { live: true },
       cursor: { drag: { x: true, y: false } },
     });
-    if (opts.axes[1] && !opts.axes[1].size) opts.axes[1].size = 56;
     charts[id] = { u: new uPlot(opts, def.cols(), el), cols: def.cols };
   }
 
@@ -186,10 +200,11 @@
       $("heat-legend").textContent = "";
       return;
     }
-    const left = 34, w = cssW - left, colW = w / HEAT_STEPS;
+    // columns at least as wide as 1/40 of the map, so a young run is visible
+    const left = 34, w = cssW - left, colW = w / Math.min(HEAT_STEPS, Math.max(n, 40));
     let hi = kind === "max" ? 2 : kind === "cv" ? 0.5 : 1;
     for (const h of heat) for (const v of h[kind]) if (v !== null && v > hi) hi = v;
-    const x0 = left + (HEAT_STEPS - n) * colW;
+    const x0 = left;
     for (let c = 0; c < n; c++) {
       const h = heat[c];
       for (let r = 0; r < h.layers.length && r < rows; r++) {
@@ -202,7 +217,8 @@
     for (let r = 0; r < rows; r++) if (rowH >= 9 || r % 4 === 0) g.fillText("L" + layers[r], 2, r * rowH + rowH - 2);
     g.fillText("step " + heat[0].step, x0, cssH - 4);
     const lastLabel = "step " + heat[n - 1].step;
-    g.fillText(lastLabel, cssW - g.measureText(lastLabel).width - 2, cssH - 4);
+    const lx = Math.max(x0 + 60, x0 + n * colW - g.measureText(lastLabel).width);
+    if (n > 1) g.fillText(lastLabel, lx, cssH - 4);
     const desc = { max: "most loaded expert / mean load: white = balanced (1), red = " + fmt(hi, 3) + "x",
                    min: "least loaded expert / mean load: white = balanced (1), blue = starved (0)",
                    cv: "coefficient of variation of the experts' loads: white = 0, red = " + fmt(hi, 3) };
@@ -243,7 +259,8 @@
     setTile("t-tflops", num(m.tflops), fmt(num(m.tflops), 4));
     setTile("t-mfu", num(m.mfu), num(m.mfu) === null ? "—" : (100 * m.mfu).toFixed(1) + "%");
     setTile("t-ms", num(m.step_ms), num(m.step_ms) === null ? "—" : fmt(m.step_ms, 4) + " ms");
-    setTile("t-mem", m.mem_in_use, fmtBytes(m.mem_in_use) + " / " + fmtBytes(m.mem_peak));
+    setTile("t-mem", m.mem_in_use, fmtBytes(m.mem_in_use));
+    $("t-mem-peak").textContent = "peak " + fmtBytes(m.mem_peak);
     setTile("t-skipped", m.skipped_total, String(m.skipped_total));
     $("tokens").textContent = Number(m.tokens).toLocaleString("en-US");
   }
@@ -279,8 +296,8 @@
     S.tps.push(num(m.tokens_per_s));
     S.tflops.push(num(m.tflops));
     S.mfu.push(num(m.mfu));
-    S.mem.push(m.mem_in_use / 2 ** 30);
-    S.peak.push(m.mem_peak / 2 ** 30);
+    S.mem.push(m.mem_in_use / 2 ** 20);
+    S.peak.push(m.mem_peak / 2 ** 20);
     S.skipped.push(m.skipped_total);
     if (num(m.valid_loss) !== null) lastValid = m.valid_loss;
     if (num(m.step_ms) !== null) {
