@@ -269,12 +269,26 @@
 
   let lastValid = null;
 
-  function resetAll() {
+  /* A fresh replay (a new page, or a restarted daemon): the charts start
+   * over. Log lines come from /api/logs, not the stream: they start over
+   * only with another daemon (its lines are numbered from 1 again). */
+  let epoch = "", lastEventSeq = 0;
+  function resetAll(newEpoch) {
     resetData();
     lastValid = null;
-    $("log").textContent = "";
-    logAfter = 0;
+    if (newEpoch !== epoch) {
+      if (epoch) { $("log").textContent = ""; logAfter = 0; }
+      epoch = newEpoch;
+      lastEventSeq = 0;
+    }
     scheduleDraw();
+  }
+  /* state / checkpoint / reshard events go to the log list once each, even
+   * when a replay brings them again */
+  function eventLog(ev, level, text) {
+    if (ev.seq <= lastEventSeq) return;
+    lastEventSeq = ev.seq;
+    addLog(level, text);
   }
 
   function onStep(ev) {
@@ -340,26 +354,26 @@
     es.addEventListener("hello", (e) => {
       const h = JSON.parse(e.data);
       dash.connects++;
-      if (!h.resumed) resetAll();
+      if (!h.resumed) resetAll(h.epoch);
       conn("live");
     });
     es.addEventListener("step", (e) => { track(e); onStep(JSON.parse(e.data)); });
     es.addEventListener("state", (e) => {
       track(e);
       const ev = JSON.parse(e.data);
-      addLog("event", "[" + ev.job + "] " + ev.state + " at step " + ev.step + ": " + ev.message);
+      eventLog(ev, "event", "[" + ev.job + "] " + ev.state + " at step " + ev.step + ": " + ev.message);
       setState(ev.state);
     });
     es.addEventListener("checkpoint", (e) => {
       track(e);
-      const c = JSON.parse(e.data).checkpoint;
-      if (c) addLog("event", "checkpoint " + c.name + " (step " + c.step + ", " + fmtBytes(c.bytes) + ")");
+      const ev = JSON.parse(e.data), c = ev.checkpoint;
+      if (c) eventLog(ev, "event", "checkpoint " + c.name + " (step " + c.step + ", " + fmtBytes(c.bytes) + ")");
       refreshCheckpoints();
     });
     es.addEventListener("reshard", (e) => {
       track(e);
-      const r = JSON.parse(e.data).reshard;
-      addLog("event", "reshard " + r.source + " -> " + r.target + ": " + Math.round(100 * r.progress) + "% " + r.message);
+      const ev = JSON.parse(e.data), r = ev.reshard;
+      eventLog(ev, "event", "reshard " + r.source + " -> " + r.target + ": " + Math.round(100 * r.progress) + "% " + r.message);
     });
     es.addEventListener("gap", (e) => {
       const g = JSON.parse(e.data);
