@@ -347,6 +347,10 @@ static enum MHD_Result events(http_dash *d, struct MHD_Connection *conn)
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream; charset=utf-8");
     MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
     MHD_add_response_header(r, "X-Accel-Buffering", "no"); /* a proxy must not hold it back */
+    /* No idle timeout for a stream: it is quiet between events by nature
+     * (a paused job), and the keep-alive comments find a browser that has
+     * gone. The endpoint's timeout would cut it after a quiet spell. */
+    MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
     enum MHD_Result ok = MHD_queue_response(conn, 200, r);
     MHD_destroy_response(r);
     return ok;
