@@ -268,6 +268,7 @@
   /* ---- events ------------------------------------------------------------------------ */
 
   let lastValid = null;
+  const runsSeen = new Set(); // runs whose state events this page has seen
 
   /* A fresh replay (a new page, or a restarted daemon): the charts start
    * over. Log lines come from /api/logs, not the stream: they start over
@@ -301,6 +302,11 @@
     }
     const n = S.step.length;
     if (n && m.step <= S.step[n - 1]) { dash.duplicates++; return; }
+    // a run's first event is its "started" state change: without one the
+    // ring no longer held the run's beginning
+    if (!n && m.step > 1 && !runsSeen.has(ev.run_id))
+      addLog("warn", "the charts start at step " + m.step + ": the daemon keeps only its last " +
+             "events (moetraind --metrics-ring N keeps more)");
     S.step.push(m.step);
     S.loss.push(num(m.loss));
     S.valid.push(num(m.valid_loss));
@@ -361,6 +367,7 @@
     es.addEventListener("state", (e) => {
       track(e);
       const ev = JSON.parse(e.data);
+      runsSeen.add(ev.run_id);
       eventLog(ev, "event", "[" + ev.job + "] " + ev.state + " at step " + ev.step + ": " + ev.message);
       setState(ev.state);
     });
