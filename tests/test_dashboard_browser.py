@@ -57,11 +57,26 @@ procs = []
 checks = 0
 
 
+session = None  # the WebDriver session, once there is one
+
+
 def cleanup():
+    # Close the browser through its driver first: a driver killed outright
+    # leaves chromium running, orphaned.
+    if session:
+        try:
+            urllib.request.urlopen(urllib.request.Request(
+                WD + "/session/" + session, method="DELETE"), timeout=30).read()
+        except Exception:  # noqa: BLE001  (it may be what failed)
+            pass
     for p in procs:
         if p.poll() is None:
-            p.kill()
-            p.wait()
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def fail(what):
