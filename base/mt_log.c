@@ -2,6 +2,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "base/mt_log.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,6 +13,18 @@
 
 static int log_rank = 0;
 static int log_level = -1; /* -1: not yet read from the environment */
+
+static pthread_mutex_t tap_mu = PTHREAD_MUTEX_INITIALIZER;
+static mt_log_tap_fn tap_fn; /* guarded by tap_mu */
+static void *tap_ctx;
+
+void mt_log_set_tap(mt_log_tap_fn fn, void *ctx)
+{
+    pthread_mutex_lock(&tap_mu);
+    tap_fn = fn;
+    tap_ctx = ctx;
+    pthread_mutex_unlock(&tap_mu);
+}
 
 void mt_log_set_rank(int rank) { log_rank = rank; }
 
@@ -55,4 +68,7 @@ void mt_log(mt_log_level level, const char *fmt, ...)
     line[len++] = '\n';
     ssize_t w = write(STDERR_FILENO, line, len);
     (void)w;
+    pthread_mutex_lock(&tap_mu);
+    if (tap_fn) tap_fn(tap_ctx, level, line, len - 1);
+    pthread_mutex_unlock(&tap_mu);
 }

@@ -8,6 +8,8 @@
 #ifndef MT_LOG_H
 #define MT_LOG_H
 
+#include <stddef.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -21,6 +23,14 @@ mt_log_level mt_log_get_level(void);
 int mt_log_parse_level(const char *s);
 
 void mt_log(mt_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* A tap sees every line that is written (without its newline), after the
+ * write, from the thread that logged it; calls are serialised. One tap per
+ * process (moetraind's dashboard keeps recent lines); NULL removes it, and
+ * once mt_log_set_tap returns the old tap is no longer running or called.
+ * The tap must not log itself (the calls hold a lock). */
+typedef void (*mt_log_tap_fn)(void *ctx, mt_log_level level, const char *line, size_t len);
+void mt_log_set_tap(mt_log_tap_fn fn, void *ctx);
 
 #define MT_LOGE(...) mt_log(MT_LOG_ERROR, __VA_ARGS__)
 #define MT_LOGW(...) mt_log(MT_LOG_WARN, __VA_ARGS__)

@@ -4,7 +4,8 @@
 # moetraind daemon, and drive it with the moetrain CLI: start the embedded
 # tiny DeepSeek-V3 job (deploy/examples/tiny-cpu.json), watch it, pause and
 # resume it, save a checkpoint, and follow it to the end. On the CPU unless
-# a GPU is present. Run deploy/setup.sh first.
+# a GPU is present. The web dashboard shows the run live at the http://
+# address it prints. Run deploy/setup.sh first.
 #
 #   MOETRAIN_BUILD_DIR   build directory (default: build)
 #   DEMO_STEPS           train.steps of the demo job (default: the file's 300)
@@ -40,6 +41,7 @@ http=$(sed -n 's/^http=//p' "$work/ready")
 export MOETRAIN_SERVER
 moetrain="$build/service/moetrain"
 echo "demo: moetraind serves gRPC on $MOETRAIN_SERVER, /metrics on http://$http (log: $work/moetraind.log)"
+echo "demo: watch the run live in a browser: http://$http/"
 
 # the GPU when this build has the CUDA backend and a GPU is there, else the CPU
 backend=cpu

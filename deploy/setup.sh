@@ -6,6 +6,11 @@
 #
 #   MOETRAIN_BUILD_DIR   build directory (default: build)
 #   MOETRAIN_CMAKE_ARGS  extra CMake arguments, e.g. -DMOETRAIN_CUDA=OFF
+#
+# No npm here: the dashboard's one library (uPlot) is vendored in
+# service/web/vendor/, pinned by service/web/package-lock.json; the build
+# embeds it from there, so building and testing need neither npm nor the
+# registry (service/web/README.md; vendor.sh updates it).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,11 +23,13 @@ packages=(
   libjansson-dev                              # JSON job specs and configs
   libcmocka-dev                               # unit tests
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
-  libmicrohttpd-dev                           # /metrics and /healthz
+  libmicrohttpd-dev                           # /metrics, /healthz and the web dashboard
   protobuf-compiler-grpc python3 python3-grpcio python3-grpc-tools python3-protobuf
   grpc-proto                                  # grpc health + reflection .proto files
   openssl                                     # the TLS test's self-signed certificate
   python3-numpy python3-h5py                  # the foreign gRPC client test, h5 checks
+  python3-yaml                                # test_monitoring_files reads the Prometheus files
+  chromium chromium-driver                    # test_dashboard_browser (headless, via chromedriver)
   clang libclang-rt-14-dev                    # libFuzzer targets
 )
 

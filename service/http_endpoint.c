@@ -12,11 +12,13 @@
 
 #include "base/mt_log.h"
 #include "base/mt_status.h"
+#include "service/http_dashboard.h"
 #include "service/prom.h"
 
 struct http_endpoint {
     struct MHD_Daemon *d;
     service *svc;
+    http_dash dash;
 };
 
 int http_parse_addr(const char *listen, char *host, int host_cap, int *port)
@@ -56,62 +58,55 @@ int addr_is_loopback(const char *host)
     return 0;
 }
 
-static enum MHD_Result reply(struct MHD_Connection *conn, unsigned code, char *body, size_t len,
-                             const char *type)
-{
-    struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
-    if (!r) {
-        free(body);
-        return MHD_NO;
-    }
-    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
-    enum MHD_Result ok = MHD_queue_response(conn, code, r);
-    MHD_destroy_response(r);
-    return ok;
-}
-
-static enum MHD_Result text(struct MHD_Connection *conn, unsigned code, const char *s)
-{
-    char *body = strdup(s);
-    if (!body) return MHD_NO;
-    return reply(conn, code, body, strlen(body), "text/plain; charset=utf-8");
-}
-
+/* The access handler: called first with *state NULL, then (a POST) with
+ * each piece of the body, then with no more body: answered then. */
 static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char *url,
                               const char *method, const char *version, const char *upload,
                               size_t *upload_size, void **state)
 {
     (void)version;
     (void)upload;
+    static int seen;
     http_endpoint *h = cls;
-    if (strcmp(method, "GET") && strcmp(method, "HEAD")) return text(conn, 405, "GET only\n");
-    /* A request body is not expected; acknowledge and ignore it. */
+    int get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    if (!get && strcmp(method, "POST")) return http_text(conn, 405, "GET or POST only\n");
+    if (!*state) {
+        *state = &seen;
+        if (!get) return MHD_YES; /* the body (if any) comes next */
+    }
+    /* No request takes a body; acknowledge and ignore one. */
     if (*upload_size) {
         *upload_size = 0;
         return MHD_YES;
     }
-    (void)state;
-    if (!strcmp(url, "/metrics")) {
+    if (get && !strcmp(url, "/metrics")) {
         char *body;
         size_t len;
-        if (prom_render(h->svc, &body, &len) < 0) return text(conn, 500, "out of memory\n");
-        return reply(conn, 200, body, len, "text/plain; version=0.0.4; charset=utf-8");
+        if (prom_render(h->svc, &body, &len) < 0) return http_text(conn, 500, "out of memory\n");
+        return http_reply(conn, 200, body, len, "text/plain; version=0.0.4; charset=utf-8");
     }
-    if (!strcmp(url, "/healthz")) {
-        if (service_serving(h->svc)) return text(conn, 200, "ok\n");
-        return text(conn, 503, "draining\n");
+    if (get && !strcmp(url, "/healthz")) {
+        if (service_serving(h->svc)) return http_text(conn, 200, "ok\n");
+        return http_text(conn, 503, "draining\n");
     }
-    return text(conn, 404, "not found: try /metrics or /healthz\n");
+    int handled;
+    enum MHD_Result r = http_dash_handle(&h->dash, conn, url, method, &handled);
+    if (handled) return r;
+    if (!get) return http_text(conn, 405, "POST only to /api/{pause,resume,save,stop}\n");
+    return http_text(conn, 404, "not found: try /, /metrics, /healthz or /events\n");
 }
 
-int http_start(http_endpoint **out, const char *listen, service *svc, int *port)
+int http_start(http_endpoint **out, const char *listen, service *svc, const auth *au, int *port)
 {
     *out = NULL;
     char host[256];
     MT_CHECK(http_parse_addr(listen, host, sizeof host, port));
     struct sockaddr_storage ss;
     memset(&ss, 0, sizeof ss);
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    /* A thread per connection: an event stream, or a control call waiting
+     * for its step boundary, blocks nobody else. */
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
+                     MHD_USE_ERROR_LOG;
     if (inet_pton(AF_INET, host, &((struct sockaddr_in *)&ss)->sin_addr) == 1) {
         struct sockaddr_in *a = (struct sockaddr_in *)&ss;
         a->sin_family = AF_INET;
@@ -127,10 +122,17 @@ int http_start(http_endpoint **out, const char *listen, service *svc, int *port)
     http_endpoint *h = calloc(1, sizeof *h);
     if (!h) return MT_ERR(MT_ENOMEM, "http: out of memory");
     h->svc = svc;
+    int rc = http_dash_init(&h->dash, svc, au);
+    if (rc < 0) {
+        free(h);
+        return rc;
+    }
     h->d = MHD_start_daemon(flags, (uint16_t)*port, NULL, NULL, handle, h, MHD_OPTION_SOCK_ADDR,
                             (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_TIMEOUT,
-                            (unsigned)30, MHD_OPTION_END);
+                            (unsigned)30, MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)HTTP_MAX_CONNECTIONS, MHD_OPTION_END);
     if (!h->d) {
+        http_dash_cleanup(&h->dash);
         free(h);
         return MT_ERR(MT_EIO, "--http %s: cannot listen (in use, or not an address here)", listen);
     }
@@ -143,6 +145,10 @@ int http_start(http_endpoint **out, const char *listen, service *svc, int *port)
 void http_stop(http_endpoint *h)
 {
     if (!h) return;
+    /* Streams and waiting controls end at their next look (<= 50 ms), so
+     * the connection threads MHD_stop_daemon joins do finish. */
+    atomic_store(&h->dash.stopping, 1);
     MHD_stop_daemon(h->d);
+    http_dash_cleanup(&h->dash);
     free(h);
 }

@@ -67,7 +67,8 @@ static void usage(FILE *f)
             "--listen, Prometheus /metrics and /healthz on --http.\n"
             "  --listen ADDR         gRPC address (default " DEFAULT_LISTEN "); a non-loopback\n"
             "                        address needs --token-file\n"
-            "  --http ADDR           HTTP address for /metrics and /healthz (default: off)\n"
+            "  --http ADDR           HTTP address for the web dashboard (/), /metrics and\n"
+            "                        /healthz (default: off)\n"
             "  --workdir DIR         where checkpoints go; names from requests stay inside\n"
             "                        (default: the current directory)\n"
             "  --token-file F        mutating RPCs need 'authorization: Bearer <token>'\n"
@@ -286,14 +287,14 @@ static int run_daemon(const args *a, mt_runtime *rt)
         rpc_server_opts ro = {.listen = a->listen, .tls_cert = a->tls_cert,
                               .tls_key = a->tls_key, .auth = &au, .svc = &svc};
         MT_GOTO(rpc_server_start(&srv, &ro, &gport), setup_done);
-        if (a->http) MT_GOTO(http_start(&http, a->http, &svc, &hport), setup_done);
+        if (a->http) MT_GOTO(http_start(&http, a->http, &svc, &au, &hport), setup_done);
         char ghost[256], hhost[256];
         int p;
         http_parse_addr(a->listen, ghost, sizeof ghost, &p);
         if (a->http) http_parse_addr(a->http, hhost, sizeof hhost, &p);
         MT_LOGI("moetraind serving gRPC on %s:%d%s%s, workdir %s, %d rank(s)", ghost, gport,
                 a->tls_cert ? " (TLS)" : "", au.enabled ? " with a token" : "", workdir, world);
-        if (a->http) MT_LOGI("HTTP /metrics and /healthz on %s:%d", hhost, hport);
+        if (a->http) MT_LOGI("HTTP dashboard, /metrics and /healthz on %s:%d", hhost, hport);
         if (a->job) MT_GOTO(start_job_file(a, workdir, world, ctl), setup_done);
         if (a->ready_file)
             MT_GOTO(write_ready(a->ready_file, ghost, gport, a->http ? hhost : NULL, hport), setup_done);
