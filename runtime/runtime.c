@@ -54,12 +54,21 @@ static int make_backend(const mt_jobspec *j, int threads, int rank, mt_backend *
 }
 
 /* The groups live on the memory the backend computes in: gradients are
- * reduced where they are. */
+ * reduced where they are. parallel.comm picks the backend; "mpi" for a CUDA
+ * job means MPI through host memory (staged). */
 static int make_groups(mt_job *j)
 {
     mt_comm *world = j->rt->world;
-    if (j->be->kind != MT_BE_CPU) {
-        mt_comm_opts o = {.backend = MT_COMM_AUTO, .mem = MT_COMM_DEVICE};
+    const mt_comm_backend want = j->spec.comm;
+    if (j->be->kind == MT_BE_CPU) {
+        if (want == MT_COMM_NCCL || want == MT_COMM_STAGED)
+            return MT_ERR(MT_EINVAL, "parallel.comm %s needs backend cuda (device buffers)",
+                          mt_comm_backend_name(want));
+        if (want == MT_COMM_LOCAL && j->rt->size > 1)
+            return MT_ERR(MT_EINVAL, "parallel.comm local runs one rank, not %d", j->rt->size);
+    } else {
+        mt_comm_opts o = {.backend = want == MT_COMM_MPI ? MT_COMM_STAGED : want,
+                          .mem = MT_COMM_DEVICE};
         MT_CHECK(mt_comm_world(&j->dev_world, &o));
         world = j->dev_world;
     }

@@ -12,6 +12,9 @@
 #include "engine/parallel/sharding.h"
 
 static const char *const backend_names[] = {"cpu", "cuda", NULL};
+/* mt_comm_backend order (engine/parallel/comm.h) */
+static const char *const comm_names[] = {"auto", "local", "mpi", "staged", "nccl", NULL};
+_Static_assert(MT_COMM_BACKEND_COUNT == 5, "comm_names follows mt_comm_backend");
 static const char *const recipe_names[] = {"fp8-blockwise", "bf16", "fp32", NULL};
 static const char *const main_names[] = {"fp32", "bf16", "none", NULL};
 static const char *const decay_names[] = {"cosine", "linear", "wsd", "constant", NULL};
@@ -38,6 +41,9 @@ static const mt_field job_fields[] = {
     I("parallel.etp", parallel.etp, "1", 1, 1024, "expert tensor parallel size"),
     I("parallel.dp", parallel.dp, "0", 0, 1 << 20, "data parallel size; 0: world/(tp*pp)"),
     E("parallel.schedule", parallel.schedule, "1f1b", mt_pp_schedule_names, "pipeline schedule"),
+    E("parallel.comm", comm, "auto", comm_names,
+      "collectives: auto (cpu: mpi; cuda: nccl, or staged when ranks share a GPU), mpi "
+      "(cuda: staged through host memory), nccl, staged, local (one rank)"),
     E("precision.recipe", precision.recipe, "fp8-blockwise", recipe_names,
       "linear-layer precision"),
     E("precision.main_params", precision.main_params, "fp32", main_names,
@@ -94,7 +100,7 @@ static const mt_field job_fields[] = {
       "consecutive NaN/Inf steps that fail the job"),
 };
 #define N_JOB_FIELDS ((int)(sizeof job_fields / sizeof job_fields[0]))
-_Static_assert(N_JOB_FIELDS == 46, "job spec field table changed: update docs and tests");
+_Static_assert(N_JOB_FIELDS == 47, "job spec field table changed: update docs and tests");
 
 static int is_abs(const char *p) { return p[0] == '/'; }
 

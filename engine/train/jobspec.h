@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "engine/model/config.h"
+#include "engine/parallel/comm.h"
 #include "engine/parallel/layout.h"
 
 #define MT_PATH_CAP 1024
@@ -91,6 +92,7 @@ typedef struct mt_jobspec {
     char model_path[MT_PATH_CAP]; /* config.json the model came from, or "" (inline) */
     mt_model_config model;
     mt_layout parallel;         /* dp 0 until mt_jobspec_admit resolves it */
+    mt_comm_backend comm;       /* parallel.comm: the backend of the job's collectives */
     mt_precision precision;
     mt_optimizer_cfg optimizer;
     mt_lr_schedule lr_schedule;
