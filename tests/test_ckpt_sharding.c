@@ -312,8 +312,10 @@ static void test_pipeline_placement(void **state)
     mt_shard_map_free(&m);
 }
 
-/* ZeRO-1: optimizer pieces split the TP slab by rows across DP ranks. */
-static void test_zero_split(void **state)
+/* ZeRO-1: each parameter's optimizer state is kept whole (its TP slab) by
+ * one rank of its DP (EDP) group, the owners in contiguous runs balanced by
+ * elements; weights stay replicated; the map and mt_zero_owners agree. */
+static void test_zero_owners(void **state)
 {
     (void)state;
     mt_model_config c;
@@ -323,18 +325,54 @@ static void test_zero_split(void **state)
     mt_shard_map m;
     mt_shard_opts o = full_opts(1);
     assert_int_equal(mt_shard_map_build(&m, &c, &l, &o), MT_OK);
-    int w = mt_shard_map_find(&m, "model.layers.0.self_attn.q_b_proj.weight");
+    int *own = calloc((size_t)m.n_params, sizeof *own);
+    assert_non_null(own);
+    assert_int_equal(mt_zero_owners(&c, &l, own), MT_OK);
+    /* dense: owners 0..dp-1 in non-decreasing table order, each one used;
+     * experts: owners within the EDP group (edp = 2 * 3 / 2 = 3) */
+    int64_t dense_elems[3] = {0, 0, 0};
+    int last_dense = 0, edp = mt_layout_edp(&l);
+    for (int i = 0; i < m.n_params; i++) {
+        const mt_shard_tensor *w = &m.tensors[m.param_tensor[i][MT_TS_WEIGHT]];
+        const int t = m.param_tensor[i][MT_TS_EXP_AVG];
+        if (t < 0) { /* router bias: no optimizer state */
+            assert_int_equal(own[i], -1);
+            continue;
+        }
+        const int expert = strstr(w->name, ".experts.") != NULL;
+        assert_true(own[i] >= 0 && own[i] < (expert ? edp : l.dp));
+        if (!expert) {
+            assert_true(own[i] >= last_dense);
+            last_dense = own[i];
+            dense_elems[own[i]] += w->shape[0] * w->shape[1];
+        }
+        /* one piece per TP (ETP) slab, written by the owner, held only by the owner's ranks */
+        const mt_shard_tensor *a = &m.tensors[t];
+        const mt_shard_piece *pc = &m.pieces[a->first_piece];
+        mt_rank_coords rc;
+        mt_layout_coords(&l, pc->writer, &rc);
+        assert_int_equal(expert ? rc.edp : rc.dp, own[i]);
+        int held = 0;
+        for (int r = 0; r < m.world; r++) {
+            int64_t off[2], cnt[2];
+            if (!mt_shard_map_held(&m, t, r, off, cnt)) continue;
+            mt_layout_coords(&l, r, &rc);
+            assert_int_equal(expert ? rc.edp : rc.dp, own[i]);
+            held++;
+        }
+        assert_true(held >= a->n_pieces); /* TP-replicated ones: every tp rank of the owner */
+    }
+    for (int z = 0; z < 3; z++) assert_true(dense_elems[z] > 0);
+    /* q_b_proj of layer 0: split by TP into two pieces, each whole for its owner */
     int a = mt_shard_map_find(&m, "optimizer.exp_avg.model.layers.0.self_attn.q_b_proj.weight");
-    assert_true(w >= 0 && a >= 0);
-    assert_int_equal(m.tensors[w].n_pieces, 2); /* one per TP rank */
-    assert_int_equal(m.tensors[a].n_pieces, 6); /* TP x DP */
+    assert_true(a >= 0);
+    assert_int_equal(m.tensors[a].n_pieces, 2);
     int64_t off[2], cnt[2];
-    /* rank 5 = tp 1, dp 2: rows [256 + 2*256/3, 512) of the [512, 128] weight */
-    assert_int_equal(mt_shard_map_held(&m, a, 5, off, cnt), 1);
-    assert_int_equal(off[0], 256 + 170);
-    assert_int_equal(cnt[0], 86);
-    assert_int_equal(off[1], 0);
-    assert_int_equal(cnt[1], 128);
+    const int writer = m.pieces[m.tensors[a].first_piece + 1].writer;
+    assert_int_equal(mt_shard_map_held(&m, a, writer, off, cnt), 1);
+    assert_int_equal(off[0], 256);
+    assert_int_equal(cnt[0], 256);
+    free(own);
     mt_shard_map_free(&m);
 }
 
@@ -343,7 +381,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_small_layouts_tile),  cmocka_unit_test(test_dsv3_layouts_tile),
         cmocka_unit_test(test_fp8_block_rule),      cmocka_unit_test(test_layout_rules),
-        cmocka_unit_test(test_pipeline_placement),  cmocka_unit_test(test_zero_split),
+        cmocka_unit_test(test_pipeline_placement),  cmocka_unit_test(test_zero_owners),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

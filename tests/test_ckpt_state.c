@@ -120,7 +120,7 @@ static void assert_same_state(mt_trainer *a, mt_trainer *b)
     bytes_equal(x.q, y.q, (size_t)n_q, "FP8 weights");
     bytes_equal(x.s, y.s, (size_t)n_s * 4, "FP8 scales");
     bytes_equal(x.f32, y.f32, (size_t)n_f * 4, "router biases");
-    const size_t nopt = (size_t)(a->opt->hi - a->opt->lo);
+    const size_t nopt = (size_t)a->opt->n_state;
     bytes_equal(x.m, y.m, nopt * 2, "exp_avg");
     bytes_equal(x.v, y.v, nopt * 2, "exp_avg_sq");
     assert_int_equal(!x.master, !y.master);

@@ -8,8 +8,9 @@
  *      main parameter after the last step, within the rounding of the
  *      gradient summation order (fp32: 1e-5 relative loss, parameters 3e-5
  *      = 1 % of one step's lr; fp8: 1e-3 and 3e-4);
- *   2. every rank holds bit-identical parameters after every run (the same
- *      update everywhere);
+ *   2. every rank computes with bit-identical weights after every run (the
+ *      owner's update everywhere), and the ranks keep disjoint parts of the
+ *      optimizer state that add up to the one rank's (ZeRO-1);
  *   3. each step consumes the global batch once: consumed_samples is
  *      global_batch_size per step on every rank.
  * The reference trainer runs on each rank by itself (no communicator).
@@ -64,14 +65,39 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
     if (rc < 0) die("job", rc);
 }
 
-/* The f32 main copy of every parameter (CPU backend: host memory). */
-static float *main_params(const mt_trainer *t, size_t *n)
+/* Largest difference between the f32 main copies of the parameters this
+ * rank keeps (ZeRO-1) and the same parameters of the one-rank trainer
+ * (CPU backend: host memory). */
+static double main_params_diff(const mt_trainer *t, const mt_trainer *ref, int64_t *kept)
 {
-    *n = (size_t)(t->opt->hi - t->opt->lo);
-    float *p = malloc(*n * sizeof *p);
-    if (!p) die("out of memory", MT_ENOMEM);
-    memcpy(p, t->opt->master, *n * sizeof *p);
-    return p;
+    const float *a = t->opt->master, *b = ref->opt->master;
+    double worst = 0;
+    *kept = 0;
+    for (int i = 0; i < t->model->table.n; i++) {
+        if (t->opt->off[i] < 0) continue;
+        const int64_t n = mt_param_numel(&t->model->params[i].d);
+        for (int64_t k = 0; k < n; k++)
+            worst = fmax(worst, fabs((double)a[t->opt->off[i] + k] - b[ref->opt->off[i] + k]));
+        *kept += n;
+    }
+    return worst;
+}
+
+/* Every parameter's compute copy as f32, concatenated (malloc'd). */
+static float *compute_copies(mt_trainer *t, size_t *n)
+{
+    mt_model *m = t->model;
+    *n = 0;
+    for (int i = 0; i < m->table.n; i++) *n += (size_t)mt_param_numel(&m->params[i].d);
+    float *all = malloc(*n * sizeof *all);
+    if (!all) die("out of memory", MT_ENOMEM);
+    size_t at = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        int rc = mt_model_get_param(m, i, all + at);
+        if (rc < 0) die("get_param", rc);
+        at += (size_t)mt_param_numel(&m->params[i].d);
+    }
+    return all;
 }
 
 static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
@@ -107,13 +133,22 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
             printf("%s step %d: loss %.9f (one rank %.9f), grad norm %.6g (%.6g)\n", recipe, s + 1,
                    md.loss, m1.loss, md.grad_norm, m1.grad_norm);
     }
-    size_t n, n1;
-    float *pd = main_params(job->trainer, &n), *p1 = main_params(ref, &n1);
-    CHECK(n == n1, "%zu vs %zu parameters", n, n1);
-    double worst = 0;
-    for (size_t i = 0; i < n && i < n1; i++) worst = fmax(worst, fabs((double)pd[i] - p1[i]));
+    int64_t kept, total = 0;
+    double worst = main_params_diff(job->trainer, ref, &kept);
     CHECK(worst <= param_tol, "%s: parameters differ from one rank's by up to %.3g", recipe, worst);
-    if (rt->rank == 0) printf("%s: largest parameter difference to one rank %.3g\n", recipe, worst);
+    /* ZeRO-1: the ranks keep disjoint parts that add up to all parameters */
+    if (mt_comm_all_reduce(rt->world, &kept, &total, 1, MT_COMM_I64, MT_COMM_SUM) < 0)
+        die("all_reduce", MT_EGENERIC);
+    CHECK(total == ref->opt->n_state, "%s: the ranks keep %lld state elements, one rank %lld",
+          recipe, (long long)total, (long long)ref->opt->n_state);
+    CHECK(rt->size == 1 || kept < ref->opt->n_state, "%s: rank keeps all %lld elements", recipe,
+          (long long)kept);
+    if (rt->rank == 0)
+        printf("%s: largest main-parameter difference to one rank %.3g; rank 0 keeps %lld of "
+               "%lld optimizer elements\n", recipe, worst, (long long)kept,
+               (long long)ref->opt->n_state);
+    size_t n;
+    float *pd = compute_copies(job->trainer, &n);
 
     /* bit-identical on every rank: the max and min over ranks agree */
     float *hi = malloc(n * sizeof *hi), *lo = malloc(n * sizeof *lo);
@@ -127,7 +162,6 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
     free(hi);
     free(lo);
     free(pd);
-    free(p1);
     mt_trainer_destroy(ref);
     be->destroy(be);
     if ((rc = mt_job_end(job)) < 0) die("mt_job_end", rc);

@@ -167,6 +167,7 @@ static uint64_t fnv1a(const char *s)
 
 struct mt_shard_priv {
     pclass *pcs; /* [n_params] */
+    int *zero;   /* [n_params]: ZeRO-1 owner in the DP / EDP group, -1 none */
 };
 
 /* The weight slab of a parameter on a rank: 1 if the rank holds some. */
@@ -192,25 +193,19 @@ static int weight_slab(const mt_shard_map *m, const pclass *pc, const mt_shard_t
     return cnt[0] > 0 && cnt[1] > 0;
 }
 
-/* The slab of a role derived from the weight slab: scale blocks, or the
- * ZeRO part k of n of the rows. 1 if non-empty. */
-static int role_slab(mt_tensor_role role, int k, int n, int64_t off[2], int64_t cnt[2])
+/* The slab of a role derived from the weight slab: the weight itself, its
+ * scale blocks, or (optimizer roles) the whole slab, kept by the ZeRO-1
+ * owner. 1 if non-empty. */
+static int role_slab(mt_tensor_role role, int64_t off[2], int64_t cnt[2])
 {
-    if (role == MT_TS_WEIGHT) return 1;
-    if (role == MT_TS_SCALE) {
-        int64_t r0 = off[0] / 128, r1 = (off[0] + cnt[0] + 127) / 128;
-        int64_t c0 = off[1] / 128, c1 = (off[1] + cnt[1] + 127) / 128;
-        off[0] = r0;
-        off[1] = c0;
-        cnt[0] = r1 - r0;
-        cnt[1] = c1 - c0;
-        return 1;
-    }
-    int64_t lo, c;
-    part(cnt[0], n, k, &lo, &c);
-    off[0] += lo;
-    cnt[0] = c;
-    return c > 0;
+    if (role != MT_TS_SCALE) return 1;
+    const int64_t r0 = off[0] / 128, r1 = (off[0] + cnt[0] + 127) / 128;
+    const int64_t c0 = off[1] / 128, c1 = (off[1] + cnt[1] + 127) / 128;
+    off[0] = r0;
+    off[1] = c0;
+    cnt[0] = r1 - r0;
+    cnt[1] = c1 - c0;
+    return 1;
 }
 
 int mt_shard_map_held(const mt_shard_map *m, int t, int rank, int64_t off[2], int64_t count[2])
@@ -221,15 +216,67 @@ int mt_shard_map_held(const mt_shard_map *m, int t, int rank, int64_t off[2], in
     mt_rank_coords rc;
     mt_layout_coords(&m->layout, rank, &rc);
     if (!weight_slab(m, pc, w, &rc, off, count)) return 0;
-    int n = pc->expert ? mt_layout_edp(&m->layout) : m->layout.dp;
-    int k = pc->expert ? rc.edp : rc.dp;
-    return role_slab(st->role, k, n, off, count);
+    if (st->role >= MT_TS_EXP_AVG && m->priv->zero[st->param] != (pc->expert ? rc.edp : rc.dp))
+        return 0;
+    return role_slab(st->role, off, count);
 }
 
 typedef struct builder {
     mt_shard_map *m;
     int cap_t, cap_p;
 } builder;
+
+/* ZeRO-1 owners (sharding.h): per group (dense parameters of a stage;
+ * routed experts of a stage and EP rank) the parameters in table order,
+ * each owned by floor((start + n / 2) * Z / N) of the group's Z ranks
+ * (start: its first element in the group, n its elements, N the group's):
+ * contiguous runs balanced by elements, whole parameters. */
+static int zero_owners(const mt_layout *l, const mt_param_table *t, const pclass *pcs, int *owner)
+{
+    const int P = l->pp, E = l->ep, n_keys = P + P * E;
+    int64_t *tot = calloc((size_t)n_keys, sizeof *tot), *run = calloc((size_t)n_keys, sizeof *run);
+    if (!tot || !run) {
+        free(tot);
+        free(run);
+        return MT_ERR(MT_ENOMEM, "sharding map: out of memory");
+    }
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < t->n; i++) {
+            const mt_param_desc *d = &t->p[i];
+            const pclass *pc = &pcs[i];
+            if (d->kind == MT_PK_ROUTER_BIAS) { /* set by the balancing rule */
+                owner[i] = -1;
+                continue;
+            }
+            const int key = pc->expert ? P + pc->stage[0] * E + pc->ep_rank : pc->stage[0];
+            const int64_t n = mt_param_numel(d);
+            if (pass == 0) {
+                tot[key] += n;
+                continue;
+            }
+            const int Z = pc->expert ? mt_layout_edp(l) : l->dp;
+            int64_t z = (run[key] + n / 2) * Z / tot[key];
+            owner[i] = (int)(z < Z ? z : Z - 1);
+            run[key] += n;
+        }
+    free(tot);
+    free(run);
+    return MT_OK;
+}
+
+int mt_zero_owners(const mt_model_config *c, const mt_layout *l, int *owner)
+{
+    if (l->dp < 1) return MT_ERR(MT_EINVAL, "zero owners: the layout's dp is not resolved");
+    mt_param_table t;
+    MT_CHECK(mt_params_build(&t, c, 0, -1));
+    pclass *pcs = calloc((size_t)(t.n > 0 ? t.n : 1), sizeof *pcs);
+    int rc = pcs ? MT_OK : MT_ERR(MT_ENOMEM, "zero owners: out of memory");
+    for (int i = 0; rc == MT_OK && i < t.n; i++) classify(l, c, &t.p[i], &pcs[i]);
+    if (rc == MT_OK) rc = zero_owners(l, &t, pcs, owner);
+    free(pcs);
+    mt_params_free(&t);
+    return rc;
+}
 
 static int add_tensor(builder *b, const char *name, mt_dtype dt, int ndim, int64_t r, int64_t c,
                       int param, mt_tensor_role role)
@@ -287,25 +334,25 @@ static int add_pieces(builder *b, int t)
     const mt_shard_tensor *w = &m->tensors[m->param_tensor[st->param][MT_TS_WEIGHT]];
     const int opt = st->role >= MT_TS_EXP_AVG;
     const int K = pc->split_dim < 0 ? 1 : pc->expert ? l->etp : l->tp;
-    const int Z = !opt ? 1 : pc->expert ? mt_layout_edp(l) : l->dp;
+    /* weights: the lowest replica (dp / edp 0) writes; optimizer state: its
+     * ZeRO-1 owner, the only rank that holds it */
+    const int z = opt ? m->priv->zero[st->param] : 0;
     int stage = pc->stage[0];
     if (pc->stage[1] >= 0 && pc->stage[1] < stage) stage = pc->stage[1];
     st->first_piece = m->n_pieces;
     for (int k = 0; k < K; k++) {
-        for (int z = 0; z < Z; z++) {
-            mt_rank_coords rc;
-            memset(&rc, 0, sizeof rc);
-            rc.pp = stage;
-            rc.tp = rc.etp = k;
-            rc.ep = pc->ep_rank;
-            rc.dp = rc.edp = z;
-            int64_t off[2], cnt[2];
-            if (!weight_slab(m, pc, w, &rc, off, cnt)) continue;
-            if (!role_slab(st->role, z, Z, off, cnt)) continue;
-            int writer = pc->expert ? mt_layout_expert_rank(l, k, pc->ep_rank, z, stage)
-                                    : mt_layout_rank(l, pc->split_dim < 0 ? 0 : k, z, stage);
-            MT_CHECK(add_piece(b, t, writer, off, cnt));
-        }
+        mt_rank_coords rc;
+        memset(&rc, 0, sizeof rc);
+        rc.pp = stage;
+        rc.tp = rc.etp = k;
+        rc.ep = pc->ep_rank;
+        rc.dp = rc.edp = z;
+        int64_t off[2], cnt[2];
+        if (!weight_slab(m, pc, w, &rc, off, cnt)) continue;
+        if (!role_slab(st->role, off, cnt)) continue;
+        int writer = pc->expert ? mt_layout_expert_rank(l, k, pc->ep_rank, z, stage)
+                                : mt_layout_rank(l, pc->split_dim < 0 ? 0 : k, z, stage);
+        MT_CHECK(add_piece(b, t, writer, off, cnt));
     }
     st->n_pieces = m->n_pieces - st->first_piece;
     return MT_OK;
@@ -420,8 +467,11 @@ static int build(mt_shard_map *m, const mt_param_table *pt)
     for (int i = 0; i < pt->n; i++) {
         for (int r = 0; r < MT_TS_COUNT; r++) m->param_tensor[i][r] = -1;
         classify(&m->layout, &m->cfg, &pt->p[i], &m->priv->pcs[i]);
-        MT_CHECK(add_param(&b, &pt->p[i], i));
     }
+    m->priv->zero = calloc((size_t)(pt->n > 0 ? pt->n : 1), sizeof *m->priv->zero);
+    if (!m->priv->zero) return MT_ERR(MT_ENOMEM, "sharding map: out of memory");
+    MT_CHECK(zero_owners(&m->layout, pt, m->priv->pcs, m->priv->zero));
+    for (int i = 0; i < pt->n; i++) MT_CHECK(add_param(&b, &pt->p[i], i));
     for (int t = 0; t < m->n_tensors; t++) MT_CHECK(add_pieces(&b, t));
     MT_CHECK(build_hash(m));
     MT_CHECK(build_rank_index(m));
@@ -457,7 +507,10 @@ int mt_shard_map_build(mt_shard_map *m, const mt_model_config *c, const mt_layou
 
 void mt_shard_map_free(mt_shard_map *m)
 {
-    if (m->priv) free(m->priv->pcs);
+    if (m->priv) {
+        free(m->priv->pcs);
+        free(m->priv->zero);
+    }
     free(m->priv);
     free(m->param_tensor);
     free(m->tensors);

@@ -18,9 +18,15 @@
  * Experts: EP gives each rank E / EP consecutive routed experts; ETP splits
  *   their gate_proj / up_proj rows and down_proj columns.
  * Data parallelism (DP, or EDP for experts) replicates weights. ZeRO-1
- *   optimizer state is split across DP (EDP) ranks by whole rows of the
- *   rank's TP-local slab (by elements for 1-D tensors), balanced, so every
- *   piece stays a rectangle.
+ *   optimizer state (exp_avg, exp_avg_sq, main) is kept by one rank of the
+ *   DP (EDP) group per parameter, whole (its TP-local slab): per group of
+ *   parameters (the dense ones of a stage; the routed experts of a stage
+ *   and EP rank), in table order, parameter i with first element `start`
+ *   and n elements belongs to rank floor((start + n / 2) * Z / N) of the
+ *   group's Z ranks, N the group's elements (mt_zero_owners): contiguous
+ *   runs balanced by elements. Whole parameters keep every update local
+ *   (an FP8 weight's 128x128 blocks are re-quantised by one rank) and every
+ *   piece a rectangle.
  * FP8 weights (opts.fp8): every TP / ETP split boundary of an e4m3 tensor
  *   must fall on a multiple of 128 (or the end), so each rank's slab is a
  *   whole number of 128 x 128 scale blocks and the scale tensor's piece is
@@ -113,6 +119,11 @@ typedef struct mt_shard_map {
     mt_shard_alias *aliases;          /* copies the HF export adds */
     struct mt_shard_priv *priv;       /* parameter classes (sharding.c) */
 } mt_shard_map;
+
+/* ZeRO-1 owner of each parameter of mt_params_build(c, 0, -1) within its DP
+ * (dense) or EDP (routed experts) group; -1 for the router biases (no
+ * optimizer state). owner: [parameters]. The map uses the same rule. */
+int mt_zero_owners(const mt_model_config *c, const mt_layout *l, int *owner);
 
 /* Builds the map; validates the layout (mt_layout_validate). */
 int mt_shard_map_build(mt_shard_map *m, const mt_model_config *c, const mt_layout *l,

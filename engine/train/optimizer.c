@@ -11,31 +11,34 @@
 
 static size_t master_elem(mt_main_params p) { return p == MT_MAIN_FP32 ? 4 : 2; }
 
-/* Does parameter p lie in the shard? (one shard per tensor set for now:
- * a tensor is never split across shards) */
-static int in_shard(const mt_optimizer *o, const mt_param *p)
-{
-    return p->grad && p->index >= o->lo && p->index + mt_param_numel(&p->d) <= o->hi;
-}
+/* Does this rank keep parameter i's state? */
+static int in_shard(const mt_optimizer *o, int i) { return o->off[i] >= 0; }
 
-int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j, int64_t lo,
-                        int64_t hi)
+int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j, const int *owner,
+                        int me)
 {
     mt_backend *be = m->be;
     *out = NULL;
-    if (hi < 0) hi = m->n_grad;
-    if (lo < 0 || lo > hi || hi > m->n_grad)
-        return MT_ERR(MT_EINVAL, "optimizer: shard [%lld, %lld) outside [0, %lld)",
-                      (long long)lo, (long long)hi, (long long)m->n_grad);
     mt_optimizer *o = calloc(1, sizeof *o);
     if (!o) return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
+    o->off = malloc((size_t)(m->table.n > 0 ? m->table.n : 1) * sizeof *o->off);
+    if (!o->off) {
+        free(o);
+        return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
+    }
+    o->n_params = m->table.n;
     o->be = be;
     o->main = j->precision.main_params;
     o->cfg = j->optimizer;
-    o->lo = lo;
-    o->hi = hi;
     o->seed = mt_hash_u64((uint64_t)j->train.seed, 0x5eed0f0a);
-    const size_t n = (size_t)(hi - lo > 0 ? hi - lo : 1);
+    /* the kept parameters' state, packed in table order */
+    for (int i = 0; i < m->table.n; i++) {
+        const mt_param *p = &m->params[i];
+        const int keep = p->grad && (!owner || owner[i] == me);
+        o->off[i] = keep ? o->n_state : -1;
+        if (keep) o->n_state += mt_param_numel(&p->d);
+    }
+    const size_t n = (size_t)(o->n_state > 0 ? o->n_state : 1);
     int64_t mx = 1;
     for (int i = 0; i < m->table.n; i++)
         if (mt_param_numel(&m->table.p[i]) > mx) mx = mt_param_numel(&m->table.p[i]);
@@ -58,30 +61,31 @@ void mt_optimizer_destroy(mt_optimizer *o)
     void *bufs[] = {o->master, o->m, o->v, o->tmp, o->sumsq};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) o->be->free(o->be, bufs[i]);
+    free(o->off);
     free(o);
 }
 
 size_t mt_optimizer_state_bytes(const mt_optimizer *o)
 {
-    size_t n = (size_t)(o->hi - o->lo);
+    size_t n = (size_t)o->n_state;
     return n * (4 + (o->main == MT_MAIN_NONE ? 0 : master_elem(o->main)));
 }
 
-/* Device address of parameter p's main copy. */
-static void *master_of(const mt_optimizer *o, const mt_param *p)
+/* Device address of parameter i's main copy. */
+static void *master_of(const mt_optimizer *o, int i)
 {
-    return (char *)o->master + (size_t)(p->index - o->lo) * master_elem(o->main);
+    return (char *)o->master + (size_t)o->off[i] * master_elem(o->main);
 }
 
 int mt_optimizer_set_param(mt_optimizer *o, mt_model *m, int i, const float *host)
 {
     mt_backend *be = o->be;
     mt_param *p = &m->params[i];
-    if (!o->master || !in_shard(o, p)) return mt_model_set_param(m, i, host);
+    if (!o->master || !in_shard(o, i)) return mt_model_set_param(m, i, host);
     const int64_t n = mt_param_numel(&p->d);
     MT_CHECK(be->upload(be, o->tmp, host, (size_t)n * 4));
     if (o->main == MT_MAIN_FP32) {
-        MT_CHECK(be->copy(be, master_of(o, p), o->tmp, (size_t)n * 4));
+        MT_CHECK(be->copy(be, master_of(o, i), o->tmp, (size_t)n * 4));
     } else {
         /* bf16 main copy: round once, and compute from the rounded value */
         uint16_t *h = malloc((size_t)n * 2);
@@ -95,7 +99,7 @@ int mt_optimizer_set_param(mt_optimizer *o, mt_model *m, int i, const float *hos
             h[k] = mt_bf16_from_f32(host[k]);
             f[k] = mt_bf16_to_f32(h[k]);
         }
-        int rc = be->upload(be, master_of(o, p), h, (size_t)n * 2);
+        int rc = be->upload(be, master_of(o, i), h, (size_t)n * 2);
         if (rc == MT_OK) rc = be->upload(be, o->tmp, f, (size_t)n * 4);
         free(h);
         free(f);
@@ -130,7 +134,7 @@ int mt_optimizer_grad_sumsq(mt_optimizer *o, mt_model *m, double *sumsq)
 {
     mt_backend *be = o->be;
     float v;
-    MT_CHECK(be->sumsq(be, o->sumsq, m->buf_grad + o->lo, o->hi - o->lo));
+    MT_CHECK(be->sumsq(be, o->sumsq, m->buf_grad, m->n_grad));
     MT_CHECK(be->download(be, &v, o->sumsq, 4));
     *sumsq = v;
     return MT_OK;
@@ -141,7 +145,7 @@ static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_h
 {
     mt_backend *be = o->be;
     mt_param *p = &m->params[i];
-    const int64_t n = mt_param_numel(&p->d), off = p->index - o->lo;
+    const int64_t n = mt_param_numel(&p->d), off = o->off[i];
     const int rows = (int)p->d.rows, cols = (int)p->d.cols;
     const uint64_t seed = mt_hash_u64(o->seed, (uint64_t)o->step * 1000003u + (uint64_t)i);
     if (p->q)
@@ -171,14 +175,14 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
     };
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];
-        if (!in_shard(o, p)) continue;
+        if (!in_shard(o, i)) continue;
         hp.weight_decay = p->d.weight_decay ? (float)o->cfg.weight_decay : 0.0f;
-        const int64_t n = mt_param_numel(&p->d), off = p->index - o->lo;
+        const int64_t n = mt_param_numel(&p->d), off = o->off[i];
         if (o->main == MT_MAIN_NONE) {
             MT_CHECK(update_in_place(o, m, i, &hp));
             continue;
         }
-        void *w = master_of(o, p);
+        void *w = master_of(o, i);
         if (p->q) { /* FP8 weight: update and re-quantise in one pass */
             MT_CHECK(be->adamw_fp8(be, w, o->main == MT_MAIN_BF16, o->m + off, o->v + off,
                                    p->grad, (int)p->d.rows, (int)p->d.cols, &hp, p->q, p->s,

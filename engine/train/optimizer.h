@@ -1,13 +1,15 @@
-/* optimizer.h - the distributed-ready AdamW (ZeRO-1 layout).
+/* optimizer.h - AdamW with ZeRO-1: each rank keeps the state of its
+ * parameters only.
  *
- * Parameters are addressed by their element offset in the model's flat
- * gradient buffer (mt_param.index). A rank owns one shard [lo, hi) of that
- * index space and keeps, for it only: the high-precision main copy (fp32,
- * bf16, or none), and the BF16 moments m and v. An update reads the shard's
- * gradients, updates the shard and rebuilds the compute copies of the
- * parameters it covers (FP8 blocks + transpose, or BF16). Under data
- * parallelism gradients are reduce-scattered to shards before, and the FP8
- * compute copies all-gathered after; with one rank the shard is everything.
+ * Parameters are whole units of the shard: a rank keeps, for the parameters
+ * it owns (mt_zero_owners, the same rule the checkpoint's sharding map
+ * uses), the high-precision main copy (fp32, bf16, or none) and the BF16
+ * moments m and v, packed in table order (off[i]). An update reads those
+ * parameters' gradients, updates them and rebuilds their compute copies
+ * (FP8 blocks + transpose, or BF16); whole parameters keep every 128x128
+ * block's re-quantisation on one rank. Under data parallelism the trainer
+ * sums the gradients over the group before and shares the owners' updated
+ * compute copies after; with one rank the shard is everything.
  *
  * main_params = none: the compute copy is the only copy. An update
  * dequantises it, applies AdamW in fp32 and writes it back with stochastic
@@ -25,18 +27,21 @@ typedef struct mt_optimizer {
     mt_backend *be;
     mt_main_params main;
     mt_optimizer_cfg cfg;
-    int64_t lo, hi;     /* shard of the flat parameter index space */
-    void *master;       /* f32 or bf16 bits [hi - lo]; NULL for none */
-    uint16_t *m, *v;    /* bf16 bits [hi - lo] */
+    int n_params;
+    int64_t *off;       /* [n_params]: element offset of parameter i's state, -1: not kept */
+    int64_t n_state;    /* elements of state kept here */
+    void *master;       /* f32 or bf16 bits [n_state]; NULL for none */
+    uint16_t *m, *v;    /* bf16 bits [n_state] */
     float *tmp;         /* f32 [largest parameter]: dequantised weights, bf16 master as f32 */
     float *sumsq;       /* f32 [1] */
     int64_t step;       /* updates applied so far */
     uint64_t seed;      /* stochastic rounding stream */
 } mt_optimizer;
 
-/* An optimizer for the model's parameters in [lo, hi) (hi = -1: all). */
-int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j, int64_t lo,
-                        int64_t hi);
+/* An optimizer keeping the state of the parameters i with owner[i] == me
+ * (owner NULL: all). */
+int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j, const int *owner,
+                        int me);
 void mt_optimizer_destroy(mt_optimizer *o);
 
 /* Sets parameter i everywhere it lives: main copy (if any) and compute
@@ -46,7 +51,8 @@ int mt_optimizer_set_param(mt_optimizer *o, mt_model *m, int i, const float *hos
 /* Random initialisation of every parameter (mt_model_init_value). */
 int mt_optimizer_init_random(mt_optimizer *o, mt_model *m, uint64_t seed);
 
-/* Sum of squares of this shard's gradients (host). */
+/* Sum of squares of the model's whole gradient (host): every rank holds the
+ * summed gradients, so this is the global norm. */
 int mt_optimizer_grad_sumsq(mt_optimizer *o, mt_model *m, double *sumsq);
 
 /* One AdamW update of the shard with learning rate lr and gradients scaled

@@ -49,7 +49,7 @@ static char *state_json(const mt_trainer *t)
     static const char *const decay[] = {"cosine", "linear", "wsd", "constant"};
     json_t *s = json_pack(
         "{s:I,s:I,s:I,s:I,s:i,"
-        "s:{s:I,s:s,s:s,s:I,s:I},"
+        "s:{s:I,s:s,s:s,s:I},"
         "s:{s:s,s:s,s:I,s:I,s:I,s:i,s:I},"
         "s:{s:s,s:I,s:I,s:f,s:f,s:f,s:I,s:I,s:f},"
         "s:{s:I,s:s},"
@@ -58,7 +58,7 @@ static char *state_json(const mt_trainer *t)
         "consumed_tokens", (json_int_t)(t->consumed_samples * j->batch.seq_len), "skipped_total",
         (json_int_t)t->skipped_total, "bad_in_row", t->bad_in_row,
         "optimizer", "step", (json_int_t)o->step, "sr_seed", seed, "main_params",
-        main_name(o->main), "shard_lo", (json_int_t)o->lo, "shard_hi", (json_int_t)o->hi,
+        main_name(o->main), "state_elements", (json_int_t)o->n_state,
         "data", "path", j->data.path, "split", j->data.split, "seq_len",
         (json_int_t)j->batch.seq_len, "num_samples", (json_int_t)samples, "seed",
         (json_int_t)j->train.seed, "eod", mt_jobspec_eod(j), "next_sample",
@@ -140,11 +140,11 @@ int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
             sp->act_off = (int64_t)(((const char *)p->w - (const char *)m->buf_act) / (ptrdiff_t)act);
             if (sp->act_off + n > n_act) n_act = sp->act_off + n;
         }
-        if (p->grad && p->index >= o->lo && p->index + n <= o->hi) sp->opt_off = p->index - o->lo;
+        sp->opt_off = o->off[i];
     }
     s->act_bytes = (int)act;
     s->master_bytes = o->main == MT_MAIN_FP32 ? 4 : 2;
-    const size_t nopt = (size_t)(o->hi - o->lo);
+    const size_t nopt = (size_t)o->n_state;
     MT_GOTO(be->sync(be), fail);
     MT_GOTO(grab(be, &s->act, m->buf_act, (size_t)n_act * act, &s->bytes), fail);
     MT_GOTO(grab(be, (void **)&s->q, m->buf_q, (size_t)n_q, &s->bytes), fail);
@@ -400,8 +400,8 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
     MT_CHECK(load_param(m, r, i, host, hs, o->tmp));
-    if (!p->grad || p->index < o->lo || p->index + n > o->hi) return MT_OK;
-    const int64_t off = p->index - o->lo;
+    if (o->off[i] < 0) return MT_OK; /* another rank keeps its state (ZeRO-1) */
+    const int64_t off = o->off[i];
     const size_t mb = o->main == MT_MAIN_FP32 ? 4 : 2;
     char name[MT_TENSOR_NAME_CAP];
     if (!sc->has_opt) {

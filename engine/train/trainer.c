@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/parallel/sharding.h"
 #include "engine/train/lr_schedule.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
@@ -69,6 +70,26 @@ static int open_data(mt_trainer *t)
 
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
 {
+    return mt_trainer_create_dp(out, job, be, NULL);
+}
+
+/* The data-parallel group: its size must be the layout's dp; its memory the
+ * backend's (gradients are reduced where they are). */
+static int check_dp(const mt_jobspec *job, mt_backend *be, mt_comm *dp)
+{
+    const int n = dp ? mt_comm_size(dp) : 1;
+    if (n != job->parallel.dp)
+        return MT_ERR(MT_EINVAL, "trainer: the data-parallel group has %d ranks, the layout "
+                      "dp %d", n, job->parallel.dp);
+    const mt_comm_mem want = be->kind == MT_BE_CPU ? MT_COMM_HOST : MT_COMM_DEVICE;
+    if (dp && mt_comm_mem_kind(dp) != want)
+        return MT_ERR(MT_EINVAL, "trainer: the %s backend's gradients need a %s communicator",
+                      be->name, want == MT_COMM_HOST ? "host" : "device");
+    return MT_OK;
+}
+
+int mt_trainer_create_dp(mt_trainer **out, const mt_jobspec *job, mt_backend *be, mt_comm *dp)
+{
     *out = NULL;
     const mt_layout *l = &job->parallel;
     if (l->dp < 1)
@@ -79,12 +100,15 @@ int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
                       "runs data parallelism only so far (tensor, pipeline and expert "
                       "parallelism are not implemented); use tp = pp = ep = etp = 1",
                       l->tp, l->pp, l->ep, l->etp);
+    MT_CHECK(check_dp(job, be, dp));
     mt_trainer *t = calloc(1, sizeof *t);
     if (!t) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
     int rc = MT_OK;
     t->job = *job;
     t->be = be;
-    t->dp_size = 1;
+    t->dp = dp;
+    t->dp_rank = dp ? mt_comm_rank(dp) : 0;
+    t->dp_size = dp ? mt_comm_size(dp) : 1;
     t->accum = mt_jobspec_grad_accum(job);
     t->flops_per_token = mt_model_flops_per_token(&job->model, job->batch.seq_len);
     t->peak_tflops = be->peak_tflops;
@@ -94,7 +118,19 @@ int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
     mt_model_opts mo;
     mt_trainer_model_opts(&mo, job);
     MT_GOTO(mt_model_create(&t->model, &job->model, &mo, be), fail);
-    MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, 0, -1), fail);
+    /* ZeRO-1: this rank keeps the optimizer state of the parameters it owns */
+    t->owner = malloc((size_t)(t->model->table.n > 0 ? t->model->table.n : 1) * sizeof *t->owner);
+    if (!t->owner) {
+        rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
+        goto fail;
+    }
+    MT_GOTO(mt_zero_owners(&job->model, &job->parallel, t->owner), fail);
+    MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, t->owner, t->dp_rank), fail);
+    const int E = job->model.n_routed_experts;
+    if (dp && E > 0 && !(t->load_sum = calloc((size_t)E, sizeof *t->load_sum))) {
+        rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
+        goto fail;
+    }
     /* checkpoint / hf: the caller restores the state (engine/train/train_state.h) */
     if (job->init.kind == MT_INIT_RANDOM)
         MT_GOTO(mt_optimizer_init_random(t->opt, t->model, (uint64_t)job->train.seed), fail);
@@ -109,7 +145,8 @@ int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
     const size_t wb = t->model->param_bytes, ob = mt_optimizer_state_bytes(t->opt);
     MT_LOGI("job %s: %d layers (+%d MTP), %lld parameters, %s recipe, main params %s, "
             "%d micro-batch(es) of %d x %d per step, %.1f MB on %s (weights and gradients "
-            "%.1f MB, optimizer state %.1f MB, activations and workspace %.1f MB)",
+            "%.1f MB, optimizer state %.1f MB (ZeRO-1: %lld of %lld parameter elements, dp "
+            "rank %d of %d), activations and workspace %.1f MB)",
             job->name, job->model.num_hidden_layers, job->model.num_nextn_predict_layers,
             (long long)mt_params_numel(&t->model->table),
             job->precision.recipe == MT_RECIPE_FP8_BLOCKWISE ? "fp8-blockwise"
@@ -119,7 +156,8 @@ int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
             : job->precision.main_params == MT_MAIN_BF16 ? "bf16"
                                                          : "none",
             t->accum, job->batch.micro_batch_size, job->batch.seq_len, in_use / 1e6, be->name,
-            wb / 1e6, ob / 1e6, (double)(in_use - wb - ob) / 1e6);
+            wb / 1e6, ob / 1e6, (long long)t->opt->n_state, (long long)t->model->n_grad,
+            t->dp_rank, t->dp_size, (double)(in_use - wb - ob) / 1e6);
     *out = t;
     return MT_OK;
 fail:
@@ -139,31 +177,8 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->tokens);
     free(t->bias_host);
     free(t->load_sum);
+    free(t->owner);
     free(t);
-}
-
-int mt_trainer_set_dp(mt_trainer *t, mt_comm *dp)
-{
-    if (t->step > 0 || t->consumed_samples > 0)
-        return MT_ERR(MT_ESTATE, "trainer: join the data-parallel group before the first step");
-    const int n = dp ? mt_comm_size(dp) : 1;
-    if (n != t->job.parallel.dp)
-        return MT_ERR(MT_EINVAL, "trainer: the data-parallel group has %d ranks, the layout "
-                      "dp %d", n, t->job.parallel.dp);
-    if (!dp) return MT_OK;
-    const mt_comm_mem want = t->be->kind == MT_BE_CPU ? MT_COMM_HOST : MT_COMM_DEVICE;
-    if (mt_comm_mem_kind(dp) != want)
-        return MT_ERR(MT_EINVAL, "trainer: the %s backend's gradients need a %s communicator",
-                      t->be->name, want == MT_COMM_HOST ? "host" : "device");
-    const int E = t->model->cfg.n_routed_experts;
-    if (E > 0 && !t->load_sum) {
-        t->load_sum = calloc((size_t)E, sizeof *t->load_sum);
-        if (!t->load_sum) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
-    }
-    t->dp = dp;
-    t->dp_rank = mt_comm_rank(dp);
-    t->dp_size = n;
-    return MT_OK;
 }
 
 int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s)
@@ -226,6 +241,31 @@ static int balance_step(mt_trainer *t, mt_step_metrics *mt)
         }
     }
     mt_model_reset_load(m);
+    return MT_OK;
+}
+
+/* ZeRO-1: every parameter's owner updated it; the others take its compute
+ * copies (E4M3 weights with their scales and transposes, or BF16/F32) from
+ * the owner. Compute copies are the same on every rank afterwards. */
+static int share_updates(mt_trainer *t)
+{
+    mt_model *m = t->model;
+    const size_t act = mt_act_size(m->be); /* bytes of an act element */
+    for (int i = 0; i < m->table.n; i++) {
+        mt_param *p = &m->params[i];
+        const int root = t->owner[i];
+        if (root < 0 || !p->grad) continue;
+        const size_t n = (size_t)mt_param_numel(&p->d);
+        if (p->q) {
+            const size_t nb = (size_t)(((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128));
+            MT_CHECK(mt_comm_broadcast(t->dp, p->q, n, MT_COMM_E4M3, root));
+            MT_CHECK(mt_comm_broadcast(t->dp, p->qt, n, MT_COMM_E4M3, root));
+            MT_CHECK(mt_comm_broadcast(t->dp, p->s, nb, MT_COMM_F32, root));
+            MT_CHECK(mt_comm_broadcast(t->dp, p->st, nb, MT_COMM_F32, root));
+        } else {
+            MT_CHECK(mt_comm_broadcast(t->dp, p->w, n * act, MT_COMM_BYTE, root));
+        }
+    }
     return MT_OK;
 }
 
@@ -296,6 +336,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         double scale = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
         double tu = profile ? now_s() : 0;
         MT_CHECK(mt_optimizer_update(t->opt, m, lr, scale));
+        if (t->dp) MT_CHECK(share_updates(t));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
             tp[1] = now_s() - tu;

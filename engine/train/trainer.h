@@ -1,12 +1,18 @@
 /* trainer.h - the training loop of one job on one rank.
  *
- * Data parallelism: with a dp communicator (mt_trainer_set_dp) each of the
+ * Data parallelism: with a dp communicator (mt_trainer_create_dp) each of the
  * DP ranks reads its contiguous share of the step's global batch (rank d:
  * samples [consumed + d * A * B, consumed + (d + 1) * A * B), A = global /
  * (B * DP) micro-batches of B sequences), scales its gradients by 1 / (A *
  * DP) and the gradients are summed over the group, so every rank holds the
  * gradient of the whole global batch, as one rank would. Losses and expert
- * loads are summed likewise; every rank applies the same update. Tensor,
+ * loads are summed likewise. ZeRO-1: each parameter's optimizer state lives
+ * on one rank of the group (mt_zero_owners); the owner updates it and
+ * broadcasts its new compute copies, so every rank computes with the same
+ * weights. Reductions: gradients F32 sum in rank order (host backends);
+ * losses F64 sum; expert loads I64 sum; the gradient norm is computed by
+ * every rank from the summed gradients, so the clip and the NaN/Inf skip
+ * agree everywhere. Tensor,
  * pipeline and expert parallelism are not in the trainer yet: a layout that
  * needs them is refused.
  *
@@ -58,9 +64,11 @@ typedef struct mt_trainer {
     int64_t *load_sum;            /* [E] expert loads summed over the dp group */
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
+    int *owner;                   /* [params]: ZeRO-1 owner's dp rank (mt_zero_owners), -1 none */
 } mt_trainer;
 
-/* Builds model, optimizer and data readers for a validated job on a backend.
+/* Builds model, optimizer and data readers for an admitted job on a backend,
+ * as one rank (dp 1).
  * With init.kind random the weights are initialised here; otherwise they are
  * zero until the caller restores a checkpoint into the trainer. */
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be);
@@ -70,10 +78,11 @@ void mt_trainer_destroy(mt_trainer *t);
  * loss weights (the trainer's and evaluation's model). */
 void mt_trainer_model_opts(mt_model_opts *o, const mt_jobspec *j);
 
-/* Joins the data-parallel group `dp` (not owned; its size must be the job's
- * parallel.dp, host memory for the CPU backend, device memory for CUDA).
- * Before the first step. */
-int mt_trainer_set_dp(mt_trainer *t, mt_comm *dp);
+/* The same as a member of the data-parallel group `dp` (not owned; its size
+ * must be the job's parallel.dp; host memory for the CPU backend, device
+ * memory for CUDA; NULL: one rank). The optimizer keeps the state of the
+ * parameters this rank owns (ZeRO-1). */
+int mt_trainer_create_dp(mt_trainer **out, const mt_jobspec *job, mt_backend *be, mt_comm *dp);
 
 /* Registers a sink; the trainer closes it on destroy. */
 int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s);
