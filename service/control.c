@@ -421,6 +421,8 @@ static int build_job(control *c, const mt_jobspec *spec)
     return rc;
 }
 
+static void complete_ticket(control *c, ctl_ticket *t, const ctl_result *r);
+
 static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, ctl_ticket *t)
 {
     ctl_result r;
@@ -447,9 +449,9 @@ static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, c
             c->st.backend[0] = '\0';
             c->st.outcome[0] = '\0';
             result_error(&r, rc, msg);
-            ticket_complete(t, &r);
             pthread_mutex_unlock(&c->mu);
             publish_state(c, "the job failed to start: %s", msg);
+            complete_ticket(c, t, &r);
         }
         if (c->o.exit_when_idle) c->quit = 1;
         return;
@@ -475,11 +477,14 @@ static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, c
     r.start_step = r.step = c->t->step;
     r.total_steps = c->job.train.steps;
     r.state = SVC_RUNNING;
-    ticket_complete(t, &r);
     pthread_mutex_unlock(&c->mu);
     snapshot(c);
     publish_state(c, "job %s started at step %lld of %lld", c->job.name, (long long)c->t->step,
                   (long long)c->job.train.steps);
+    /* The reply after the event, as for every command: a client that opens
+     * StreamMetrics once StartJob has answered follows this job, not a
+     * replay of the previous one. */
+    complete_ticket(c, t, &r);
 }
 
 /* Records a saved checkpoint in the snapshot and the hub (rank 0). */

@@ -9,12 +9,18 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <math.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "api/api_descriptors.h"
 #include "base/mt_status.h"
 #include "moetrain.pb-c.h"
 #include "service/auth.h"
+#include "runtime/runtime.h"
+#include "service/control.h"
 #include "service/job_admit.h"
 #include "service/metrics_hub.h"
 #include "service/pb_json.h"
@@ -262,14 +268,15 @@ static void test_strip(void **state)
     assert_string_equal(out, "job spec: batch.seq_len: 5 exceeds x.y:1");
 }
 
-static void test_admit(void **state)
+/* The spec of a tiny CPU job on a synthetic corpus (made once in tmp/syn). */
+static void tiny_job_json(char *json, size_t cap)
 {
-    (void)state;
-    char data[1200];
+    char data[1200], probe[1300];
     snprintf(data, sizeof data, "%s/syn", tmp);
-    assert_int_equal(mt_test_synth(data, "--vocab 64 --tokens 20000 --seed 1"), 0);
-    char json[2048];
-    snprintf(json, sizeof json,
+    snprintf(probe, sizeof probe, "%s.bin", data);
+    if (access(probe, F_OK) != 0)
+        assert_int_equal(mt_test_synth(data, "--vocab 64 --tokens 20000 --seed 1"), 0);
+    snprintf(json, cap,
              "{\"name\": \"t\", \"model\": {\"vocab_size\": 64, \"hidden_size\": 64, "
              "\"intermediate_size\": 128, \"moe_intermediate_size\": 32, \"num_hidden_layers\": 2,"
              " \"num_attention_heads\": 2, \"q_lora_rank\": 32, \"kv_lora_rank\": 32, "
@@ -279,6 +286,13 @@ static void test_admit(void **state)
              "\"batch\": {\"seq_len\": 32}, \"data\": {\"path\": \"%s\"}, "
              "\"train\": {\"steps\": 3}}",
              data);
+}
+
+static void test_admit(void **state)
+{
+    (void)state;
+    char json[2048];
+    tiny_job_json(json, sizeof json);
     mt_jobspec j;
     job_request r = {.json = json};
     int rc = job_admit(root, &r, &j);
@@ -363,6 +377,114 @@ static void test_prom(void **state)
     hub_destroy(h);
 }
 
+/* ---- the engine loop with a tiny job (rank 0 of 1, on a thread) ---------------------- */
+
+typedef struct engine {
+    control *c;
+    metrics_hub *h;
+    pthread_t th;
+    volatile sig_atomic_t term;
+    int rc;
+} engine;
+
+static void *engine_main(void *arg)
+{
+    engine *e = arg;
+    e->rc = control_run(e->c, &e->term);
+    return NULL;
+}
+
+/* The test links with -Wl,--wrap=hub_publish: every event the engine
+ * publishes passes here first. While a start is armed, the RUNNING event
+ * looks at the start's ticket before it enters the hub: a ticket already
+ * answered means the StartJob reply could reach a client before the event. */
+static struct {
+    int on;                 /* a start is armed */
+    ctl_ticket *t;          /* its ticket (written by control_start under its lock) */
+    int answered_first;     /* its ticket was answered before the event */
+    ctl_result res;         /* the answer, when answered_first */
+    sem_t seen;             /* posted once the RUNNING event went by */
+} armed;
+
+uint64_t __real_hub_publish(metrics_hub *h, const hub_event *e);
+uint64_t __wrap_hub_publish(metrics_hub *h, const hub_event *e);
+
+uint64_t __wrap_hub_publish(metrics_hub *h, const hub_event *e)
+{
+    if (armed.on && e->kind == HUB_STATE && e->u.state.state == SVC_RUNNING) {
+        armed.on = 0;
+        armed.answered_first = control_ticket_poll(armed.t, &armed.res);
+        uint64_t seq = __real_hub_publish(h, e);
+        sem_post(&armed.seen);
+        return seq;
+    }
+    return __real_hub_publish(h, e);
+}
+
+static ctl_result await_ticket(ctl_ticket *t)
+{
+    ctl_result r;
+    struct timespec ms = {0, 1000000L};
+    while (!control_ticket_poll(t, &r)) nanosleep(&ms, NULL);
+    return r;
+}
+
+/* The reply to a start comes after the hub holds the run's RUNNING event:
+ * a client that opens StreamMetrics once StartJob has answered follows its
+ * own job, never a replay of the job before it (issue 22: `moetrain watch`
+ * right after `moetrain start` could replay the stopped run and end at
+ * once). Deterministic: the wrapped hub_publish checks the order itself. */
+static void test_start_reply_after_event(void **state)
+{
+    (void)state;
+    char json[2048];
+    tiny_job_json(json, sizeof json);
+    const char *sets[] = {"train.steps=100000", "train.log_interval=100000",
+                          "checkpoint.dir=checkpoints/order"};
+    mt_jobspec job;
+    job_request req = {.json = json, .sets = sets, .n_sets = 3, .world = 1};
+    assert_int_equal(job_admit(root, &req, &job), MT_OK);
+    engine e = {0};
+    mt_runtime *rt; /* not under mpirun: a world of this process alone */
+    assert_int_equal(mt_runtime_create(&rt), MT_OK);
+    assert_int_equal(hub_create(&e.h, 256), MT_OK);
+    control_opts o = {.rt = rt, .workdir = root, .rank = 0, .world = 1, .threads = 1, .hub = e.h};
+    assert_int_equal(control_create(&e.c, &o), MT_OK);
+    assert_int_equal(sem_init(&armed.seen, 0, 0), 0);
+    assert_int_equal(pthread_create(&e.th, NULL, engine_main, &e), 0);
+    /* Two rounds: the second starts after a stopped run, whose IDLE event
+     * is the newest until the start publishes. Failures are counted, not
+     * asserted, so that the engine thread is always stopped and joined. */
+    int early = 0, bad_run = 0;
+    for (int round = 0; round < 2; round++) {
+        armed.answered_first = 0;
+        armed.on = 1;
+        assert_int_equal(control_start(e.c, &job, &armed.t), MT_OK);
+        while (sem_wait(&armed.seen) != 0) {
+        }
+        ctl_result r = armed.answered_first ? armed.res : await_ticket(armed.t);
+        if (armed.answered_first)
+            fprintf(stderr, "round %d: StartJob was answered (run %llu) before the hub had its "
+                            "RUNNING event\n",
+                    round, (unsigned long long)r.run_id);
+        early += armed.answered_first;
+        uint64_t run = 0;
+        hub_cursor_start(e.h, 0, &run);
+        bad_run += r.rc != MT_OK || run != r.run_id;
+        ctl_ticket *t;
+        if (control_command(e.c, CTL_STOP, 0, &t) == MT_OK) await_ticket(t);
+    }
+    e.term = 1;
+    pthread_join(e.th, NULL);
+    assert_int_equal(early, 0);
+    assert_int_equal(bad_run, 0);
+    assert_int_equal(e.rc, MT_OK);
+    sem_destroy(&armed.seen);
+    control_destroy(e.c);
+    hub_destroy(e.h);
+    mt_runtime_destroy(rt);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -371,6 +493,7 @@ int main(void)
         cmocka_unit_test(test_reflection_index), cmocka_unit_test(test_decoders),
         cmocka_unit_test(test_strip),     cmocka_unit_test(test_admit),
         cmocka_unit_test(test_pb_json),   cmocka_unit_test(test_prom),
+        cmocka_unit_test(test_start_reply_after_event),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }
