@@ -118,11 +118,10 @@ static int teardown(void **state)
     return stop_daemon() == 0 ? 0 : -1;
 }
 
-/* A StartJob request for the tiny job with extra overrides. */
-static int start_job(rpc_client *c, const char *const *extra, int n_extra, const char *from,
-                     rpc_status *st)
+/* The example tiny job's spec text (a static buffer). */
+static char *tiny_json(void)
 {
-    char path[1200], dset[1200];
+    char path[1200];
     snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
     FILE *f = fopen(path, "r");
     assert_non_null(f);
@@ -130,13 +129,31 @@ static int start_job(rpc_client *c, const char *const *extra, int n_extra, const
     size_t n = fread(json, 1, sizeof json - 1, f);
     fclose(f);
     json[n] = '\0';
+    return json;
+}
+
+static int start_spec(rpc_client *c, const char *json, const char *const *extra, int n_extra,
+                      const char *from, rpc_status *st);
+
+/* A StartJob request for the tiny job with extra overrides. */
+static int start_job(rpc_client *c, const char *const *extra, int n_extra, const char *from,
+                     rpc_status *st)
+{
+    return start_spec(c, tiny_json(), extra, n_extra, from, st);
+}
+
+/* A StartJob request for the job spec text `json` with extra overrides. */
+static int start_spec(rpc_client *c, const char *json, const char *const *extra, int n_extra,
+                      const char *from, rpc_status *st)
+{
+    char dset[1200];
     snprintf(dset, sizeof dset, "data.path=%s", data);
     char *sets[32] = {dset, "batch.seq_len=32", "train.steps=100000", "data.valid_interval=0",
                       "train.log_interval=1000"};
     size_t ns = 5;
     for (int i = 0; i < n_extra; i++) sets[ns++] = (char *)extra[i];
     Moetrain__V1__JobSpec spec = MOETRAIN__V1__JOB_SPEC__INIT;
-    spec.json = json;
+    spec.json = (char *)json;
     spec.set = sets;
     spec.n_set = ns;
     Moetrain__V1__StartJobRequest q = MOETRAIN__V1__START_JOB_REQUEST__INIT;
@@ -313,6 +330,59 @@ static void test_bad_specs(void **state)
     assert_serving();
 }
 
+/* Issue 21, defect 5: NaN, infinities and invalid UTF-8 in a --set or in
+ * spec.json are INVALID_ARGUMENT naming the field (they were "out of
+ * memory", RESOURCE_EXHAUSTED). */
+static void test_nonfinite_and_bad_utf8(void **state)
+{
+    (void)state;
+    rpc_client *c = client(TOKEN, NULL);
+    rpc_status st;
+    struct {
+        const char *set, *want;
+    } sets[] = {
+        {"optimizer.lr=nan", "optimizer.lr: \"nan\" is not a finite number"},
+        {"optimizer.lr=-inf", "optimizer.lr: \"-inf\" is not a finite number"},
+        {"optimizer.lr=1e999", "optimizer.lr: \"1e999\" is not a finite number"},
+        {"train.steps=inf", "train.steps: \"inf\" is not an integer of 64 bits"},
+        {"model.rope_scaling.factor=nan", "model.rope_scaling.factor: \"nan\" is not a finite"},
+        {"name=tiny\xff", "name: not valid UTF-8 (byte 0xff at offset 4)"},
+        {"data.path=\xc3(", "data.path: not valid UTF-8 (byte 0xc3 at offset 0)"},
+    };
+    for (size_t i = 0; i < sizeof sets / sizeof sets[0]; i++) {
+        int code = start_job(c, &sets[i].set, 1, NULL, &st);
+        if (code != GRPC_STATUS_INVALID_ARGUMENT) fprintf(stderr, "set %zu: %d %s\n", i, code, st.detail);
+        assert_int_equal(code, GRPC_STATUS_INVALID_ARGUMENT);
+        assert_contains(st.detail, sets[i].want);
+    }
+    /* spec.json: what JSON cannot say is refused where the document is read,
+     * with the field at the place */
+    static char json[65536];
+    struct {
+        const char *from, *to, *want;
+    } docs[] = {
+        {"\"lr\": 3e-3", "\"lr\": NaN",
+         "spec.json: line 36 column 26: optimizer.lr: invalid token near 'NaN' (NaN and Infinity"},
+        {"\"lr\": 3e-3", "\"lr\": Infinity", "line 36 column 31: optimizer.lr: invalid token"},
+        {"\"lr\": 3e-3", "\"lr\": 1e999", "line 36 column 28: optimizer.lr: real number overflow"},
+        {"\"name\": \"tiny-cpu\"", "\"name\": \"tiny\xff\"",
+         "spec.json: line 3 column 15: name: unable to decode byte 0xff"},
+    };
+    for (size_t i = 0; i < sizeof docs / sizeof docs[0]; i++) {
+        const char *base = tiny_json();
+        const char *at = strstr(base, docs[i].from);
+        assert_non_null(at);
+        snprintf(json, sizeof json, "%.*s%s%s", (int)(at - base), base, docs[i].to,
+                 at + strlen(docs[i].from));
+        int code = start_spec(c, json, NULL, 0, NULL, &st);
+        if (code != GRPC_STATUS_INVALID_ARGUMENT) fprintf(stderr, "doc %zu: %d %s\n", i, code, st.detail);
+        assert_int_equal(code, GRPC_STATUS_INVALID_ARGUMENT);
+        assert_contains(st.detail, docs[i].want);
+    }
+    rpc_client_close(c);
+    assert_serving();
+}
+
 /* Opens a metrics stream, reads `n` events, returns the client. */
 static rpc_client_stream *subscribe(rpc_client *c, int n)
 {
@@ -463,6 +533,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_garbage),     cmocka_unit_test(test_token),
         cmocka_unit_test(test_wrong_state), cmocka_unit_test(test_bad_specs),
+        cmocka_unit_test(test_nonfinite_and_bad_utf8),
         cmocka_unit_test(test_vanishing_clients), cmocka_unit_test(test_health),
         cmocka_unit_test(test_tls),
     };
