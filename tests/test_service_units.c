@@ -1,7 +1,8 @@
 /* test_service_units.c - the service's pieces without a server: workdir
- * confinement, tokens, the metrics hub (replay, gaps, no duplicates), the
- * reflection index of the embedded descriptors, the request decoders on
- * garbage, job admission, the Prometheus page, JSON of messages. */
+ * confinement (a link at each component), tokens, the metrics hub (replay,
+ * gaps, no duplicates), the reflection index of the embedded descriptors,
+ * the request decoders on garbage, job admission, the Prometheus page, JSON
+ * of messages, the order of a StartJob reply and its hub event. */
 #define _XOPEN_SOURCE 700
 #include <setjmp.h>
 #include <stdarg.h>
@@ -16,6 +17,7 @@
 #include <time.h>
 
 #include "api/api_descriptors.h"
+#include "base/mt_fs.h"
 #include "base/mt_status.h"
 #include "moetrain.pb-c.h"
 #include "service/auth.h"
@@ -87,6 +89,110 @@ static void test_resolve(void **state)
     snprintf(link, sizeof link, "%s/alias", root);
     assert_int_equal(symlink(p, link), 0);
     assert_int_equal(wd_resolve(root, "alias/x", "f", out, sizeof out), MT_OK);
+}
+
+/* mkdir -p of root/rel, then a symbolic link root/link -> target. */
+static void tree_with_link(const char *rel, const char *link, const char *target)
+{
+    char p[1400];
+    if (rel) {
+        snprintf(p, sizeof p, "%s/%s", root, rel);
+        assert_int_equal(mt_mkdir_p(p), MT_OK);
+    }
+    snprintf(p, sizeof p, "%s/%s", root, link);
+    char parent[1400];
+    snprintf(parent, sizeof parent, "%s", p);
+    *strrchr(parent, '/') = '\0';
+    assert_int_equal(mt_mkdir_p(parent), MT_OK);
+    assert_int_equal(symlink(target, p), 0);
+}
+
+static int confine(const char *path, int flags, char *out, size_t cap)
+{
+    return wd_confine(root, path, "f", flags, out, cap, NULL);
+}
+
+/* Issue 21, defect 3: the one confinement of request paths refuses a link
+ * leading out at every component of a path (first, middle, last; absolute
+ * or relative target; a dangling one too), follows links that stay inside,
+ * never climbs above the workdir, and pins what it resolved. */
+static void test_confine_link_at_each_component(void **state)
+{
+    (void)state;
+    char out[1400], p[1400], outside[1200];
+    snprintf(outside, sizeof outside, "%s/outside", tmp);
+    assert_int_equal(mt_mkdir_p(outside), MT_OK);
+    snprintf(p, sizeof p, "%s/b/c", outside);
+    assert_int_equal(mt_mkdir_p(p), MT_OK);
+    const int modes[] = {0, WD_MISSING_OK, WD_MKDIRS, WD_MISSING_OK | WD_FILE};
+    /* a link out at component 1, 2 and 3 of "cK/a/b/c" */
+    tree_with_link(NULL, "c1/a", outside);
+    tree_with_link("c2/a", "c2/a/b", outside);
+    tree_with_link("c3/a/b", "c3/a/b/c", outside);
+    tree_with_link("c4/a/b", "c4/a/b/c", "/nonexistent-outside"); /* dangling */
+    tree_with_link(NULL, "c5/a", "../../.."); /* relative, climbing above the workdir */
+    tree_with_link("c6/a", "c6/a/b", "../../../outside");
+    for (int m = 0; m < 4; m++) {
+        for (int k = 1; k <= 6; k++) {
+            char path[64];
+            snprintf(path, sizeof path, "c%d/a/b/c", k);
+            int rc = confine(path, modes[m], out, sizeof out);
+            if (rc != MT_EINVAL) fprintf(stderr, "%s (flags %d): %d %s\n", path, modes[m], rc, out);
+            assert_int_equal(rc, MT_EINVAL);
+            assert_contains(mt_errmsg(), "leads outside the workdir through a symbolic link");
+            assert_contains(mt_errmsg(), "f: ");
+        }
+    }
+    /* nothing was created outside by WD_MKDIRS */
+    snprintf(p, sizeof p, "%s/b/c/c", outside);
+    assert_int_not_equal(access(p, F_OK), 0);
+    /* links that stay inside are followed, to the canonical place */
+    tree_with_link("real7/a", "c7/x", "../real7"); /* relative, with ".." */
+    assert_int_equal(confine("c7/x/a", 0, out, sizeof out), MT_OK);
+    snprintf(p, sizeof p, "%s/real7/a", root);
+    assert_string_equal(out, p);
+    snprintf(p, sizeof p, "%s/real7", root);
+    tree_with_link(NULL, "c8/x", p); /* absolute, inside */
+    assert_int_equal(confine("c8/x/a/new", WD_MISSING_OK, out, sizeof out), MT_OK);
+    snprintf(p, sizeof p, "%s/real7/a/new", root);
+    assert_string_equal(out, p);
+    /* a loop, a file where a folder is needed, what must exist */
+    tree_with_link(NULL, "c9/a", "b");
+    tree_with_link(NULL, "c9/b", "a");
+    assert_int_equal(confine("c9/a/x", WD_MISSING_OK, out, sizeof out), MT_EINVAL);
+    assert_contains(mt_errmsg(), "more than 40 symbolic links");
+    snprintf(p, sizeof p, "%s/c10", root);
+    assert_int_equal(mt_mkdir_p(p), MT_OK);
+    snprintf(p, sizeof p, "%s/c10/file", root);
+    mt_test_write_file(p, "x");
+    assert_int_equal(confine("c10/file/x", WD_MISSING_OK, out, sizeof out), MT_EINVAL);
+    assert_contains(mt_errmsg(), "is not a directory");
+    assert_int_equal(confine("c10/file", WD_FILE, out, sizeof out), MT_OK);
+    assert_int_equal(confine("c10/missing", 0, out, sizeof out), MT_ENOTFOUND);
+    /* WD_MKDIRS makes the folders */
+    assert_int_equal(confine("c11/x/y", WD_MKDIRS, out, sizeof out), MT_OK);
+    struct stat st;
+    assert_int_equal(stat(out, &st), 0);
+    assert_true(S_ISDIR(st.st_mode));
+    /* the descriptor pins the folder: replaced by a link to outside after
+     * the check, the pinned name still writes into the original folder */
+    int fd;
+    assert_int_equal(wd_confine(root, "c11/x/y", "f", 0, out, sizeof out, &fd), MT_OK);
+    assert_true(fd >= 0);
+    char moved[1500], via[64], file[200];
+    snprintf(moved, sizeof moved, "%s.moved", out);
+    assert_int_equal(rename(out, moved), 0);
+    assert_int_equal(symlink(outside, out), 0);
+    wd_fd_path(fd, out, via, sizeof via);
+    snprintf(file, sizeof file, "%s/written", via);
+    mt_test_write_file(file, "pinned\n");
+    close(fd);
+    snprintf(p, sizeof p, "%s/written", moved);
+    assert_int_equal(access(p, F_OK), 0);
+    snprintf(p, sizeof p, "%s/written", outside);
+    assert_int_not_equal(access(p, F_OK), 0);
+    /* and once replaced, the name is refused */
+    assert_int_equal(confine("c11/x/y", 0, out, sizeof out), MT_EINVAL);
 }
 
 static void test_auth(void **state)
@@ -489,6 +595,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_names),     cmocka_unit_test(test_resolve),
+        cmocka_unit_test(test_confine_link_at_each_component),
         cmocka_unit_test(test_auth),      cmocka_unit_test(test_hub),
         cmocka_unit_test(test_reflection_index), cmocka_unit_test(test_decoders),
         cmocka_unit_test(test_strip),     cmocka_unit_test(test_admit),
