@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/mt_fs.h"
 #include "base/mt_status.h"
 
 static void *field_ptr(void *obj, const mt_field *f) { return (char *)obj + f->offset; }
@@ -127,7 +128,42 @@ static int store_value(const mt_field *f, void *obj, json_t *v, const char *fp)
     return MT_ERR(MT_EINVAL, "%s: unknown field type", fp);
 }
 
-/* Converts override / default text to a JSON value of the field's type. */
+/* Index of the first byte of `s` that is not part of well-formed UTF-8
+ * (RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF), or
+ * -1 when all of it is. The same rule as the JSON library's, so a string
+ * that passes here is one it accepts. */
+static long utf8_bad_at(const char *s)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    for (long i = 0; p[i];) {
+        unsigned c = p[i];
+        int n;
+        unsigned min;
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if ((c & 0xe0) == 0xc0) {
+            n = 1, min = 0x80, c &= 0x1f;
+        } else if ((c & 0xf0) == 0xe0) {
+            n = 2, min = 0x800, c &= 0x0f;
+        } else if ((c & 0xf8) == 0xf0) {
+            n = 3, min = 0x10000, c &= 0x07;
+        } else {
+            return i;
+        }
+        for (int k = 1; k <= n; k++) {
+            if ((p[i + k] & 0xc0) != 0x80) return i;
+            c = (c << 6) | (p[i + k] & 0x3f);
+        }
+        if (c < min || c > 0x10ffff || (c >= 0xd800 && c <= 0xdfff)) return i;
+        i += n + 1;
+    }
+    return -1;
+}
+
+/* Converts override / default text to a JSON value of the field's type.
+ * Text the JSON library cannot hold (NaN, infinities, invalid UTF-8) is
+ * bad input naming the field, never "out of memory". */
 static int text_to_json(const mt_field *f, const char *text, const char *fp, json_t **out)
 {
     char *end = NULL;
@@ -136,6 +172,10 @@ static int text_to_json(const mt_field *f, const char *text, const char *fp, jso
         *out = json_null();
         return MT_OK;
     }
+    long bad = utf8_bad_at(text);
+    if (bad >= 0)
+        return MT_ERR(MT_EINVAL, "%s: not valid UTF-8 (byte 0x%02x at offset %ld)", fp,
+                      (unsigned char)text[bad], bad);
     switch (f->type) {
     case MT_FT_INT:
     case MT_FT_I64: {
@@ -145,6 +185,9 @@ static int text_to_json(const mt_field *f, const char *text, const char *fp, jso
             double d = strtod(text, &end); /* accept 1e6 */
             if (end == text || *end || d != floor(d))
                 return MT_ERR(MT_EINVAL, "%s: \"%s\" is not an integer", fp, text);
+            /* 2^63: the first double past the int64 range */
+            if (!isfinite(d) || fabs(d) >= 9223372036854775808.0)
+                return MT_ERR(MT_EINVAL, "%s: \"%s\" is not an integer of 64 bits", fp, text);
             v = (long long)d;
         }
         *out = json_integer(v);
@@ -153,6 +196,7 @@ static int text_to_json(const mt_field *f, const char *text, const char *fp, jso
     case MT_FT_F64: {
         double d = strtod(text, &end);
         if (end == text || *end) return MT_ERR(MT_EINVAL, "%s: \"%s\" is not a number", fp, text);
+        if (!isfinite(d)) return MT_ERR(MT_EINVAL, "%s: \"%s\" is not a finite number", fp, text);
         *out = json_real(d);
         break;
     }
@@ -334,13 +378,116 @@ int mt_json_set_text(json_t *root, const char *path, const mt_field *f, const ch
     return MT_OK;
 }
 
+/* ---- where a JSON document is broken ------------------------------------------------ */
+
+typedef struct path_frame {
+    char type;          /* '{' or '[' */
+    int index;          /* '[': the element being read */
+    int want_key;       /* '{': the next string is a key */
+    char key[96];       /* '{': the member being read ("" before the first key) */
+} path_frame;
+
+void mt_json_path_at(const char *text, size_t pos, char *out, size_t cap)
+{
+    enum { MAX_DEPTH = 32 };
+    path_frame st[MAX_DEPTH];
+    int depth = 0;      /* may exceed MAX_DEPTH: deeper frames are not kept */
+    int in_key = 0;
+    size_t i = 0;
+    while (i < pos && text[i]) {
+        char ch = text[i];
+        path_frame *top = depth > 0 && depth <= MAX_DEPTH ? &st[depth - 1] : NULL;
+        if (ch == '"') {
+            size_t j = i + 1;
+            while (j < pos && text[j] && text[j] != '"') j += text[j] == '\\' && text[j + 1] ? 2 : 1;
+            int closed = j < pos && text[j] == '"';
+            if (top && top->type == '{' && top->want_key) {
+                if (!closed) {
+                    in_key = 1;
+                    break;
+                }
+                size_t n = j - i - 1 < sizeof top->key - 1 ? j - i - 1 : sizeof top->key - 1;
+                memcpy(top->key, text + i + 1, n);
+                top->key[n] = '\0';
+                top->want_key = 0;
+            } else if (!closed) {
+                break; /* inside a value string */
+            }
+            i = j + 1;
+            continue;
+        }
+        if (ch == '{' || ch == '[') {
+            if (depth < MAX_DEPTH) {
+                st[depth].type = ch;
+                st[depth].index = 0;
+                st[depth].want_key = ch == '{';
+                st[depth].key[0] = '\0';
+            }
+            depth++;
+        } else if ((ch == '}' || ch == ']') && depth > 0) {
+            depth--;
+        } else if (ch == ',' && top) {
+            if (top->type == '{') top->want_key = 1;
+            else top->index++;
+        }
+        i++;
+    }
+    size_t n = 0;
+    out[0] = '\0';
+    for (int d = 0; d < depth && d < MAX_DEPTH && n < cap; d++) {
+        int w = 0;
+        if (st[d].type == '[')
+            w = snprintf(out + n, cap - n, "[%d]", st[d].index);
+        else if (st[d].key[0] && !(d == depth - 1 && st[d].want_key))
+            w = snprintf(out + n, cap - n, "%s%s", n ? "." : "", st[d].key);
+        if (w > 0) n += (size_t)w < cap - n ? (size_t)w : cap - n - 1;
+    }
+    int at_key = in_key || (depth > 0 && depth <= MAX_DEPTH && st[depth - 1].type == '{' &&
+                            st[depth - 1].want_key);
+    if (at_key) {
+        char obj[256];
+        snprintf(obj, sizeof obj, "%s", out);
+        snprintf(out, cap, "a key %s%s", obj[0] ? "in " : "at the top level", obj);
+    } else if (!n) {
+        snprintf(out, cap, "(top level)");
+    }
+}
+
+void mt_json_error_reason(const char *text, const json_error_t *e, char *out, size_t cap)
+{
+    char where[256];
+    size_t pos = e->position > 0 ? (size_t)e->position : 0;
+    mt_json_path_at(text, pos, where, sizeof where);
+    /* The usual ways a number goes wrong get their reason said plainly. */
+    const char *hint = "";
+    const char *near = strstr(e->text, "near '");
+    if (strstr(e->text, "real number overflow")) {
+        hint = " (beyond the range of a double, about 1.8e308)";
+    } else if (strstr(e->text, "invalid token") && near) {
+        const char *tok = near + 6;
+        /* "-Infinity": the reader stops at the '-'; the word follows it */
+        const char *word = !strncmp(tok, "-'", 2) && pos < strlen(text) ? text + pos : tok;
+        static const char *const nonfinite[] = {"NaN", "nan", "Infinity", "infinity", "Inf",
+                                                "inf"};
+        for (size_t k = 0; k < sizeof nonfinite / sizeof nonfinite[0]; k++)
+            if (!strncmp(word, nonfinite[k], strlen(nonfinite[k])))
+                hint = " (NaN and Infinity are not JSON numbers; give a finite number)";
+    }
+    snprintf(out, cap, "%s: %s%s", where, e->text, hint);
+}
+
 int mt_json_load_file(const char *path, json_t **out)
 {
     json_error_t e;
     *out = json_load_file(path, JSON_REJECT_DUPLICATES, &e);
     if (!*out) {
         if (e.line <= 0) return MT_ERR(MT_EIO, "%s: %s", path, e.text);
-        return MT_ERR(MT_EINVAL, "%s:%d:%d: %s", path, e.line, e.column, e.text);
+        char *text = mt_read_text_file(path);
+        char reason[512];
+        if (text) mt_json_error_reason(text, &e, reason, sizeof reason);
+        else snprintf(reason, sizeof reason, "%s", e.text);
+        free(text);
+        return MT_ERR(MT_EINVAL, "%s:%d:%d: %s", path, e.line, e.column, reason);
     }
     return MT_OK;
 }

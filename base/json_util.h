@@ -63,8 +63,21 @@ int mt_json_set_text(json_t *root, const char *path, const mt_field *f, const ch
 /* Looks up a dotted path in a JSON tree; NULL if absent. */
 json_t *mt_json_get_path(json_t *root, const char *path);
 
-/* Loads a JSON file; errors name the file, line and column. */
+/* Loads a JSON file; errors name the file, line and column, and the field
+ * at the error (mt_json_error_reason). */
 int mt_json_load_file(const char *path, json_t **out);
+
+/* The dotted path of the field being read at byte `pos` of the JSON text
+ * ("optimizer.lr", "model.rope_scaling.factor", "a.list[2]"); where a key
+ * was being read, "a key in model" ("a key at the top level"); outside any
+ * object "(top level)". */
+void mt_json_path_at(const char *text, size_t pos, char *out, size_t cap);
+
+/* A JSON reader error of `text` as "PATH: reason", with a plain word on
+ * NaN / Infinity (not JSON) and on numbers beyond a double:
+ * "optimizer.lr: invalid token near 'NaN' (NaN and Infinity are not JSON
+ * numbers; give a finite number)". */
+void mt_json_error_reason(const char *text, const json_error_t *e, char *out, size_t cap);
 
 /* Prints a markdown-ish table of the fields (name, type, default, doc). */
 void mt_fields_print_doc(const mt_field *t, int n, const char *prefix, FILE *out);

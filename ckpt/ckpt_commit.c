@@ -162,7 +162,12 @@ static int write_latest(const char *root, int64_t step)
     snprintf(tmp, sizeof tmp, "%s/%s.tmp", root, CK_LATEST);
     snprintf(dst, sizeof dst, "%s/%s", root, CK_LATEST);
     int n = snprintf(text, sizeof text, "step_%08lld\n", (long long)step);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    /* A fresh file, never through what is there: a leftover, or a link put
+     * in its place, is removed (the link itself), and O_EXCL | O_NOFOLLOW
+     * refuse anything that appears meanwhile. */
+    if (unlink(tmp) != 0 && errno != ENOENT)
+        return MT_ERR(MT_EIO, "%s: cannot remove: %s", tmp, strerror(errno));
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0644);
     if (fd < 0) return MT_ERR(MT_EIO, "%s: cannot create: %s", tmp, strerror(errno));
     int ok = write(fd, text, (size_t)n) == n && fsync(fd) == 0;
     int e = errno;

@@ -396,30 +396,47 @@ static int add_sinks(control *c)
 /* Frees the job's engine state (every rank). */
 static void release_job(control *c)
 {
-    ctl_ckpt_close(c->ck);
-    c->ck = NULL;
     int rc = mt_job_end(c->run);
     if (rc < 0) MT_LOGE("checkpoint: %s", mt_errmsg());
     c->run = NULL;
     c->t = NULL;
+    /* after the end: a save in flight writes through the folder ck holds */
+    ctl_ckpt_close(c->ck);
+    c->ck = NULL;
 }
 
 /* Builds the admitted job on this rank; all ranks agree on the outcome
- * (mt_job_start). */
+ * (mt_job_start). Rank 0 of the daemon first confines the job's checkpoint
+ * folders again and holds them; the job starts on the held ones
+ * (service/control_ckpt.h). */
 static int build_job(control *c, const mt_jobspec *spec)
 {
     c->job = *spec;
-    mt_job_opts jo = {.threads = c->o.threads};
-    MT_CHECK(mt_job_start(&c->run, c->o.rt, &c->job, &jo));
-    c->t = c->run->trainer;
-    int rc = add_sinks(c);
-    if (rc == MT_OK) rc = ctl_ckpt_open(&c->ck, c->run);
-    /* a sink that cannot open fails the job on every rank alike */
+    mt_jobspec *use = malloc(sizeof *use);
+    int rc = use ? ctl_ckpt_open(&c->ck, c->o.workdir, &c->job, use)
+                 : MT_ERR(MT_ENOMEM, "control: out of memory for a job spec");
     int ok = mt_runtime_agree(c->o.rt, rc == MT_OK);
+    if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
+    if (rc == MT_OK) {
+        mt_job_opts jo = {.threads = c->o.threads};
+        rc = ctl_ckpt_said(c->ck, mt_job_start(&c->run, c->o.rt, use, &jo));
+    }
+    free(use);
+    if (rc < 0) {
+        release_job(c);
+        return rc;
+    }
+    c->t = c->run->trainer;
+    rc = add_sinks(c);
+    if (rc == MT_OK) rc = ctl_ckpt_attach(c->ck, c->run);
+    /* a sink that cannot open fails the job on every rank alike */
+    ok = mt_runtime_agree(c->o.rt, rc == MT_OK);
     if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
     if (rc < 0) release_job(c);
     return rc;
 }
+
+static void complete_ticket(control *c, ctl_ticket *t, const ctl_result *r);
 
 static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, ctl_ticket *t)
 {
@@ -447,9 +464,9 @@ static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, c
             c->st.backend[0] = '\0';
             c->st.outcome[0] = '\0';
             result_error(&r, rc, msg);
-            ticket_complete(t, &r);
             pthread_mutex_unlock(&c->mu);
             publish_state(c, "the job failed to start: %s", msg);
+            complete_ticket(c, t, &r);
         }
         if (c->o.exit_when_idle) c->quit = 1;
         return;
@@ -475,11 +492,14 @@ static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, c
     r.start_step = r.step = c->t->step;
     r.total_steps = c->job.train.steps;
     r.state = SVC_RUNNING;
-    ticket_complete(t, &r);
     pthread_mutex_unlock(&c->mu);
     snapshot(c);
     publish_state(c, "job %s started at step %lld of %lld", c->job.name, (long long)c->t->step,
                   (long long)c->job.train.steps);
+    /* The reply after the event, as for every command: a client that opens
+     * StreamMetrics once StartJob has answered follows this job, not a
+     * replay of the previous one. */
+    complete_ticket(c, t, &r);
 }
 
 /* Records a saved checkpoint in the snapshot and the hub (rank 0). */
@@ -784,14 +804,13 @@ int control_list_checkpoints(control *c, const char *job, char *dir, size_t dir_
     *out = NULL;
     *n = 0;
     MT_CHECK(job_ckpt_dir(c, job, dir, dir_cap, name, sizeof name));
-    return ctl_ckpt_list(dir, out, n);
+    return ctl_ckpt_list(c->o.workdir, dir, out, n);
 }
 
 int control_checkpoint_path(control *c, const char *ckpt_dir, const char *name, char *path,
                             size_t cap)
 {
-    (void)c;
-    return ctl_ckpt_find(ckpt_dir, name, path, cap);
+    return ctl_ckpt_find(c->o.workdir, ckpt_dir, name, path, cap);
 }
 
 int control_reshard(control *c, const char *job, const char *source, const char *target,
@@ -800,7 +819,7 @@ int control_reshard(control *c, const char *job, const char *source, const char 
     if (!c->reshard) return MT_ERR(MT_ENOTSUP, "reshard: not available here");
     char dir[MT_PATH_CAP], name[SVC_NAME_CAP], src[MT_PATH_CAP];
     MT_CHECK(job_ckpt_dir(c, job, dir, sizeof dir, name, sizeof name));
-    MT_CHECK(ctl_ckpt_find(dir, source, src, sizeof src));
+    MT_CHECK(ctl_ckpt_find(c->o.workdir, dir, source, src, sizeof src));
     /* The target is a checkpoint directory of its own beside the job's. */
     int k = snprintf(path, path_cap, "%s/checkpoints/%s", c->o.workdir, target);
     if (k < 0 || (size_t)k >= path_cap) return MT_ERR(MT_EINVAL, "target: name too long");
@@ -808,5 +827,6 @@ int control_reshard(control *c, const char *job, const char *source, const char 
     pthread_mutex_lock(&c->mu);
     run = c->st.run_id;
     pthread_mutex_unlock(&c->mu);
-    return ctl_reshard_start(c->reshard, src, path, source, target, layout, run, name);
+    return ctl_reshard_start(c->reshard, c->o.workdir, src, path, source, target, layout, run,
+                             name);
 }

@@ -15,9 +15,25 @@
 
 typedef struct ctl_ckpt ctl_ckpt;
 
-/* The records of a running job's checkpoint policy (the job, started by
- * the runtime, has restored its state already; not owned). */
-int ctl_ckpt_open(ctl_ckpt **out, mt_job *job);
+/* Before the job starts, on every rank. With the workdir `root` (rank 0 of
+ * the daemon; NULL elsewhere) the job's checkpoint.dir (made if missing)
+ * and, for a checkpoint start, init.path are confined to it again
+ * (service/workdir.h) and held open; *use is the spec to start the job
+ * with: the held folders by the names that reach them (/proc/self/fd/N),
+ * so renaming a folder or replacing it by a symbolic link later cannot make
+ * a save write outside. Without root *use is *spec. */
+int ctl_ckpt_open(ctl_ckpt **out, const char *root, const mt_jobspec *spec, mt_jobspec *use);
+
+/* The records of the started job's checkpoint policy (the job, started by
+ * the runtime from *use, has restored its state already; not owned). */
+int ctl_ckpt_attach(ctl_ckpt *ck, mt_job *job);
+
+/* rc, with the held folders' names in the last error said as their
+ * canonical paths (for errors of the job's start and saves). */
+int ctl_ckpt_said(const ctl_ckpt *ck, int rc);
+
+/* After the job's end (a save in flight writes through the held folder):
+ * lets the folders go and frees. NULL is fine. */
 void ctl_ckpt_close(ctl_ckpt *ck);
 
 /* After a step of the job: a save committed since the last look (the
@@ -28,11 +44,15 @@ void ctl_ckpt_newly_saved(ctl_ckpt *ck, svc_ckpt *saved);
 /* Saves now (ROOT/step_NNNNNNNN of the current step). All ranks. */
 int ctl_ckpt_save(ctl_ckpt *ck, svc_ckpt *saved);
 
-/* Committed checkpoints under a job's checkpoint directory, oldest first. */
-int ctl_ckpt_list(const char *dir, svc_ckpt **out, int *n);
+/* Committed checkpoints under a job's checkpoint directory, oldest first.
+ * With the workdir `root` (NULL: no confinement) the directory is confined
+ * to it and a step that is a link leading out is left out (and logged). */
+int ctl_ckpt_list(const char *root, const char *dir, svc_ckpt **out, int *n);
 
-/* Path of checkpoint `name` ("latest": the newest) under dir. */
-int ctl_ckpt_find(const char *dir, const char *name, char *path, size_t cap);
+/* The canonical path of checkpoint `name` ("latest": the newest) under dir;
+ * with `root`, confined: inside the workdir, an index, no link among its
+ * files. MT_ENOTFOUND if there is none. */
+int ctl_ckpt_find(const char *root, const char *dir, const char *name, char *path, size_t cap);
 
 /* ---- the background reshard (rank 0) ------------------------------------------ */
 
@@ -43,10 +63,12 @@ int ctl_reshard_create(ctl_reshard **out, metrics_hub *hub);
 void ctl_reshard_destroy(ctl_reshard *r);
 
 /* Starts rewriting checkpoint `src` as `dst` (a new checkpoint directory)
- * for `layout` (0 fields: as the source); MT_ESTATE while one runs. */
-int ctl_reshard_start(ctl_reshard *r, const char *src, const char *dst, const char *src_name,
-                      const char *dst_name, const mt_layout *layout, uint64_t run_id,
-                      const char *job);
+ * for `layout` (0 fields: as the source); MT_ESTATE while one runs. With
+ * the workdir `root` both are confined and held until the rewrite ends;
+ * dst is created here (an existing name, a link included, is refused). */
+int ctl_reshard_start(ctl_reshard *r, const char *root, const char *src, const char *dst,
+                      const char *src_name, const char *dst_name, const mt_layout *layout,
+                      uint64_t run_id, const char *job);
 
 /* Progress of the current or last reshard. */
 void ctl_reshard_get(ctl_reshard *r, svc_reshard *out);

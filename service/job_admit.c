@@ -30,8 +30,11 @@ static int load_root(const char *workdir, const job_request *r, json_t **root, c
     if (r->json && r->json[0]) {
         json_error_t e;
         *root = json_loads(r->json, 0, &e);
-        if (!*root)
-            return MT_ERR(MT_EINVAL, "spec.json: line %d column %d: %s", e.line, e.column, e.text);
+        if (!*root) {
+            char reason[512];
+            mt_json_error_reason(r->json, &e, reason, sizeof reason);
+            return MT_ERR(MT_EINVAL, "spec.json: line %d column %d: %s", e.line, e.column, reason);
+        }
         snprintf(dir, cap, "%s", r->base_dir && r->base_dir[0] ? r->base_dir : workdir);
         return MT_OK;
     }

@@ -10,6 +10,7 @@
 
 #include "grpc/health/v1/health.pb-c.h"
 #include "grpc/reflection/v1/reflection.pb-c.h"
+#include "base/json_util.h"
 #include "base/mt_status.h"
 #include "moetrain.pb-c.h"
 #include "service/workdir.h"
@@ -52,9 +53,12 @@ int rpc_validate_start(const ProtobufCMessage *m, rpc_reply *r)
     if (s->json[0]) {
         json_error_t e;
         json_t *root = json_loads(s->json, 0, &e);
-        if (!root)
+        if (!root) {
+            char reason[512];
+            mt_json_error_reason(s->json, &e, reason, sizeof reason);
             return rpc_reply_error(r, RPC_INVALID_ARGUMENT, "spec.json: line %d column %d: %s",
-                                   e.line, e.column, e.text);
+                                   e.line, e.column, reason);
+        }
         int obj = json_is_object(root);
         json_decref(root);
         if (!obj) return rpc_reply_error(r, RPC_INVALID_ARGUMENT, "spec.json: must be a JSON object");

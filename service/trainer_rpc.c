@@ -13,6 +13,7 @@
 #include "service/job_admit.h"
 #include "service/rpc_validate.h"
 #include "service/service.h"
+#include "service/workdir.h"
 
 #ifndef MOETRAIN_VERSION
 #define MOETRAIN_VERSION "dev"
@@ -268,6 +269,29 @@ static rpc_stream *h_stop(void *ctx, const ProtobufCMessage *req, rpc_reply *out
 static rpc_stream *h_save(void *ctx, const ProtobufCMessage *req, rpc_reply *out)
 {
     (void)req;
+    service *sv = ctx;
+    /* The job saves through the folder it started with, held open since
+     * (service/control_ckpt.h), so nothing is written outside whatever
+     * happened to its name. If the name now leads out of the workdir the
+     * folder was replaced by a link: refuse and say so, rather than save
+     * where its name no longer points. */
+    control_status *st = malloc(sizeof *st);
+    if (!st) {
+        rpc_reply_error(out, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return NULL;
+    }
+    control_get_status(sv->ctl, st);
+    int rc = MT_OK;
+    if ((st->state == SVC_RUNNING || st->state == SVC_PAUSED) && st->ckpt_dir[0] && sv->workdir) {
+        char canon[MT_PATH_CAP];
+        rc = wd_confine(sv->workdir, st->ckpt_dir, "checkpoint.dir", WD_MISSING_OK, canon,
+                        sizeof canon, NULL);
+    }
+    free(st);
+    if (rc < 0) {
+        rpc_reply_mt(out, mt_err_wrap(MT_ESTATE, "cannot save"), NULL);
+        return NULL;
+    }
     return command(ctx, CTL_SAVE, 0, b_save, out);
 }
 

@@ -9,6 +9,7 @@
 #include "engine/model/config.h"
 #include "engine/model/layers.h"
 #include "engine/train/jobspec.h"
+#include "base/json_util.h"
 #include "base/mt_status.h"
 #include "test_util.h"
 
@@ -547,6 +548,76 @@ static void test_bad_job_specs_name_the_field(void **state)
                      NULL, 0, "init.path: required");
 }
 
+/* Loads a job spec (text, --set overrides) and expects bad input: MT_EINVAL
+ * with `needle` in the message, never "out of memory". */
+static void expect_invalid(const char *text, const char *set, const char *needle)
+{
+    char path[1200];
+    snprintf(path, sizeof path, "%s/bad_input.json", tmp);
+    mt_test_write_file(path, text);
+    mt_jobspec j;
+    const char *sets[1] = {set};
+    int rc = mt_jobspec_load(&j, path, sets, set ? 1 : 0);
+    if (rc != MT_EINVAL) fprintf(stderr, "status %d for %s / %s: %s\n", rc, text, set, mt_errmsg());
+    assert_int_equal(rc, MT_EINVAL);
+    assert_contains(mt_errmsg(), needle);
+    assert_null(strstr(mt_errmsg(), "out of memory"));
+}
+
+/* Issue 21, defect 5: NaN, infinities and invalid UTF-8 are invalid input
+ * that names the field, in a --set override and in the job spec file alike
+ * (they were "out of memory", which StartJob answered RESOURCE_EXHAUSTED). */
+static void test_nonfinite_and_bad_utf8_name_the_field(void **state)
+{
+    (void)state;
+    const char *ok = "{" TINY ", " DATA ", \"train\": {\"steps\": 5}}";
+    /* --set: every numeric type, the model's free-form rope_scaling numbers,
+     * strings and enums */
+    expect_invalid(ok, "optimizer.lr=nan", "optimizer.lr: \"nan\" is not a finite number");
+    expect_invalid(ok, "optimizer.lr=inf", "optimizer.lr: \"inf\" is not a finite number");
+    expect_invalid(ok, "optimizer.lr=-Infinity", "optimizer.lr: \"-Infinity\" is not a finite");
+    expect_invalid(ok, "optimizer.lr=1e999", "optimizer.lr: \"1e999\" is not a finite number");
+    expect_invalid(ok, "train.steps=inf", "train.steps: \"inf\" is not an integer of 64 bits");
+    expect_invalid(ok, "train.steps=1e30", "train.steps: \"1e30\" is not an integer of 64 bits");
+    expect_invalid(ok, "train.steps=nan", "train.steps: \"nan\" is not an integer");
+    expect_invalid(ok, "model.rope_scaling.factor=nan", "model.rope_scaling.factor: \"nan\" is not");
+    expect_invalid(ok, "name=a\xff", "name: not valid UTF-8 (byte 0xff at offset 1)");
+    expect_invalid(ok, "precision.recipe=\xc3(", "precision.recipe: not valid UTF-8 (byte 0xc3");
+    expect_invalid(ok, "data.path=x\xed\xa0\x80", "data.path: not valid UTF-8"); /* a surrogate */
+    expect_invalid(ok, "name=\xc0\xae", "name: not valid UTF-8"); /* an overlong '.' */
+    /* the file: what JSON cannot say, found at the field */
+    expect_invalid("{" TINY ", " DATA ", \"train\": {\"steps\": 5}, \"optimizer\": {\"lr\": NaN}}",
+                   NULL, "optimizer.lr: invalid token near 'NaN' (NaN and Infinity are not JSON");
+    expect_invalid("{" TINY ", " DATA ", \"train\": {\"steps\": 5}, \"optimizer\": {\"lr\": -Infinity}}",
+                   NULL, "optimizer.lr: invalid token near '-' (NaN and Infinity");
+    expect_invalid("{" TINY ", " DATA ", \"train\": {\"steps\": 1e999}}", NULL,
+                   "train.steps: real number overflow");
+    expect_invalid("{" TINY ", " DATA ", \"train\": {\"steps\": 5}, \"name\": \"t\xff\"}", NULL,
+                   "name: unable to decode byte 0xff");
+    expect_invalid("{\"model\": {\"vocab_size\": 64, \"hidden_\xff\": 1}}", NULL,
+                   "a key in model: unable to decode byte 0xff");
+    expect_invalid("{" TINY ", " DATA ", \"train\": {\"steps\": 5}, \"name\": \"a\\ud800b\"}", NULL,
+                   "name: invalid Unicode");
+}
+
+/* A reader error's place: the path of the field at a byte of the text. */
+static void test_json_path_at_names_the_field(void **state)
+{
+    (void)state;
+    const char *t = "{\"a\": {\"b\": [1, {\"c\": X}], \"d\": \"x\\\"y\", \"e\": Y}}";
+    char out[256];
+    mt_json_path_at(t, (size_t)(strchr(t, 'X') - t + 1), out, sizeof out);
+    assert_string_equal(out, "a.b[1].c");
+    mt_json_path_at(t, (size_t)(strchr(t, 'Y') - t + 1), out, sizeof out);
+    assert_string_equal(out, "a.e"); /* past a string holding an escaped quote */
+    mt_json_path_at(t, 1, out, sizeof out);
+    assert_string_equal(out, "a key at the top level");
+    mt_json_path_at("[1, 2, Z]", 8, out, sizeof out);
+    assert_string_equal(out, "[2]");
+    mt_json_path_at("NaN", 3, out, sizeof out);
+    assert_string_equal(out, "(top level)");
+}
+
 int main(int argc, char **argv)
 {
     examples_dir = argc > 1 ? argv[1] : "deploy/examples";
@@ -565,6 +636,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_to_json_round_trips),
         cmocka_unit_test(test_bad_job_specs_name_the_field),
         cmocka_unit_test(test_admission_checks_the_layout_against_the_ranks),
+        cmocka_unit_test(test_nonfinite_and_bad_utf8_name_the_field),
+        cmocka_unit_test(test_json_path_at_names_the_field),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -36,6 +36,30 @@ expect_fail "experts vs groups" 2 "model.n_routed_experts: 8 is not divisible by
 echo '{"model": {' > "$dir/broken.json"
 expect_fail "malformed JSON" 2 "broken.json:2" -- "$d" --job "$dir/broken.json"
 
+# NaN, infinities, invalid UTF-8: bad input naming the field (issue 21,
+# defect 5: they were "out of memory"), in --set and in the file, in the
+# foreground and in the daemon's --job
+expect_fail "NaN in --set" 2 'optimizer.lr: "nan" is not a finite number' -- "$d" --job "$job" \
+  --set data.path="$dir/syn" --set optimizer.lr=nan
+expect_fail "Inf in --set of an integer" 2 'train.steps: "inf" is not an integer of 64 bits' -- \
+  "$d" --job "$job" --set data.path="$dir/syn" --set train.steps=inf
+expect_fail "invalid UTF-8 in --set" 2 "name: not valid UTF-8 (byte 0xff at offset 4)" -- \
+  "$d" --job "$job" --set data.path="$dir/syn" --set name=$'tiny\xff'
+sed 's/"lr": 3e-3/"lr": NaN/' "$job" > "$dir/nan.json"
+expect_fail "NaN in the file" 2 "nan.json:36:26: optimizer.lr: invalid token near 'NaN'" -- \
+  "$d" --job "$dir/nan.json" --set data.path="$dir/syn"
+sed 's/"lr": 3e-3/"lr": 1e999/' "$job" > "$dir/inf.json"
+expect_fail "overflow in the file" 2 "optimizer.lr: real number overflow" -- \
+  "$d" --job "$dir/inf.json" --set data.path="$dir/syn"
+sed $'s/"name": "tiny-cpu"/"name": "tiny\xff"/' "$job" > "$dir/utf8.json"
+expect_fail "invalid UTF-8 in the file" 2 "utf8.json:3:15: name: unable to decode byte 0xff" -- \
+  "$d" --job "$dir/utf8.json" --set data.path="$dir/syn"
+expect_fail "NaN in --set, daemon --job" 2 'optimizer.lr: "nan" is not a finite number' -- \
+  "$d" --listen 127.0.0.1:0 --workdir "$dir/wd" --job "$job" --set data.path="$dir/syn" \
+  --set optimizer.lr=nan
+expect_fail "NaN in the file, daemon --job" 2 "optimizer.lr: invalid token near 'NaN'" -- \
+  "$d" --listen 127.0.0.1:0 --workdir "$dir/wd" --job "$dir/nan.json"
+
 "$d" --help-job > "$dir/help.txt" 2>&1 || fail "--help-job exit $?"
 for f in train.steps precision.main_params model.n_group lr_schedule.decay; do
   grep -q "$f" "$dir/help.txt" || fail "--help-job lacks $f"

@@ -1,7 +1,8 @@
 /* test_service_badinput.c - a daemon with a token and TLS off, then TLS on,
  * gets bad input and must answer each with the right status code and keep
  * serving: garbage bytes, an unknown method, invalid job specs (the message
- * names the field), names and paths that try to leave the workdir, calls in
+ * names the field; NaN, Inf, bad UTF-8), names and paths that try to leave
+ * the workdir (a symbolic link at each component, for each RPC), calls in
  * the wrong state, a missing or wrong token, clients that vanish mid-stream
  * (cancelled, and killed). Then TLS: a client with the CA works, one
  * without TLS cannot connect. */
@@ -118,11 +119,10 @@ static int teardown(void **state)
     return stop_daemon() == 0 ? 0 : -1;
 }
 
-/* A StartJob request for the tiny job with extra overrides. */
-static int start_job(rpc_client *c, const char *const *extra, int n_extra, const char *from,
-                     rpc_status *st)
+/* The example tiny job's spec text (a static buffer). */
+static char *tiny_json(void)
 {
-    char path[1200], dset[1200];
+    char path[1200];
     snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
     FILE *f = fopen(path, "r");
     assert_non_null(f);
@@ -130,13 +130,31 @@ static int start_job(rpc_client *c, const char *const *extra, int n_extra, const
     size_t n = fread(json, 1, sizeof json - 1, f);
     fclose(f);
     json[n] = '\0';
+    return json;
+}
+
+static int start_spec(rpc_client *c, const char *json, const char *const *extra, int n_extra,
+                      const char *from, rpc_status *st);
+
+/* A StartJob request for the tiny job with extra overrides. */
+static int start_job(rpc_client *c, const char *const *extra, int n_extra, const char *from,
+                     rpc_status *st)
+{
+    return start_spec(c, tiny_json(), extra, n_extra, from, st);
+}
+
+/* A StartJob request for the job spec text `json` with extra overrides. */
+static int start_spec(rpc_client *c, const char *json, const char *const *extra, int n_extra,
+                      const char *from, rpc_status *st)
+{
+    char dset[1200];
     snprintf(dset, sizeof dset, "data.path=%s", data);
     char *sets[32] = {dset, "batch.seq_len=32", "train.steps=100000", "data.valid_interval=0",
                       "train.log_interval=1000"};
     size_t ns = 5;
     for (int i = 0; i < n_extra; i++) sets[ns++] = (char *)extra[i];
     Moetrain__V1__JobSpec spec = MOETRAIN__V1__JOB_SPEC__INIT;
-    spec.json = json;
+    spec.json = (char *)json;
     spec.set = sets;
     spec.n_set = ns;
     Moetrain__V1__StartJobRequest q = MOETRAIN__V1__START_JOB_REQUEST__INIT;
@@ -313,6 +331,331 @@ static void test_bad_specs(void **state)
     assert_serving();
 }
 
+/* Issue 21, defect 5: NaN, infinities and invalid UTF-8 in a --set or in
+ * spec.json are INVALID_ARGUMENT naming the field (they were "out of
+ * memory", RESOURCE_EXHAUSTED). */
+static void test_nonfinite_and_bad_utf8(void **state)
+{
+    (void)state;
+    rpc_client *c = client(TOKEN, NULL);
+    rpc_status st;
+    struct {
+        const char *set, *want;
+    } sets[] = {
+        {"optimizer.lr=nan", "optimizer.lr: \"nan\" is not a finite number"},
+        {"optimizer.lr=-inf", "optimizer.lr: \"-inf\" is not a finite number"},
+        {"optimizer.lr=1e999", "optimizer.lr: \"1e999\" is not a finite number"},
+        {"train.steps=inf", "train.steps: \"inf\" is not an integer of 64 bits"},
+        {"model.rope_scaling.factor=nan", "model.rope_scaling.factor: \"nan\" is not a finite"},
+        {"name=tiny\xff", "name: not valid UTF-8 (byte 0xff at offset 4)"},
+        {"data.path=\xc3(", "data.path: not valid UTF-8 (byte 0xc3 at offset 0)"},
+    };
+    for (size_t i = 0; i < sizeof sets / sizeof sets[0]; i++) {
+        int code = start_job(c, &sets[i].set, 1, NULL, &st);
+        if (code != GRPC_STATUS_INVALID_ARGUMENT) fprintf(stderr, "set %zu: %d %s\n", i, code, st.detail);
+        assert_int_equal(code, GRPC_STATUS_INVALID_ARGUMENT);
+        assert_contains(st.detail, sets[i].want);
+    }
+    /* spec.json: what JSON cannot say is refused where the document is read,
+     * with the field at the place */
+    static char json[65536];
+    struct {
+        const char *from, *to, *want;
+    } docs[] = {
+        {"\"lr\": 3e-3", "\"lr\": NaN",
+         "spec.json: line 36 column 26: optimizer.lr: invalid token near 'NaN' (NaN and Infinity"},
+        {"\"lr\": 3e-3", "\"lr\": Infinity", "line 36 column 31: optimizer.lr: invalid token"},
+        {"\"lr\": 3e-3", "\"lr\": 1e999", "line 36 column 28: optimizer.lr: real number overflow"},
+        {"\"name\": \"tiny-cpu\"", "\"name\": \"tiny\xff\"",
+         "spec.json: line 3 column 15: name: unable to decode byte 0xff"},
+    };
+    for (size_t i = 0; i < sizeof docs / sizeof docs[0]; i++) {
+        const char *base = tiny_json();
+        const char *at = strstr(base, docs[i].from);
+        assert_non_null(at);
+        snprintf(json, sizeof json, "%.*s%s%s", (int)(at - base), base, docs[i].to,
+                 at + strlen(docs[i].from));
+        int code = start_spec(c, json, NULL, 0, NULL, &st);
+        if (code != GRPC_STATUS_INVALID_ARGUMENT) fprintf(stderr, "doc %zu: %d %s\n", i, code, st.detail);
+        assert_int_equal(code, GRPC_STATUS_INVALID_ARGUMENT);
+        assert_contains(st.detail, docs[i].want);
+    }
+    rpc_client_close(c);
+    assert_serving();
+}
+
+/* ---- issue 21, defect 3: links out of the workdir, for each RPC ------------------------- */
+
+static char wd[1100], out_dir[1100];
+
+/* Runs a shell command built like printf; it must succeed. */
+static void sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void sh(const char *fmt, ...)
+{
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    if (system(cmd) != 0) {
+        fprintf(stderr, "failed: %s\n", cmd);
+        fail();
+    }
+}
+
+static int exists(const char *fmt, const char *a)
+{
+    char p[2048];
+    snprintf(p, sizeof p, fmt, a);
+    struct stat st;
+    return lstat(p, &st) == 0;
+}
+
+/* Records one case: its status code and message against what is wanted. */
+static int n_cases, n_bad;
+static void expect_case(const char *name, int got, int want, const rpc_status *st,
+                        const char *needle)
+{
+    n_cases++;
+    int ok = got == want && (!needle || strstr(st->detail, needle));
+    if (!ok) n_bad++;
+    fprintf(stderr, "%s %s: %d (want %d) %s\n", ok ? "ok  " : "FAIL", name, got, want,
+            got ? st->detail : "");
+}
+
+/* Records one case that is a plain condition (what was written where). */
+static void expect_true(const char *name, int ok, const char *what)
+{
+    n_cases++;
+    if (!ok) n_bad++;
+    fprintf(stderr, "%s %s%s%s\n", ok ? "ok  " : "FAIL", name, ok ? "" : ": ", ok ? "" : what);
+}
+
+static int list_call(rpc_client *c, const char *job, rpc_status *st, char *names, size_t cap)
+{
+    Moetrain__V1__ListCheckpointsRequest q = MOETRAIN__V1__LIST_CHECKPOINTS_REQUEST__INIT;
+    q.job = (char *)job;
+    Moetrain__V1__ListCheckpointsResponse *r;
+    int code = rpc_client_call(c, T "ListCheckpoints", &q.base,
+                               &moetrain__v1__list_checkpoints_response__descriptor,
+                               (ProtobufCMessage **)&r, 30, st);
+    names[0] = '\0';
+    if (code == 0) {
+        for (size_t i = 0; i < r->n_checkpoints; i++) {
+            size_t n = strlen(names);
+            snprintf(names + n, cap - n, "%s ", r->checkpoints[i]->name);
+        }
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+    }
+    return code;
+}
+
+static void wait_no_reshard(rpc_client *c)
+{
+    for (int i = 0;; i++) {
+        assert_true(i < 600);
+        Moetrain__V1__GetStatusResponse *r = status(c);
+        int active = r->reshard && r->reshard->active;
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+        if (!active) return;
+        sleep_ms(100);
+    }
+}
+
+/* ReshardCheckpoint; a reshard it started is waited for, so that each case
+ * stands alone (one running refuses the next). */
+static int reshard_call(rpc_client *c, const char *job, const char *source, const char *target,
+                        rpc_status *st)
+{
+    Moetrain__V1__ReshardCheckpointRequest q = MOETRAIN__V1__RESHARD_CHECKPOINT_REQUEST__INIT;
+    Moetrain__V1__Layout l = MOETRAIN__V1__LAYOUT__INIT;
+    q.job = (char *)job;
+    q.source = (char *)source;
+    q.target = (char *)target;
+    q.layout = &l;
+    ProtobufCMessage *r;
+    int code = rpc_client_call(c, T "ReshardCheckpoint", &q.base,
+                               &moetrain__v1__reshard_checkpoint_response__descriptor, &r, 30, st);
+    if (code == 0) protobuf_c_message_free_unpacked(r, NULL);
+    if (code == 0) wait_no_reshard(c);
+    return code;
+}
+
+/* SaveCheckpoint; the saved checkpoint's name into name. */
+static int save_call(rpc_client *c, rpc_status *st, char *name, size_t cap)
+{
+    Moetrain__V1__SaveCheckpointRequest q = MOETRAIN__V1__SAVE_CHECKPOINT_REQUEST__INIT;
+    Moetrain__V1__SaveCheckpointResponse *r;
+    int code = rpc_client_call(c, T "SaveCheckpoint", &q.base,
+                               &moetrain__v1__save_checkpoint_response__descriptor,
+                               (ProtobufCMessage **)&r, 120, st);
+    if (name) name[0] = '\0';
+    if (code == 0) {
+        if (name && r->checkpoint) snprintf(name, cap, "%s", r->checkpoint->name);
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+    }
+    return code;
+}
+
+static int stop_call(rpc_client *c, int save, rpc_status *st)
+{
+    Moetrain__V1__StopJobRequest q = MOETRAIN__V1__STOP_JOB_REQUEST__INIT;
+    q.save = save;
+    ProtobufCMessage *r;
+    int code = rpc_client_call(c, T "StopJob", &q.base, &moetrain__v1__stop_job_response__descriptor,
+                               &r, 120, st);
+    if (code == 0) protobuf_c_message_free_unpacked(r, NULL);
+    return code;
+}
+
+/* Waits until the running job has done a step after `step`. */
+static void wait_step_after(rpc_client *c, int64_t step)
+{
+    for (int i = 0;; i++) {
+        assert_true(i < 600);
+        Moetrain__V1__GetStatusResponse *r = status(c);
+        int moved = r->step > step;
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+        if (moved) return;
+        sleep_ms(100);
+    }
+}
+
+static int64_t step_of(const char *name) { return strtoll(name + 5, NULL, 10); }
+
+#define INVALID GRPC_STATUS_INVALID_ARGUMENT
+#define LINK_OUT "leads outside the workdir through a symbolic link"
+
+/* ReshardCheckpoint, ListCheckpoints and SaveCheckpoint used to follow
+ * symbolic links out of the workdir (StartJob checked). Each RPC gets a link
+ * leading out at each component of the paths it uses: the `checkpoints`
+ * folder, the job's folder, a step folder, a file inside a checkpoint, the
+ * reshard target, `latest.tmp`; and a job folder replaced by a link while the
+ * job runs. Nothing may be read or written outside. Every case is reported
+ * (stderr) before the count is asserted, so a run against the unfixed code
+ * lists each one that fails. */
+static void test_links_out_of_workdir(void **state)
+{
+    (void)state;
+    rpc_client *c = client(TOKEN, NULL);
+    rpc_status st;
+    char names[4096], ck[128], ck2[128];
+    snprintf(wd, sizeof wd, "%s/wd", tmp);
+    snprintf(out_dir, sizeof out_dir, "%s/outside", tmp);
+    sh("rm -rf '%s' && mkdir -p '%s/savedir' && echo keep > '%s/victim'", out_dir, out_dir, out_dir);
+    n_cases = n_bad = 0;
+
+    /* a job with one checkpoint, and a copy of its folder outside */
+    const char *lnk[] = {"name=lnk"};
+    assert_int_equal(start_job(c, lnk, 1, NULL, &st), 0);
+    assert_int_equal(save_call(c, &st, ck, sizeof ck), 0);
+    sh("cp -r '%s/checkpoints/lnk' '%s/jobcopy'", wd, out_dir);
+
+    /* ListCheckpoints */
+    sh("ln -s '%s/jobcopy' '%s/checkpoints/viaj'", out_dir, wd);
+    expect_case("List: the job's folder is a link out", list_call(c, "viaj", &st, names, sizeof names),
+                INVALID, &st, LINK_OUT);
+    sh("ln -s '%s/jobcopy/%s' '%s/checkpoints/lnk/step_99999999'", out_dir, ck, wd);
+    int code = list_call(c, "lnk", &st, names, sizeof names);
+    expect_case("List: a step is a link out (left out)", code, 0, &st, NULL);
+    expect_true("List: the link is not listed, the step is", code == 0 &&
+                !strstr(names, "step_99999999") && strstr(names, ck), names);
+
+    /* ReshardCheckpoint: the source side */
+    expect_case("Reshard: the source job's folder is a link out",
+                reshard_call(c, "viaj", "latest", "r1", &st), INVALID, &st, LINK_OUT);
+    expect_case("Reshard: the source step is a link out",
+                reshard_call(c, "lnk", "step_99999999", "r2", &st), INVALID, &st, LINK_OUT);
+    expect_case("Reshard: latest is a link out", reshard_call(c, "lnk", "latest", "r3", &st), INVALID,
+                &st, LINK_OUT);
+    sh("rm '%s/checkpoints/lnk/step_99999999'", wd);
+    sh("mkdir -p '%s/checkpoints/lnkcopy' && cp -r '%s/checkpoints/lnk/%s' '%s/checkpoints/lnkcopy/' && "
+       "ln -s '%s/victim' '%s/checkpoints/lnkcopy/%s/notes'",
+       wd, wd, ck, wd, out_dir, wd, ck);
+    expect_case("Reshard: a file of the source is a link out",
+                reshard_call(c, "lnkcopy", ck, "r4", &st), INVALID, &st, "is a symbolic link");
+    /* the target side */
+    sh("ln -s '%s/tgt' '%s/checkpoints/tlink'", out_dir, wd);
+    expect_case("Reshard: the target is a (dangling) link out",
+                reshard_call(c, "lnk", ck, "tlink", &st), INVALID, &st, "exists already");
+    expect_true("Reshard: nothing written through the target link", !exists("%s/tgt", out_dir),
+                "wrote outside/tgt");
+
+    /* SaveCheckpoint: a link at latest.tmp must not be written through */
+    wait_step_after(c, step_of(ck));
+    sh("ln -s '%s/victim' '%s/checkpoints/lnk/latest.tmp'", out_dir, wd);
+    expect_case("Save: latest.tmp is a link out", save_call(c, &st, ck2, sizeof ck2), 0, &st, NULL);
+    {
+        char v[1200];
+        snprintf(v, sizeof v, "%s/victim", out_dir);
+        FILE *f = fopen(v, "r");
+        char line[64] = "";
+        if (f) {
+            if (!fgets(line, sizeof line, f)) line[0] = '\0';
+            fclose(f);
+        }
+        expect_true("Save: the target of latest.tmp is untouched", !strcmp(line, "keep\n"), line);
+    }
+    /* the job's folder replaced by a link while it runs */
+    wait_step_after(c, step_of(ck2));
+    sh("mv '%s/checkpoints/lnk' '%s/checkpoints/lnk.moved' && ln -s '%s/savedir' '%s/checkpoints/lnk'",
+       wd, wd, out_dir, wd);
+    expect_case("Save: the job's folder was replaced by a link out", save_call(c, &st, NULL, 0),
+                GRPC_STATUS_FAILED_PRECONDITION, &st, LINK_OUT);
+    expect_case("Stop with a save: the job's folder replaced by a link out", stop_call(c, 1, &st),
+                0, &st, NULL);
+    sh("ls -A '%s/savedir' > '%s/savedir.ls'", out_dir, tmp);
+    {
+        char ls[1200];
+        snprintf(ls, sizeof ls, "%s/savedir.ls", tmp);
+        struct stat s2;
+        expect_true("Save and stop: nothing written through the job's folder link",
+                    stat(ls, &s2) == 0 && s2.st_size == 0, "wrote into outside/savedir");
+    }
+    sh("rm '%s/checkpoints/lnk' && mv '%s/checkpoints/lnk.moved' '%s/checkpoints/lnk'", wd, wd, wd);
+
+    /* StartJob: a step that is a link out, a spec file that is a link out */
+    sh("ln -s '%s/jobcopy/%s' '%s/checkpoints/lnk/step_99999999'", out_dir, ck, wd);
+    expect_case("Start: from_checkpoint is a link out",
+                start_job(c, lnk, 1, "step_99999999", &st), INVALID, &st, "symbolic link");
+    sh("rm '%s/checkpoints/lnk/step_99999999'", wd);
+
+    /* the `checkpoints` folder itself replaced by a link to a copy outside */
+    sh("mkdir -p '%s/ckroot' && cp -r '%s/checkpoints/lnk' '%s/ckroot/' && "
+       "mv '%s/checkpoints' '%s/checkpoints.real' && ln -s '%s/ckroot' '%s/checkpoints'",
+       out_dir, wd, out_dir, wd, wd, out_dir, wd);
+    expect_case("List: `checkpoints` is a link out", list_call(c, "lnk", &st, names, sizeof names),
+                INVALID, &st, LINK_OUT);
+    expect_case("Reshard: `checkpoints` is a link out", reshard_call(c, "lnk", "latest", "r6", &st),
+                INVALID, &st, LINK_OUT);
+    expect_case("Start: `checkpoints` is a link out", start_job(c, lnk, 1, "latest", &st), INVALID,
+                &st, "symbolic link");
+    expect_true("Reshard: nothing written through `checkpoints`", !exists("%s/ckroot/r6", out_dir),
+                "wrote outside/ckroot/r6");
+    sh("rm '%s/checkpoints' && mv '%s/checkpoints.real' '%s/checkpoints'", wd, wd, wd);
+    /* ... and while a job runs */
+    const char *lnk3[] = {"name=lnk3"};
+    assert_int_equal(start_job(c, lnk3, 1, NULL, &st), 0);
+    sh("mkdir -p '%s/ckroot3/lnk3' && mv '%s/checkpoints' '%s/checkpoints.real' && "
+       "ln -s '%s/ckroot3' '%s/checkpoints'",
+       out_dir, wd, wd, out_dir, wd);
+    expect_case("Save: `checkpoints` was replaced by a link out", save_call(c, &st, NULL, 0),
+                GRPC_STATUS_FAILED_PRECONDITION, &st, LINK_OUT);
+    expect_case("Stop with a save: `checkpoints` replaced by a link out", stop_call(c, 1, &st), 0,
+                &st, NULL);
+    sh("rm '%s/checkpoints' && mv '%s/checkpoints.real' '%s/checkpoints'", wd, wd, wd);
+    expect_true("Save and stop: nothing written through `checkpoints`",
+                !exists("%s/ckroot3/lnk3/latest", out_dir), "wrote into outside/ckroot3/lnk3");
+    /* the final save went to the folder the job started with */
+    code = list_call(c, "lnk3", &st, names, sizeof names);
+    expect_true("the final save of lnk3 is in the folder it started with",
+                code == 0 && strstr(names, "step_"), names);
+    fprintf(stderr, "links out of the workdir: %d of %d cases wrong\n", n_bad, n_cases);
+    assert_int_equal(n_bad, 0);
+    rpc_client_close(c);
+    assert_serving();
+}
+
 /* Opens a metrics stream, reads `n` events, returns the client. */
 static rpc_client_stream *subscribe(rpc_client *c, int n)
 {
@@ -463,6 +806,8 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_garbage),     cmocka_unit_test(test_token),
         cmocka_unit_test(test_wrong_state), cmocka_unit_test(test_bad_specs),
+        cmocka_unit_test(test_nonfinite_and_bad_utf8),
+        cmocka_unit_test(test_links_out_of_workdir),
         cmocka_unit_test(test_vanishing_clients), cmocka_unit_test(test_health),
         cmocka_unit_test(test_tls),
     };

@@ -8,6 +8,7 @@
 #
 #   test_service_e2e.sh BUILD_DIR JOB_JSON SCRATCH_DIR
 set -euo pipefail
+. "$(dirname "$0")/shell_checks.sh" # has, has_line: never `echo | grep -q` here
 
 build=$1
 job=$2
@@ -79,7 +80,7 @@ t0=$SECONDS
 set +e
 out=$("$daemon" --listen 0.0.0.0:0 --workdir "$tmp/wd" 2>&1); rc=$?
 set -e
-[ $rc = 2 ] && echo "$out" | grep -q "token-file" || fail "0.0.0.0 without a token: rc $rc: $out"
+[ $rc = 2 ] && has_line "$out" "token-file" || fail "0.0.0.0 without a token: rc $rc: $out"
 
 start_daemon
 out=$(cli health) || fail "health: $out"
@@ -89,7 +90,7 @@ out=$(http_get /healthz)
 [ "$(status_field state)" = JOB_STATE_IDLE ] || fail "a fresh daemon is not IDLE"
 
 out=$(cli start "$job" "${sets[@]}") || fail "start: $out"
-echo "$out" | grep -q "started job tiny-cpu (run 1) at step 0 of 100000" || fail "start said: $out"
+has_line "$out" "started job tiny-cpu (run 1) at step 0 of 100000" || fail "start said: $out"
 wait_step_above 2 120
 
 # pause: the reply names the step, and the step stops there
@@ -104,28 +105,28 @@ sleep 1.5
 set +e
 out=$(cli pause 2>&1); rc=$?
 set -e
-[ $rc = 3 ] && echo "$out" | grep -q FAILED_PRECONDITION || fail "second pause: rc $rc: $out"
+[ $rc = 3 ] && has_line "$out" FAILED_PRECONDITION || fail "second pause: rc $rc: $out"
 set +e
 out=$(cli start "$job" "${sets[@]}" 2>&1); rc=$?
 set -e
-[ $rc = 3 ] && echo "$out" | grep -q FAILED_PRECONDITION || fail "start while paused: rc $rc: $out"
+[ $rc = 3 ] && has_line "$out" FAILED_PRECONDITION || fail "start while paused: rc $rc: $out"
 
 # save while paused, then resume: the step advances again
 out=$(cli save) || fail "save: $out"
-echo "$out" | grep -q "saved checkpoint step_0*$paused at step $paused" || fail "save said: $out"
+has_line "$out" "saved checkpoint step_0*$paused at step $paused" || fail "save said: $out"
 out=$(cli resume) || fail "resume: $out"
 [ "$out" = "resumed at step $paused" ] || fail "resume said: $out"
 wait_step_above "$paused" 60
 
 out=$(cli checkpoints) || fail "checkpoints: $out"
-echo "$out" | grep -q "step_0*$paused " || fail "checkpoints lacks step $paused: $out"
+has_line "$out" "step_0*$paused " || fail "checkpoints lacks step $paused: $out"
 
 # /metrics while running
 page=$(http_get /metrics)
 for m in 'moetrain_steps_total ' 'moetrain_loss ' 'moetrain_step_duration_seconds ' \
   'moetrain_expert_load_max_ratio{layer="1"}' 'moetrain_job_state{state="running"} 1' \
   'moetrain_rpc_calls_total{method="moetrain.v1.Trainer/PauseJob",code="OK"} 1'; do
-  echo "$page" | grep -qF "$m" || fail "/metrics lacks $m"
+  has "$page" "$m" || fail "/metrics lacks $m"
 done
 
 # stop with a final checkpoint
@@ -149,20 +150,20 @@ echo "phase 1 (start, pause, resume, save, stop, SIGTERM): $((SECONDS - t0)) s"
 # a new daemon: the job starts from its last checkpoint
 start_daemon
 out=$(cli checkpoints --job tiny-cpu) || fail "checkpoints: $out"
-echo "$out" | grep -q "step_0*$stopped " || fail "the restarted daemon lacks step $stopped: $out"
+has_line "$out" "step_0*$stopped " || fail "the restarted daemon lacks step $stopped: $out"
 out=$(cli start "$job" "${sets[@]}" --from-checkpoint latest) || fail "start from checkpoint: $out"
-echo "$out" | grep -q "at step $stopped of 100000" || fail "start from checkpoint said: $out"
+has_line "$out" "at step $stopped of 100000" || fail "start from checkpoint said: $out"
 
 # reshard in the background: progress in the status, a failure reported
 out=$(cli reshard latest ep2 --ep 2 --dp 2 --wait) || fail "reshard: $out"
-echo "$out" | grep -q "^reshard done: wrote .*/checkpoints/ep2 (tp=1,pp=1,vpp=1,ep=2,etp=1,dp=2)" ||
+has_line "$out" "^reshard done: wrote .*/checkpoints/ep2 (tp=1,pp=1,vpp=1,ep=2,etp=1,dp=2)" ||
   fail "reshard said: $out"
 out=$(cli checkpoints --job ep2) || fail "checkpoints --job ep2: $out"
-echo "$out" | grep -q "step_0*$stopped " || fail "the resharded checkpoint is not listed: $out"
+has_line "$out" "step_0*$stopped " || fail "the resharded checkpoint is not listed: $out"
 set +e
 out=$(cli reshard latest bad --tp 2 --wait 2>&1); rc=$?
 set -e
-[ $rc = 3 ] && echo "$out" | grep -q "reshard FAILED" || fail "a bad reshard layout: rc $rc: $out"
+[ $rc = 3 ] && has_line "$out" "reshard FAILED" || fail "a bad reshard layout: rc $rc: $out"
 
 # watch follows the steps live with a progress bar, and ends with the job
 cli watch > "$tmp/watch.out" 2>&1 &
@@ -181,11 +182,25 @@ grep -Eq "^step +$((stopped + 1))/100000 \[[#.]{20}\]" "$tmp/watch.out" ||
   fail "watch did not start at step $((stopped + 1)): $(head -n 3 "$tmp/watch.out")"
 grep -q "^-- IDLE: job tiny-cpu stopped" "$tmp/watch.out" || fail "watch missed the stop"
 
-# SIGTERM with a subscriber open: its stream is drained and ends cleanly
+# SIGTERM while a subscriber follows a running job: the job stops at a step
+# boundary, the subscriber sees it end and exits 0. Waits on conditions, not
+# on time: the watcher is known to follow once it has printed a step.
+out=$(cli start "$job" "${sets[@]}" --from-checkpoint latest) || fail "third start: $out"
+third=$(sed -n 's/.* at step \([0-9]*\) of 100000$/\1/p' <<< "$out")
+[ -n "$third" ] || fail "third start said: $out"
 cli watch > "$tmp/watch2.out" 2>&1 &
 wpid=$!
 pids+=("$wpid")
-sleep 0.5
+deadline=$((SECONDS + 60))
+until grep -q '^step ' "$tmp/watch2.out"; do
+  [ $SECONDS -lt $deadline ] || fail "the second watch showed no steps: $(cat "$tmp/watch2.out")"
+  kill -0 "$wpid" 2> /dev/null || fail "the second watch ended early: $(cat "$tmp/watch2.out")"
+  sleep 0.1
+done
+# it follows this run, not a replay of the stopped one (issue 22: the
+# StartJob reply used to come before the hub had the job's RUNNING event)
+[ "$(head -n 1 "$tmp/watch2.out")" = "-- RUNNING: job tiny-cpu started at step $third of 100000" ] ||
+  fail "the second watch did not begin with this run: $(head -n 3 "$tmp/watch2.out")"
 kill -TERM "$dpid"
 rc=0
 wait "$dpid" || rc=$?
@@ -193,4 +208,6 @@ wait "$dpid" || rc=$?
 rc=0
 wait "$wpid" || rc=$?
 [ $rc = 0 ] || fail "watch exited $rc when the daemon drained: $(cat "$tmp/watch2.out")"
+[ "$(grep -c '^-- IDLE' "$tmp/watch2.out")" = 1 ] && grep -q '^-- IDLE: job tiny-cpu stopped' "$tmp/watch2.out" ||
+  fail "the second watch did not end with the job: $(tail -n 3 "$tmp/watch2.out")"
 echo "service e2e: all checks passed in $((SECONDS - t0)) s"

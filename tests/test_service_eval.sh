@@ -8,6 +8,7 @@
 #
 #   test_service_eval.sh BUILD_DIR SOURCE_DIR SCRATCH_DIR
 set -euo pipefail
+. "$(dirname "$0")/shell_checks.sh" # has, has_line: never `echo | grep -q` here
 build=$1 src=$2 tmp=$3
 job="$src/deploy/examples/tiny-cpu.json"
 py=/usr/bin/python3
@@ -47,8 +48,8 @@ cli start "$job" "${sets[@]}" --set train.steps=100000 --set data.valid_interval
     || fail "start"
 
 out=$(cli eval ck --out scores/loss.npy --logits) || fail "eval: $out"
-echo "$out" | grep -q "^loss        $valid " || fail "eval's loss is not the trainer's $valid: $out"
-echo "$out" | grep -q "valid split of $tmp/syn: 6 sequences x 32 tokens" || fail "eval said: $out"
+has_line "$out" "^loss        $valid " || fail "eval's loss is not the trainer's $valid: $out"
+has_line "$out" "valid split of $tmp/syn: 6 sequences x 32 tokens" || fail "eval said: $out"
 grep -q "evaluate: 100% (192 of 192 tokens)" "$tmp/daemon.log" || fail "no progress in the log"
 "$build/ckpt/moetrain-ckpt" eval "$tmp/wd/ck" --quiet --threads 1 --out "$tmp/direct.npy" > /dev/null
 cmp "$tmp/wd/scores/loss.npy" "$tmp/direct.npy" || fail "the RPC and moetrain-ckpt eval differ"
@@ -65,13 +66,13 @@ cmp "$tmp/wd/scores/loss.npy" "$tmp/wd/scores/t.npy" || fail "--tokens scores di
 echo "$out" | "$py" -c 'import json,sys; r=json.load(sys.stdin); assert r["recipe"]=="fp8-blockwise" and r["tokens"]=="192", r' \
     || fail "eval --json: $out"
 out=$(cli eval ck --job "$job" "${sets[@]}" --set train.steps=2) || fail "eval --job: $out"
-echo "$out" | grep -q "^loss        $valid " || fail "eval --job: $out"
+has_line "$out" "^loss        $valid " || fail "eval --job: $out"
 
 # bad input: the field is named, nothing is written outside the workdir
 expect() { # expect NEEDLE ARGS...
   local needle=$1; shift
   set +e; out=$(cli eval "$@" 2>&1); local rc=$?; set -e
-  [ $rc = 3 ] && echo "$out" | grep -qF -- "$needle" || fail "eval $*: rc $rc: $out"
+  [ $rc = 3 ] && has "$out" "$needle" || fail "eval $*: rc $rc: $out"
 }
 expect "INVALID_ARGUMENT: checkpoint" ../
 expect "INVALID_ARGUMENT: checkpoint" /etc

@@ -1,7 +1,8 @@
 /* test_service_units.c - the service's pieces without a server: workdir
- * confinement, tokens, the metrics hub (replay, gaps, no duplicates), the
- * reflection index of the embedded descriptors, the request decoders on
- * garbage, job admission, the Prometheus page, JSON of messages. */
+ * confinement (a link at each component), tokens, the metrics hub (replay,
+ * gaps, no duplicates), the reflection index of the embedded descriptors,
+ * the request decoders on garbage, job admission, the Prometheus page, JSON
+ * of messages, the order of a StartJob reply and its hub event. */
 #define _XOPEN_SOURCE 700
 #include <setjmp.h>
 #include <stdarg.h>
@@ -9,12 +10,19 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <math.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "api/api_descriptors.h"
+#include "base/mt_fs.h"
 #include "base/mt_status.h"
 #include "moetrain.pb-c.h"
 #include "service/auth.h"
+#include "runtime/runtime.h"
+#include "service/control.h"
 #include "service/job_admit.h"
 #include "service/metrics_hub.h"
 #include "service/pb_json.h"
@@ -81,6 +89,110 @@ static void test_resolve(void **state)
     snprintf(link, sizeof link, "%s/alias", root);
     assert_int_equal(symlink(p, link), 0);
     assert_int_equal(wd_resolve(root, "alias/x", "f", out, sizeof out), MT_OK);
+}
+
+/* mkdir -p of root/rel, then a symbolic link root/link -> target. */
+static void tree_with_link(const char *rel, const char *link, const char *target)
+{
+    char p[1400];
+    if (rel) {
+        snprintf(p, sizeof p, "%s/%s", root, rel);
+        assert_int_equal(mt_mkdir_p(p), MT_OK);
+    }
+    snprintf(p, sizeof p, "%s/%s", root, link);
+    char parent[1400];
+    snprintf(parent, sizeof parent, "%s", p);
+    *strrchr(parent, '/') = '\0';
+    assert_int_equal(mt_mkdir_p(parent), MT_OK);
+    assert_int_equal(symlink(target, p), 0);
+}
+
+static int confine(const char *path, int flags, char *out, size_t cap)
+{
+    return wd_confine(root, path, "f", flags, out, cap, NULL);
+}
+
+/* Issue 21, defect 3: the one confinement of request paths refuses a link
+ * leading out at every component of a path (first, middle, last; absolute
+ * or relative target; a dangling one too), follows links that stay inside,
+ * never climbs above the workdir, and pins what it resolved. */
+static void test_confine_link_at_each_component(void **state)
+{
+    (void)state;
+    char out[1400], p[1400], outside[1200];
+    snprintf(outside, sizeof outside, "%s/outside", tmp);
+    assert_int_equal(mt_mkdir_p(outside), MT_OK);
+    snprintf(p, sizeof p, "%s/b/c", outside);
+    assert_int_equal(mt_mkdir_p(p), MT_OK);
+    const int modes[] = {0, WD_MISSING_OK, WD_MKDIRS, WD_MISSING_OK | WD_FILE};
+    /* a link out at component 1, 2 and 3 of "cK/a/b/c" */
+    tree_with_link(NULL, "c1/a", outside);
+    tree_with_link("c2/a", "c2/a/b", outside);
+    tree_with_link("c3/a/b", "c3/a/b/c", outside);
+    tree_with_link("c4/a/b", "c4/a/b/c", "/nonexistent-outside"); /* dangling */
+    tree_with_link(NULL, "c5/a", "../../.."); /* relative, climbing above the workdir */
+    tree_with_link("c6/a", "c6/a/b", "../../../outside");
+    for (int m = 0; m < 4; m++) {
+        for (int k = 1; k <= 6; k++) {
+            char path[64];
+            snprintf(path, sizeof path, "c%d/a/b/c", k);
+            int rc = confine(path, modes[m], out, sizeof out);
+            if (rc != MT_EINVAL) fprintf(stderr, "%s (flags %d): %d %s\n", path, modes[m], rc, out);
+            assert_int_equal(rc, MT_EINVAL);
+            assert_contains(mt_errmsg(), "leads outside the workdir through a symbolic link");
+            assert_contains(mt_errmsg(), "f: ");
+        }
+    }
+    /* nothing was created outside by WD_MKDIRS */
+    snprintf(p, sizeof p, "%s/b/c/c", outside);
+    assert_int_not_equal(access(p, F_OK), 0);
+    /* links that stay inside are followed, to the canonical place */
+    tree_with_link("real7/a", "c7/x", "../real7"); /* relative, with ".." */
+    assert_int_equal(confine("c7/x/a", 0, out, sizeof out), MT_OK);
+    snprintf(p, sizeof p, "%s/real7/a", root);
+    assert_string_equal(out, p);
+    snprintf(p, sizeof p, "%s/real7", root);
+    tree_with_link(NULL, "c8/x", p); /* absolute, inside */
+    assert_int_equal(confine("c8/x/a/new", WD_MISSING_OK, out, sizeof out), MT_OK);
+    snprintf(p, sizeof p, "%s/real7/a/new", root);
+    assert_string_equal(out, p);
+    /* a loop, a file where a folder is needed, what must exist */
+    tree_with_link(NULL, "c9/a", "b");
+    tree_with_link(NULL, "c9/b", "a");
+    assert_int_equal(confine("c9/a/x", WD_MISSING_OK, out, sizeof out), MT_EINVAL);
+    assert_contains(mt_errmsg(), "more than 40 symbolic links");
+    snprintf(p, sizeof p, "%s/c10", root);
+    assert_int_equal(mt_mkdir_p(p), MT_OK);
+    snprintf(p, sizeof p, "%s/c10/file", root);
+    mt_test_write_file(p, "x");
+    assert_int_equal(confine("c10/file/x", WD_MISSING_OK, out, sizeof out), MT_EINVAL);
+    assert_contains(mt_errmsg(), "is not a directory");
+    assert_int_equal(confine("c10/file", WD_FILE, out, sizeof out), MT_OK);
+    assert_int_equal(confine("c10/missing", 0, out, sizeof out), MT_ENOTFOUND);
+    /* WD_MKDIRS makes the folders */
+    assert_int_equal(confine("c11/x/y", WD_MKDIRS, out, sizeof out), MT_OK);
+    struct stat st;
+    assert_int_equal(stat(out, &st), 0);
+    assert_true(S_ISDIR(st.st_mode));
+    /* the descriptor pins the folder: replaced by a link to outside after
+     * the check, the pinned name still writes into the original folder */
+    int fd;
+    assert_int_equal(wd_confine(root, "c11/x/y", "f", 0, out, sizeof out, &fd), MT_OK);
+    assert_true(fd >= 0);
+    char moved[1500], via[64], file[200];
+    snprintf(moved, sizeof moved, "%s.moved", out);
+    assert_int_equal(rename(out, moved), 0);
+    assert_int_equal(symlink(outside, out), 0);
+    wd_fd_path(fd, out, via, sizeof via);
+    snprintf(file, sizeof file, "%s/written", via);
+    mt_test_write_file(file, "pinned\n");
+    close(fd);
+    snprintf(p, sizeof p, "%s/written", moved);
+    assert_int_equal(access(p, F_OK), 0);
+    snprintf(p, sizeof p, "%s/written", outside);
+    assert_int_not_equal(access(p, F_OK), 0);
+    /* and once replaced, the name is refused */
+    assert_int_equal(confine("c11/x/y", 0, out, sizeof out), MT_EINVAL);
 }
 
 static void test_auth(void **state)
@@ -262,14 +374,15 @@ static void test_strip(void **state)
     assert_string_equal(out, "job spec: batch.seq_len: 5 exceeds x.y:1");
 }
 
-static void test_admit(void **state)
+/* The spec of a tiny CPU job on a synthetic corpus (made once in tmp/syn). */
+static void tiny_job_json(char *json, size_t cap)
 {
-    (void)state;
-    char data[1200];
+    char data[1200], probe[1300];
     snprintf(data, sizeof data, "%s/syn", tmp);
-    assert_int_equal(mt_test_synth(data, "--vocab 64 --tokens 20000 --seed 1"), 0);
-    char json[2048];
-    snprintf(json, sizeof json,
+    snprintf(probe, sizeof probe, "%s.bin", data);
+    if (access(probe, F_OK) != 0)
+        assert_int_equal(mt_test_synth(data, "--vocab 64 --tokens 20000 --seed 1"), 0);
+    snprintf(json, cap,
              "{\"name\": \"t\", \"model\": {\"vocab_size\": 64, \"hidden_size\": 64, "
              "\"intermediate_size\": 128, \"moe_intermediate_size\": 32, \"num_hidden_layers\": 2,"
              " \"num_attention_heads\": 2, \"q_lora_rank\": 32, \"kv_lora_rank\": 32, "
@@ -279,6 +392,13 @@ static void test_admit(void **state)
              "\"batch\": {\"seq_len\": 32}, \"data\": {\"path\": \"%s\"}, "
              "\"train\": {\"steps\": 3}}",
              data);
+}
+
+static void test_admit(void **state)
+{
+    (void)state;
+    char json[2048];
+    tiny_job_json(json, sizeof json);
     mt_jobspec j;
     job_request r = {.json = json};
     int rc = job_admit(root, &r, &j);
@@ -363,14 +483,124 @@ static void test_prom(void **state)
     hub_destroy(h);
 }
 
+/* ---- the engine loop with a tiny job (rank 0 of 1, on a thread) ---------------------- */
+
+typedef struct engine {
+    control *c;
+    metrics_hub *h;
+    pthread_t th;
+    volatile sig_atomic_t term;
+    int rc;
+} engine;
+
+static void *engine_main(void *arg)
+{
+    engine *e = arg;
+    e->rc = control_run(e->c, &e->term);
+    return NULL;
+}
+
+/* The test links with -Wl,--wrap=hub_publish: every event the engine
+ * publishes passes here first. While a start is armed, the RUNNING event
+ * looks at the start's ticket before it enters the hub: a ticket already
+ * answered means the StartJob reply could reach a client before the event. */
+static struct {
+    int on;                 /* a start is armed */
+    ctl_ticket *t;          /* its ticket (written by control_start under its lock) */
+    int answered_first;     /* its ticket was answered before the event */
+    ctl_result res;         /* the answer, when answered_first */
+    sem_t seen;             /* posted once the RUNNING event went by */
+} armed;
+
+uint64_t __real_hub_publish(metrics_hub *h, const hub_event *e);
+uint64_t __wrap_hub_publish(metrics_hub *h, const hub_event *e);
+
+uint64_t __wrap_hub_publish(metrics_hub *h, const hub_event *e)
+{
+    if (armed.on && e->kind == HUB_STATE && e->u.state.state == SVC_RUNNING) {
+        armed.on = 0;
+        armed.answered_first = control_ticket_poll(armed.t, &armed.res);
+        uint64_t seq = __real_hub_publish(h, e);
+        sem_post(&armed.seen);
+        return seq;
+    }
+    return __real_hub_publish(h, e);
+}
+
+static ctl_result await_ticket(ctl_ticket *t)
+{
+    ctl_result r;
+    struct timespec ms = {0, 1000000L};
+    while (!control_ticket_poll(t, &r)) nanosleep(&ms, NULL);
+    return r;
+}
+
+/* The reply to a start comes after the hub holds the run's RUNNING event:
+ * a client that opens StreamMetrics once StartJob has answered follows its
+ * own job, never a replay of the job before it (issue 22: `moetrain watch`
+ * right after `moetrain start` could replay the stopped run and end at
+ * once). Deterministic: the wrapped hub_publish checks the order itself. */
+static void test_start_reply_after_event(void **state)
+{
+    (void)state;
+    char json[2048];
+    tiny_job_json(json, sizeof json);
+    const char *sets[] = {"train.steps=100000", "train.log_interval=100000",
+                          "checkpoint.dir=checkpoints/order"};
+    mt_jobspec job;
+    job_request req = {.json = json, .sets = sets, .n_sets = 3, .world = 1};
+    assert_int_equal(job_admit(root, &req, &job), MT_OK);
+    engine e = {0};
+    mt_runtime *rt; /* not under mpirun: a world of this process alone */
+    assert_int_equal(mt_runtime_create(&rt), MT_OK);
+    assert_int_equal(hub_create(&e.h, 256), MT_OK);
+    control_opts o = {.rt = rt, .workdir = root, .rank = 0, .world = 1, .threads = 1, .hub = e.h};
+    assert_int_equal(control_create(&e.c, &o), MT_OK);
+    assert_int_equal(sem_init(&armed.seen, 0, 0), 0);
+    assert_int_equal(pthread_create(&e.th, NULL, engine_main, &e), 0);
+    /* Two rounds: the second starts after a stopped run, whose IDLE event
+     * is the newest until the start publishes. Failures are counted, not
+     * asserted, so that the engine thread is always stopped and joined. */
+    int early = 0, bad_run = 0;
+    for (int round = 0; round < 2; round++) {
+        armed.answered_first = 0;
+        armed.on = 1;
+        assert_int_equal(control_start(e.c, &job, &armed.t), MT_OK);
+        while (sem_wait(&armed.seen) != 0) {
+        }
+        ctl_result r = armed.answered_first ? armed.res : await_ticket(armed.t);
+        if (armed.answered_first)
+            fprintf(stderr, "round %d: StartJob was answered (run %llu) before the hub had its "
+                            "RUNNING event\n",
+                    round, (unsigned long long)r.run_id);
+        early += armed.answered_first;
+        uint64_t run = 0;
+        hub_cursor_start(e.h, 0, &run);
+        bad_run += r.rc != MT_OK || run != r.run_id;
+        ctl_ticket *t;
+        if (control_command(e.c, CTL_STOP, 0, &t) == MT_OK) await_ticket(t);
+    }
+    e.term = 1;
+    pthread_join(e.th, NULL);
+    assert_int_equal(early, 0);
+    assert_int_equal(bad_run, 0);
+    assert_int_equal(e.rc, MT_OK);
+    sem_destroy(&armed.seen);
+    control_destroy(e.c);
+    hub_destroy(e.h);
+    mt_runtime_destroy(rt);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_names),     cmocka_unit_test(test_resolve),
+        cmocka_unit_test(test_confine_link_at_each_component),
         cmocka_unit_test(test_auth),      cmocka_unit_test(test_hub),
         cmocka_unit_test(test_reflection_index), cmocka_unit_test(test_decoders),
         cmocka_unit_test(test_strip),     cmocka_unit_test(test_admit),
         cmocka_unit_test(test_pb_json),   cmocka_unit_test(test_prom),
+        cmocka_unit_test(test_start_reply_after_event),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }
