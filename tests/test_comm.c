@@ -746,21 +746,18 @@ static void t_agree_and_errors(mt_comm *c)
     rc = mt_comm_all_reduce(c, d, d + 4, 2, MT_COMM_F32, MT_COMM_SUM);
     if (rc == MT_EINVAL && strstr(mt_errmsg(), "overlap")) n_pass++;
     else FAIL("%sall_reduce with overlapping buffers: not refused (%s)", LABEL, mt_errmsg());
-    /* mpi: a message longer or shorter than the receive is an error naming
-     * the op and the peer (other backends leave it undefined) */
+    /* mpi: a message shorter than the receive is an error naming the op,
+     * the peer and both lengths (other backends leave it undefined). The
+     * longer case is MPI's MPI_ERR_TRUNCATE; it is not tested here because
+     * Open MPI 4.1 can leave the truncated receive pending on 3 ranks. */
     if (mt_comm_backend_of(c) == MT_COMM_MPI && n > 1 && me < 2) {
-        for (int longer = 0; longer < 2; longer++) {
-            int32_t v[8] = {0};
-            size_t sent = longer ? 5 : 2;
-            rc = me == 0 ? mt_comm_send(c, v, sent, MT_COMM_I32, 1)
-                         : mt_comm_recv(c, v, 3, MT_COMM_I32, 0);
-            const char *want = longer ? "TRUNCATE" : "8 bytes arrived, 12 expected";
-            if (me == 0 && rc == 0) n_pass++;
-            else if (me == 1 && rc == MT_EMPI && strstr(mt_errmsg(), "recv(i32, count 3, from rank 0)") &&
-                     strstr(mt_errmsg(), "with rank 0") && strstr(mt_errmsg(), want))
-                n_pass++;
-            else FAIL("%s%zu elements sent, 3 received: rc %d, '%s'", LABEL, sent, rc, mt_errmsg());
-        }
+        int32_t v[4] = {0};
+        rc = me == 0 ? mt_comm_send(c, v, 2, MT_COMM_I32, 1) : mt_comm_recv(c, v, 3, MT_COMM_I32, 0);
+        if (me == 0 && rc == 0) n_pass++;
+        else if (me == 1 && rc == MT_EMPI && strstr(mt_errmsg(), "recv(i32, count 3, from rank 0)") &&
+                 strstr(mt_errmsg(), "with rank 0: 8 bytes arrived, 12 expected"))
+            n_pass++;
+        else FAIL("%s2 elements sent, 3 received: rc %d, '%s'", LABEL, rc, mt_errmsg());
     }
     buf_free(d);
     mt_comm_backend b;
@@ -848,6 +845,24 @@ int main(int argc, char **argv)
     /* staged: every rank on GPU 0 (sharing is its point); else one each */
     cudaSetDevice(o.backend == MT_COMM_STAGED ? 0 : RANK % ndev);
 #endif
+    /* auto picks: host: mpi under MPI, local without; device: local on one
+     * rank, staged where ranks share a GPU, nccl where each has its own */
+    {
+        mt_comm *a = NULL;
+        mt_comm_opts ao = {MT_COMM_AUTO, o.mem, 0};
+        mt_comm_backend want = !use_mpi ? MT_COMM_LOCAL : MEM_DEVICE ? MT_COMM_LOCAL : MT_COMM_MPI;
+        if (MEM_DEVICE && SIZE > 1)
+            want = o.backend == MT_COMM_STAGED ? MT_COMM_STAGED : MT_COMM_NCCL;
+        if (!use_mpi || o.backend != MT_COMM_AUTO) {
+            MUST(mt_comm_world(&a, &ao));
+            if (mt_comm_backend_of(a) == want) n_pass++;
+            else
+                FAIL("auto on %d ranks with %s buffers picked %s, expected %s", SIZE,
+                     MEM_DEVICE ? "device" : "host", mt_comm_backend_name(mt_comm_backend_of(a)),
+                     mt_comm_backend_name(want));
+            mt_comm_destroy(a);
+        }
+    }
     uint64_t seed = 12345;
     /* default messages, then (mpi, staged) 20-byte messages */
     for (int pass = 0; pass < 2; pass++) {

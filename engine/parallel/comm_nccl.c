@@ -1,0 +1,373 @@
+/* comm_nccl.c - device buffers through NCCL.
+ *
+ * One ncclComm per communicator (per process group): rank 0 of the group
+ * makes a unique id, the group's mpi companion broadcasts it, every rank
+ * joins with ncclCommInitRank on the CUDA device current at creation.
+ * split splits the companion and makes a new ncclComm the same way.
+ * NCCL reads its environment itself (NCCL_NVLS_ENABLE=0 turns NVLink
+ * SHARP / multicast off); nothing here sets or overrides it.
+ *
+ * Collectives run on the communicator's side stream (comm_cuda.h): after
+ * the compute stream's work so far, joined back unless the caller
+ * overlaps.
+ *  - i32 i64 f32 f64: NCCL's own reductions. Sums are in NCCL's ring or
+ *    tree order (not rank order: mt_comm_rank_ordered = 0) and the same
+ *    on every rank (reduce then broadcast of each element).
+ *  - bf16 and e4m3, any op: widened to f32 in a device scratch buffer,
+ *    reduced in f32, narrowed once (comm.h: never rounded per hop). This
+ *    sends f32 (2x / 4x the bytes) and holds count f32 of scratch
+ *    (size * count for reduce_scatter); the scratch grows to the largest
+ *    op and is kept.
+ *  - all_gather of equal contiguous blocks: ncclAllGather; the v-forms
+ *    and all_to_all_v: ncclSend / ncclRecv in one group, the own block by
+ *    a device copy. broadcast: ncclBroadcast. Data moves as bytes.
+ *  - barrier: the companion's (host-level, as comm.h says).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/mt_status.h"
+#include "engine/parallel/comm_cuda.h"
+#include "engine/parallel/comm_impl.h"
+
+typedef struct nccl_ctx {
+    mt_comm_side side;
+    ncclComm_t nc;
+    float *scratch; /* device, for bf16 / e4m3 reductions */
+    size_t cap;     /* elements */
+} nccl_ctx;
+
+static nccl_ctx *CTX(mt_comm *c) { return c->ctx; }
+
+static int native(mt_comm_dtype dt, ncclDataType_t *t)
+{
+    switch (dt) {
+    case MT_COMM_I32: *t = ncclInt32; return 1;
+    case MT_COMM_I64: *t = ncclInt64; return 1;
+    case MT_COMM_F32: *t = ncclFloat32; return 1;
+    case MT_COMM_F64: *t = ncclFloat64; return 1;
+    default: return 0;
+    }
+}
+
+static ncclRedOp_t red(mt_comm_op op)
+{
+    return op == MT_COMM_SUM ? ncclSum : op == MT_COMM_MAX ? ncclMax : ncclMin;
+}
+
+static int scratch(mt_comm *c, size_t n, float **out)
+{
+    nccl_ctx *x = CTX(c);
+    if (n > x->cap) {
+        MT_CUDA_CHECK(cudaStreamSynchronize(x->side.stream));
+        if (x->scratch) cudaFree(x->scratch);
+        x->scratch = NULL;
+        x->cap = 0;
+        cudaError_t e = cudaMalloc((void **)&x->scratch, n * sizeof(float));
+        if (e != cudaSuccess)
+            return MT_ERR(MT_ENOMEM, "comm nccl: %zu bytes of f32 scratch for a bf16/e4m3 reduction: %s",
+                          n * sizeof(float), cudaGetErrorString(e));
+        x->cap = n;
+    }
+    *out = x->scratch;
+    return MT_OK;
+}
+
+static int dcopy(mt_comm *c, void *dst, const void *src, size_t bytes)
+{
+    if (bytes == 0 || dst == src) return MT_OK;
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, CTX(c)->side.stream));
+    return MT_OK;
+}
+
+#define BEGIN(c)                                                                       \
+    int rc = mt_comm_side_begin(&CTX(c)->side, (c)->stream);                           \
+    if (rc < 0) return mt_comm_side_end(&CTX(c)->side, rc)
+#define END(c) return mt_comm_side_end(&CTX(c)->side, rc)
+#define S(c) (CTX(c)->side.stream)
+
+/* NCCL status to ours, naming the call (and the peer when >= 0). */
+static int nccl_fail(ncclResult_t e, const char *call, int peer)
+{
+    if (peer >= 0) return MT_ERR(MT_ENCCL, "%s with rank %d: %s", call, peer, ncclGetErrorString(e));
+    return MT_ERR(MT_ENCCL, "%s: %s", call, ncclGetErrorString(e));
+}
+#define NC(stmt, call, peer)                                                           \
+    do {                                                                               \
+        ncclResult_t e_ = (stmt);                                                      \
+        if (e_ != ncclSuccess) {                                                       \
+            rc = nccl_fail(e_, call, peer);                                            \
+            goto out;                                                                  \
+        }                                                                              \
+    } while (0)
+
+static int nccl_all_reduce(mt_comm *c, const void *send, void *recv, size_t count,
+                           mt_comm_dtype dt, mt_comm_op op)
+{
+    ncclDataType_t t;
+    float *f = NULL;
+    BEGIN(c);
+    if (native(dt, &t)) {
+        NC(ncclAllReduce(send, recv, count, t, red(op), CTX(c)->nc, S(c)), "ncclAllReduce", -1);
+    } else {
+        const int bf16 = dt == MT_COMM_BF16;
+        MT_GOTO(scratch(c, count, &f), out);
+        MT_GOTO(mt_comm_cuda_widen(f, send, bf16, count, S(c)), out);
+        NC(ncclAllReduce(f, f, count, ncclFloat32, red(op), CTX(c)->nc, S(c)), "ncclAllReduce (f32)",
+           -1);
+        MT_GOTO(mt_comm_cuda_narrow(recv, bf16, f, count, S(c)), out);
+    }
+out:
+    END(c);
+}
+
+static int nccl_reduce_scatter(mt_comm *c, const void *send, void *recv, size_t count,
+                               mt_comm_dtype dt, mt_comm_op op)
+{
+    ncclDataType_t t;
+    float *f = NULL;
+    BEGIN(c);
+    if (native(dt, &t)) {
+        NC(ncclReduceScatter(send, recv, count, t, red(op), CTX(c)->nc, S(c)), "ncclReduceScatter",
+           -1);
+    } else {
+        const int bf16 = dt == MT_COMM_BF16;
+        const size_t all = count * (size_t)c->size;
+        MT_GOTO(scratch(c, all, &f), out);
+        MT_GOTO(mt_comm_cuda_widen(f, send, bf16, all, S(c)), out);
+        float *own = f + (size_t)c->rank * count;
+        NC(ncclReduceScatter(f, own, count, ncclFloat32, red(op), CTX(c)->nc, S(c)),
+           "ncclReduceScatter (f32)", -1);
+        MT_GOTO(mt_comm_cuda_narrow(recv, bf16, own, count, S(c)), out);
+    }
+out:
+    END(c);
+}
+
+static int nccl_gather_v(mt_comm *c, const void *send, size_t send_count, void *recv,
+                         const size_t *counts, const size_t *displs, mt_comm_dtype dt, int root)
+{
+    const int n = c->size, me = c->rank, receives = root < 0 || me == root;
+    const size_t es = mt_comm_dtype_size(dt);
+    int equal = root < 0;
+    for (int r = 0; r < n && equal; r++) equal = counts[r] == send_count && displs[r] == (size_t)r * send_count;
+    BEGIN(c);
+    if (equal && send_count == 0) goto out;
+    if (equal) {
+        NC(ncclAllGather(send, recv, send_count * es, ncclUint8, CTX(c)->nc, S(c)), "ncclAllGather",
+           -1);
+        goto out;
+    }
+    NC(ncclGroupStart(), "ncclGroupStart", -1);
+    for (int r = 0; r < n; r++) {
+        if (r == me) continue;
+        if (receives && counts[r] > 0)
+            NC(ncclRecv((char *)recv + displs[r] * es, counts[r] * es, ncclUint8, r, CTX(c)->nc, S(c)),
+               "ncclRecv", r);
+        if (send_count > 0 && (root < 0 || r == root))
+            NC(ncclSend(send, send_count * es, ncclUint8, r, CTX(c)->nc, S(c)), "ncclSend", r);
+    }
+    NC(ncclGroupEnd(), "ncclGroupEnd (gather)", -1);
+    if (receives) MT_GOTO(dcopy(c, (char *)recv + displs[me] * es, send, send_count * es), out);
+out:
+    END(c);
+}
+
+static int nccl_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts,
+                             const size_t *send_displs, void *recv, const size_t *recv_counts,
+                             const size_t *recv_displs, mt_comm_dtype dt)
+{
+    const int n = c->size, me = c->rank;
+    const size_t es = mt_comm_dtype_size(dt);
+    BEGIN(c);
+    NC(ncclGroupStart(), "ncclGroupStart", -1);
+    for (int p = 0; p < n; p++) {
+        if (p == me) continue;
+        if (recv_counts[p] > 0)
+            NC(ncclRecv((char *)recv + recv_displs[p] * es, recv_counts[p] * es, ncclUint8, p,
+                        CTX(c)->nc, S(c)),
+               "ncclRecv", p);
+        if (send_counts[p] > 0)
+            NC(ncclSend((const char *)send + send_displs[p] * es, send_counts[p] * es, ncclUint8, p,
+                        CTX(c)->nc, S(c)),
+               "ncclSend", p);
+    }
+    NC(ncclGroupEnd(), "ncclGroupEnd (all_to_all_v)", -1);
+    MT_GOTO(dcopy(c, (char *)recv + recv_displs[me] * es, (const char *)send + send_displs[me] * es,
+                  send_counts[me] * es),
+            out);
+out:
+    END(c);
+}
+
+static int nccl_broadcast(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int root)
+{
+    BEGIN(c);
+    NC(ncclBroadcast(buf, buf, count * mt_comm_dtype_size(dt), ncclUint8, root, CTX(c)->nc, S(c)),
+       "ncclBroadcast", root);
+out:
+    END(c);
+}
+
+static int nccl_sendrecv(mt_comm *c, const void *send, size_t send_count, int dst, void *recv,
+                         size_t recv_count, int src, mt_comm_dtype dt)
+{
+    const size_t es = mt_comm_dtype_size(dt);
+    BEGIN(c);
+    if (dst == c->rank) { /* src too: comm.c checked */
+        MT_GOTO(dcopy(c, recv, send, send_count * es), out);
+        goto out;
+    }
+    NC(ncclGroupStart(), "ncclGroupStart", -1);
+    if (src != MT_COMM_NO_PEER && recv_count > 0)
+        NC(ncclRecv(recv, recv_count * es, ncclUint8, src, CTX(c)->nc, S(c)), "ncclRecv", src);
+    if (dst != MT_COMM_NO_PEER && send_count > 0)
+        NC(ncclSend(send, send_count * es, ncclUint8, dst, CTX(c)->nc, S(c)), "ncclSend", dst);
+    NC(ncclGroupEnd(), "ncclGroupEnd (sendrecv)", -1);
+out:
+    END(c);
+}
+
+static int nccl_barrier(mt_comm *c) { return c->host->iface->barrier(c->host); }
+
+static int nccl_split(mt_comm *c, int color, int key, mt_comm **out)
+{
+    mt_comm *h = NULL;
+    MT_CHECK(c->host->iface->split(c->host, color, key, &h));
+    if (!h) return MT_OK;
+    int cur = 0;
+    MT_CUDA_CHECK(cudaGetDevice(&cur));
+    if (cur != CTX(c)->side.device) MT_CUDA_CHECK(cudaSetDevice(CTX(c)->side.device));
+    int rc = mt_comm_nccl_create(out, h);
+    if (cur != CTX(c)->side.device) cudaSetDevice(cur);
+    return rc;
+}
+
+static void nccl_destroy(mt_comm *c)
+{
+    nccl_ctx *x = CTX(c);
+    if (x->side.stream) cudaStreamSynchronize(x->side.stream);
+    if (x->nc) ncclCommDestroy(x->nc);
+    if (x->scratch) cudaFree(x->scratch);
+    mt_comm_side_free(&x->side);
+    free(x);
+    free(c);
+}
+
+static int nccl_join(mt_comm *c) { return mt_comm_side_join(&CTX(c)->side, c->stream); }
+
+static int nccl_sync(mt_comm *c)
+{
+    MT_CHECK(mt_comm_side_sync(&CTX(c)->side));
+    ncclResult_t async = ncclSuccess;
+    ncclResult_t e = ncclCommGetAsyncError(CTX(c)->nc, &async);
+    if (e != ncclSuccess) return nccl_fail(e, "ncclCommGetAsyncError", -1);
+    if (async != ncclSuccess) return nccl_fail(async, "NCCL (asynchronous error)", -1);
+    return MT_OK;
+}
+
+static const mt_comm_iface NCCL_IFACE = {
+    .all_reduce = nccl_all_reduce,
+    .reduce_scatter = nccl_reduce_scatter,
+    .gather_v = nccl_gather_v,
+    .all_to_all_v = nccl_all_to_all_v,
+    .broadcast = nccl_broadcast,
+    .sendrecv = nccl_sendrecv,
+    .barrier = nccl_barrier,
+    .split = nccl_split,
+    .destroy = nccl_destroy,
+    .join = nccl_join,
+    .sync = nccl_sync,
+};
+
+int mt_comm_nccl_create(mt_comm **out, mt_comm *host)
+{
+    *out = NULL;
+    /* rank 0 makes the id; its success travels with it so that no rank
+     * waits in ncclCommInitRank for one that gave up */
+    struct {
+        int32_t ok;
+        ncclUniqueId id;
+    } msg;
+    memset(&msg, 0, sizeof msg);
+    char why[160] = "";
+    if (host->rank == 0) {
+        ncclResult_t e = ncclGetUniqueId(&msg.id);
+        msg.ok = e == ncclSuccess;
+        if (!msg.ok) snprintf(why, sizeof why, "ncclGetUniqueId: %s", ncclGetErrorString(e));
+    }
+    int rc = host->iface->broadcast(host, &msg, sizeof msg, MT_COMM_BYTE, 0);
+    if (rc < 0) {
+        mt_comm_destroy(host);
+        return mt_err_wrap(rc, "comm nccl: broadcasting the unique id");
+    }
+    if (!msg.ok) {
+        mt_comm_destroy(host);
+        return MT_ERR(MT_ENCCL, "comm nccl: rank 0 could not make a unique id%s%s", why[0] ? ": " : "",
+                      why);
+    }
+    mt_comm *c = calloc(1, sizeof *c);
+    nccl_ctx *x = calloc(1, sizeof *x);
+    rc = c && x ? mt_comm_side_init(&x->side) : MT_ERR(MT_ENOMEM, "comm nccl: out of memory");
+    if (rc == MT_OK) {
+        ncclResult_t e = ncclCommInitRank(&x->nc, host->size, msg.id, host->rank);
+        if (e != ncclSuccess) {
+            x->nc = NULL;
+            rc = MT_ERR(MT_ENCCL, "comm nccl: ncclCommInitRank(%d ranks, rank %d, device %d): %s",
+                        host->size, host->rank, x->side.device, ncclGetErrorString(e));
+        }
+    }
+    if (rc < 0) {
+        if (x) mt_comm_side_free(&x->side);
+        free(x);
+        free(c);
+        mt_comm_destroy(host);
+        return rc;
+    }
+    mt_comm_init_fields(c, &NCCL_IFACE, MT_COMM_NCCL, MT_COMM_DEVICE, host->rank, host->size);
+    c->host = host;
+    c->ctx = x;
+    *out = c;
+    return MT_OK;
+}
+
+int mt_comm_nccl_distinct_gpus(mt_comm *host, int *distinct)
+{
+    /* (host name, PCI bus id) of every rank's current device */
+    typedef struct {
+        char host[64];
+        char bus[32];
+    } where;
+    *distinct = 0;
+    where me;
+    memset(&me, 0, sizeof me);
+    if (gethostname(me.host, sizeof me.host - 1) != 0) snprintf(me.host, sizeof me.host, "?");
+    int dev = 0;
+    MT_CUDA_CHECK(cudaGetDevice(&dev));
+    MT_CUDA_CHECK(cudaDeviceGetPCIBusId(me.bus, (int)sizeof me.bus - 1, dev));
+    const int n = host->size;
+    where *all = calloc((size_t)n, sizeof *all);
+    size_t *cd = calloc(2 * (size_t)n, sizeof *cd);
+    if (!all || !cd) {
+        free(all), free(cd);
+        return MT_ERR(MT_ENOMEM, "comm: out of memory");
+    }
+    for (int r = 0; r < n; r++) {
+        cd[r] = sizeof me;
+        cd[n + r] = (size_t)r * sizeof me;
+    }
+    int rc = host->iface->gather_v(host, &me, sizeof me, all, cd, cd + n, MT_COMM_BYTE, -1);
+    if (rc == MT_OK) {
+        *distinct = 1;
+        for (int i = 0; i < n && *distinct; i++)
+            for (int j = i + 1; j < n && *distinct; j++)
+                if (!strcmp(all[i].host, all[j].host) && !strcmp(all[i].bus, all[j].bus)) *distinct = 0;
+    }
+    free(all), free(cd);
+    return rc;
+}

@@ -1,0 +1,263 @@
+/* comm_staged.c - device buffers through pinned host memory and the mpi
+ * backend: each op copies its device input to a pinned buffer on the side
+ * stream (after the compute stream's work so far), waits for it, runs the
+ * host op of its mpi companion (same group, same chunking), and copies the
+ * result back on the side stream. NCCL refuses two ranks on one GPU; this
+ * backend does not care, so tests run several ranks on one device.
+ *
+ * Results are the mpi backend's: rank-ordered, bit for bit (comm.h). The
+ * host blocks while MPI runs; the compute stream keeps running what was
+ * enqueued before the op. Receive buffers are written block by block
+ * (gathers, all-to-all), so bytes between blocks stay untouched.
+ * One pinned buffer per communicator, grown to the largest op (its
+ * send + receive bytes) and kept; a grow waits for the side stream first.
+ */
+#include <cuda_runtime.h>
+#include <stdlib.h>
+
+#include "base/mt_status.h"
+#include "engine/parallel/comm_cuda.h"
+#include "engine/parallel/comm_impl.h"
+
+typedef struct staged_ctx {
+    mt_comm_side side;
+    char *pinned;
+    size_t cap;
+} staged_ctx;
+
+static staged_ctx *CTX(mt_comm *c) { return c->ctx; }
+
+static int pinned(mt_comm *c, size_t bytes, char **out)
+{
+    staged_ctx *x = CTX(c);
+    if (bytes > x->cap) {
+        size_t cap = bytes + bytes / 4 + 4096;
+        MT_CUDA_CHECK(cudaStreamSynchronize(x->side.stream));
+        if (x->pinned) cudaFreeHost(x->pinned);
+        x->pinned = NULL;
+        x->cap = 0;
+        cudaError_t e = cudaHostAlloc((void **)&x->pinned, cap, cudaHostAllocPortable);
+        if (e != cudaSuccess)
+            return MT_ERR(MT_ENOMEM, "comm staged: %zu bytes of pinned host memory: %s", cap,
+                          cudaGetErrorString(e));
+        x->cap = cap;
+    }
+    *out = x->pinned;
+    return MT_OK;
+}
+
+static int down(mt_comm *c, void *host, const void *dev, size_t bytes)
+{
+    if (bytes == 0) return MT_OK;
+    MT_CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, CTX(c)->side.stream));
+    return MT_OK;
+}
+
+static int up(mt_comm *c, void *dev, const void *host, size_t bytes)
+{
+    if (bytes == 0) return MT_OK;
+    MT_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, CTX(c)->side.stream));
+    return MT_OK;
+}
+
+/* The host may touch the pinned buffer once the side stream is idle: the
+ * copies down of this op and the copies up of the previous one are done.
+ * Every op waits before its host part. */
+static int wait_down(mt_comm *c) { return mt_comm_side_sync(&CTX(c)->side); }
+
+/* Extent in elements of the blocks (counts[r] at displs[r]). */
+static size_t extent(const size_t *counts, const size_t *displs, int n)
+{
+    size_t e = 0;
+    for (int r = 0; r < n; r++)
+        if (counts[r] > 0 && displs[r] + counts[r] > e) e = displs[r] + counts[r];
+    return e;
+}
+
+static int up_blocks(mt_comm *c, char *dev, const char *host, const size_t *counts,
+                     const size_t *displs, size_t es)
+{
+    for (int r = 0; r < c->size; r++)
+        MT_CHECK(up(c, dev + displs[r] * es, host + displs[r] * es, counts[r] * es));
+    return MT_OK;
+}
+
+#define BEGIN(c)                                                                       \
+    int rc = mt_comm_side_begin(&CTX(c)->side, (c)->stream);                           \
+    if (rc < 0) return mt_comm_side_end(&CTX(c)->side, rc)
+#define END(c) return mt_comm_side_end(&CTX(c)->side, rc)
+
+static int staged_all_reduce(mt_comm *c, const void *send, void *recv, size_t count,
+                             mt_comm_dtype dt, mt_comm_op op)
+{
+    const size_t b = count * mt_comm_dtype_size(dt);
+    mt_comm *h = c->host;
+    char *H = NULL;
+    BEGIN(c);
+    MT_GOTO(pinned(c, b, &H), out);
+    MT_GOTO(down(c, H, send, b), out);
+    MT_GOTO(wait_down(c), out);
+    MT_GOTO(h->iface->all_reduce(h, H, H, count, dt, op), out);
+    MT_GOTO(up(c, recv, H, b), out);
+out:
+    END(c);
+}
+
+static int staged_reduce_scatter(mt_comm *c, const void *send, void *recv, size_t count,
+                                 mt_comm_dtype dt, mt_comm_op op)
+{
+    const size_t b = count * mt_comm_dtype_size(dt);
+    mt_comm *h = c->host;
+    char *H = NULL;
+    BEGIN(c);
+    MT_GOTO(pinned(c, b * (size_t)c->size, &H), out);
+    MT_GOTO(down(c, H, send, b * (size_t)c->size), out);
+    MT_GOTO(wait_down(c), out);
+    char *own = H + (size_t)c->rank * b;
+    MT_GOTO(h->iface->reduce_scatter(h, H, own, count, dt, op), out);
+    MT_GOTO(up(c, recv, own, b), out);
+out:
+    END(c);
+}
+
+static int staged_gather_v(mt_comm *c, const void *send, size_t send_count, void *recv,
+                           const size_t *counts, const size_t *displs, mt_comm_dtype dt, int root)
+{
+    const size_t es = mt_comm_dtype_size(dt), sb = send_count * es;
+    const int receives = root < 0 || c->rank == root;
+    mt_comm *h = c->host;
+    char *H = NULL;
+    BEGIN(c);
+    if (receives) {
+        /* the own block goes where it lands: an in-place gather on the host */
+        MT_GOTO(pinned(c, extent(counts, displs, c->size) * es, &H), out);
+        char *own = H + displs[c->rank] * es;
+        MT_GOTO(down(c, own, send, sb), out);
+        MT_GOTO(wait_down(c), out);
+        MT_GOTO(h->iface->gather_v(h, own, send_count, H, counts, displs, dt, root), out);
+        MT_GOTO(up_blocks(c, recv, H, counts, displs, es), out);
+    } else {
+        MT_GOTO(pinned(c, sb, &H), out);
+        MT_GOTO(down(c, H, send, sb), out);
+        MT_GOTO(wait_down(c), out);
+        MT_GOTO(h->iface->gather_v(h, H, send_count, NULL, counts, displs, dt, root), out);
+    }
+out:
+    END(c);
+}
+
+static int staged_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts,
+                               const size_t *send_displs, void *recv, const size_t *recv_counts,
+                               const size_t *recv_displs, mt_comm_dtype dt)
+{
+    const size_t es = mt_comm_dtype_size(dt);
+    const size_t se = extent(send_counts, send_displs, c->size) * es;
+    const size_t re = extent(recv_counts, recv_displs, c->size) * es;
+    mt_comm *h = c->host;
+    char *H = NULL;
+    BEGIN(c);
+    MT_GOTO(pinned(c, se + re, &H), out);
+    MT_GOTO(down(c, H, send, se), out);
+    MT_GOTO(wait_down(c), out);
+    MT_GOTO(h->iface->all_to_all_v(h, H, send_counts, send_displs, H + se, recv_counts,
+                                   recv_displs, dt),
+            out);
+    MT_GOTO(up_blocks(c, recv, H + se, recv_counts, recv_displs, es), out);
+out:
+    END(c);
+}
+
+static int staged_broadcast(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int root)
+{
+    const size_t b = count * mt_comm_dtype_size(dt);
+    mt_comm *h = c->host;
+    char *H = NULL;
+    BEGIN(c);
+    MT_GOTO(pinned(c, b, &H), out);
+    if (c->rank == root) MT_GOTO(down(c, H, buf, b), out);
+    /* also off the root: the previous op's copy up may still read H */
+    MT_GOTO(wait_down(c), out);
+    MT_GOTO(h->iface->broadcast(h, H, count, dt, root), out);
+    if (c->rank != root) MT_GOTO(up(c, buf, H, b), out);
+out:
+    END(c);
+}
+
+static int staged_sendrecv(mt_comm *c, const void *send, size_t send_count, int dst, void *recv,
+                           size_t recv_count, int src, mt_comm_dtype dt)
+{
+    const size_t es = mt_comm_dtype_size(dt), sb = send_count * es, rb = recv_count * es;
+    mt_comm *h = c->host;
+    char *H = NULL;
+    BEGIN(c);
+    MT_GOTO(pinned(c, sb + rb, &H), out);
+    MT_GOTO(down(c, H, send, sb), out);
+    MT_GOTO(wait_down(c), out);
+    MT_GOTO(h->iface->sendrecv(h, H, send_count, dst, H + sb, recv_count, src, dt), out);
+    MT_GOTO(up(c, recv, H + sb, rb), out);
+out:
+    END(c);
+}
+
+static int staged_barrier(mt_comm *c) { return c->host->iface->barrier(c->host); }
+
+static int staged_split(mt_comm *c, int color, int key, mt_comm **out)
+{
+    mt_comm *h = NULL;
+    MT_CHECK(c->host->iface->split(c->host, color, key, &h));
+    if (!h) return MT_OK;
+    /* the new communicator lives on this one's device */
+    int cur = 0;
+    MT_CUDA_CHECK(cudaGetDevice(&cur));
+    if (cur != CTX(c)->side.device) MT_CUDA_CHECK(cudaSetDevice(CTX(c)->side.device));
+    int rc = mt_comm_staged_create(out, h);
+    if (cur != CTX(c)->side.device) cudaSetDevice(cur);
+    return rc;
+}
+
+static void staged_destroy(mt_comm *c)
+{
+    staged_ctx *x = CTX(c);
+    mt_comm_side_free(&x->side);
+    if (x->pinned) cudaFreeHost(x->pinned);
+    free(x);
+    free(c);
+}
+
+static int staged_join(mt_comm *c) { return mt_comm_side_join(&CTX(c)->side, c->stream); }
+static int staged_sync(mt_comm *c) { return mt_comm_side_sync(&CTX(c)->side); }
+
+static const mt_comm_iface STAGED_IFACE = {
+    .all_reduce = staged_all_reduce,
+    .reduce_scatter = staged_reduce_scatter,
+    .gather_v = staged_gather_v,
+    .all_to_all_v = staged_all_to_all_v,
+    .broadcast = staged_broadcast,
+    .sendrecv = staged_sendrecv,
+    .barrier = staged_barrier,
+    .split = staged_split,
+    .destroy = staged_destroy,
+    .join = staged_join,
+    .sync = staged_sync,
+};
+
+int mt_comm_staged_create(mt_comm **out, mt_comm *host)
+{
+    *out = NULL;
+    mt_comm *c = calloc(1, sizeof *c);
+    staged_ctx *x = calloc(1, sizeof *x);
+    int rc = c && x ? mt_comm_side_init(&x->side) : MT_ERR(MT_ENOMEM, "comm staged: out of memory");
+    if (rc < 0) {
+        if (x) mt_comm_side_free(&x->side);
+        free(x);
+        free(c);
+        mt_comm_destroy(host);
+        return rc;
+    }
+    mt_comm_init_fields(c, &STAGED_IFACE, MT_COMM_STAGED, MT_COMM_DEVICE, host->rank, host->size);
+    c->chunk_bytes = host->chunk_bytes;
+    c->host = host;
+    c->ctx = x;
+    *out = c;
+    return MT_OK;
+}
