@@ -354,6 +354,7 @@ static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes)
     cuda_install_moe(be);
     cuda_install_loss(be);
     MT_CHECK(cuda_install_gemm(be));
+    cuda_install_rope_mla(be);
     MT_CHECK(cuda_install_attn(be));
     MT_CHECK(cuda_prof_install(be)); /* last: it wraps the ops above */
     MT_LOGI("cuda backend: %s (%d SMs, %zu MB), arena %zu MB, scratch %zu MB", prop.name,

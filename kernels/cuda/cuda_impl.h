@@ -49,7 +49,7 @@ typedef struct cuda_block {
 } cuda_block;
 
 typedef struct cuda_gemm_cache cuda_gemm_cache; /* cuda_gemm.cu */
-typedef struct cuda_attn_cache cuda_attn_cache; /* cuda_attn.cu */
+typedef struct cuda_attn_cache cuda_attn_cache; /* cuda_attn_impl.h */
 typedef struct cuda_prof cuda_prof;             /* cuda_prof.cu */
 
 typedef struct cuda_impl {
@@ -127,7 +127,8 @@ void cuda_install_backend(mt_backend *be); /* memory, conversions, add, copy2d *
 int cuda_install_gemm(mt_backend *be);     /* gemm, gemm_grouped, gemm_fp8 (creates caches) */
 void cuda_install_fp8(mt_backend *be);     /* quant_*, transpose/dequant_blocks, *_sr */
 void cuda_install_norm(mt_backend *be);    /* rmsnorm, swiglu, embedding */
-int cuda_install_attn(mt_backend *be);     /* rope, attn_fwd/bwd, mla_kv (creates caches) */
+int cuda_install_attn(mt_backend *be);     /* attn_fwd/bwd (creates the cuDNN plan cache) */
+void cuda_install_rope_mla(mt_backend *be); /* rope, mla_kv_fwd/bwd */
 void cuda_install_moe(mt_backend *be);     /* router, aux_loss, moe_index, permutes */
 void cuda_install_loss(mt_backend *be);    /* xent, sumsq, scale_f32, adamw, bf16_to_f32 */
 /* The op profile (kernels/op_profile.h): wraps every op installed before it. */
