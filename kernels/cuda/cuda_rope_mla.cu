@@ -91,6 +91,81 @@ static __global__ void mla_kv_bwd_pe_kernel(bf16 *dkpe, int ld_dkpe, const bf16 
     }
 }
 
+/* ---- 16-byte paths ------------------------------------------------------------
+ * When Dn, R, Dv (and the kpe row stride) are multiples of 8 and every
+ * buffer is 16-byte aligned (the DeepSeek-V3 shapes), the copies move 8 bf16
+ * per thread: a block holds 256 / chunks rows of (n, h), one thread per
+ * 16-byte chunk of a row (threadIdx.x) and one row per threadIdx.y, so no
+ * thread divides by a non-constant. The same values land in the same places
+ * as in the element kernels above. */
+
+/* k and v of row nh = blockIdx.x * blockDim.y + threadIdx.y; chunk j = 8 threadIdx.x
+ * of [k_nope | k_pe | v]. */
+static __global__ void mla_kv_fwd_vec_kernel(bf16 *__restrict__ k, bf16 *__restrict__ v,
+                                             const bf16 *__restrict__ kvb,
+                                             const bf16 *__restrict__ kpe, int ld_kpe, int64_t NH,
+                                             int H, int Dn, int R, int Dv)
+{
+    const int64_t nh = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    if (nh >= NH) return;
+    const int j = 8 * threadIdx.x;
+    if (j < Dn) {
+        *(uint4 *)(k + nh * (Dn + R) + j) = *(const uint4 *)(kvb + nh * (Dn + Dv) + j);
+    } else if (j < Dn + R) {
+        const int64_t n = nh / H;
+        *(uint4 *)(k + nh * (Dn + R) + j) = *(const uint4 *)(kpe + n * ld_kpe + (j - Dn));
+    } else {
+        const int jv = j - Dn - R;
+        *(uint4 *)(v + nh * Dv + jv) = *(const uint4 *)(kvb + nh * (Dn + Dv) + Dn + jv);
+    }
+}
+
+/* dkvb row nh = [dk[nh, :Dn], dv[nh]]: chunk j = 8 threadIdx.x. */
+static __global__ void mla_kv_bwd_copy_vec_kernel(bf16 *__restrict__ dkvb,
+                                                  const bf16 *__restrict__ dk,
+                                                  const bf16 *__restrict__ dv, int64_t NH, int Dn,
+                                                  int R, int Dv)
+{
+    const int64_t nh = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    if (nh >= NH) return;
+    const int j = 8 * threadIdx.x;
+    *(uint4 *)(dkvb + nh * (Dn + Dv) + j) =
+        j < Dn ? *(const uint4 *)(dk + nh * (Dn + R) + j) : *(const uint4 *)(dv + nh * Dv + (j - Dn));
+}
+
+/* dkpe[n, d], d = 2 i and 2 i + 1 per thread (one 4-byte load per head):
+ * each sum runs over the heads in order in fp32, as mla_kv_bwd_pe_kernel's. */
+static __global__ void mla_kv_bwd_pe2_kernel(bf16 *__restrict__ dkpe, int ld_dkpe,
+                                             const bf16 *__restrict__ dk, int64_t total, int H,
+                                             int Dn, int R)
+{
+    const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= total) return;
+    const int half = R / 2;
+    const int d = 2 * (int)(e % half);
+    const int64_t n = e / half;
+    const bf16 *src = dk + n * H * (Dn + R) + Dn + d;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll 8
+    for (int h = 0; h < H; h++) {
+        const __nv_bfloat162 w = *(const __nv_bfloat162 *)(src + (int64_t)h * (Dn + R));
+        s0 = __fadd_rn(s0, __low2float(w));
+        s1 = __fadd_rn(s1, __high2float(w));
+    }
+    cuda_st(dkpe, n * ld_dkpe + d, s0);
+    cuda_st(dkpe, n * ld_dkpe + d + 1, s1);
+}
+
+static int mla_aligned16(const void *const *ptrs, int n)
+{
+    for (int i = 0; i < n; i++)
+        if ((uintptr_t)ptrs[i] & 15) return 0;
+    return 1;
+}
+
+/* Block shape of the 16-byte copies: chunks of a row in x, rows in y. */
+static dim3 mla_vec_block(int chunks) { return dim3((unsigned)chunks, (unsigned)(256 / chunks > 0 ? 256 / chunks : 1)); }
+
 static int mla_check(const char *op, int N, int H, int Dn, int R, int Dv)
 {
     CUDA_REQUIRE(N >= 0 && H >= 1 && Dn >= 0 && R >= 1 && Dv >= 1,
@@ -105,6 +180,16 @@ static int cuda_mla_kv_fwd(mt_backend *be, void *k, void *v, const void *kvb, co
     CUDA_REQUIRE(ld_kpe >= R, "mla_kv_fwd: ld_kpe=%d < R=%d", ld_kpe, R);
     if (N == 0) return MT_OK;
     CUDA_REQUIRE(k && v && kvb && kpe, "mla_kv_fwd: NULL pointer");
+    const void *ptrs[] = {k, v, kvb, kpe};
+    if (Dn % 8 == 0 && R % 8 == 0 && Dv % 8 == 0 && ld_kpe % 8 == 0 && mla_aligned16(ptrs, 4) &&
+        (Dn + R + Dv) / 8 <= 256) {
+        const int64_t NH = (int64_t)N * H;
+        const dim3 blk = mla_vec_block((Dn + R + Dv) / 8);
+        mla_kv_fwd_vec_kernel<<<cuda_grid(NH, (int)blk.y), blk, 0, cuda_stream(be)>>>(
+            (bf16 *)k, (bf16 *)v, (const bf16 *)kvb, (const bf16 *)kpe, ld_kpe, NH, H, Dn, R, Dv);
+        CUDA_LAUNCH_CHECK("mla_kv_fwd");
+        return MT_OK;
+    }
     int64_t total = (int64_t)N * H * (Dn + R + Dv);
     mla_kv_fwd_kernel<<<cuda_grid(total, 256), 256, 0, cuda_stream(be)>>>(
         (bf16 *)k, (bf16 *)v, (const bf16 *)kvb, (const bf16 *)kpe, ld_kpe, total, H, Dn, R, Dv);
@@ -119,6 +204,18 @@ static int cuda_mla_kv_bwd(mt_backend *be, void *dkvb, void *dkpe, int ld_dkpe, 
     CUDA_REQUIRE(ld_dkpe >= R, "mla_kv_bwd: ld_dkpe=%d < R=%d", ld_dkpe, R);
     if (N == 0) return MT_OK;
     CUDA_REQUIRE(dkvb && dkpe && dk && dv, "mla_kv_bwd: NULL pointer");
+    const void *ptrs[] = {dkvb, dk, dv};
+    if (Dn % 8 == 0 && R % 8 == 0 && Dv % 8 == 0 && mla_aligned16(ptrs, 3) && (Dn + Dv) / 8 <= 256) {
+        const int64_t NH = (int64_t)N * H, pe2 = (int64_t)N * (R / 2);
+        const dim3 blk = mla_vec_block((Dn + Dv) / 8);
+        mla_kv_bwd_copy_vec_kernel<<<cuda_grid(NH, (int)blk.y), blk, 0, cuda_stream(be)>>>(
+            (bf16 *)dkvb, (const bf16 *)dk, (const bf16 *)dv, NH, Dn, R, Dv);
+        CUDA_LAUNCH_CHECK("mla_kv_bwd (copy)");
+        mla_kv_bwd_pe2_kernel<<<cuda_grid(pe2, 256), 256, 0, cuda_stream(be)>>>(
+            (bf16 *)dkpe, ld_dkpe, (const bf16 *)dk, pe2, H, Dn, R);
+        CUDA_LAUNCH_CHECK("mla_kv_bwd (dkpe)");
+        return MT_OK;
+    }
     int64_t total = (int64_t)N * H * (Dn + Dv), pe = (int64_t)N * R;
     mla_kv_bwd_copy_kernel<<<cuda_grid(total, 256), 256, 0, cuda_stream(be)>>>(
         (bf16 *)dkvb, (const bf16 *)dk, (const bf16 *)dv, total, Dn, R, Dv);
