@@ -183,6 +183,27 @@ static int64_t seg_total(const int *rows, int G)
     return t;
 }
 
+/* A grouped GEMM's shape; with several segments the total rows (which
+ * routing changes from call to call) stay out of the name, so the calls of
+ * one projection land in one entry. */
+static void prof_shape_grouped(char *shape, size_t n, int reduce, const int *rows, int G, int N,
+                               int K, int acc)
+{
+    if (G > 1)
+        snprintf(shape, n, "%s G=%d N=%d K=%d%s", reduce ? "wgrad" : "rows", G, N, K, acc ? " +=" : "");
+    else
+        snprintf(shape, n, "%s M=%lld N=%d K=%d%s", reduce ? "wgrad" : "rows",
+                 (long long)seg_total(rows, G), N, K, acc ? " +=" : "");
+}
+
+static void prof_shape_rows(char *shape, size_t n, const int *rows, int G, int K)
+{
+    if (G > 1)
+        snprintf(shape, n, "G=%d x%d", G, K);
+    else
+        snprintf(shape, n, "%lldx%d", (long long)seg_total(rows, G), K);
+}
+
 PROF(upload, (mt_backend *be, void *dst, const void *src, size_t bytes), (be, dst, src, bytes),
      kind = W_BYTES; w = (double)bytes)
 PROF(download, (mt_backend *be, void *dst, const void *src, size_t bytes), (be, dst, src, bytes),
@@ -214,15 +235,15 @@ PROF(gemm_grouped,
      (be, reduce, C, c_f32, ldc, c_stride, A, lda, ta, B, ldb, tb, b_stride, rows, G, N, K, alpha,
       acc),
      kind = W_BF16; w = 2.0 * seg_total(rows, G) * N * K;
-     SHAPE("%s G=%d M=%lld N=%d K=%d", reduce ? "wgrad" : "rows", G, (long long)seg_total(rows, G), N, K))
+     prof_shape_grouped(shape, sizeof shape, reduce, rows, G, N, K, 0))
 PROF(quant_rows,
      (mt_backend *be, uint8_t *q, float *s, const void *x, int ldx, const int *rows, int G, int K),
      (be, q, s, x, ldx, rows, G, K),
-     kind = W_BYTES; w = 3.0 * seg_total(rows, G) * K; SHAPE("%lldx%d G=%d", (long long)seg_total(rows, G), K, G))
+     kind = W_BYTES; w = 3.0 * seg_total(rows, G) * K; prof_shape_rows(shape, sizeof shape, rows, G, K))
 PROF(quant_cols_t,
      (mt_backend *be, uint8_t *q, float *s, const void *x, int ldx, const int *rows, int G, int K),
      (be, q, s, x, ldx, rows, G, K),
-     kind = W_BYTES; w = 3.0 * seg_total(rows, G) * K; SHAPE("%lldx%d G=%d", (long long)seg_total(rows, G), K, G))
+     kind = W_BYTES; w = 3.0 * seg_total(rows, G) * K; prof_shape_rows(shape, sizeof shape, rows, G, K))
 PROF(quant_blocks, (mt_backend *be, uint8_t *q, float *s, const float *wt, int N, int K),
      (be, q, s, wt, N, K), kind = W_BYTES; w = 5.0 * N * K; SHAPE("%dx%d", N, K))
 PROF(transpose_blocks,
@@ -236,8 +257,7 @@ PROF(gemm_fp8,
       const int *rows, int G, int N, int K, int acc),
      (be, reduce, C, c_f32, ldc, c_stride, A, sa, B, sb, b_stride, sb_stride, rows, G, N, K, acc),
      kind = W_FP8; w = 2.0 * seg_total(rows, G) * N * K;
-     SHAPE("%s G=%d M=%lld N=%d K=%d%s", reduce ? "wgrad" : "rows", G, (long long)seg_total(rows, G), N, K,
-           acc ? " +=" : ""))
+     prof_shape_grouped(shape, sizeof shape, reduce, rows, G, N, K, acc))
 PROF(rmsnorm_fwd,
      (mt_backend *be, void *y, int ldy, float *rstd, const void *x, int ldx, const void *wt, int M,
       int D, float eps),
@@ -318,7 +338,7 @@ PROF(moe_unpermute_bwd,
      (mt_backend *be, void *dyp, float *dw, const void *dy, const void *yp, const int32_t *slot,
       const float *wt, int N, int K, int D, int R),
      (be, dyp, dw, dy, yp, slot, wt, N, K, D, R),
-     kind = W_BYTES; w = 2.0 * D * ((double)R + (double)N * K + N); SHAPE("N=%d K=%d D=%d R=%d", N, K, D, R))
+     kind = W_BYTES; w = 2.0 * D * ((double)R + (double)N * K + N); SHAPE("N=%d K=%d D=%d", N, K, D))
 PROF(xent,
      (mt_backend *be, float *loss, void *logits, const int32_t *tgt, int M, int V, int ignore,
       float gs),
