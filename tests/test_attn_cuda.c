@@ -533,7 +533,9 @@ int main(void)
     /* 1. rope (queries: H heads inside q rows; keys: the shared kpe columns) and mla_kv */
     test_rope(2, 64, 3, 24, 16, 8, 0);
     test_rope(2, 64, 1, 8, 0, 8, 32);
-    test_mla_kv(96, 4, 16, 8, 12, 32);
+    test_mla_kv(96, 4, 16, 8, 12, 32);  /* element kernels: Dv not a multiple of 8 */
+    test_mla_kv(64, 4, 16, 8, 16, 32);  /* 16-byte kernels */
+    test_mla_kv(33, 8, 128, 64, 128, 512); /* DeepSeek-V3 head dims, rows not a multiple of the block's */
 
     /* 2. own kernels against the CPU */
     attn_vs_cpu("own", 2, 128, 4, 48, 32, 5e-3);

@@ -680,6 +680,7 @@ static void test_fp8_quant(void)
     test_quant_rows_cols(r5, 4, 320, 328, NULL);
     test_quant_rows_cols(r5, 4, 256, 256, NULL);
     test_quant_rows_cols(r2, 1, 7168, 7168, NULL);
+    test_quant_rows_cols(r1, 1, 384, 384, NULL); /* 3 tiles: a warp's last tiles empty */
     test_e4m3_encoder();
     test_quant_blocks_family(1, 1, 60);
     test_quant_blocks_family(130, 300, 61);
@@ -1177,6 +1178,7 @@ static void test_moe(void)
     test_router(&tiny, 16, 0, 1, &idx, &sc, &w);
     test_router_bwd_aux(&tiny, 2, 8, idx, sc);
     test_moe_index_permute(idx, w, 16, 2, 8, 128, 32);
+    test_moe_index_permute(idx, w, 16, 2, 8, 128, 30); /* D % 8 != 0: the element kernels */
     free(idx), free(sc), free(w);
     test_router(&k1, 300, 0, 0, &idx, &sc, &w);
     test_router_bwd_aux(&k1, 1, 300, idx, sc);
@@ -1499,7 +1501,7 @@ int main(void)
     SECTION("fp8 quantisation", test_fp8_quant());
     SECTION("gemm_fp8", test_gemm_fp8());
     SECTION("rmsnorm", (test_rmsnorm(7, 100, 0), test_rmsnorm(300, 1024, 24), test_rmsnorm(64, 7168, 0)));
-    SECTION("swiglu", (test_swiglu(33, 200), test_swiglu(1000, 1024)));
+    SECTION("swiglu", (test_swiglu(33, 200), test_swiglu(1000, 1024), test_swiglu(7, 13)));
     SECTION("embedding", (test_embedding(50, 64, 300), test_embedding(1000, 100, 77),
                           test_embedding(129280, 64, 512)));
     SECTION("attention", test_attention());

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "engine/model/layers.h"
+#include "kernels/op_profile.h"
 #include "base/mt_status.h"
 
 /* First parameter of `layer` with `role` (lowest expert for expert roles). */
@@ -93,7 +94,9 @@ int mt_block_fwd(const mt_ctx *c, mt_block *b, void *out, const void *x, double 
     size_t mark = mt_ws_mark(c->ws);
     void *y;
     MT_WS(y, c->ws, (size_t)nd * mt_act_size(be));
+    mt_op_profile_mark(be, "fwd.attn");
     MT_CHECK(mt_mla_fwd(c, &b->attn, y, x));
+    mt_op_profile_mark(be, b->is_moe ? "fwd.moe" : "fwd.ffn");
     MT_CHECK(be->add(be, b->mid, x, y, nd));
     MT_CHECK(be->rmsnorm_fwd(be, b->xn2, D, b->rstd2, b->mid, D, b->post_norm->w, N, D,
                              c->rms_eps));
@@ -114,6 +117,7 @@ int mt_block_bwd(const mt_ctx *c, mt_block *b, void *dx, const void *dout, const
     size_t mark = mt_ws_mark(c->ws);
     void *dxn2;
     MT_WS(dxn2, c->ws, bytes);
+    mt_op_profile_mark(be, b->is_moe ? "bwd.moe" : "bwd.ffn");
     if (b->is_moe)
         MT_CHECK(mt_moe_bwd(c, &b->moe, dxn2, dout, b->xn2));
     else
@@ -123,6 +127,7 @@ int mt_block_bwd(const mt_ctx *c, mt_block *b, void *dx, const void *dout, const
     MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, b->post_norm->grad, dxn2, D, b->mid, D, b->post_norm->w,
                              b->rstd2, N, D));
     /* d x = d mid + mla'(d mid): mla_bwd reads dy before it accumulates into dx */
+    mt_op_profile_mark(be, "bwd.attn");
     MT_CHECK(mt_mla_bwd(c, &b->attn, dx, dx, x));
     mt_ws_release(c->ws, mark);
     return MT_OK;

@@ -44,8 +44,8 @@ int mt_ffn_fwd(const mt_ctx *c, mt_ffn *f, void *y, int accumulate, const void *
     void *h = f->h, *out = y;
     if (!h) MT_WS(h, c->ws, (size_t)N * F * act);
     if (accumulate) MT_WS(out, c->ws, (size_t)N * D * act);
-    MT_CHECK(mt_linear_fwd(c, f->gate, f->gu, 2 * F, xn, D, N));
-    MT_CHECK(mt_linear_fwd(c, f->up, (char *)f->gu + (size_t)F * act, 2 * F, xn, D, N));
+    MT_CHECK(mt_linear_fwd2(c, f->gate, f->gu, 2 * F, f->up, (char *)f->gu + (size_t)F * act,
+                            2 * F, xn, D, N));
     MT_CHECK(be->swiglu_fwd(be, h, f->gu, N, F));
     MT_CHECK(mt_linear_fwd(c, f->down, out, D, h, F, N));
     if (accumulate) MT_CHECK(be->add(be, y, y, out, (int64_t)N * D));
@@ -69,8 +69,8 @@ int mt_ffn_bwd(const mt_ctx *c, mt_ffn *f, void *dxn, int accumulate, const void
     MT_WS(dgu, c->ws, (size_t)N * 2 * F * act);
     MT_CHECK(mt_linear_bwd(c, f->down, dh, F, 0, dy, D, h, F, N));
     MT_CHECK(be->swiglu_bwd(be, dgu, dh, f->gu, N, F));
-    MT_CHECK(mt_linear_bwd(c, f->gate, dxn, D, accumulate, dgu, 2 * F, xn, D, N));
-    MT_CHECK(mt_linear_bwd(c, f->up, dxn, D, 1, (char *)dgu + (size_t)F * act, 2 * F, xn, D, N));
+    MT_CHECK(mt_linear_bwd2(c, f->gate, dgu, 2 * F, f->up, (char *)dgu + (size_t)F * act, 2 * F,
+                            dxn, D, accumulate, xn, D, N));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

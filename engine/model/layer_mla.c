@@ -111,12 +111,14 @@ int mt_mla_fwd(const mt_ctx *c, mt_mla *a, void *y, const void *x)
 
     MT_CHECK(be->rmsnorm_fwd(be, a->xn, D, a->rstd_in, x, D, a->in_norm->w, N, D, c->rms_eps));
     if (a->QL > 0) {
-        MT_CHECK(mt_linear_fwd(c, a->q_a, a->qa, a->QL, a->xn, D, N));
+        /* q_a and kv_a read the same xn: one quantisation for both */
+        MT_CHECK(mt_linear_fwd2(c, a->q_a, a->qa, a->QL, a->kv_a, a->kva, KL + R, a->xn, D, N));
         MT_CHECK(be->rmsnorm_fwd(be, a->qan, a->QL, a->rstd_q, a->qa, a->QL, a->q_a_norm->w, N,
                                  a->QL, c->rms_eps));
+    } else {
+        MT_CHECK(mt_linear_fwd(c, a->kv_a, a->kva, KL + R, a->xn, D, N));
     }
     MT_CHECK(mla_queries(c, a, q));
-    MT_CHECK(mt_linear_fwd(c, a->kv_a, a->kva, KL + R, a->xn, D, N));
     MT_CHECK(be->rmsnorm_fwd(be, a->kvn, KL, a->rstd_kv, a->kva, KL + R, a->kv_a_norm->w, N, KL,
                              c->rms_eps));
     char *kpe = (char *)a->kva + (size_t)KL * act;
@@ -169,7 +171,6 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
     MT_CHECK(mt_linear_bwd(c, a->kv_b, d_kvn, KL, 0, dkv, H * (Dn + Dv), a->kvn, KL, N));
     MT_CHECK(be->rmsnorm_bwd(be, d_kva, KL + R, 0, a->kv_a_norm->grad, d_kvn, KL, a->kva, KL + R,
                              a->kv_a_norm->w, a->rstd_kv, N, KL));
-    MT_CHECK(mt_linear_bwd(c, a->kv_a, dxn, D, 0, d_kva, KL + R, a->xn, D, N));
     /* queries */
     MT_CHECK(be->rope(be, dq, N, c->T, H, H * dqk, dqk, Dn, R, c->rope_cos, c->rope_sin,
                       c->rope_interleave, 1));
@@ -180,8 +181,11 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
         MT_CHECK(mt_linear_bwd(c, a->q_b, d_qan, QL, 0, dq, H * dqk, a->qan, QL, N));
         MT_CHECK(be->rmsnorm_bwd(be, d_qa, QL, 0, a->q_a_norm->grad, d_qan, QL, a->qa, QL,
                                  a->q_a_norm->w, a->rstd_q, N, QL));
-        MT_CHECK(mt_linear_bwd(c, a->q_a, dxn, D, 1, d_qa, QL, a->xn, D, N));
+        /* dxn = d_kva kv_a + d_qa q_a, one quantisation of xn for both weight gradients */
+        MT_CHECK(mt_linear_bwd2(c, a->kv_a, d_kva, KL + R, a->q_a, d_qa, QL, dxn, D, 0, a->xn, D,
+                                N));
     } else {
+        MT_CHECK(mt_linear_bwd(c, a->kv_a, dxn, D, 0, d_kva, KL + R, a->xn, D, N));
         MT_CHECK(mt_linear_bwd(c, a->q, dxn, D, 1, dq, H * dqk, a->xn, D, N));
     }
     MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad, dxn, D, x, D, a->in_norm->w,

@@ -108,9 +108,9 @@ static int experts_fwd(const mt_ctx *c, mt_moe *m, void *yl, const void *xl)
     size_t mark = mt_ws_mark(c->ws);
     void *hp = m->hp;
     if (!hp) MT_WS(hp, c->ws, (size_t)Rl * F * act);
-    MT_CHECK(mt_linear_grouped_fwd(c, m->exp_gate, m->gup, 2 * F, xl, D, m->local_rows, G));
-    MT_CHECK(mt_linear_grouped_fwd(c, m->exp_up, (char *)m->gup + (size_t)F * act, 2 * F, xl, D,
-                                   m->local_rows, G));
+    MT_CHECK(mt_linear_grouped_fwd2(c, m->exp_gate, m->gup, 2 * F, m->exp_up,
+                                    (char *)m->gup + (size_t)F * act, 2 * F, xl, D, m->local_rows,
+                                    G));
     MT_CHECK(be->swiglu_fwd(be, hp, m->gup, Rl, F));
     MT_CHECK(mt_linear_grouped_fwd(c, m->exp_down, yl, D, hp, F, m->local_rows, G));
     mt_ws_release(c->ws, mark);
@@ -161,10 +161,9 @@ static int experts_bwd(const mt_ctx *c, mt_moe *m, void *dxl, const void *dyl, c
     MT_WS(dgup, c->ws, (size_t)Rl * 2 * F * act);
     MT_CHECK(mt_linear_grouped_bwd(c, m->exp_down, dhp, F, 0, dyl, D, hp, F, m->local_rows, G));
     MT_CHECK(be->swiglu_bwd(be, dgup, dhp, m->gup, Rl, F));
-    MT_CHECK(mt_linear_grouped_bwd(c, m->exp_gate, dxl, D, 0, dgup, 2 * F, xl, D, m->local_rows,
-                                   G));
-    MT_CHECK(mt_linear_grouped_bwd(c, m->exp_up, dxl, D, 1, (char *)dgup + (size_t)F * act, 2 * F,
-                                   xl, D, m->local_rows, G));
+    MT_CHECK(mt_linear_grouped_bwd2(c, m->exp_gate, dgup, 2 * F, m->exp_up,
+                                    (char *)dgup + (size_t)F * act, 2 * F, dxl, D, 0, xl, D,
+                                    m->local_rows, G));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

@@ -34,6 +34,20 @@ int mt_linear_grouped_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, 
 int mt_linear_grouped_bwd(const mt_ctx *c, mt_param *w, void *dx, int lddx, int accumulate,
                           const void *dy, int lddy, const void *x, int ldx, const int *rows,
                           int G);
+/* Two projections of one input x [M, K] (gate and up; q_a and kv_a), x
+ * quantised once: y_i = x W_i^T. Results as two single calls. */
+int mt_linear_fwd2(const mt_ctx *c, const mt_param *w1, void *y1, int ldy1, const mt_param *w2,
+                   void *y2, int ldy2, const void *x, int ldx, int M);
+/* dx (= or +=) dy1 W1 + dy2 W2 (in that order), dW_i += dy_i^T x. */
+int mt_linear_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int lddy1, mt_param *w2,
+                   const void *dy2, int lddy2, void *dx, int lddx, int accumulate, const void *x,
+                   int ldx, int M);
+int mt_linear_grouped_fwd2(const mt_ctx *c, const mt_param *w1, void *y1, int ldy1,
+                           const mt_param *w2, void *y2, int ldy2, const void *x, int ldx,
+                           const int *rows, int G);
+int mt_linear_grouped_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int lddy1,
+                           mt_param *w2, const void *dy2, int lddy2, void *dx, int lddx,
+                           int accumulate, const void *x, int ldx, const int *rows, int G);
 /* Does this parameter compute in FP8 under the context's recipe? */
 int mt_linear_is_fp8(const mt_ctx *c, const mt_param *w);
 /* Transient bytes a linear of [M, in] -> [M, out] needs at most. */

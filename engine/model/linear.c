@@ -5,6 +5,13 @@
  *   data grad dx = Q_row(dy) . (Wq^T)^T            the exact transposed copy qt
  *   weight    dW += Q_colT(dy)^T . Q_colT(x)       both re-quantised along M
  * bf16 / fp32 recipes, and non-FP8 weights: act GEMMs with fp32 accumulation.
+ *
+ * Two projections of one input (gate and up of a SwiGLU FFN or of the
+ * experts; q_a and kv_a of MLA) run as a pair: x is quantised once for both
+ * forwards (Q_row(x)) and once for both weight gradients (Q_colT(x)). The
+ * GEMMs and their order are those of two single calls, so the results are
+ * bit-identical; what goes is a pass over x (and over the experts' permuted
+ * rows, 34 k x 7168 in the DeepSeek-V3 proxy) per pair and direction.
  */
 #include "engine/model/layers.h"
 #include "kernels/mt_fp8.h"
@@ -30,76 +37,18 @@ size_t mt_linear_ws_bytes(int64_t M, int64_t in, int64_t out)
            4096;
 }
 
-int mt_linear_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x, int ldx,
-                  int M)
-{
-    mt_backend *be = c->be;
-    const int N = (int)w->d.rows, K = (int)w->d.cols;
-    if (!mt_linear_is_fp8(c, w))
-        return be->gemm(be, y, 0, ldy, x, ldx, 0, w->w, K, 0, M, N, K, 1.0f, 0);
-    size_t mark = mt_ws_mark(c->ws);
-    uint8_t *xq;
-    float *xs;
-    MT_WS(xq, c->ws, (size_t)M * K);
-    MT_WS(xs, c->ws, rows_scale_bytes(M, K));
-    int rows[1] = {M};
-    int rc = be->quant_rows(be, xq, xs, x, ldx, rows, 1, K);
-    if (rc == MT_OK)
-        rc = be->gemm_fp8(be, 0, y, 0, ldy, 0, xq, xs, w->q, w->s, 0, 0, rows, 1, N, K, 0);
-    mt_ws_release(c->ws, mark);
-    return rc;
-}
-
-/* dW += dy^T x with both operands quantised along the M (token) axis. */
-static int fp8_wgrad(const mt_ctx *c, mt_param *w, const void *dy, int lddy, const void *x,
-                     int ldx, const int *rows, int G, int64_t c_stride)
-{
-    mt_backend *be = c->be;
-    const int N = (int)w->d.rows, K = (int)w->d.cols;
-    int64_t M = 0;
-    for (int g = 0; g < G; g++) M += rows[g];
-    size_t mark = mt_ws_mark(c->ws);
-    uint8_t *dyt, *xt;
-    float *dyts, *xts;
-    int rc;
-    MT_WS(dyt, c->ws, (size_t)(M * N));
-    MT_WS(dyts, c->ws, colt_scale_bytes(M, N, G));
-    MT_WS(xt, c->ws, (size_t)(M * K));
-    MT_WS(xts, c->ws, colt_scale_bytes(M, K, G));
-    rc = be->quant_cols_t(be, dyt, dyts, dy, lddy, rows, G, N);
-    if (rc == MT_OK) rc = be->quant_cols_t(be, xt, xts, x, ldx, rows, G, K);
-    if (rc == MT_OK)
-        rc = be->gemm_fp8(be, 1, w->grad, 1, K, c_stride, dyt, dyts, xt, xts, 0, 0, rows, G, N,
-                          K, 1);
-    mt_ws_release(c->ws, mark);
-    return rc;
-}
-
-int mt_linear_bwd(const mt_ctx *c, mt_param *w, void *dx, int lddx, int accumulate,
-                  const void *dy, int lddy, const void *x, int ldx, int M)
-{
-    mt_backend *be = c->be;
-    const int N = (int)w->d.rows, K = (int)w->d.cols;
-    int rows[1] = {M};
-    if (!mt_linear_is_fp8(c, w)) {
-        if (dx) MT_CHECK(be->gemm(be, dx, 0, lddx, dy, lddy, 0, w->w, K, 1, M, K, N, 1.0f, accumulate));
-        return be->gemm(be, w->grad, 1, K, dy, lddy, 1, x, ldx, 1, N, K, M, 1.0f, 1);
-    }
-    if (dx) {
-        size_t mark = mt_ws_mark(c->ws);
-        uint8_t *dyq;
-        float *dys;
-        MT_WS(dyq, c->ws, (size_t)M * N);
-        MT_WS(dys, c->ws, rows_scale_bytes(M, N));
-        int rc = be->quant_rows(be, dyq, dys, dy, lddy, rows, 1, N);
-        if (rc == MT_OK)
-            rc = be->gemm_fp8(be, 0, dx, 0, lddx, 0, dyq, dys, w->qt, w->st, 0, 0, rows, 1, K, N,
-                              accumulate);
-        mt_ws_release(c->ws, mark);
-        MT_CHECK(rc);
-    }
-    return fp8_wgrad(c, w, dy, lddy, x, ldx, rows, 1, 0);
-}
+/* The projections of one call: n weights sharing the input x, each with its
+ * output (forward) or output gradient (backward). Segmented over expert
+ * rows when grouped (w = the first expert's param of a contiguous run). */
+typedef struct lin_set {
+    int n;
+    mt_param *w[2];
+    void *y[2];       /* forward: y_i [M, N_i] (ldy); backward: dy_i */
+    int ldy[2];
+    const int *rows;  /* segments: rows[G] (grouped) or {M} */
+    int G;
+    int grouped;
+} lin_set;
 
 /* Element strides between consecutive experts' tensors of one projection. */
 static int64_t expert_stride(const mt_param *w) { return w->d.rows * w->d.cols; }
@@ -108,56 +57,209 @@ static int64_t expert_scale_stride(int64_t rows, int64_t cols)
     return ((rows + 127) / 128) * ((cols + 127) / 128);
 }
 
-int mt_linear_grouped_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x,
-                          int ldx, const int *rows, int G)
+static int64_t rows_total(const int *rows, int G)
 {
-    mt_backend *be = c->be;
-    const int N = (int)w->d.rows, K = (int)w->d.cols;
     int64_t M = 0;
     for (int g = 0; g < G; g++) M += rows[g];
-    if (!mt_linear_is_fp8(c, w))
-        return be->gemm_grouped(be, 0, y, 0, ldy, 0, x, ldx, 0, w->w, K, 0, expert_stride(w),
-                                rows, G, N, K, 1.0f, 0);
+    return M;
+}
+
+/* The set shares one FP8 quantisation of x: every weight FP8, same K. */
+static int set_shares_fp8(const mt_ctx *c, const lin_set *l)
+{
+    for (int i = 0; i < l->n; i++)
+        if (!mt_linear_is_fp8(c, l->w[i]) || l->w[i]->d.cols != l->w[0]->d.cols) return 0;
+    return 1;
+}
+
+static int lin_fwd(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
+{
+    mt_backend *be = c->be;
+    const int K = (int)l->w[0]->d.cols;
+    const int64_t M = rows_total(l->rows, l->G);
+    if (!set_shares_fp8(c, l)) {
+        for (int i = 0; i < l->n; i++) {
+            const mt_param *w = l->w[i];
+            const int N = (int)w->d.rows, Ki = (int)w->d.cols;
+            if (mt_linear_is_fp8(c, w)) {
+                lin_set one = {1, {l->w[i]}, {l->y[i]}, {l->ldy[i]}, l->rows, l->G, l->grouped};
+                MT_CHECK(lin_fwd(c, &one, x, ldx));
+            } else if (l->grouped) {
+                MT_CHECK(be->gemm_grouped(be, 0, l->y[i], 0, l->ldy[i], 0, x, ldx, 0, w->w, Ki, 0,
+                                          expert_stride(w), l->rows, l->G, N, Ki, 1.0f, 0));
+            } else {
+                MT_CHECK(be->gemm(be, l->y[i], 0, l->ldy[i], x, ldx, 0, w->w, Ki, 0, (int)M, N, Ki,
+                                  1.0f, 0));
+            }
+        }
+        return MT_OK;
+    }
     size_t mark = mt_ws_mark(c->ws);
     uint8_t *xq;
     float *xs;
     MT_WS(xq, c->ws, (size_t)(M * K));
     MT_WS(xs, c->ws, rows_scale_bytes(M, K));
-    int rc = be->quant_rows(be, xq, xs, x, ldx, rows, G, K);
-    if (rc == MT_OK)
-        rc = be->gemm_fp8(be, 0, y, 0, ldy, 0, xq, xs, w->q, w->s, expert_stride(w),
-                          expert_scale_stride(N, K), rows, G, N, K, 0);
+    int rc = be->quant_rows(be, xq, xs, x, ldx, l->rows, l->G, K);
+    for (int i = 0; i < l->n && rc == MT_OK; i++) {
+        const mt_param *w = l->w[i];
+        const int N = (int)w->d.rows;
+        rc = be->gemm_fp8(be, 0, l->y[i], 0, l->ldy[i], 0, xq, xs, w->q, w->s,
+                          l->grouped ? expert_stride(w) : 0,
+                          l->grouped ? expert_scale_stride(N, K) : 0, l->rows, l->G, N, K, 0);
+    }
     mt_ws_release(c->ws, mark);
     return rc;
+}
+
+/* dx (= or +=) sum_i dy_i W_i, in the order of the set (each a GEMM that
+ * accumulates into the previous ones' sum). */
+static int lin_dgrad(const mt_ctx *c, const lin_set *l, void *dx, int lddx, int accumulate)
+{
+    mt_backend *be = c->be;
+    const int64_t M = rows_total(l->rows, l->G);
+    for (int i = 0; i < l->n; i++) {
+        mt_param *w = l->w[i];
+        const int N = (int)w->d.rows, K = (int)w->d.cols, acc = accumulate || i > 0;
+        if (!mt_linear_is_fp8(c, w)) {
+            if (l->grouped)
+                MT_CHECK(be->gemm_grouped(be, 0, dx, 0, lddx, 0, l->y[i], l->ldy[i], 0, w->w, K, 1,
+                                          expert_stride(w), l->rows, l->G, K, N, 1.0f, acc));
+            else
+                MT_CHECK(be->gemm(be, dx, 0, lddx, l->y[i], l->ldy[i], 0, w->w, K, 1, (int)M, K, N,
+                                  1.0f, acc));
+            continue;
+        }
+        size_t mark = mt_ws_mark(c->ws);
+        uint8_t *dyq;
+        float *dys;
+        MT_WS(dyq, c->ws, (size_t)(M * N));
+        MT_WS(dys, c->ws, rows_scale_bytes(M, N));
+        int rc = be->quant_rows(be, dyq, dys, l->y[i], l->ldy[i], l->rows, l->G, N);
+        if (rc == MT_OK)
+            rc = be->gemm_fp8(be, 0, dx, 0, lddx, 0, dyq, dys, w->qt, w->st,
+                              l->grouped ? expert_stride(w) : 0,
+                              l->grouped ? expert_scale_stride(K, N) : 0, l->rows, l->G, K, N, acc);
+        mt_ws_release(c->ws, mark);
+        MT_CHECK(rc);
+    }
+    return MT_OK;
+}
+
+/* dW_i += dy_i^T x with both operands quantised along the M (token) axis;
+ * Q_colT(x) once for the set when it shares FP8. */
+static int lin_wgrad(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
+{
+    mt_backend *be = c->be;
+    const int64_t M = rows_total(l->rows, l->G);
+    if (!set_shares_fp8(c, l)) {
+        for (int i = 0; i < l->n; i++) {
+            mt_param *w = l->w[i];
+            const int N = (int)w->d.rows, K = (int)w->d.cols;
+            if (mt_linear_is_fp8(c, w)) {
+                lin_set one = {1, {l->w[i]}, {l->y[i]}, {l->ldy[i]}, l->rows, l->G, l->grouped};
+                MT_CHECK(lin_wgrad(c, &one, x, ldx));
+            } else if (l->grouped) {
+                MT_CHECK(be->gemm_grouped(be, 1, w->grad, 1, K, expert_stride(w), l->y[i],
+                                          l->ldy[i], 0, x, ldx, 0, 0, l->rows, l->G, N, K, 1.0f,
+                                          1));
+            } else {
+                MT_CHECK(be->gemm(be, w->grad, 1, K, l->y[i], l->ldy[i], 1, x, ldx, 1, N, K,
+                                  (int)M, 1.0f, 1));
+            }
+        }
+        return MT_OK;
+    }
+    const int K = (int)l->w[0]->d.cols;
+    size_t mark = mt_ws_mark(c->ws);
+    uint8_t *xt;
+    float *xts;
+    MT_WS(xt, c->ws, (size_t)(M * K));
+    MT_WS(xts, c->ws, colt_scale_bytes(M, K, l->G));
+    int rc = be->quant_cols_t(be, xt, xts, x, ldx, l->rows, l->G, K);
+    for (int i = 0; i < l->n && rc == MT_OK; i++) {
+        mt_param *w = l->w[i];
+        const int N = (int)w->d.rows;
+        size_t mark_i = mt_ws_mark(c->ws);
+        uint8_t *dyt = mt_ws_get(c->ws, (size_t)(M * N));
+        float *dyts = dyt ? mt_ws_get(c->ws, colt_scale_bytes(M, N, l->G)) : NULL;
+        if (!dyts) {
+            rc = MT_ENOMEM;
+            break;
+        }
+        rc = be->quant_cols_t(be, dyt, dyts, l->y[i], l->ldy[i], l->rows, l->G, N);
+        if (rc == MT_OK)
+            rc = be->gemm_fp8(be, 1, w->grad, 1, K, l->grouped ? expert_stride(w) : 0, dyt, dyts,
+                              xt, xts, 0, 0, l->rows, l->G, N, K, 1);
+        mt_ws_release(c->ws, mark_i);
+    }
+    mt_ws_release(c->ws, mark);
+    return rc;
+}
+
+int mt_linear_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x, int ldx,
+                  int M)
+{
+    int rows[1] = {M};
+    lin_set l = {1, {(mt_param *)w}, {y}, {ldy}, rows, 1, 0};
+    return lin_fwd(c, &l, x, ldx);
+}
+
+int mt_linear_bwd(const mt_ctx *c, mt_param *w, void *dx, int lddx, int accumulate,
+                  const void *dy, int lddy, const void *x, int ldx, int M)
+{
+    int rows[1] = {M};
+    lin_set l = {1, {w}, {(void *)dy}, {lddy}, rows, 1, 0};
+    if (dx) MT_CHECK(lin_dgrad(c, &l, dx, lddx, accumulate));
+    return lin_wgrad(c, &l, x, ldx);
+}
+
+int mt_linear_fwd2(const mt_ctx *c, const mt_param *w1, void *y1, int ldy1, const mt_param *w2,
+                   void *y2, int ldy2, const void *x, int ldx, int M)
+{
+    int rows[1] = {M};
+    lin_set l = {2, {(mt_param *)w1, (mt_param *)w2}, {y1, y2}, {ldy1, ldy2}, rows, 1, 0};
+    return lin_fwd(c, &l, x, ldx);
+}
+
+int mt_linear_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int lddy1, mt_param *w2,
+                   const void *dy2, int lddy2, void *dx, int lddx, int accumulate, const void *x,
+                   int ldx, int M)
+{
+    int rows[1] = {M};
+    lin_set l = {2, {w1, w2}, {(void *)dy1, (void *)dy2}, {lddy1, lddy2}, rows, 1, 0};
+    MT_CHECK(lin_dgrad(c, &l, dx, lddx, accumulate));
+    return lin_wgrad(c, &l, x, ldx);
+}
+
+int mt_linear_grouped_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x,
+                          int ldx, const int *rows, int G)
+{
+    lin_set l = {1, {(mt_param *)w}, {y}, {ldy}, rows, G, 1};
+    return lin_fwd(c, &l, x, ldx);
 }
 
 int mt_linear_grouped_bwd(const mt_ctx *c, mt_param *w, void *dx, int lddx, int accumulate,
                           const void *dy, int lddy, const void *x, int ldx, const int *rows,
                           int G)
 {
-    mt_backend *be = c->be;
-    const int N = (int)w->d.rows, K = (int)w->d.cols;
-    int64_t M = 0;
-    for (int g = 0; g < G; g++) M += rows[g];
-    if (!mt_linear_is_fp8(c, w)) {
-        if (dx)
-            MT_CHECK(be->gemm_grouped(be, 0, dx, 0, lddx, 0, dy, lddy, 0, w->w, K, 1,
-                                      expert_stride(w), rows, G, K, N, 1.0f, accumulate));
-        return be->gemm_grouped(be, 1, w->grad, 1, K, expert_stride(w), dy, lddy, 0, x, ldx, 0,
-                                0, rows, G, N, K, 1.0f, 1);
-    }
-    if (dx) {
-        size_t mark = mt_ws_mark(c->ws);
-        uint8_t *dyq;
-        float *dys;
-        MT_WS(dyq, c->ws, (size_t)(M * N));
-        MT_WS(dys, c->ws, rows_scale_bytes(M, N));
-        int rc = be->quant_rows(be, dyq, dys, dy, lddy, rows, G, N);
-        if (rc == MT_OK)
-            rc = be->gemm_fp8(be, 0, dx, 0, lddx, 0, dyq, dys, w->qt, w->st, expert_stride(w),
-                              expert_scale_stride(K, N), rows, G, K, N, accumulate);
-        mt_ws_release(c->ws, mark);
-        MT_CHECK(rc);
-    }
-    return fp8_wgrad(c, w, dy, lddy, x, ldx, rows, G, expert_stride(w));
+    lin_set l = {1, {w}, {(void *)dy}, {lddy}, rows, G, 1};
+    if (dx) MT_CHECK(lin_dgrad(c, &l, dx, lddx, accumulate));
+    return lin_wgrad(c, &l, x, ldx);
+}
+
+int mt_linear_grouped_fwd2(const mt_ctx *c, const mt_param *w1, void *y1, int ldy1,
+                           const mt_param *w2, void *y2, int ldy2, const void *x, int ldx,
+                           const int *rows, int G)
+{
+    lin_set l = {2, {(mt_param *)w1, (mt_param *)w2}, {y1, y2}, {ldy1, ldy2}, rows, G, 1};
+    return lin_fwd(c, &l, x, ldx);
+}
+
+int mt_linear_grouped_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int lddy1,
+                           mt_param *w2, const void *dy2, int lddy2, void *dx, int lddx,
+                           int accumulate, const void *x, int ldx, const int *rows, int G)
+{
+    lin_set l = {2, {w1, w2}, {(void *)dy1, (void *)dy2}, {lddy1, lddy2}, rows, G, 1};
+    MT_CHECK(lin_dgrad(c, &l, dx, lddx, accumulate));
+    return lin_wgrad(c, &l, x, ldx);
 }

@@ -15,6 +15,7 @@
 
 #include "engine/model/layers.h"
 #include "kernels/mt_fp8.h"
+#include "kernels/op_profile.h"
 #include "base/mt_log.h"
 #include "base/mt_rng.h"
 #include "base/mt_status.h"
@@ -423,6 +424,7 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
                           tokens[i], i, V);
 
     /* main model */
+    mt_op_profile_mark(be, "fwd.embed");
     shift_tokens(tokens, B, T, 0, m->host_i32, m->host_tgt);
     MT_CHECK(be->upload(be, m->ids, m->host_i32, (size_t)N * 4));
     MT_CHECK(be->upload(be, m->tgt, m->host_tgt, (size_t)N * 4));
@@ -432,6 +434,7 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
     double sum;
     int64_t cnt;
     float gs = backward ? (float)(loss_scale / N) : 0.0f;
+    mt_op_profile_mark(be, "fwd.head");
     MT_CHECK(mt_head_logits(c, &m->head, m->logits, m->h[L], V));
     if (so && so->logits) MT_CHECK(download_logits(m, so->logits, (int64_t)N * V));
     MT_CHECK(mt_head_loss(c, &m->head, m->logits, m->tgt, V, gs, m->host_loss, &sum, &cnt,
@@ -439,12 +442,14 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
     if (so && so->tok_loss) memcpy(so->tok_loss, m->host_loss, (size_t)N * sizeof(float));
     st->loss = sum / (double)cnt;
     st->tokens = cnt;
+    mt_op_profile_mark(be, "bwd.head");
     if (backward) MT_CHECK(mt_head_bwd(c, &m->head, m->dh, 0, m->logits, m->h[L], V));
 
     /* MTP depths */
     for (int k = 0; k < m->n_mtp; k++) {
         mt_mtp *p = &m->mtp[k];
         const void *hprev = k == 0 ? m->h[L] : m->mtp[k - 1].hout;
+        mt_op_profile_mark(be, "fwd.mtp");
         shift_tokens(tokens, B, T, k + 1, m->host_i32, m->host_tgt);
         MT_CHECK(be->upload(be, p->ids, m->host_i32, (size_t)N * 4));
         MT_CHECK(be->upload(be, p->tgt, m->host_tgt, (size_t)N * 4));
@@ -464,6 +469,7 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
     if (!backward) return MT_OK;
 
     /* backward */
+    mt_op_profile_mark(be, "bwd.mtp");
     for (int k = m->n_mtp - 1; k >= 0; k--) {
         mt_mtp *p = &m->mtp[k];
         void *dprev = k == 0 ? m->dh : m->dmtp[k - 1];
@@ -472,6 +478,7 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
     }
     for (int l = L - 1; l >= 0; l--)
         MT_CHECK(mt_block_bwd(c, &m->blocks[l], m->dh, m->dh, m->h[l]));
+    mt_op_profile_mark(be, "bwd.embed");
     MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->dh, m->ids, N, D));
     (void)nd_bytes;
     return MT_OK;

@@ -9,6 +9,7 @@
 
 #include "engine/parallel/sharding.h"
 #include "engine/train/lr_schedule.h"
+#include "kernels/op_profile.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 
@@ -283,6 +284,8 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     /* MOETRAIN_PROFILE=1: synchronise after each phase and log its time. */
     const int profile = t->profile;
     double tp[4] = {0, 0, 0, 0};
+    mt_op_profile_mark(t->be, "step");
+    mt_op_profile_mark(t->be, "zero_grads");
     MT_CHECK(mt_model_zero_grads(m));
     mt_model_reset_load(m);
     /* micro-batches of the whole global batch; this rank's are a contiguous
@@ -315,6 +318,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         }
     }
     const double loss = ls[0], mtp = ls[1], aux = ls[2];
+    mt_op_profile_mark(t->be, "optim");
     double sumsq;
     MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
     double norm = sqrt(sumsq);
@@ -345,6 +349,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     }
     t->step++;
     MT_CHECK(t->be->sync(t->be));
+    mt_op_profile_mark(t->be, "end");
     double dt = now_s() - t0;
     if (profile)
         MT_LOGI("profile step %lld: forward+backward %.1f ms (%d micro-batches), gradient "

@@ -262,6 +262,7 @@ static void cuda_destroy(mt_backend *be)
     if (c) {
         cudaSetDevice(c->device);
         if (c->stream) cudaStreamSynchronize(c->stream);
+        cuda_prof_destroy(be);
         cuda_attn_destroy(be);
         cuda_gemm_destroy(be);
         for (int i = 0; i < CUDA_EXPERT_STREAMS; i++)
@@ -353,7 +354,9 @@ static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes)
     cuda_install_moe(be);
     cuda_install_loss(be);
     MT_CHECK(cuda_install_gemm(be));
+    cuda_install_rope_mla(be);
     MT_CHECK(cuda_install_attn(be));
+    MT_CHECK(cuda_prof_install(be)); /* last: it wraps the ops above */
     MT_LOGI("cuda backend: %s (%d SMs, %zu MB), arena %zu MB, scratch %zu MB", prop.name,
             c->sm_count, total_b >> 20, arena_bytes >> 20, c->scratch_cap >> 20);
     return MT_OK;

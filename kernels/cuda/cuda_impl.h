@@ -49,7 +49,8 @@ typedef struct cuda_block {
 } cuda_block;
 
 typedef struct cuda_gemm_cache cuda_gemm_cache; /* cuda_gemm.cu */
-typedef struct cuda_attn_cache cuda_attn_cache; /* cuda_attn.cu */
+typedef struct cuda_attn_cache cuda_attn_cache; /* cuda_attn_impl.h */
+typedef struct cuda_prof cuda_prof;             /* cuda_prof.cu */
 
 typedef struct cuda_impl {
     int device;
@@ -70,6 +71,7 @@ typedef struct cuda_impl {
     size_t scratch_cap;
     cuda_gemm_cache *gemm;
     cuda_attn_cache *attn;
+    cuda_prof *prof;           /* the op profile, when MOETRAIN_OP_PROFILE is set */
 } cuda_impl;
 
 static inline cuda_impl *cuda_of(const mt_backend *be) { return (cuda_impl *)be->impl; }
@@ -125,9 +127,13 @@ void cuda_install_backend(mt_backend *be); /* memory, conversions, add, copy2d *
 int cuda_install_gemm(mt_backend *be);     /* gemm, gemm_grouped, gemm_fp8 (creates caches) */
 void cuda_install_fp8(mt_backend *be);     /* quant_*, transpose/dequant_blocks, *_sr */
 void cuda_install_norm(mt_backend *be);    /* rmsnorm, swiglu, embedding */
-int cuda_install_attn(mt_backend *be);     /* rope, attn_fwd/bwd, mla_kv (creates caches) */
+int cuda_install_attn(mt_backend *be);     /* attn_fwd/bwd (creates the cuDNN plan cache) */
+void cuda_install_rope_mla(mt_backend *be); /* rope, mla_kv_fwd/bwd */
 void cuda_install_moe(mt_backend *be);     /* router, aux_loss, moe_index, permutes */
 void cuda_install_loss(mt_backend *be);    /* xent, sumsq, scale_f32, adamw, bf16_to_f32 */
+/* The op profile (kernels/op_profile.h): wraps every op installed before it. */
+int cuda_prof_install(mt_backend *be);
+void cuda_prof_destroy(mt_backend *be); /* logs the report */
 void cuda_gemm_destroy(mt_backend *be);
 void cuda_attn_destroy(mt_backend *be);
 

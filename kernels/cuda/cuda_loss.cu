@@ -12,14 +12,17 @@
  *
  * Launch shapes:
  *   xent         one 512-thread block per row: max, sum of exp (double),
- *                then the gradient written in place
+ *                then the gradient written in place; 16-byte accesses when
+ *                V % 8 == 0
  *   sumsq        P <= 4096 blocks each summing a fixed contiguous range in
  *                double (fixed tree), then one block adding the P partials
  *                (fixed tree): deterministic for a given n
  *   scale_f32, adamw, bf16_to_f32: element-wise grid-stride
  *   adamw_fp8    one 256-thread block per 128x128 weight block: AdamW,
  *                block amax, quantise, and the transposed copy via shared
- *                memory (one pass instead of adamw + quant + transpose)
+ *                memory (one pass instead of adamw + quant + transpose);
+ *                full blocks with 16-byte accesses
+ *   adamw        groups of 4 elements with 16-byte accesses where aligned
  */
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -64,14 +67,88 @@ xent_kernel(float *__restrict__ loss, bf16 *__restrict__ logits, const int32_t *
     if (threadIdx.x == 0) loss[m] = (float)((double)mx + log(sum) - (double)xt);
 }
 
+/* xent_kernel with 16-byte accesses: thread t holds the 8 logits of chunks
+ * t, t + 512, ... (V % 8 == 0, 16-byte aligned rows). The same max, the
+ * same exp and division per element; the double sum adds its terms in
+ * another order, which moves it by a few double ulps (the float loss and
+ * the bf16 gradient see none of it in practice). */
+__device__ __forceinline__ void xent_unpack8(const uint4 &w, float *x)
+{
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[2 * i] = __uint_as_float(u[i] << 16);
+        x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+}
+
+__global__ void __launch_bounds__(XENT_THREADS)
+xent_vec_kernel(float *__restrict__ loss, bf16 *__restrict__ logits,
+                const int32_t *__restrict__ tgt, int V, int ignore, float grad_scale)
+{
+    __shared__ float shf[32];
+    __shared__ double shd[32];
+    const int m = blockIdx.x;
+    bf16 *x = logits + (int64_t)m * V;
+    uint4 *x8 = (uint4 *)x;
+    const int V8 = V / 8;
+    const int t = tgt[m];
+    if (t == ignore) {
+        for (int j = threadIdx.x; j < V8; j += blockDim.x) x8[j] = make_uint4(0, 0, 0, 0);
+        if (threadIdx.x == 0) loss[m] = 0.0f;
+        return;
+    }
+    if (t < 0 || t >= V) {
+        if (threadIdx.x == 0) loss[m] = __int_as_float(0x7fc00000); /* NaN */
+        return;
+    }
+    float mx = -INFINITY, v[8];
+    for (int j = threadIdx.x; j < V8; j += blockDim.x) {
+        xent_unpack8(x8[j], v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) mx = fmaxf(mx, v[i]);
+    }
+    mx = cu_block_max(mx, shf);
+    const float xt = cuda_ld(x, t);
+    double acc = 0.0;
+    for (int j = threadIdx.x; j < V8; j += blockDim.x) {
+        xent_unpack8(x8[j], v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc += (double)expf(v[i] - mx);
+    }
+    const double sum = cu_block_sum(acc, shd); /* all reads of x are done */
+    for (int j = threadIdx.x; j < V8; j += blockDim.x) {
+        xent_unpack8(x8[j], v);
+        uint32_t o[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float g[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int col = 8 * j + 2 * i + h;
+                const float p = (float)((double)expf(v[2 * i + h] - mx) / sum);
+                g[h] = grad_scale * (col == t ? p - 1.0f : p);
+            }
+            const __nv_bfloat162 b = __floats2bfloat162_rn(g[0], g[1]);
+            o[i] = *(const uint32_t *)&b;
+        }
+        x8[j] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    if (threadIdx.x == 0) loss[m] = (float)((double)mx + log(sum) - (double)xt);
+}
+
 static int cuda_xent(mt_backend *be, float *loss, void *logits, const int32_t *tgt, int M, int V,
                      int ignore, float grad_scale)
 {
     CUDA_REQUIRE(M >= 0 && V >= 1, "xent: M=%d V=%d", M, V);
     if (M == 0) return MT_OK;
     CUDA_REQUIRE(loss && logits && tgt, "xent: NULL pointer");
-    xent_kernel<<<M, XENT_THREADS, 0, cuda_stream(be)>>>(loss, (bf16 *)logits, tgt, V, ignore,
-                                                         grad_scale);
+    if (V % 8 == 0 && (uintptr_t)logits % 16 == 0)
+        xent_vec_kernel<<<M, XENT_THREADS, 0, cuda_stream(be)>>>(loss, (bf16 *)logits, tgt, V,
+                                                                 ignore, grad_scale);
+    else
+        xent_kernel<<<M, XENT_THREADS, 0, cuda_stream(be)>>>(loss, (bf16 *)logits, tgt, V, ignore,
+                                                             grad_scale);
     CUDA_LAUNCH_CHECK("xent");
     return MT_OK;
 }
@@ -186,9 +263,64 @@ __device__ __forceinline__ float adamw_one(const mt_adamw_hp &hp, float p, uint1
     return adamw_val(hp, p, *m, *v, grad, m, v);
 }
 
-__global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                             const float *__restrict__ grad, int64_t n, mt_adamw_hp hp)
+/* Four consecutive elements from 16-byte (f32) / 8-byte (bf16) words; the
+ * element arithmetic is adamw_one's, so results are bit-identical. */
+__device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, void *p, int p_bf16,
+                                           uint16_t *__restrict__ m, uint16_t *__restrict__ v,
+                                           const float *__restrict__ grad, int64_t i)
 {
+    float pv[4], gv[4];
+    uint16_t mv[4], vv[4];
+    const float4 g4 = *(const float4 *)(grad + i);
+    gv[0] = g4.x, gv[1] = g4.y, gv[2] = g4.z, gv[3] = g4.w;
+    const uint2 m2 = *(const uint2 *)(m + i), v2 = *(const uint2 *)(v + i);
+    mv[0] = (uint16_t)m2.x, mv[1] = (uint16_t)(m2.x >> 16), mv[2] = (uint16_t)m2.y, mv[3] = (uint16_t)(m2.y >> 16);
+    vv[0] = (uint16_t)v2.x, vv[1] = (uint16_t)(v2.x >> 16), vv[2] = (uint16_t)v2.y, vv[3] = (uint16_t)(v2.y >> 16);
+    if (p_bf16) {
+        const uint2 p2 = *(const uint2 *)((uint16_t *)p + i);
+        pv[0] = loss_bf16_val((uint16_t)p2.x), pv[1] = loss_bf16_val((uint16_t)(p2.x >> 16));
+        pv[2] = loss_bf16_val((uint16_t)p2.y), pv[3] = loss_bf16_val((uint16_t)(p2.y >> 16));
+    } else {
+        const float4 p4 = *(const float4 *)((float *)p + i);
+        pv[0] = p4.x, pv[1] = p4.y, pv[2] = p4.z, pv[3] = p4.w;
+    }
+    uint16_t mo[4], vo[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) pv[j] = adamw_val(hp, pv[j], mv[j], vv[j], gv[j], &mo[j], &vo[j]);
+    *(uint2 *)(m + i) = make_uint2(mo[0] | (uint32_t)mo[1] << 16, mo[2] | (uint32_t)mo[3] << 16);
+    *(uint2 *)(v + i) = make_uint2(vo[0] | (uint32_t)vo[1] << 16, vo[2] | (uint32_t)vo[3] << 16);
+    if (p_bf16) {
+        uint16_t h[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) h[j] = loss_bf16_rne(pv[j]);
+        *(uint2 *)((uint16_t *)p + i) = make_uint2(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16);
+    } else {
+        *(float4 *)((float *)p + i) = make_float4(pv[0], pv[1], pv[2], pv[3]);
+    }
+}
+
+/* Groups of 4 elements with 16-byte loads when every array is aligned for
+ * it (vec), else one element per thread. */
+__global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
+                             const float *__restrict__ grad, int64_t n, mt_adamw_hp hp, int vec)
+{
+    if (vec) {
+        for (int64_t i4 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i4 < n / 4;
+             i4 += (int64_t)gridDim.x * blockDim.x)
+            adamw_vec4(hp, p, p_bf16, m, v, grad, 4 * i4);
+        /* the n % 4 last elements */
+        const int64_t i = n / 4 * 4 + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) {
+            if (p_bf16) {
+                uint16_t *pb = (uint16_t *)p;
+                pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i, grad[i]));
+            } else {
+                float *pf = (float *)p;
+                pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad[i]);
+            }
+        }
+        return;
+    }
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         if (p_bf16) {
@@ -210,7 +342,10 @@ static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t
     CUDA_REQUIRE(p && m && v && grad, "adamw: NULL pointer");
     CUDA_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw: bias corrections bc1=%g bc2=%g must be > 0",
                  hp->bc1, hp->bc2);
-    adamw_kernel<<<cuda_grid(n, 256), 256, 0, cuda_stream(be)>>>(p, p_bf16, m, v, grad, n, *hp);
+    const int vec = ((uintptr_t)p % (p_bf16 ? 8 : 16)) == 0 && (uintptr_t)m % 8 == 0 &&
+                    (uintptr_t)v % 8 == 0 && (uintptr_t)grad % 16 == 0;
+    adamw_kernel<<<cuda_grid(vec ? (n + 3) / 4 : n, 256), 256, 0, cuda_stream(be)>>>(
+        p, p_bf16, m, v, grad, n, *hp, vec);
     CUDA_LAUNCH_CHECK("adamw");
     return MT_OK;
 }
@@ -228,17 +363,131 @@ static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t
  * then quant_blocks_kernel: bit-identical. */
 #define AQ_CHUNK 8
 
+/* A full 128x128 block with 16-byte accesses (the common case: weight dims
+ * are multiples of 128 in every DeepSeek-V3 model). Thread t owns columns
+ * 4 (t % 32) .. + 3 of rows t / 32 + 8 j (j < 16): a warp reads a 512-byte
+ * f32 row segment (or 256 bytes of bf16) with one 16-byte (8-byte) load per
+ * thread, and the moments with 8-byte loads; AQ_VROWS rows are loaded before
+ * the first store. The codes go to q as 4-byte words and through the shared
+ * tile to qt, whose rows get 4-byte words too. The arithmetic of each
+ * element and the block amax are adamw_fp8_kernel's: bit-identical. */
+#define AQ_VROWS 4
+
+__device__ __forceinline__ void aq_unpack_bf16x4(uint2 w, float *x)
+{
+    x[0] = loss_bf16_val((uint16_t)w.x), x[1] = loss_bf16_val((uint16_t)(w.x >> 16));
+    x[2] = loss_bf16_val((uint16_t)w.y), x[3] = loss_bf16_val((uint16_t)(w.y >> 16));
+}
+
+__device__ __forceinline__ uint2 aq_pack_u16x4(const uint16_t *h)
+{
+    return make_uint2(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16);
+}
+
+__device__ __forceinline__ void adamw_fp8_full_block(
+    void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
+    const float *__restrict__ grad, int N, int K, int NB, int KB, int nb, int kb,
+    const mt_adamw_hp &hp,
+    uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
+    float *__restrict__ st, uint8_t (*tile)[MT_QTILE + 4], float *sh)
+{
+    const int n0 = nb * MT_QTILE, k0 = kb * MT_QTILE;
+    const int c0 = 4 * (threadIdx.x & 31), r0 = threadIdx.x >> 5;
+    float *__restrict__ pf = (float *)p;
+    uint16_t *__restrict__ pb = (uint16_t *)p;
+    float amax = 0.0f;
+    for (int j0 = 0; j0 < MT_QTILE / 8; j0 += AQ_VROWS) {
+        float pv[AQ_VROWS][4], gv[AQ_VROWS][4];
+        uint2 mv[AQ_VROWS], vv[AQ_VROWS];
+#pragma unroll
+        for (int jj = 0; jj < AQ_VROWS; jj++) {
+            const int64_t i = (int64_t)(n0 + r0 + 8 * (j0 + jj)) * K + k0 + c0;
+            if (p_bf16) {
+                aq_unpack_bf16x4(*(const uint2 *)(pb + i), pv[jj]);
+            } else {
+                const float4 w = *(const float4 *)(pf + i);
+                pv[jj][0] = w.x, pv[jj][1] = w.y, pv[jj][2] = w.z, pv[jj][3] = w.w;
+            }
+            const float4 g = *(const float4 *)(grad + i);
+            gv[jj][0] = g.x, gv[jj][1] = g.y, gv[jj][2] = g.z, gv[jj][3] = g.w;
+            mv[jj] = *(const uint2 *)(m + i);
+            vv[jj] = *(const uint2 *)(v + i);
+        }
+#pragma unroll
+        for (int jj = 0; jj < AQ_VROWS; jj++) {
+            const int64_t i = (int64_t)(n0 + r0 + 8 * (j0 + jj)) * K + k0 + c0;
+            const uint16_t mi[4] = {(uint16_t)mv[jj].x, (uint16_t)(mv[jj].x >> 16),
+                                    (uint16_t)mv[jj].y, (uint16_t)(mv[jj].y >> 16)};
+            const uint16_t vi[4] = {(uint16_t)vv[jj].x, (uint16_t)(vv[jj].x >> 16),
+                                    (uint16_t)vv[jj].y, (uint16_t)(vv[jj].y >> 16)};
+            uint16_t mo[4], vo[4], h[4];
+            float x[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                x[e] = adamw_val(hp, pv[jj][e], mi[e], vi[e], gv[jj][e], &mo[e], &vo[e]);
+                if (p_bf16) {
+                    h[e] = loss_bf16_rne(x[e]);
+                    x[e] = loss_bf16_val(h[e]);
+                }
+                amax = fmaxf(amax, fabsf(x[e]));
+            }
+            *(uint2 *)(m + i) = aq_pack_u16x4(mo);
+            *(uint2 *)(v + i) = aq_pack_u16x4(vo);
+            if (p_bf16)
+                *(uint2 *)(pb + i) = aq_pack_u16x4(h);
+            else
+                *(float4 *)(pf + i) = make_float4(x[0], x[1], x[2], x[3]);
+        }
+    }
+    amax = cu_block_max(amax, sh);
+    const float sc = cuda_scale_of(amax);
+    if (threadIdx.x == 0) {
+        s[(int64_t)nb * KB + kb] = sc;
+        st[(int64_t)kb * NB + nb] = sc;
+    }
+    /* codes from the values just written (ld.global.cg: from L2) */
+    for (int j = 0; j < MT_QTILE / 8; j++) {
+        const int r = r0 + 8 * j;
+        const int64_t i = (int64_t)(n0 + r) * K + k0 + c0;
+        float x[4];
+        if (p_bf16) {
+            aq_unpack_bf16x4(__ldcg((const uint2 *)(pb + i)), x);
+        } else {
+            const float4 w = __ldcg((const float4 *)(pf + i));
+            x[0] = w.x, x[1] = w.y, x[2] = w.z, x[3] = w.w;
+        }
+        uint32_t code = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++) code |= (uint32_t)cuda_e4m3(x[e], sc) << (8 * e);
+        *(uint32_t *)(q + i) = code;
+        *(uint32_t *)&tile[r][c0] = code;
+    }
+    __syncthreads();
+    /* qt [K, N]: row k0 + kk holds tile column kk; 4 consecutive n per thread */
+    for (int j = 0; j < MT_QTILE / 8; j++) {
+        const int kk = r0 + 8 * j;
+        const uint32_t code = (uint32_t)tile[c0][kk] | (uint32_t)tile[c0 + 1][kk] << 8 |
+                              (uint32_t)tile[c0 + 2][kk] << 16 | (uint32_t)tile[c0 + 3][kk] << 24;
+        *(uint32_t *)(qt + (int64_t)(k0 + kk) * N + n0 + c0) = code;
+    }
+}
+
 __global__ void __launch_bounds__(256)
 adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
                  const float *__restrict__ grad, int N, int K, int NB, int KB, mt_adamw_hp hp,
                  uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
-                 float *__restrict__ st)
+                 float *__restrict__ st, int vec)
 {
     __shared__ float sh[32];
-    __shared__ uint8_t tile[MT_QTILE][MT_QTILE + 4];
+    __shared__ __align__(16) uint8_t tile[MT_QTILE][MT_QTILE + 4];
     const int b = blockIdx.x, nb = b / KB, kb = b % KB;
     const int n0 = nb * MT_QTILE, k0 = kb * MT_QTILE;
     const int nn = min(MT_QTILE, N - n0), nk = min(MT_QTILE, K - k0);
+    if (vec && nn == MT_QTILE && nk == MT_QTILE) {
+        adamw_fp8_full_block(p, p_bf16, m, v, grad, N, K, NB, KB, nb, kb, hp, q, s, qt, st, tile,
+                             sh);
+        return;
+    }
     const int c = threadIdx.x % MT_QTILE, r1 = threadIdx.x / MT_QTILE;
     float amax = 0.0f;
     float *__restrict__ pf = (float *)p;
@@ -305,8 +554,13 @@ static int cuda_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint
     CUDA_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw_fp8: bias corrections bc1=%g bc2=%g must be > 0",
                  hp->bc1, hp->bc2);
     const int NB = mt_ceil_div(N, MT_QTILE), KB = mt_ceil_div(K, MT_QTILE);
+    /* 16-byte accesses need K % 4 == 0 (row starts), N % 4 == 0 (qt rows)
+     * and aligned arrays */
+    const int vec = K % 4 == 0 && N % 4 == 0 && (uintptr_t)p % (p_bf16 ? 8 : 16) == 0 &&
+                    (uintptr_t)grad % 16 == 0 && (uintptr_t)m % 8 == 0 && (uintptr_t)v % 8 == 0 &&
+                    (uintptr_t)q % 4 == 0 && (uintptr_t)qt % 4 == 0;
     adamw_fp8_kernel<<<(unsigned)((int64_t)NB * KB), 256, 0, cuda_stream(be)>>>(
-        p, p_bf16, m, v, grad, N, K, NB, KB, *hp, q, s, qt, st);
+        p, p_bf16, m, v, grad, N, K, NB, KB, *hp, q, s, qt, st, vec);
     CUDA_LAUNCH_CHECK("adamw_fp8");
     return MT_OK;
 }

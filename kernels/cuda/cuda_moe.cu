@@ -591,16 +591,79 @@ __global__ void moe_gather_kernel(bf16 *y, int accumulate, const bf16 *__restric
     }
 }
 
+/* moe_gather_kernel with 8 consecutive d per thread (16-byte loads and
+ * stores; D % 8 == 0, aligned rows): each of the 8 sums is the same
+ * sequence of float operations as moe_gather_kernel's, so bit-identical. */
+__device__ __forceinline__ void moe_unpack8(const uint4 &w, float *x)
+{
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[2 * i] = __uint_as_float(u[i] << 16);
+        x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 moe_pack8(const float *x)
+{
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+        o[i] = *(const uint32_t *)&b;
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+__global__ void moe_gather_vec_kernel(bf16 *y, int accumulate, const bf16 *__restrict__ yp,
+                                      const int32_t *__restrict__ slot,
+                                      const float *__restrict__ w, int K, int D)
+{
+    const int n = blockIdx.x;
+    const int32_t *sl = slot + (int64_t)n * K;
+    uint4 *yr = (uint4 *)(y + (int64_t)n * D);
+    for (int c = threadIdx.x; c < D / 8; c += blockDim.x) {
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, v[8];
+        for (int k = 0; k < K; k++) {
+            moe_unpack8(((const uint4 *)(yp + (int64_t)sl[k] * D))[c], v);
+            if (w) {
+                const float wk = w[(int64_t)n * K + k];
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] += wk * v[i];
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] += v[i];
+            }
+        }
+        if (accumulate) {
+            moe_unpack8(yr[c], v);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[i] = v[i] + acc[i];
+        }
+        yr[c] = moe_pack8(acc);
+    }
+}
+
+static int moe_gather(mt_backend *be, const char *op, void *y, int accumulate, const void *yp,
+                      const int32_t *slot, const float *w, int N, int K, int D)
+{
+    if (moe_vec_ok(y, yp, D))
+        moe_gather_vec_kernel<<<N, 128, 0, cuda_stream(be)>>>((bf16 *)y, accumulate,
+                                                              (const bf16 *)yp, slot, w, K, D);
+    else
+        moe_gather_kernel<<<N, 256, 0, cuda_stream(be)>>>((bf16 *)y, accumulate, (const bf16 *)yp,
+                                                          slot, w, K, D);
+    CUDA_LAUNCH_CHECK(op);
+    return MT_OK;
+}
+
 static int cuda_moe_permute_bwd(mt_backend *be, void *dx, int accumulate, const void *dxp,
                                 const int32_t *slot, int N, int K, int D)
 {
     CUDA_REQUIRE(N >= 0 && K >= 1 && D >= 1, "moe_permute_bwd: N=%d K=%d D=%d", N, K, D);
     if (N == 0) return MT_OK;
     CUDA_REQUIRE(dx && dxp && slot, "moe_permute_bwd: NULL pointer");
-    moe_gather_kernel<<<N, 256, 0, cuda_stream(be)>>>((bf16 *)dx, accumulate, (const bf16 *)dxp,
-                                                      slot, NULL, K, D);
-    CUDA_LAUNCH_CHECK("moe_permute_bwd");
-    return MT_OK;
+    return moe_gather(be, "moe_permute_bwd", dx, accumulate, dxp, slot, NULL, N, K, D);
 }
 
 static int cuda_moe_unpermute(mt_backend *be, void *y, int accumulate, const void *yp,
@@ -609,10 +672,7 @@ static int cuda_moe_unpermute(mt_backend *be, void *y, int accumulate, const voi
     CUDA_REQUIRE(N >= 0 && K >= 1 && D >= 1, "moe_unpermute: N=%d K=%d D=%d", N, K, D);
     if (N == 0) return MT_OK;
     CUDA_REQUIRE(y && yp && slot && w, "moe_unpermute: NULL pointer");
-    moe_gather_kernel<<<N, 256, 0, cuda_stream(be)>>>((bf16 *)y, accumulate, (const bf16 *)yp,
-                                                      slot, w, K, D);
-    CUDA_LAUNCH_CHECK("moe_unpermute");
-    return MT_OK;
+    return moe_gather(be, "moe_unpermute", y, accumulate, yp, slot, w, N, K, D);
 }
 
 /* Token n (block): dyp[slot[n, k]] = w[n, k] dy[n] (rounded to bf16), and
@@ -644,6 +704,43 @@ __global__ void moe_unpermute_bwd_kernel(bf16 *__restrict__ dyp, float *__restri
     }
 }
 
+/* moe_unpermute_bwd_kernel with 8 consecutive j per thread (16-byte
+ * accesses): the same dyp values; each dw sums its products in another
+ * order (per-thread partial sums of 8-element chunks, then the same fixed
+ * block tree), still in double and deterministic. */
+__global__ void moe_unpermute_bwd_vec_kernel(bf16 *__restrict__ dyp, float *__restrict__ dw,
+                                             const bf16 *__restrict__ dy,
+                                             const bf16 *__restrict__ yp,
+                                             const int32_t *__restrict__ slot,
+                                             const float *__restrict__ w, int K, int D, int R)
+{
+    __shared__ double sh[32];
+    const int n = blockIdx.x;
+    const uint4 *d = (const uint4 *)(dy + (int64_t)n * D);
+    for (int k = 0; k < K; k++) {
+        const int64_t a = (int64_t)n * K + k;
+        const int r = slot[a];
+        if (r < 0 || r >= R) continue; /* rejected on the CPU; uniform over the block */
+        const float wa = w[a];
+        uint4 *g = (uint4 *)(dyp + (int64_t)r * D);
+        const uint4 *y = (const uint4 *)(yp + (int64_t)r * D);
+        double acc = 0.0;
+        for (int c = threadIdx.x; c < D / 8; c += blockDim.x) {
+            float dj[8], yj[8], gj[8];
+            moe_unpack8(d[c], dj);
+            moe_unpack8(y[c], yj);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                gj[i] = wa * dj[i];
+                acc += (double)dj[i] * (double)yj[i];
+            }
+            g[c] = moe_pack8(gj);
+        }
+        acc = cu_block_sum(acc, sh);
+        if (threadIdx.x == 0) dw[a] = (float)acc;
+    }
+}
+
 static int cuda_moe_unpermute_bwd(mt_backend *be, void *dyp, float *dw, const void *dy,
                                   const void *yp, const int32_t *slot, const float *w, int N,
                                   int K, int D, int R)
@@ -655,8 +752,12 @@ static int cuda_moe_unpermute_bwd(mt_backend *be, void *dyp, float *dw, const vo
     cudaStream_t st = cuda_stream(be);
     if (R > 0) MT_CUDA_CHECK(cudaMemsetAsync(dyp, 0, sizeof(bf16) * (size_t)R * D, st));
     if (N == 0) return MT_OK;
-    moe_unpermute_bwd_kernel<<<N, 256, 0, st>>>((bf16 *)dyp, dw, (const bf16 *)dy,
-                                                (const bf16 *)yp, slot, w, K, D, R);
+    if (moe_vec_ok(dyp, dy, D) && moe_vec_ok(yp, yp, D))
+        moe_unpermute_bwd_vec_kernel<<<N, 128, 0, st>>>((bf16 *)dyp, dw, (const bf16 *)dy,
+                                                        (const bf16 *)yp, slot, w, K, D, R);
+    else
+        moe_unpermute_bwd_kernel<<<N, 256, 0, st>>>((bf16 *)dyp, dw, (const bf16 *)dy,
+                                                    (const bf16 *)yp, slot, w, K, D, R);
     CUDA_LAUNCH_CHECK("moe_unpermute_bwd");
     return MT_OK;
 }

@@ -184,13 +184,89 @@ __global__ void swiglu_bwd_kernel(bf16 *__restrict__ dgu, const bf16 *__restrict
     }
 }
 
+/* The same with 8 consecutive f per thread (16-byte accesses; F % 8 == 0
+ * and 16-byte aligned bases): one index division per 8 elements, each
+ * element computed as above (bit-identical). */
+__device__ __forceinline__ void norm_unpack8(const uint4 &w, float *x)
+{
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[2 * i] = __uint_as_float(u[i] << 16);
+        x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 norm_pack8(const float *x)
+{
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+        o[i] = *(const uint32_t *)&b;
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+__global__ void swiglu_fwd_vec_kernel(bf16 *__restrict__ h, const bf16 *__restrict__ gu, int M,
+                                      int F)
+{
+    const int F8 = F / 8;
+    const int64_t total = (int64_t)M * F8;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t m = i / F8, c = i % F8;
+        const uint4 *row = (const uint4 *)(gu + m * 2 * F);
+        float g[8], u[8], o[8];
+        norm_unpack8(row[c], g);
+        norm_unpack8(row[F8 + c], u);
+#pragma unroll
+        for (int j = 0; j < 8; j++) o[j] = g[j] * norm_sigmoid(g[j]) * u[j];
+        ((uint4 *)h)[i] = norm_pack8(o);
+    }
+}
+
+__global__ void swiglu_bwd_vec_kernel(bf16 *__restrict__ dgu, const bf16 *__restrict__ dh,
+                                      const bf16 *__restrict__ gu, int M, int F)
+{
+    const int F8 = F / 8;
+    const int64_t total = (int64_t)M * F8;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t m = i / F8, c = i % F8;
+        const uint4 *row = (const uint4 *)(gu + m * 2 * F);
+        uint4 *drow = (uint4 *)(dgu + m * 2 * F);
+        float g[8], u[8], d[8], dg[8], du[8];
+        norm_unpack8(row[c], g);
+        norm_unpack8(row[F8 + c], u);
+        norm_unpack8(((const uint4 *)dh)[i], d);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float sg = norm_sigmoid(g[j]), silu = g[j] * sg;
+            dg[j] = d[j] * u[j] * (sg * (1.0f + g[j] * (1.0f - sg)));
+            du[j] = d[j] * silu;
+        }
+        drow[c] = norm_pack8(dg);
+        drow[F8 + c] = norm_pack8(du);
+    }
+}
+
+static int norm_vec8(const void *a, const void *b, const void *c, int F)
+{
+    return F % 8 == 0 && (uintptr_t)a % 16 == 0 && (uintptr_t)b % 16 == 0 && (uintptr_t)c % 16 == 0;
+}
+
 static int cuda_swiglu_fwd(mt_backend *be, void *h, const void *gu, int M, int F)
 {
     CUDA_REQUIRE(M >= 0 && F >= 1, "swiglu_fwd: M=%d F=%d", M, F);
     if (M == 0) return MT_OK;
     CUDA_REQUIRE(h && gu, "swiglu_fwd: NULL pointer");
-    swiglu_fwd_kernel<<<cuda_grid((int64_t)M * F, 256), 256, 0, cuda_stream(be)>>>(
-        (bf16 *)h, (const bf16 *)gu, M, F);
+    if (norm_vec8(h, gu, gu, F))
+        swiglu_fwd_vec_kernel<<<cuda_grid((int64_t)M * F / 8, 256), 256, 0, cuda_stream(be)>>>(
+            (bf16 *)h, (const bf16 *)gu, M, F);
+    else
+        swiglu_fwd_kernel<<<cuda_grid((int64_t)M * F, 256), 256, 0, cuda_stream(be)>>>(
+            (bf16 *)h, (const bf16 *)gu, M, F);
     CUDA_LAUNCH_CHECK("swiglu_fwd");
     return MT_OK;
 }
@@ -200,8 +276,12 @@ static int cuda_swiglu_bwd(mt_backend *be, void *dgu, const void *dh, const void
     CUDA_REQUIRE(M >= 0 && F >= 1, "swiglu_bwd: M=%d F=%d", M, F);
     if (M == 0) return MT_OK;
     CUDA_REQUIRE(dgu && dh && gu, "swiglu_bwd: NULL pointer");
-    swiglu_bwd_kernel<<<cuda_grid((int64_t)M * F, 256), 256, 0, cuda_stream(be)>>>(
-        (bf16 *)dgu, (const bf16 *)dh, (const bf16 *)gu, M, F);
+    if (norm_vec8(dgu, dh, gu, F))
+        swiglu_bwd_vec_kernel<<<cuda_grid((int64_t)M * F / 8, 256), 256, 0, cuda_stream(be)>>>(
+            (bf16 *)dgu, (const bf16 *)dh, (const bf16 *)gu, M, F);
+    else
+        swiglu_bwd_kernel<<<cuda_grid((int64_t)M * F, 256), 256, 0, cuda_stream(be)>>>(
+            (bf16 *)dgu, (const bf16 *)dh, (const bf16 *)gu, M, F);
     CUDA_LAUNCH_CHECK("swiglu_bwd");
     return MT_OK;
 }

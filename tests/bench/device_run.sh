@@ -5,7 +5,7 @@
 #
 # BUNDLE is a deploy/bundle.sh bundle made with --with-mpi --tests (and
 # data/ with the proxy corpus); OUT collects logs. STAGES (default all) is a
-# comma list of: info, ops, attn, model, bench, proxy, tiny. Each stage's log
+# comma list of: info, ops, attn, model, bench, proxy, profile, tiny. Each stage's log
 # is OUT/<stage>.log; a summary table is printed last.
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
@@ -49,6 +49,11 @@ stage bench 120 "$bundle/bin/bench_ops_cuda"
 stage proxy 240 env MOETRAIN_PROFILE=1 "$bundle/bin/moetraind" --job "$ex/dsv3-proxy.json" \
   --set data.path="$bundle/data/synth-dsv3" --set train.steps="${PROXY_STEPS:-50}" \
   --metrics-jsonl "$out/proxy.jsonl"
+# The per-op profile of the proxy step (kernels/op_profile.h): steps 4..N
+# timed op by op; the table goes to the log, the full one to OUT/profile.tsv.
+stage profile 300 env MOETRAIN_OP_PROFILE=4 MOETRAIN_OP_PROFILE_OUT="$out/profile.tsv" \
+  "$bundle/bin/moetraind" --job "$ex/dsv3-proxy.json" --set data.path="$bundle/data/synth-dsv3" \
+  --set train.steps="${PROFILE_STEPS:-12}"
 stage tiny 300 "$bundle/bin/moetraind" --job "$ex/tiny-cpu.json" --set backend=cuda \
   --set data.path="$bundle/data/synth-tiny" --metrics-jsonl "$out/tiny.jsonl"
 
