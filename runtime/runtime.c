@@ -102,13 +102,18 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
                     "for this world first)", spec->name, l->dp > 0 ? mt_layout_world(l) : 0,
                     rt->size);
     if (rc == MT_OK) rc = make_backend(spec, o ? o->threads : 0, rt->rank, &j->be);
-    if (rc == MT_OK) rc = mt_trainer_create(&j->trainer, &j->spec, j->be);
     /* every rank reaches the group building (collective) or none does */
     int ok = mt_runtime_agree(rt, rc == MT_OK);
     if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
     if (rc == MT_OK) rc = make_groups(j);
     ok = mt_runtime_agree(rt, rc == MT_OK);
     if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
+    /* expert parallelism: the model holds only its experts, so the trainer
+     * takes the expert groups at creation */
+    if (rc == MT_OK)
+        rc = l->ep > 1 ? mt_trainer_create_ep(&j->trainer, &j->spec, j->be,
+                                              j->groups.g[MT_GROUP_EP], j->groups.g[MT_GROUP_EDP])
+                       : mt_trainer_create(&j->trainer, &j->spec, j->be);
     if (rc == MT_OK && l->dp > 1) rc = mt_trainer_set_dp(j->trainer, j->groups.g[MT_GROUP_DP]);
     if (rc == MT_OK) rc = mt_job_ckpt_open(&j->ckpt, &j->spec, rt->world);
     ok = mt_runtime_agree(rt, rc == MT_OK);

@@ -10,8 +10,9 @@
  * on rounded activations) and each padding (1 and 8), properties:
  *   1. dispatch: the local layout holds, for each local expert e, every
  *      source's rows for e in source-rank order (each source's rows in
- *      token order), then zero rows up to a multiple of align; local_rows
- *      and Rl say so. Bit-exact (bf16 values travel as bf16);
+ *      token order), each source's chunk followed by zero rows up to a
+ *      multiple of align; local_rows and Rl say so. Bit-exact (bf16 values
+ *      travel as bf16);
  *   2. combine: with an "expert" that scales each row by (e + 1) (its
  *      padding rows poisoned with NaN, which must never travel), the
  *      weighted unpermute gives sum_k w[n, k] (idx[n, k] + 1) x[n] on every
@@ -103,6 +104,8 @@ static float x_of(int r, int n, int d, int round)
 
 static float w_of(int r, int n, int k) { return 0.25f + 0.125f * (float)((r + n + k) % 5); }
 
+static int64_t padded_of(int64_t n, int align) { return (n + align - 1) / align * align; }
+
 typedef struct routed {
     int N;
     int32_t idx[64 * K];
@@ -180,15 +183,15 @@ static void run_case(mt_comm *c, int pat, mt_comm_dtype wire, int align)
                         at++;
                         got++;
                     }
-            CHECK(plan.from[q * El + e] == got, "%s: expert %d: %lld rows from rank %d, want %lld",
-                  what, g, (long long)plan.from[q * El + e], q, (long long)got);
-            if (q != rank_) expect_recv += got;
+            for (; got % align; got++, at++)
+                for (int j = 0; j < D; j++) want[at * D + j] = 0.0f;
+            CHECK(padded_of(plan.from[q * El + e], align) == got,
+                  "%s: expert %d: %lld rows from rank %d, want %lld with padding", what, g,
+                  (long long)plan.from[q * El + e], q, (long long)got);
+            if (q != rank_) expect_recv += plan.from[q * El + e];
         }
-        int64_t padded = (at - first + align - 1) / align * align;
-        for (; at < first + padded; at++)
-            for (int j = 0; j < D; j++) want[at * D + j] = 0.0f;
-        CHECK(plan.local_rows[e] == padded, "%s: expert %d: %d local rows, want %lld", what, g,
-              plan.local_rows[e], (long long)padded);
+        CHECK(plan.local_rows[e] == at - first, "%s: expert %d: %d local rows, want %lld", what,
+              g, plan.local_rows[e], (long long)(at - first));
     }
     CHECK(plan.Rl == at && plan.R == R, "%s: Rl %d (want %lld), R %d (want %d)", what, plan.Rl,
           (long long)at, plan.R, R);
@@ -206,15 +209,15 @@ static void run_case(mt_comm *c, int pat, mt_comm_dtype wire, int align)
 
     /* 2. the scaling "experts", padding poisoned, then combine and unpermute */
     at = 0;
-    for (int e = 0; e < El; e++) {
-        int64_t used = 0;
-        for (int q = 0; q < size_; q++) used += plan.from[q * El + e];
-        for (int64_t i = 0; i < plan.local_rows[e]; i++, at++)
-            for (int j = 0; j < D; j++) {
-                float v = xl_buf[at * D + j] * (float)(d->e_lo + e + 1);
-                yl[at * D + j] = i < used ? (round ? mt_bf16_round(v) : v) : NAN;
-            }
-    }
+    for (int e = 0; e < El; e++)
+        for (int q = 0; q < size_; q++) {
+            const int64_t used = plan.from[q * El + e];
+            for (int64_t i = 0; i < padded_of(used, align); i++, at++)
+                for (int j = 0; j < D; j++) {
+                    float v = xl_buf[at * D + j] * (float)(d->e_lo + e + 1);
+                    yl[at * D + j] = i < used ? (round ? mt_bf16_round(v) : v) : NAN;
+                }
+        }
     for (size_t i = 0; i < (size_t)R_cap * D; i++) yp[i] = NAN;
     MUST(d->combine(d, be, &plan, yp, yl, D));
     if (N > 0) MUST(be->moe_unpermute(be, y, 0, yp, slot, w, N, K, D));

@@ -18,8 +18,9 @@
  * (engine/parallel/moe_a2a.h) a dispatch first exchanges the per-expert
  * row counts, then the rows (all-to-all-v over the ep group); on arrival
  * the rows from every source are laid out expert-contiguous (source rank
- * order within an expert, each source's rows in their order), each local
- * expert's segment zero-padded to `align`. No row is ever dropped.
+ * order within an expert, each source's rows in their order), each
+ * source's chunk zero-padded to `align` (a local expert's segment is its
+ * chunks). No row is ever dropped.
  */
 #ifndef MT_MOE_DISPATCH_H
 #define MT_MOE_DISPATCH_H
@@ -73,11 +74,12 @@ struct mt_moe_dispatcher {
 int mt_moe_dispatch_identity(mt_moe_dispatcher **out, int E);
 
 /* Rows of the local layout at most: every source's N * K assignments may
- * go to this rank's experts (skewed routing), plus each local segment's
- * padding. The identity needs N * K + E * (align - 1), the source's own. */
+ * go to this rank's experts (skewed routing), plus the padding of each
+ * (source, local expert) chunk. The identity needs N * K + E * (align - 1),
+ * the source's own. */
 static inline int64_t mt_moe_local_rows_cap(const mt_moe_dispatcher *d, int N, int K, int align)
 {
-    return (int64_t)d->ep * N * K + (int64_t)d->E_local * (align - 1);
+    return (int64_t)d->ep * N * K + (int64_t)d->ep * d->E_local * (align - 1);
 }
 
 #endif

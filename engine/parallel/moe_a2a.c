@@ -70,6 +70,8 @@ static int check_backend(const mt_moe_dispatcher *d, const mt_backend *be)
     return MT_OK;
 }
 
+static int64_t padded(int64_t n, int align) { return (n + align - 1) / align * align; }
+
 /* Counts of the forward: to peer p the rows of p's experts; from peer q
  * the rows q routes to each local expert. Fills the plan. */
 static int exchange_counts(mt_moe_dispatcher *d, mt_moe_plan *p, const int *rows)
@@ -99,9 +101,8 @@ static int exchange_counts(mt_moe_dispatcher *d, mt_moe_plan *p, const int *rows
                 return MT_ERR(MT_ECORRUPT, "expert dispatch: rank %d announces %lld rows for "
                               "expert %d", q, (long long)v, d->e_lo + e);
             p->from[q * El + e] = v;
-            n += v;
+            n += padded(v, p->align);
         }
-        n = (n + p->align - 1) / p->align * p->align;
         if (n > 0x7fffffff) n = 0x7fffffff; /* refused below */
         p->local_rows[e] = (int)n;
         Rl += n;
@@ -120,6 +121,15 @@ static void segments(a2a *x, const mt_moe_plan *p)
 {
     x->seg[0] = 0;
     for (int e = 0; e < p->E_local; e++) x->seg[e + 1] = x->seg[e] + p->local_rows[e];
+}
+
+/* First row of peer q's chunk of local expert e: the chunks of the peers
+ * before it, each padded. */
+static int64_t chunk_row(const a2a *x, const mt_moe_plan *p, int q, int e)
+{
+    int64_t row = x->seg[e];
+    for (int q2 = 0; q2 < q; q2++) row += padded(p->from[q2 * p->E_local + e], p->align);
+    return row;
 }
 
 static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count,
@@ -151,25 +161,20 @@ static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, in
     MT_CHECK(mt_comm_all_to_all_v(x->c, send, x->sc, x->sd, x->rbuf, x->rc, x->rd, x->wire));
     x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
     x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
-    /* unpack expert-contiguous: segment e = peer 0's rows for e, peer 1's, ...,
-     * then zero padding */
+    /* unpack expert-contiguous: segment e = peer 0's chunk of rows for e,
+     * peer 1's, ..., each chunk followed by its zero padding */
     float *out = xl_buf;
     segments(x, p);
     for (int q = 0; q < P; q++) {
         const char *blk = (const char *)x->rbuf + x->rd[q] * x->wsize;
         int64_t at = 0; /* rows of q's block before expert e */
         for (int e = 0; e < El; e++) {
-            int64_t n = p->from[q * El + e], row = x->seg[e];
-            for (int q2 = 0; q2 < q; q2++) row += p->from[q2 * El + e];
+            const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
             from_wire(x, out + row * D, blk + (size_t)(at * D) * x->wsize, n, D);
+            const int64_t pad = padded(n, p->align) - n;
+            if (pad > 0) memset(out + (row + n) * D, 0, (size_t)(pad * D) * 4);
             at += n;
         }
-    }
-    for (int e = 0; e < El; e++) {
-        int64_t used = 0;
-        for (int q = 0; q < P; q++) used += p->from[q * El + e];
-        int64_t pad = p->local_rows[e] - used;
-        if (pad > 0) memset(out + (x->seg[e] + used) * D, 0, (size_t)(pad * D) * 4);
     }
     *xl = xl_buf;
     return MT_OK;
@@ -200,8 +205,7 @@ static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *
         char *blk = (char *)x->sbuf + x->sd[q] * x->wsize;
         int64_t at = 0;
         for (int e = 0; e < El; e++) {
-            int64_t n = p->from[q * El + e], row = x->seg[e];
-            for (int q2 = 0; q2 < q; q2++) row += p->from[q2 * El + e];
+            const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
             to_wire(x, blk + (size_t)(at * D) * x->wsize, in + row * D, n, D);
             at += n;
         }

@@ -9,8 +9,11 @@
  *   2. rows: the source layout is grouped by destination already, so the
  *      block for p is a contiguous run of xp; all_to_all_v moves them.
  * On arrival the rows are unpacked expert-contiguous (local expert e:
- * peer 0's rows for e, peer 1's, ...; then zero padding to `align`): the
- * receive-side permutation is the unpack itself, one pass. Combine packs
+ * peer 0's chunk of rows for e, peer 1's, ..., each chunk zero-padded to
+ * `align`): the receive-side permutation is the unpack itself, one pass.
+ * Padding each source's chunk (not only the segment's end) keeps the FP8
+ * recipe's 128-row tiles of the weight gradient (quant_cols_t) inside one
+ * micro-batch, as on one rank: the same tiles, the same scales. Combine packs
  * the local rows per destination (the same pass in reverse, padding left
  * behind) and the exchange lands them straight in the source layout.
  * Backward reuses the forward's plan: no count exchange.

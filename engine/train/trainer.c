@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "engine/train/lr_schedule.h"
+#include "engine/train/trainer_ep.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 
@@ -69,16 +70,25 @@ static int open_data(mt_trainer *t)
 
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
 {
+    return mt_trainer_create_ep(out, job, be, NULL, NULL);
+}
+
+int mt_trainer_create_ep(mt_trainer **out, const mt_jobspec *job, mt_backend *be, mt_comm *ep,
+                         mt_comm *edp)
+{
     *out = NULL;
     const mt_layout *l = &job->parallel;
     if (l->dp < 1)
         return MT_ERR(MT_EINVAL, "trainer: job %s is not admitted (parallel.dp is %d): "
                       "mt_jobspec_admit resolves the layout for the ranks", job->name, l->dp);
-    if (l->tp != 1 || l->pp != 1 || l->ep != 1 || l->etp != 1)
-        return MT_ERR(MT_ENOTSUP, "trainer: parallel tp %d, pp %d, ep %d, etp %d: the trainer "
-                      "runs data parallelism only so far (tensor, pipeline and expert "
-                      "parallelism are not implemented); use tp = pp = ep = etp = 1",
-                      l->tp, l->pp, l->ep, l->etp);
+    if (l->tp != 1 || l->pp != 1 || l->etp != 1)
+        return MT_ERR(MT_ENOTSUP, "trainer: parallel tp %d, pp %d, etp %d: the trainer runs "
+                      "data and expert parallelism only so far (tensor and pipeline "
+                      "parallelism are not implemented); use tp = pp = etp = 1",
+                      l->tp, l->pp, l->etp);
+    if (l->ep > 1 && !ep)
+        return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d needs the expert-parallel group "
+                      "(mt_trainer_create_ep; the runtime builds it from the layout)", l->ep);
     mt_trainer *t = calloc(1, sizeof *t);
     if (!t) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
     int rc = MT_OK;
@@ -93,7 +103,9 @@ int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
     MT_GOTO(open_data(t), fail);
     mt_model_opts mo;
     mt_trainer_model_opts(&mo, job);
+    if (l->ep > 1) MT_GOTO(mt_trainer_ep_init(t, ep, edp, &mo), fail);
     MT_GOTO(mt_model_create(&t->model, &job->model, &mo, be), fail);
+    MT_GOTO(mt_trainer_ep_bind(t), fail);
     MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, 0, -1), fail);
     /* checkpoint / hf: the caller restores the state (engine/train/train_state.h) */
     if (job->init.kind == MT_INIT_RANDOM)
@@ -133,6 +145,7 @@ void mt_trainer_destroy(mt_trainer *t)
     for (int i = 0; i < t->n_sinks; i++) t->sinks[i]->close(t->sinks[i]);
     mt_optimizer_destroy(t->opt);
     mt_model_destroy(t->model);
+    mt_trainer_ep_free(t); /* the dispatcher after the model that uses it */
     if (t->valid) mt_samples_close(t->valid);
     if (t->train) mt_samples_close(t->train);
     if (t->data) mt_indexed_close(t->data);
@@ -266,8 +279,11 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     t->consumed_samples += (int64_t)n_mb * B;
     if (t->dp) {
         double tr = profile ? now_s() : 0;
-        MT_CHECK(mt_comm_all_reduce(t->dp, m->buf_grad, m->buf_grad, (size_t)m->n_grad,
-                                    MT_COMM_F32, MT_COMM_SUM));
+        if (t->ep_size > 1) /* experts over edp: trainer_ep.c */
+            MT_CHECK(mt_trainer_ep_reduce_grads(t));
+        else
+            MT_CHECK(mt_comm_all_reduce(t->dp, m->buf_grad, m->buf_grad, (size_t)m->n_grad,
+                                        MT_COMM_F32, MT_COMM_SUM));
         MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), ls, ls, 3, MT_COMM_F64, MT_COMM_SUM));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
@@ -276,7 +292,10 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     }
     const double loss = ls[0], mtp = ls[1], aux = ls[2];
     double sumsq;
-    MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
+    if (t->ep_size > 1)
+        MT_CHECK(mt_trainer_ep_grad_sumsq(t, &sumsq));
+    else
+        MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
     double norm = sqrt(sumsq);
     double lr = mt_lr_at(&j->lr_schedule, j->optimizer.lr, j->optimizer.min_lr, j->train.steps,
                          t->step);

@@ -6,9 +6,20 @@
  * (B * DP) micro-batches of B sequences), scales its gradients by 1 / (A *
  * DP) and the gradients are summed over the group, so every rank holds the
  * gradient of the whole global batch, as one rank would. Losses and expert
- * loads are summed likewise; every rank applies the same update. Tensor,
- * pipeline and expert parallelism are not in the trainer yet: a layout that
- * needs them is refused.
+ * loads are summed likewise; every rank applies the same update.
+ *
+ * Expert parallelism (parallel.ep = EP > 1, mt_trainer_create_ep): the
+ * model holds only this rank's n_routed_experts / EP experts and its MoE
+ * layers send tokens to the experts' owners over the ep group
+ * (engine/parallel/moe_a2a.h). Gradients: dense parameters are summed over
+ * the dp group as above; expert parameters over the edp group (the ranks
+ * holding the same experts; each owner already summed the contributions
+ * of every ep rank's tokens). The gradient norm adds the dense part (the
+ * same everywhere) to the expert parts summed over the ep group. Expert
+ * loads, hence the router bias update, are summed over the dp group (each
+ * token is routed once, on its own rank); the sequence-wise balance loss
+ * is per sequence, so local. Tensor and pipeline parallelism are not in
+ * the trainer yet: a layout that needs them is refused.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
@@ -58,6 +69,13 @@ typedef struct mt_trainer {
     int64_t *load_sum;            /* [E] expert loads summed over the dp group */
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
+    /* expert parallelism (ep_size > 1) */
+    int ep_size;
+    mt_comm *ep, *edp;            /* expert-parallel and expert-data-parallel groups, not owned */
+    mt_moe_dispatcher *disp;      /* the model's dispatcher (owned) */
+    int n_gseg;
+    struct mt_grad_seg *gseg;     /* [n_gseg] runs of dense / expert gradients in buf_grad */
+    float *sumsq_dev;             /* f32 [1] backend scratch */
 } mt_trainer;
 
 /* Builds model, optimizer and data readers for a validated job on a backend.
@@ -65,6 +83,15 @@ typedef struct mt_trainer {
  * zero until the caller restores a checkpoint into the trainer. */
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be);
 void mt_trainer_destroy(mt_trainer *t);
+
+/* The same for a layout with expert parallelism (parallel.ep > 1): ep is
+ * the expert-parallel group (size parallel.ep), edp the ranks holding the
+ * same experts (NULL when of size 1); not owned, they must outlive the
+ * trainer. The model is built with only this rank's experts, so the groups
+ * are needed here, before the data-parallel group joins. CPU backend with
+ * host communicators for now. ep = NULL is mt_trainer_create. */
+int mt_trainer_create_ep(mt_trainer **out, const mt_jobspec *job, mt_backend *be, mt_comm *ep,
+                         mt_comm *edp);
 
 /* The model's options for a job: precision, batch shape, recompute and
  * loss weights (the trainer's and evaluation's model). */
