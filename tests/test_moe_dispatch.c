@@ -8,17 +8,18 @@
  * everything and the others nothing; holes: no rank routes to the last
  * rank's experts and the last rank has no tokens at all), each wire (f32 on the fp32 recipe, bf16
  * on rounded activations) and each padding (1 and 8), properties:
- *   1. dispatch: the local layout holds, for each local expert e, every
- *      source's rows for e in source-rank order (each source's rows in
- *      token order), each source's chunk followed by zero rows up to a
- *      multiple of align; local_rows and Rl say so. Bit-exact (bf16 values
- *      travel as bf16);
+ *   1. dispatch (rows gathered from the tokens by the source layout's
+ *      src, as the MoE layer does; the xp argument poisoned): the local
+ *      layout holds, for each local expert e, every source's rows for e in
+ *      source-rank order (each source's rows in token order), each
+ *      source's chunk followed by zero rows up to a multiple of align;
+ *      local_rows and Rl say so. Bit-exact (bf16 values travel as bf16);
  *   2. combine: with an "expert" that scales each row by (e + 1) (its
  *      padding rows poisoned with NaN, which must never travel), the
  *      weighted unpermute gives sum_k w[n, k] (idx[n, k] + 1) x[n] on every
  *      rank, bit-exact against the same sum computed plainly;
  *   3. the backward's dispatch (count = 0, the forward's plan) moves a new
- *      payload of the same layout identically;
+ *      payload given in the source layout (xp) identically;
  *   4. the byte counters count only what left this rank.
  */
 #include <math.h>
@@ -168,7 +169,12 @@ static void run_case(mt_comm *c, int pat, mt_comm_dtype wire, int align)
     mt_moe_a2a_bytes(d, &s0, &r0);
     void *xl = NULL;
     for (size_t i = 0; i < lcap; i++) xl_buf[i] = NAN;
-    MUST(d->dispatch(d, be, &plan, 1, &xl, xl_buf, xp, rows, D));
+    /* the forward gathers from the tokens (the layer's way); xp is poisoned */
+    float *poisoned = malloc(sizeof(float) * (size_t)(R_cap * D));
+    if (!poisoned) die("out of memory", MT_ENOMEM);
+    for (size_t i = 0; i < (size_t)R_cap * D; i++) poisoned[i] = NAN;
+    MUST(d->dispatch(d, be, &plan, 1, &xl, xl_buf, poisoned, x, src, rows, D));
+    free(poisoned);
     CHECK(xl == xl_buf, "%s: dispatch did not use the local buffer", what);
     int64_t at = 0, expect_recv = 0;
     for (int e = 0; e < El; e++) {
@@ -239,7 +245,7 @@ static void run_case(mt_comm *c, int pat, mt_comm_dtype wire, int align)
     for (size_t i = 0; i < lcap; i++) xl_buf[i] = NAN;
     int64_t s2, r2;
     mt_moe_a2a_bytes(d, &s2, &r2);
-    MUST(d->dispatch(d, be, &plan, 0, &xl, xl_buf, xp, rows, D));
+    MUST(d->dispatch(d, be, &plan, 0, &xl, xl_buf, xp, NULL, NULL, rows, D));
     for (int64_t i = 0; i < at * D; i++) want[i] = -2.0f * want[i] + 0.0f; /* padding: +0 */
     CHECK(memcmp(xl_buf, want, sizeof(float) * (size_t)(at * D)) == 0,
           "%s: the backward's dispatch differs from the forward's layout", what);
@@ -286,7 +292,7 @@ static void refusals(mt_comm *c)
     int rows[E] = {0};
     float xp[1] = {0}, xl_buf[1];
     void *xl;
-    rc = d->dispatch(d, be, &plan, 1, &xl, xl_buf, xp, rows, D);
+    rc = d->dispatch(d, be, &plan, 1, &xl, xl_buf, xp, NULL, NULL, rows, D);
     CHECK(rc == MT_EINVAL && strstr(mt_errmsg(), "fp32"), "bf16 wire on unrounded values: %d %s",
           rc, mt_errmsg());
     mt_moe_plan_free(&plan);

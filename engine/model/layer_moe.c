@@ -6,6 +6,8 @@
  *   idx, w = router(logits, bias)                 [N, K]
  *   xp     = permute(xn)  (expert-major)          [R, D] source layout
  *   xl     = dispatch(xp)                         [Rl, D] rows of local experts, padded
+ *            (under expert parallelism the rows are gathered from xn
+ *            straight into the wire buffer: xp is never written)
  *   yl     = down_e(silu(gate_e(xl)) * up_e(xl))  per local expert segment
  *   yp     = combine(yl)                          [R, D]
  *   y      = shared(xn) + sum_k w[n, k] yp[slot[n, k]]
@@ -67,8 +69,12 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
     ALLOC(m->src, R * 4);
     ALLOC(m->counts, (size_t)E * 4);
     ALLOC(m->aux_loss, 4);
-    ALLOC(m->xp, R * m->D * act);
-    if (disp->ep > 1) ALLOC(m->xl_buf, Rl * m->D * act);
+    /* rows that travel are gathered straight from xn into the wire buffer:
+     * the source layout of the forward is never written */
+    if (disp->ep > 1)
+        ALLOC(m->xl_buf, Rl * m->D * act);
+    else
+        ALLOC(m->xp, R * m->D * act);
     ALLOC(m->gup, Rl * 2 * m->F * act);
     if (!o->recompute_moe_act) ALLOC(m->hp, Rl * m->F * act);
     ALLOC(m->yp, R * m->D * act);
@@ -159,11 +165,13 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     MT_CHECK(be->download(be, counts, m->counts, (size_t)E * 4));
     for (int e = 0; e < E; e++) m->load[e] += counts[e];
     m->R = sum_rows(m->rows, E);
-    MT_CHECK(be->moe_permute(be, m->xp, xn, m->src, m->R, D));
-    MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp, m->rows, D));
+    const int moves = m->disp->ep > 1;
+    if (!moves) MT_CHECK(be->moe_permute(be, m->xp, xn, m->src, m->R, D));
+    MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp,
+                               moves ? xn : NULL, m->src, m->rows, D));
     size_t mark = mt_ws_mark(c->ws);
     void *yl = m->yp; /* identity: the experts write yp directly */
-    if (m->xl != m->xp) MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
+    if (moves) MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
     MT_CHECK(experts_fwd(c, m, yl, m->xl));
     MT_CHECK(m->disp->combine(m->disp, be, &m->plan, m->yp, yl, D));
     mt_ws_release(c->ws, mark);
@@ -206,7 +214,7 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
     float *dw, *dlogits;
     MT_WS(dyp, c->ws, R * D * act);
     MT_WS(dxp, c->ws, R * D * act);
-    if (m->xl != m->xp) MT_WS(dyl_buf, c->ws, (size_t)m->plan.Rl * D * act);
+    if (m->disp->ep > 1) MT_WS(dyl_buf, c->ws, (size_t)m->plan.Rl * D * act);
     MT_WS(dw, c->ws, (size_t)N * K * 4);
     MT_WS(dlogits, c->ws, (size_t)N * E * 4);
     MT_WS(dlog_act, c->ws, (size_t)N * E * act);
@@ -216,7 +224,8 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
     /* The reverse of combine is a dispatch of the gradients (with the
      * forward's plan), and the reverse of dispatch a combine. */
     void *dyl;
-    MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 0, &dyl, dyl_buf, dyp, m->rows, D));
+    MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 0, &dyl, dyl_buf, dyp, NULL, NULL, m->rows,
+                               D));
     void *dxl = dyl == dyp ? dxp : dyl;
     MT_CHECK(experts_bwd(c, m, dxl, dyl, m->xl));
     MT_CHECK(m->disp->combine(m->disp, be, &m->plan, dxp, dxl, D));

@@ -115,7 +115,8 @@ typedef struct mt_moe {
     int32_t *counts;   /* [E] */
     int *rows;         /* host [E]: rows per global expert of this micro-batch (source layout) */
     int R;             /* rows of the source layout */
-    void *xp;          /* [R_cap, D] tokens in expert-major order (source layout) */
+    void *xp;          /* [R_cap, D] tokens in expert-major order (source layout); NULL
+                          when rows travel (the dispatcher gathers them from xn) */
     void *xl_buf;      /* [Rl_cap, D] rows received for the local experts; NULL on one rank */
     void *xl;          /* rows of the local experts (local layout): xp itself on one rank */
     int aux_on;        /* dscores holds this micro-batch's balance-loss gradient */

@@ -35,11 +35,15 @@ void mt_moe_plan_free(mt_moe_plan *p)
 }
 
 static int identity_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count,
-                             void **xl, void *xl_buf, const void *xp, const int *rows, int D)
+                             void **xl, void *xl_buf, const void *xp, const void *x,
+                             const int32_t *src, const int *rows, int D)
 {
     (void)be;
     (void)xl_buf;
+    (void)x;
+    (void)src;
     (void)D;
+    if (!xp) return MT_ERR(MT_EINVAL, "identity dispatch: the source layout xp is needed");
     *xl = (void *)xp;
     if (!count) return MT_OK;
     int64_t R = 0;

@@ -53,15 +53,18 @@ struct mt_moe_dispatcher {
     int e_lo;     /* first local expert */
     int E_local;  /* local experts */
     int ep;       /* ranks the experts are spread over; 1: the identity */
-    /* xl = rows of the local experts gathered from every rank's xp [R, D]
-     * (source layout, rows[E] host). count = 1 (forward): the row counts
-     * are exchanged and recorded in the plan (local_rows, Rl, from, sent);
-     * count = 0 (backward): the plan of the forward is reused, so xp must
-     * have the forward's layout. The identity sets *xl = xp (no copy);
-     * others write xl_buf [Rl, D] and set *xl = xl_buf. Collective over
-     * the ep group. */
+    /* xl = rows of the local experts gathered from every rank's source
+     * layout (rows[E] host): xp [R, D], or, when x is not NULL, row r taken
+     * from x [N, D] at src[r] (the layer's permutation fused into the pack:
+     * the source layout is never written; the identity needs xp and ignores
+     * x). count = 1 (forward): the row counts are exchanged and recorded in
+     * the plan (local_rows, Rl, from, sent); count = 0 (backward): the plan
+     * of the forward is reused, so the rows must have the forward's layout.
+     * The identity sets *xl = xp (no copy); others write xl_buf [Rl, D] and
+     * set *xl = xl_buf. Collective over the ep group. */
     int (*dispatch)(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count, void **xl,
-                    void *xl_buf, const void *xp, const int *rows, int D);
+                    void *xl_buf, const void *xp, const void *x, const int32_t *src,
+                    const int *rows, int D);
     /* yp [R, D] (source layout) = this rank's rows back from every rank's
      * yl [Rl, D] (local layout; padding rows are not sent). Collective. */
     int (*combine)(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,

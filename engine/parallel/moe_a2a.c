@@ -132,8 +132,25 @@ static int64_t chunk_row(const a2a *x, const mt_moe_plan *p, int q, int e)
     return row;
 }
 
+/* The send buffer from the tokens: row r of the source layout is token
+ * src[r] of x (no padding travels: src[r] >= 0 for r < R). */
+static int pack_gather(const a2a *x, void *dst, const float *tok, const int32_t *src, int64_t R,
+                       int D)
+{
+    for (int64_t r = 0; r < R; r++)
+        if (src[r] < 0)
+            return MT_ERR(MT_EINVAL, "expert dispatch: source row %lld is padding (the source "
+                          "layout must be unpadded when rows travel)", (long long)r);
+    const size_t row_bytes = (size_t)D * x->wsize;
+#pragma omp parallel for schedule(static) if (R * D > (1 << 16))
+    for (int64_t r = 0; r < R; r++)
+        to_wire(x, (char *)dst + (size_t)r * row_bytes, tok + (int64_t)src[r] * D, 1, D);
+    return MT_OK;
+}
+
 static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count,
-                        void **xl, void *xl_buf, const void *xp, const int *rows, int D)
+                        void **xl, void *xl_buf, const void *xp, const void *x_tok,
+                        const int32_t *src, const int *rows, int D)
 {
     a2a *x = impl_of(d);
     const int P = x->P, El = d->E_local;
@@ -153,7 +170,11 @@ static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, in
     }
     MT_CHECK(grow(&x->rbuf, &x->rcap, r * x->wsize + 1));
     const void *send = xp;
-    if (x->wire != MT_COMM_F32) {
+    if (x_tok) { /* the permutation and the conversion in one pass */
+        MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
+        MT_CHECK(pack_gather(x, x->sbuf, x_tok, src, p->R, D));
+        send = x->sbuf;
+    } else if (x->wire != MT_COMM_F32) {
         MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
         to_wire(x, x->sbuf, xp, p->R, D);
         send = x->sbuf;
