@@ -34,7 +34,9 @@
  *   3. the model holds only its experts: n_routed_experts / EP of each
  *      MoE layer, the first being ep_rank * 8 / EP;
  *   4. the replicas agree: dense parameters are bit-identical on every
- *      rank, expert parameters on the ranks holding the same experts.
+ *      rank, expert parameters on the ranks holding the same experts;
+ *   5. a trainer for an ep > 1 job without the expert group is refused,
+ *      naming what it needs (not silently built with every expert).
  * The reference trainer runs on each rank by itself (no communicator).
  */
 #include <math.h>
@@ -257,6 +259,18 @@ int main(int argc, char **argv)
     if (mt_test_synth(corpus, "--vocab 64 --tokens 60000 --seed 11") != 0) die("synth", MT_EIO);
 
     /* bounds: see the header */
+    if (ep > 1) { /* 5. */
+        mt_jobspec j;
+        load_job(&j, argv[1], corpus, "fp32", rt->size, ep);
+        mt_backend *be;
+        mt_trainer *t = NULL;
+        if ((rc = mt_backend_cpu_create(&be, 1)) < 0) die("backend", rc);
+        rc = mt_trainer_create(&t, &j, be);
+        CHECK(rc == MT_EINVAL && t == NULL && strstr(mt_errmsg(), "expert-parallel group"),
+              "an ep %d trainer without its group: %d %s", ep, rc, mt_errmsg());
+        mt_err_clear();
+        be->destroy(be);
+    }
     run_recipe(rt, argv[1], corpus, "fp32", ep, 1e-5, 3e-5, 3e-7);
     run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 1e-3, 3e-3, 3e-5);
 
