@@ -108,9 +108,17 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
     if (rc == MT_OK) rc = make_groups(j);
     ok = mt_runtime_agree(rt, rc == MT_OK);
     if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
-    if (rc == MT_OK)
-        rc = mt_trainer_create_dp(&j->trainer, &j->spec, j->be,
-                                  l->dp > 1 ? j->groups.g[MT_GROUP_DP] : NULL);
+    /* the trainer joins its groups at creation: ZeRO-1 owners follow the dp
+     * (edp) rank, and under expert parallelism the model holds only its
+     * experts */
+    if (rc == MT_OK) {
+        mt_trainer_groups tg = {
+            .dp = l->dp > 1 ? j->groups.g[MT_GROUP_DP] : NULL,
+            .ep = l->ep > 1 ? j->groups.g[MT_GROUP_EP] : NULL,
+            .edp = l->ep > 1 ? j->groups.g[MT_GROUP_EDP] : NULL,
+        };
+        rc = mt_trainer_create_in(&j->trainer, &j->spec, j->be, &tg);
+    }
     if (rc == MT_OK) rc = mt_job_ckpt_open(&j->ckpt, &j->spec, rt->world);
     ok = mt_runtime_agree(rt, rc == MT_OK);
     if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");

@@ -7,8 +7,8 @@
  *            [--threads N] [--stop-after N]
  *
  * --stop-after N behaves as a SIGTERM after N steps of this run. Under
- * mpirun each rank runs the single-rank trainer (the same state), and the
- * ranks write their own shards of a dp = N layout.
+ * mpirun the ranks run the job's layout (dp = N unless --set parallel...
+ * says otherwise) and write their own shards; rank 0 writes the metrics.
  * Exit status: 0 completed or stopped, 1 usage, 2 failed.
  */
 #define _POSIX_C_SOURCE 200809L

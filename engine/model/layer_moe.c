@@ -4,8 +4,10 @@
  *
  *   logits = xn Wg^T (fp32)                       [N, E]
  *   idx, w = router(logits, bias)                 [N, K]
- *   xp     = permute(xn)  (expert-major, padded)  [R, D]
- *   xl     = dispatch(xp)                         [Rl, D] rows of local experts
+ *   xp     = permute(xn)  (expert-major)          [R, D] source layout
+ *   xl     = dispatch(xp)                         [Rl, D] rows of local experts, padded
+ *            (under expert parallelism the rows are gathered from xn
+ *            straight into the wire buffer: xp is never written)
  *   yl     = down_e(silu(gate_e(xl)) * up_e(xl))  per local expert segment
  *   yp     = combine(yl)                          [R, D]
  *   y      = shared(xn) + sum_k w[n, k] yp[slot[n, k]]
@@ -18,6 +20,21 @@
 
 #define ALLOC(p, bytes) MT_CHECK(be->alloc(be, (bytes), (void **)&(p)))
 
+void mt_moe_caps(const mt_model_config *cfg, const mt_model_opts *o, int N,
+                 const mt_moe_dispatcher *disp, int *align, int *src_align, int64_t *R_cap,
+                 int64_t *Rl_cap)
+{
+    const int E = cfg->n_routed_experts, K = cfg->num_experts_per_tok;
+    *align = o->expert_align > 0 ? o->expert_align
+             : o->recipe == MT_RECIPE_FP8_BLOCKWISE ? 128
+                                                    : 1;
+    /* Rows that travel carry no padding: the receiver pads its segments. */
+    *src_align = disp->ep > 1 ? 1 : *align;
+    /* Every assignment plus the worst-case padding of each expert. */
+    *R_cap = (int64_t)N * K + (int64_t)E * (*src_align - 1);
+    *Rl_cap = disp->ep > 1 ? mt_moe_local_rows_cap(disp, N, K, *align) : *R_cap;
+}
+
 int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_model_opts *o,
                 int N, mt_moe_dispatcher *disp)
 {
@@ -27,12 +44,13 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
     m->F = cfg->moe_intermediate_size;
     m->disp = disp;
     m->E_local = disp->E_local;
-    m->align = o->expert_align > 0 ? o->expert_align
-               : o->recipe == MT_RECIPE_FP8_BLOCKWISE ? 128
-                                                      : 1;
-    /* Every assignment plus the worst-case padding of each expert. Under
-     * expert parallelism the dispatcher bounds the received rows itself. */
-    m->R_cap = N * K + E * (m->align - 1);
+    int64_t R_cap, Rl_cap;
+    mt_moe_caps(cfg, o, N, disp, &m->align, &m->src_align, &R_cap, &Rl_cap);
+    if (Rl_cap > 0x7fffffff || R_cap > 0x7fffffff)
+        return MT_ERR(MT_EINVAL, "moe: %lld rows per micro-batch are too many (N %d, K %d, ep %d)",
+                      (long long)Rl_cap, N, K, disp->ep);
+    m->R_cap = (int)R_cap;
+    m->Rl_cap = (int)Rl_cap;
     m->rc.n_experts = E;
     m->rc.top_k = K;
     m->rc.n_group = cfg->topk_method == MT_TOPK_GREEDY ? 1 : cfg->n_group;
@@ -41,7 +59,7 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
     m->rc.group_by_top2 = cfg->topk_method == MT_TOPK_NOAUX_TC;
     m->rc.norm_topk = cfg->norm_topk_prob;
     m->rc.scaling = (float)cfg->routed_scaling_factor;
-    const size_t n = (size_t)N, R = (size_t)m->R_cap;
+    const size_t n = (size_t)N, R = (size_t)m->R_cap, Rl = (size_t)m->Rl_cap;
     ALLOC(m->logits, n * E * 4);
     ALLOC(m->scores, n * E * 4);
     ALLOC(m->idx, n * K * 4);
@@ -51,14 +69,20 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
     ALLOC(m->src, R * 4);
     ALLOC(m->counts, (size_t)E * 4);
     ALLOC(m->aux_loss, 4);
-    ALLOC(m->xp, R * m->D * act);
-    ALLOC(m->gup, R * 2 * m->F * act);
-    if (!o->recompute_moe_act) ALLOC(m->hp, R * m->F * act);
+    /* rows that travel are gathered straight from xn into the wire buffer:
+     * the source layout of the forward is never written */
+    if (disp->ep > 1)
+        ALLOC(m->xl_buf, Rl * m->D * act);
+    else
+        ALLOC(m->xp, R * m->D * act);
+    ALLOC(m->gup, Rl * 2 * m->F * act);
+    if (!o->recompute_moe_act) ALLOC(m->hp, Rl * m->F * act);
     ALLOC(m->yp, R * m->D * act);
     m->rows = calloc((size_t)E, sizeof *m->rows);
-    m->local_rows = calloc((size_t)E, sizeof *m->local_rows);
     m->load = calloc((size_t)E, sizeof *m->load);
-    if (!m->rows || !m->local_rows || !m->load) return MT_ERR(MT_ENOMEM, "moe: out of memory");
+    if (!m->rows || !m->load) return MT_ERR(MT_ENOMEM, "moe: out of memory");
+    MT_CHECK(mt_moe_plan_init(&m->plan, disp->ep, disp->E_local, m->align));
+    m->plan.Rl_cap = m->Rl_cap;
     m->has_shared = cfg->n_shared_experts > 0;
     if (m->has_shared)
         MT_CHECK(mt_ffn_init(&m->shared, be, N, m->D, m->F * cfg->n_shared_experts,
@@ -69,23 +93,26 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
 void mt_moe_free(mt_moe *m, mt_backend *be)
 {
     void *bufs[] = {m->logits, m->scores, m->idx, m->w, m->dscores, m->slot, m->src,
-                    m->counts, m->aux_loss, m->xp, m->gup, m->hp, m->yp};
+                    m->counts, m->aux_loss, m->xp, m->xl_buf, m->gup, m->hp, m->yp};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) be->free(be, bufs[i]);
     free(m->rows);
-    free(m->local_rows);
     free(m->load);
+    mt_moe_plan_free(&m->plan);
     if (m->has_shared) mt_ffn_free(&m->shared, be);
     memset(m, 0, sizeof *m);
 }
 
-size_t mt_moe_ws_bytes(const mt_model_config *cfg, int N, int R_cap)
+size_t mt_moe_ws_bytes(const mt_model_config *cfg, int N, int64_t R_cap, int64_t Rl_cap)
 {
-    const size_t n = (size_t)N, R = (size_t)R_cap, D = cfg->hidden_size;
+    const size_t n = (size_t)N, R = (size_t)R_cap, Rl = (size_t)Rl_cap, D = cfg->hidden_size;
     const size_t F = cfg->moe_intermediate_size, E = cfg->n_routed_experts;
     const size_t K = cfg->num_experts_per_tok;
-    size_t mine = 4 * (R * (D + F + 2 * F + D + F) + n * (K + 2 * E + D));
-    size_t lin = 3 * R * (D > 2 * F ? D : 2 * F) + 64 * R + 4 * (R / 128 + E + 2) * (D + 2 * F) * 2;
+    /* backward: dyp, dxp [R, D]; dyl [Rl, D] (dxl reuses it); hp, dhp [Rl, F],
+     * dgup [Rl, 2F]; dw, dlogits, dlog_act. Forward: yl [Rl, D], hp. */
+    size_t mine = 4 * (R * 2 * D + Rl * (D + 4 * F) + n * (K + 2 * E + D));
+    size_t lin = 3 * Rl * (D > 2 * F ? D : 2 * F) + 64 * Rl +
+                 4 * (Rl / 128 + E + 2) * (D + 2 * F) * 2;
     size_t shared = cfg->n_shared_experts > 0
                         ? mt_ffn_ws_bytes(N, (int)D, (int)F * cfg->n_shared_experts)
                         : 0;
@@ -103,16 +130,16 @@ static int sum_rows(const int *rows, int n)
 static int experts_fwd(const mt_ctx *c, mt_moe *m, void *yl, const void *xl)
 {
     mt_backend *be = c->be;
-    const int F = m->F, D = m->D, G = m->E_local, Rl = sum_rows(m->local_rows, G);
+    const int F = m->F, D = m->D, G = m->E_local, Rl = m->plan.Rl;
+    const int *rows = m->plan.local_rows;
     const size_t act = mt_act_size(be);
     size_t mark = mt_ws_mark(c->ws);
     void *hp = m->hp;
     if (!hp) MT_WS(hp, c->ws, (size_t)Rl * F * act);
     MT_CHECK(mt_linear_grouped_fwd2(c, m->exp_gate, m->gup, 2 * F, m->exp_up,
-                                    (char *)m->gup + (size_t)F * act, 2 * F, xl, D, m->local_rows,
-                                    G));
+                                    (char *)m->gup + (size_t)F * act, 2 * F, xl, D, rows, G));
     MT_CHECK(be->swiglu_fwd(be, hp, m->gup, Rl, F));
-    MT_CHECK(mt_linear_grouped_fwd(c, m->exp_down, yl, D, hp, F, m->local_rows, G));
+    MT_CHECK(mt_linear_grouped_fwd(c, m->exp_down, yl, D, hp, F, rows, G));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }
@@ -122,6 +149,7 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
 {
     mt_backend *be = c->be;
     const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
+    const size_t act = mt_act_size(be);
     MT_CHECK(be->gemm(be, m->logits, 1, E, xn, D, 0, m->router->w, D, 0, N, E, D, 1.0f, 0));
     MT_CHECK(be->router_fwd(be, m->idx, m->w, m->scores, m->logits, m->bias ? m->bias->wf : NULL,
                             N, &m->rc));
@@ -129,27 +157,34 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     if (m->aux_on)
         MT_CHECK(be->aux_loss(be, m->aux_loss, m->dscores, m->scores, m->idx, c->B, c->T,
                               (float)aux_alpha, grad_scale, &m->rc));
-    MT_CHECK(be->moe_index(be, m->slot, m->src, m->counts, m->rows, m->idx, N, K, E, m->align,
-                           m->R_cap));
+    MT_CHECK(be->moe_index(be, m->slot, m->src, m->counts, m->rows, m->idx, N, K, E,
+                           m->src_align, m->R_cap));
     int32_t counts[4096];
     if (E > 4096) return MT_ERR(MT_ENOTSUP, "moe: more than 4096 experts");
     MT_CHECK(be->download(be, counts, m->counts, (size_t)E * 4));
     for (int e = 0; e < E; e++) m->load[e] += counts[e];
     m->R = sum_rows(m->rows, E);
-    MT_CHECK(be->moe_permute(be, m->xp, xn, m->src, m->R, D));
-    MT_CHECK(m->disp->dispatch(m->disp, be, &m->xl, m->local_rows, m->xp, m->rows, D));
-    void *yl = m->xl == m->xp ? m->yp : m->xl; /* identity: experts write yp directly */
+    const int moves = m->disp->ep > 1;
+    if (!moves) MT_CHECK(be->moe_permute(be, m->xp, xn, m->src, m->R, D));
+    MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp,
+                               moves ? xn : NULL, m->src, m->rows, D));
+    size_t mark = mt_ws_mark(c->ws);
+    void *yl = m->yp; /* identity: the experts write yp directly */
+    if (moves) MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
     MT_CHECK(experts_fwd(c, m, yl, m->xl));
-    MT_CHECK(m->disp->combine(m->disp, be, m->yp, yl, m->rows, D));
+    MT_CHECK(m->disp->combine(m->disp, be, &m->plan, m->yp, yl, D));
+    mt_ws_release(c->ws, mark);
     if (m->has_shared) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
     return be->moe_unpermute(be, y, m->has_shared, m->yp, m->slot, m->w, N, K, D);
 }
 
-/* Local experts' backward: dyl [Rl, D] -> dxl [Rl, D]; expert gradients +=. */
+/* Local experts' backward: dyl [Rl, D] -> dxl [Rl, D]; expert gradients +=.
+ * dxl may be dyl: dyl is last read before dxl is first written. */
 static int experts_bwd(const mt_ctx *c, mt_moe *m, void *dxl, const void *dyl, const void *xl)
 {
     mt_backend *be = c->be;
-    const int F = m->F, D = m->D, G = m->E_local, Rl = sum_rows(m->local_rows, G);
+    const int F = m->F, D = m->D, G = m->E_local, Rl = m->plan.Rl;
+    const int *rows = m->plan.local_rows;
     const size_t act = mt_act_size(be);
     size_t mark = mt_ws_mark(c->ws);
     void *hp = m->hp, *dhp, *dgup;
@@ -159,11 +194,11 @@ static int experts_bwd(const mt_ctx *c, mt_moe *m, void *dxl, const void *dyl, c
     }
     MT_WS(dhp, c->ws, (size_t)Rl * F * act);
     MT_WS(dgup, c->ws, (size_t)Rl * 2 * F * act);
-    MT_CHECK(mt_linear_grouped_bwd(c, m->exp_down, dhp, F, 0, dyl, D, hp, F, m->local_rows, G));
+    MT_CHECK(mt_linear_grouped_bwd(c, m->exp_down, dhp, F, 0, dyl, D, hp, F, rows, G));
     MT_CHECK(be->swiglu_bwd(be, dgup, dhp, m->gup, Rl, F));
     MT_CHECK(mt_linear_grouped_bwd2(c, m->exp_gate, dgup, 2 * F, m->exp_up,
                                     (char *)dgup + (size_t)F * act, 2 * F, dxl, D, 0, xl, D,
-                                    m->local_rows, G));
+                                    rows, G));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }
@@ -174,23 +209,25 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
     const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
     const size_t act = mt_act_size(be), R = (size_t)m->R;
     size_t mark = mt_ws_mark(c->ws);
-    void *dyp, *dxp, *dlog_act;
+    void *dyp, *dxp, *dlog_act, *dyl_buf = NULL;
     float *dw, *dlogits;
     MT_WS(dyp, c->ws, R * D * act);
     MT_WS(dxp, c->ws, R * D * act);
+    if (m->disp->ep > 1) MT_WS(dyl_buf, c->ws, (size_t)m->plan.Rl * D * act);
     MT_WS(dw, c->ws, (size_t)N * K * 4);
     MT_WS(dlogits, c->ws, (size_t)N * E * 4);
     MT_WS(dlog_act, c->ws, (size_t)N * E * act);
 
     if (m->has_shared) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
     MT_CHECK(be->moe_unpermute_bwd(be, dyp, dw, dy, m->yp, m->slot, m->w, N, K, D, m->R));
-    /* The reverse of combine is a dispatch of the gradients, and vice versa. */
+    /* The reverse of combine is a dispatch of the gradients (with the
+     * forward's plan), and the reverse of dispatch a combine. */
     void *dyl;
-    int local_rows[4096];
-    MT_CHECK(m->disp->dispatch(m->disp, be, &dyl, local_rows, dyp, m->rows, D));
+    MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 0, &dyl, dyl_buf, dyp, NULL, NULL, m->rows,
+                               D));
     void *dxl = dyl == dyp ? dxp : dyl;
     MT_CHECK(experts_bwd(c, m, dxl, dyl, m->xl));
-    MT_CHECK(m->disp->combine(m->disp, be, dxp, dxl, m->rows, D));
+    MT_CHECK(m->disp->combine(m->disp, be, &m->plan, dxp, dxl, D));
     MT_CHECK(be->moe_permute_bwd(be, dxn, m->has_shared, dxp, m->slot, N, K, D));
     /* router: gradient through the chosen weights and the balance loss */
     MT_CHECK(be->router_bwd(be, dlogits, dw, m->aux_on ? m->dscores : NULL, m->scores, m->idx, N,

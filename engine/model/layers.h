@@ -80,7 +80,13 @@ void mt_moe_free(mt_moe *m, mt_backend *be);
 int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_alpha,
                float grad_scale);
 int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void *xn);
-size_t mt_moe_ws_bytes(const mt_model_config *cfg, int N, int R_cap);
+/* Expert segment padding (align: local layout, src_align: source layout)
+ * and the row capacities of the source and local layouts of a micro-batch
+ * of N tokens under a dispatcher. */
+void mt_moe_caps(const mt_model_config *cfg, const mt_model_opts *o, int N,
+                 const mt_moe_dispatcher *disp, int *align, int *src_align, int64_t *R_cap,
+                 int64_t *Rl_cap);
+size_t mt_moe_ws_bytes(const mt_model_config *cfg, int N, int64_t R_cap, int64_t Rl_cap);
 
 /* ---- layer_block.c ---- */
 int mt_block_init(mt_block *b, mt_backend *be, const mt_model_config *cfg,

@@ -37,12 +37,18 @@ void *mt_ws_get(mt_ws *ws, size_t bytes)
 
 static size_t max_sz(size_t a, size_t b) { return a > b ? a : b; }
 
-static size_t model_ws_bytes(const mt_model_config *c, int N, int R_cap)
+static size_t model_ws_bytes(const mt_model_config *c, const mt_model_opts *o, int N,
+                             const mt_moe_dispatcher *disp)
 {
     const size_t nd = (size_t)N * c->hidden_size * 4;
     size_t layer = max_sz(mt_mla_ws_bytes(c, N), mt_ffn_ws_bytes(N, c->hidden_size,
                                                                   c->intermediate_size));
-    if (c->n_routed_experts > 0) layer = max_sz(layer, mt_moe_ws_bytes(c, N, R_cap));
+    if (c->n_routed_experts > 0) {
+        int align, src_align;
+        int64_t R_cap, Rl_cap;
+        mt_moe_caps(c, o, N, disp, &align, &src_align, &R_cap, &Rl_cap);
+        layer = max_sz(layer, mt_moe_ws_bytes(c, N, R_cap, Rl_cap));
+    }
     /* block: y / dxn2; MTP: dhin, dcat (2), demb; head: dhn */
     return 2 * nd + 4 * nd + nd + layer + 64 * 256;
 }
@@ -208,6 +214,25 @@ int mt_model_zero_grads(mt_model *m)
 
 /* ---- build ------------------------------------------------------------------ */
 
+/* global_param: the local table is the full table without the other ranks'
+ * experts, in the same order, so one walk over both pairs them up. */
+static int global_params(mt_model *m)
+{
+    mt_param_table full;
+    MT_CHECK(mt_params_build(&full, &m->cfg, 0, -1));
+    m->global_param = malloc((size_t)(m->table.n > 0 ? m->table.n : 1) * sizeof *m->global_param);
+    int rc = m->global_param ? MT_OK : MT_ERR(MT_ENOMEM, "model: out of memory");
+    int i = 0;
+    for (int g = 0; g < full.n && i < m->table.n && rc == MT_OK; g++)
+        if (strcmp(full.p[g].name, m->table.p[i].name) == 0) m->global_param[i++] = g;
+    if (rc == MT_OK && i != m->table.n)
+        rc = MT_ERR(MT_EINVAL, "model: parameter %s is not in the full table",
+                    m->table.p[i].name);
+    m->n_params_global = full.n;
+    mt_params_free(&full);
+    return rc;
+}
+
 static mt_param *param_by_role(mt_model *m, int layer, mt_param_role role)
 {
     for (int i = 0; i < m->table.n; i++)
@@ -282,9 +307,23 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
     const int R = cfg->qk_rope_head_dim;
     m->n_stages = 1;
     m->stage = (mt_stage){0, cfg->num_hidden_layers, 1, 1};
-    MT_GOTO(mt_params_build(&m->table, cfg, 0, -1), fail);
+    if (opts->dispatcher) {
+        m->disp = opts->dispatcher;
+    } else {
+        MT_GOTO(mt_moe_dispatch_identity(&m->disp, cfg->n_routed_experts), fail);
+        m->own_disp = 1;
+    }
+    if (m->disp->E != cfg->n_routed_experts || m->disp->e_lo < 0 || m->disp->E_local < 0 ||
+        m->disp->e_lo + m->disp->E_local > cfg->n_routed_experts) {
+        rc = MT_ERR(MT_EINVAL, "model: the dispatcher's experts [%d, %d) of %d do not fit "
+                    "n_routed_experts %d", m->disp->e_lo, m->disp->e_lo + m->disp->E_local,
+                    m->disp->E, cfg->n_routed_experts);
+        goto fail;
+    }
+    MT_GOTO(mt_params_build(&m->table, cfg, m->disp->e_lo, m->disp->e_lo + m->disp->E_local),
+            fail);
+    MT_GOTO(global_params(m), fail);
     MT_GOTO(params_alloc(m), fail);
-    MT_GOTO(mt_moe_dispatch_identity(&m->disp, cfg->n_routed_experts), fail);
 
     mt_ctx *c = &m->ctx;
     c->be = be;
@@ -312,15 +351,9 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
         c->rope_sin = m->rope_sin;
     }
     MT_GOTO(model_build_layers(m), fail);
-    {
-        int align = opts->expert_align > 0 ? opts->expert_align
-                    : opts->recipe == MT_RECIPE_FP8_BLOCKWISE ? 128
-                                                              : 1;
-        int R_cap = N * cfg->num_experts_per_tok + cfg->n_routed_experts * (align - 1);
-        m->ws.be = be;
-        m->ws.cap = model_ws_bytes(cfg, N, R_cap);
-        MT_GOTO(be->alloc(be, m->ws.cap, (void **)&m->ws.base), fail);
-    }
+    m->ws.be = be;
+    m->ws.cap = model_ws_bytes(cfg, opts, N, m->disp);
+    MT_GOTO(be->alloc(be, m->ws.cap, (void **)&m->ws.base), fail);
     m->host_tok = malloc((size_t)B * (T + 1) * 4);
     m->host_i32 = malloc((size_t)N * 4);
     m->host_tgt = malloc((size_t)N * 4);
@@ -354,7 +387,8 @@ void mt_model_destroy(mt_model *m)
                     m->buf_grad, m->ws.base};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) be->free(be, bufs[i]);
-    if (m->disp) m->disp->destroy(m->disp);
+    if (m->disp && m->own_disp) m->disp->destroy(m->disp);
+    free(m->global_param);
     free(m->blocks);
     free(m->h);
     free(m->mtp);

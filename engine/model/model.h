@@ -96,8 +96,13 @@ typedef struct mt_moe {
     mt_ffn shared;
     int has_shared;
     mt_router_cfg rc;
-    int D, F, E_local, align, R_cap;
+    int D, F, E_local;
+    int align;         /* local expert segments padded to a multiple (128 for fp8: GEMM tiles) */
+    int src_align;     /* source segments: align on one rank, 1 when rows travel (no padding sent) */
+    int R_cap;         /* rows of the source layout at most */
+    int Rl_cap;        /* rows of the local layout at most (mt_moe_local_rows_cap) */
     mt_moe_dispatcher *disp;
+    mt_moe_plan plan;  /* what the forward's dispatch moved: for combine and backward */
     /* saved for backward */
     void *xn;          /* [N, D] (owned by the block: post-attention norm output) */
     float *logits;     /* [N, E] f32 */
@@ -108,15 +113,16 @@ typedef struct mt_moe {
     int32_t *slot;     /* [N, K] */
     int32_t *src;      /* [R_cap] */
     int32_t *counts;   /* [E] */
-    int *rows;         /* host [E]: padded rows per expert of this micro-batch */
-    int *local_rows;   /* host [E_local]: rows per local expert after dispatch */
-    int R;             /* rows of the permuted buffer */
-    void *xp;          /* [R_cap, D] tokens in expert-major order */
-    void *xl;          /* rows of the local experts (xp itself when nothing moves) */
+    int *rows;         /* host [E]: rows per global expert of this micro-batch (source layout) */
+    int R;             /* rows of the source layout */
+    void *xp;          /* [R_cap, D] tokens in expert-major order (source layout); NULL
+                          when rows travel (the dispatcher gathers them from xn) */
+    void *xl_buf;      /* [Rl_cap, D] rows received for the local experts; NULL on one rank */
+    void *xl;          /* rows of the local experts (local layout): xp itself on one rank */
     int aux_on;        /* dscores holds this micro-batch's balance-loss gradient */
-    void *gup;         /* [R_cap, 2F] */
-    void *hp;          /* [R_cap, F] (NULL with recompute) */
-    void *yp;          /* [R_cap, D] */
+    void *gup;         /* [Rl_cap, 2F] */
+    void *hp;          /* [Rl_cap, F] (NULL with recompute) */
+    void *yp;          /* [R_cap, D] expert outputs back in the source layout */
     float *aux_loss;   /* f32 [1] accumulated per micro-batch */
     int64_t *load;     /* host [E]: tokens routed to each expert since the last reset */
 } mt_moe;
@@ -170,6 +176,11 @@ typedef struct mt_model_opts {
     double mtp_weight;      /* lambda */
     double aux_alpha;       /* alpha */
     int expert_align;       /* expert segment padding; 0: 128 for fp8, 1 otherwise */
+    /* Expert parallelism: the dispatcher that moves tokens to the ranks
+     * owning their experts (engine/parallel/moe_a2a.h); the model then holds
+     * only its experts [e_lo, e_lo + E_local). Not owned; it must outlive
+     * the model. NULL: the identity, every expert local. */
+    mt_moe_dispatcher *dispatcher;
 } mt_model_opts;
 
 /* Losses of one micro-batch (host). */
@@ -192,6 +203,12 @@ typedef struct mt_model {
     int n_stages;
     mt_stage stage;         /* this rank's stage */
     mt_moe_dispatcher *disp;
+    int own_disp;           /* disp is the model's identity dispatcher */
+    /* The table holds this rank's experts only (expert parallelism):
+     * global_param[i] is parameter i's index in the full table
+     * (mt_params_build(cfg, 0, -1), the sharding map's numbering). */
+    int n_params_global;
+    int *global_param;      /* [table.n] */
     /* layers */
     mt_param *embed;
     int n_blocks;

@@ -1,4 +1,5 @@
-/* moe_dispatch.c - the identity dispatcher (expert-parallel size 1). */
+/* moe_dispatch.c - the dispatch plan and the identity dispatcher
+ * (expert-parallel size 1). */
 #include "engine/model/moe_dispatch.h"
 
 #include <stdlib.h>
@@ -6,24 +7,62 @@
 
 #include "base/mt_status.h"
 
-static int identity_dispatch(mt_moe_dispatcher *d, mt_backend *be, void **xl, int *local_rows,
-                             void *xp, const int *rows, int D)
+int mt_moe_plan_init(mt_moe_plan *p, int ep, int E_local, int align)
 {
-    (void)be;
-    (void)D;
-    *xl = xp;
-    memcpy(local_rows, rows, (size_t)d->E * sizeof *rows);
+    memset(p, 0, sizeof *p);
+    if (ep < 1 || E_local < 0 || align < 1)
+        return MT_ERR(MT_EINVAL, "dispatch plan: ep %d, %d local experts, align %d", ep, E_local,
+                      align);
+    p->ep = ep;
+    p->E_local = E_local;
+    p->align = align;
+    p->local_rows = calloc((size_t)E_local + 1, sizeof *p->local_rows);
+    p->from = calloc((size_t)ep * E_local + 1, sizeof *p->from);
+    p->sent = calloc((size_t)ep, sizeof *p->sent);
+    if (!p->local_rows || !p->from || !p->sent) {
+        mt_moe_plan_free(p);
+        return MT_ERR(MT_ENOMEM, "dispatch plan: out of memory");
+    }
     return MT_OK;
 }
 
-static int identity_combine(mt_moe_dispatcher *d, mt_backend *be, void *yp, const void *yl,
-                            const int *rows, int D)
+void mt_moe_plan_free(mt_moe_plan *p)
+{
+    free(p->local_rows);
+    free(p->from);
+    free(p->sent);
+    memset(p, 0, sizeof *p);
+}
+
+static int identity_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count,
+                             void **xl, void *xl_buf, const void *xp, const void *x,
+                             const int32_t *src, const int *rows, int D)
+{
+    (void)be;
+    (void)xl_buf;
+    (void)x;
+    (void)src;
+    (void)D;
+    if (!xp) return MT_ERR(MT_EINVAL, "identity dispatch: the source layout xp is needed");
+    *xl = (void *)xp;
+    if (!count) return MT_OK;
+    int64_t R = 0;
+    for (int e = 0; e < d->E; e++) {
+        p->local_rows[e] = rows[e];
+        p->from[e] = rows[e];
+        R += rows[e];
+    }
+    p->R = p->Rl = (int)R;
+    p->sent[0] = R;
+    return MT_OK;
+}
+
+static int identity_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,
+                            const void *yl, int D)
 {
     (void)d;
     if (yp == yl) return MT_OK;
-    int64_t R = 0;
-    for (int e = 0; e < d->E; e++) R += rows[e];
-    return be->copy(be, yp, yl, (size_t)(R * D) * mt_act_size(be));
+    return be->copy(be, yp, yl, (size_t)p->R * D * mt_act_size(be));
 }
 
 static void identity_destroy(mt_moe_dispatcher *d) { free(d); }
@@ -35,6 +74,7 @@ int mt_moe_dispatch_identity(mt_moe_dispatcher **out, int E)
     d->E = E;
     d->e_lo = 0;
     d->E_local = E;
+    d->ep = 1;
     d->dispatch = identity_dispatch;
     d->combine = identity_combine;
     d->destroy = identity_destroy;

@@ -1,34 +1,88 @@
 /* moe_dispatch.h - moving routed tokens to the ranks that own their experts.
  *
- * The MoE layer permutes its tokens into expert-major order (padded segments
- * per global expert, rows[E]); the dispatcher turns that buffer into the rows
- * of this rank's local experts and back. On one rank (ep = 1) it is the
- * identity; under expert parallelism it is an all-to-all of the segments
- * (comm layer). Backward runs the same exchanges in the other direction.
+ * The MoE layer permutes its N tokens' N * K assignments into expert-major
+ * order (xp [R, D], rows[E] per global expert: the source layout); the
+ * dispatcher turns that buffer into the rows of this rank's local experts
+ * (xl [Rl, D], one segment per local expert padded to `align` rows: the
+ * local layout, what the grouped expert GEMMs read) and combine brings the
+ * experts' outputs back into the source layout. Backward runs the same two
+ * exchanges for the gradients: dispatch dyp -> dyl, combine dxl -> dxp.
+ *
+ * Expert ownership (engine/parallel/sharding.h): with EP ranks, rank r of
+ * the ep group owns the E / EP consecutive experts [r E / EP, (r + 1) E / EP),
+ * so the source layout is already grouped by destination rank: the block
+ * for rank p is the contiguous rows of p's experts.
+ *
+ * On one rank (ep = 1, the identity) nothing moves: xl is xp itself and
+ * the segments are the source's. Under expert parallelism
+ * (engine/parallel/moe_a2a.h) a dispatch first exchanges the per-expert
+ * row counts, then the rows (all-to-all-v over the ep group); on arrival
+ * the rows from every source are laid out expert-contiguous (source rank
+ * order within an expert, each source's rows in their order), each
+ * source's chunk zero-padded to `align` (a local expert's segment is its
+ * chunks). No row is ever dropped.
  */
 #ifndef MT_MOE_DISPATCH_H
 #define MT_MOE_DISPATCH_H
+
+#include <stdint.h>
 
 #include "kernels/ops.h"
 
 typedef struct mt_moe_dispatcher mt_moe_dispatcher;
 
+/* What one MoE layer's forward dispatch moved (host arrays), kept for its
+ * combine and for the backward's exchanges. One per MoE layer: the forward
+ * of every layer runs before any backward. */
+typedef struct mt_moe_plan {
+    int ep, E_local;    /* peers, local experts */
+    int align;          /* local segments padded to a multiple of this (>= 1) */
+    int R;              /* rows of the source layout (sum of rows[E]) */
+    int Rl;             /* rows of the local layout, padding included */
+    int64_t Rl_cap;     /* rows the caller's local buffers hold (a dispatch refuses more) */
+    int *local_rows;    /* [E_local]: padded rows of each local expert's segment */
+    int64_t *from;      /* [ep * E_local]: rows from peer q for local expert e at q * E_local + e */
+    int64_t *sent;      /* [ep]: source rows sent to peer p (the rows of p's experts) */
+} mt_moe_plan;
+
+int mt_moe_plan_init(mt_moe_plan *p, int ep, int E_local, int align);
+void mt_moe_plan_free(mt_moe_plan *p);
+
 struct mt_moe_dispatcher {
     int E;        /* global experts */
     int e_lo;     /* first local expert */
     int E_local;  /* local experts */
-    /* xl [Rl, D] = rows of local experts gathered from every rank's xp [R, D];
-     * local_rows[E_local] (host) out. xl may alias xp when nothing moves. */
-    int (*dispatch)(mt_moe_dispatcher *d, mt_backend *be, void **xl, int *local_rows,
-                    void *xp, const int *rows, int D);
-    /* yp [R, D] = this rank's rows back from every rank's yl [Rl, D]. */
-    int (*combine)(mt_moe_dispatcher *d, mt_backend *be, void *yp, const void *yl,
-                   const int *rows, int D);
+    int ep;       /* ranks the experts are spread over; 1: the identity */
+    /* xl = rows of the local experts gathered from every rank's source
+     * layout (rows[E] host): xp [R, D], or, when x is not NULL, row r taken
+     * from x [N, D] at src[r] (the layer's permutation fused into the pack:
+     * the source layout is never written; the identity needs xp and ignores
+     * x). count = 1 (forward): the row counts are exchanged and recorded in
+     * the plan (local_rows, Rl, from, sent); count = 0 (backward): the plan
+     * of the forward is reused, so the rows must have the forward's layout.
+     * The identity sets *xl = xp (no copy); others write xl_buf [Rl, D] and
+     * set *xl = xl_buf. Collective over the ep group. */
+    int (*dispatch)(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count, void **xl,
+                    void *xl_buf, const void *xp, const void *x, const int32_t *src,
+                    const int *rows, int D);
+    /* yp [R, D] (source layout) = this rank's rows back from every rank's
+     * yl [Rl, D] (local layout; padding rows are not sent). Collective. */
+    int (*combine)(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,
+                   const void *yl, int D);
     void (*destroy)(mt_moe_dispatcher *d);
     void *impl;
 };
 
 /* The single-rank dispatcher: all experts are local, nothing moves. */
 int mt_moe_dispatch_identity(mt_moe_dispatcher **out, int E);
+
+/* Rows of the local layout at most: every source's N * K assignments may
+ * go to this rank's experts (skewed routing), plus the padding of each
+ * (source, local expert) chunk. The identity needs N * K + E * (align - 1),
+ * the source's own. */
+static inline int64_t mt_moe_local_rows_cap(const mt_moe_dispatcher *d, int N, int K, int align)
+{
+    return (int64_t)d->ep * N * K + (int64_t)d->ep * d->E_local * (align - 1);
+}
 
 #endif

@@ -14,8 +14,8 @@ static size_t master_elem(mt_main_params p) { return p == MT_MAIN_FP32 ? 4 : 2; 
 /* Does this rank keep parameter i's state? */
 static int in_shard(const mt_optimizer *o, int i) { return o->off[i] >= 0; }
 
-int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j, const int *owner,
-                        int me)
+int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j,
+                        const unsigned char *keep)
 {
     mt_backend *be = m->be;
     *out = NULL;
@@ -34,9 +34,9 @@ int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j, co
     /* the kept parameters' state, packed in table order */
     for (int i = 0; i < m->table.n; i++) {
         const mt_param *p = &m->params[i];
-        const int keep = p->grad && (!owner || owner[i] == me);
-        o->off[i] = keep ? o->n_state : -1;
-        if (keep) o->n_state += mt_param_numel(&p->d);
+        const int kept = p->grad && (!keep || keep[i]);
+        o->off[i] = kept ? o->n_state : -1;
+        if (kept) o->n_state += mt_param_numel(&p->d);
     }
     const size_t n = (size_t)(o->n_state > 0 ? o->n_state : 1);
     int64_t mx = 1;

@@ -38,10 +38,10 @@ typedef struct mt_optimizer {
     uint64_t seed;      /* stochastic rounding stream */
 } mt_optimizer;
 
-/* An optimizer keeping the state of the parameters i with owner[i] == me
- * (owner NULL: all). */
-int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j, const int *owner,
-                        int me);
+/* An optimizer keeping the state of the parameters i with keep[i] != 0
+ * (keep NULL: all). */
+int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j,
+                        const unsigned char *keep);
 void mt_optimizer_destroy(mt_optimizer *o);
 
 /* Sets parameter i everywhere it lives: main copy (if any) and compute

@@ -109,9 +109,12 @@ int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
     mt_backend *be = m->be;
     const size_t act = (size_t)be->act_bytes;
     int rc = MT_OK;
-    if (!(s->params && s->n_params == m->table.n && s->trainer == t)) {
+    /* indexed like the sharding map (the full table): under expert
+     * parallelism the other ranks' experts are absent here (offsets -1) */
+    const int n_glob = m->n_params_global;
+    if (!(s->params && s->n_params == n_glob && s->trainer == t)) {
         mt_train_snapshot_free(s);
-        s->params = calloc((size_t)(m->table.n > 0 ? m->table.n : 1), sizeof *s->params);
+        s->params = calloc((size_t)(n_glob > 0 ? n_glob : 1), sizeof *s->params);
         if (!s->params) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of memory");
     }
     free(s->state_json);
@@ -119,14 +122,17 @@ int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
     free(s->job_json);
     s->state_json = s->config_json = s->job_json = NULL;
     s->trainer = t;
-    s->n_params = m->table.n;
+    s->n_params = n_glob;
     s->bytes = 0;
+    for (int g = 0; g < n_glob; g++) {
+        mt_snap_param *sp = &s->params[g];
+        sp->q_off = sp->s_off = sp->act_off = sp->f32_off = sp->opt_off = -1;
+    }
     int64_t n_act = 0, n_q = 0, n_s = 0, n_f = 0;
     for (int i = 0; i < m->table.n; i++) {
         const mt_param *p = &m->params[i];
-        mt_snap_param *sp = &s->params[i];
+        mt_snap_param *sp = &s->params[m->global_param[i]];
         const int64_t n = mt_param_numel(&p->d);
-        sp->q_off = sp->s_off = sp->act_off = sp->f32_off = sp->opt_off = -1;
         if (p->q) {
             sp->q_off = p->q - m->buf_q;
             sp->s_off = p->s - m->buf_s;

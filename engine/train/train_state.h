@@ -43,7 +43,8 @@ typedef struct mt_snap_param {
 typedef struct mt_train_snapshot {
     int64_t step, consumed_samples, consumed_tokens;
     int n_params;
-    mt_snap_param *params;     /* [n_params] in parameter-table order */
+    mt_snap_param *params;     /* [n_params] in the full table's order (the sharding map's
+                                  numbering); another rank's expert: every offset -1 */
     void *act;                 /* copy of the model's act buffer */
     int act_bytes;             /* 4: float (CPU), 2: bf16 bits (CUDA) */
     uint8_t *q;                /* e4m3 compute copies */

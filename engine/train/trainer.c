@@ -9,6 +9,7 @@
 
 #include "engine/parallel/sharding.h"
 #include "engine/train/lr_schedule.h"
+#include "engine/train/trainer_ep.h"
 #include "kernels/op_profile.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
@@ -71,37 +72,71 @@ static int open_data(mt_trainer *t)
 
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
 {
-    return mt_trainer_create_dp(out, job, be, NULL);
+    return mt_trainer_create_in(out, job, be, NULL);
 }
 
-/* The data-parallel group: its size must be the layout's dp; its memory the
+/* A group of the layout: its size must be the layout's; its memory the
  * backend's (gradients are reduced where they are). */
-static int check_dp(const mt_jobspec *job, mt_backend *be, mt_comm *dp)
+static int check_group(const char *what, mt_comm *g, int want_size, mt_backend *be)
 {
-    const int n = dp ? mt_comm_size(dp) : 1;
-    if (n != job->parallel.dp)
-        return MT_ERR(MT_EINVAL, "trainer: the data-parallel group has %d ranks, the layout "
-                      "dp %d", n, job->parallel.dp);
+    const int n = g ? mt_comm_size(g) : 1;
+    if (n != want_size)
+        return MT_ERR(MT_EINVAL, "trainer: the %s group has %d ranks, the layout %d", what, n,
+                      want_size);
     const mt_comm_mem want = be->kind == MT_BE_CPU ? MT_COMM_HOST : MT_COMM_DEVICE;
-    if (dp && mt_comm_mem_kind(dp) != want)
-        return MT_ERR(MT_EINVAL, "trainer: the %s backend's gradients need a %s communicator",
-                      be->name, want == MT_COMM_HOST ? "host" : "device");
+    if (g && mt_comm_mem_kind(g) != want)
+        return MT_ERR(MT_EINVAL, "trainer: the %s backend's %s group needs %s memory", be->name,
+                      what, want == MT_COMM_HOST ? "host" : "device");
     return MT_OK;
 }
 
-int mt_trainer_create_dp(mt_trainer **out, const mt_jobspec *job, mt_backend *be, mt_comm *dp)
+/* ZeRO-1 ownership of the model's (local) parameters: owner[i] from the
+ * full table's rule (mt_zero_owners), keep[i] when this rank is the owner
+ * in the parameter's group (dp for dense, edp for routed experts). */
+static int own_params(mt_trainer *t, mt_comm *edp)
+{
+    const mt_model *m = t->model;
+    mt_param_table full;
+    MT_CHECK(mt_params_build(&full, &t->job.model, 0, -1));
+    int *all = malloc((size_t)(full.n > 0 ? full.n : 1) * sizeof *all);
+    const size_t n = (size_t)(m->table.n > 0 ? m->table.n : 1);
+    t->owner = malloc(n * sizeof *t->owner);
+    t->keep = malloc(n);
+    int rc = all && t->owner && t->keep ? MT_OK : MT_ERR(MT_ENOMEM, "trainer: out of memory");
+    if (rc == MT_OK) rc = mt_zero_owners(&t->job.model, &t->job.parallel, all);
+    const int edp_rank = edp ? mt_comm_rank(edp) : 0;
+    for (int i = 0; rc == MT_OK && i < m->table.n; i++) {
+        const int gi = m->global_param ? m->global_param[i] : i;
+        t->owner[i] = all[gi];
+        /* with ep 1 the edp group is the dp group */
+        const int me = m->params[i].d.expert >= 0 && t->job.parallel.ep > 1 ? edp_rank : t->dp_rank;
+        t->keep[i] = t->owner[i] >= 0 && t->owner[i] == me;
+    }
+    free(all);
+    mt_params_free(&full);
+    return rc;
+}
+
+int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be,
+                         const mt_trainer_groups *g)
 {
     *out = NULL;
     const mt_layout *l = &job->parallel;
     if (l->dp < 1)
         return MT_ERR(MT_EINVAL, "trainer: job %s is not admitted (parallel.dp is %d): "
                       "mt_jobspec_admit resolves the layout for the ranks", job->name, l->dp);
-    if (l->tp != 1 || l->pp != 1 || l->ep != 1 || l->etp != 1)
-        return MT_ERR(MT_ENOTSUP, "trainer: parallel tp %d, pp %d, ep %d, etp %d: the trainer "
-                      "runs data parallelism only so far (tensor, pipeline and expert "
-                      "parallelism are not implemented); use tp = pp = ep = etp = 1",
-                      l->tp, l->pp, l->ep, l->etp);
-    MT_CHECK(check_dp(job, be, dp));
+    if (l->tp != 1 || l->pp != 1 || l->etp != 1)
+        return MT_ERR(MT_ENOTSUP, "trainer: parallel tp %d, pp %d, etp %d: the trainer runs "
+                      "data and expert parallelism only so far (tensor and pipeline "
+                      "parallelism are not implemented); use tp = pp = etp = 1",
+                      l->tp, l->pp, l->etp);
+    mt_comm *dp = g ? g->dp : NULL, *ep = g ? g->ep : NULL, *edp = g ? g->edp : NULL;
+    if (l->ep > 1 && !ep)
+        return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d needs the expert-parallel group "
+                      "(mt_trainer_create_in; the runtime builds it from the layout)", l->ep);
+    MT_CHECK(check_group("data-parallel", dp, l->dp, be));
+    MT_CHECK(check_group("expert-parallel", ep, l->ep, be));
+    if (l->ep > 1) MT_CHECK(check_group("expert-data-parallel", edp, mt_layout_edp(l), be));
     mt_trainer *t = calloc(1, sizeof *t);
     if (!t) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
     int rc = MT_OK;
@@ -118,15 +153,14 @@ int mt_trainer_create_dp(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     MT_GOTO(open_data(t), fail);
     mt_model_opts mo;
     mt_trainer_model_opts(&mo, job);
+    if (l->ep > 1) MT_GOTO(mt_trainer_ep_init(t, ep, edp, &mo), fail);
     MT_GOTO(mt_model_create(&t->model, &job->model, &mo, be), fail);
-    /* ZeRO-1: this rank keeps the optimizer state of the parameters it owns */
-    t->owner = malloc((size_t)(t->model->table.n > 0 ? t->model->table.n : 1) * sizeof *t->owner);
-    if (!t->owner) {
-        rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
-        goto fail;
-    }
-    MT_GOTO(mt_zero_owners(&job->model, &job->parallel, t->owner), fail);
-    MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, t->owner, t->dp_rank), fail);
+    MT_GOTO(mt_trainer_ep_bind(t), fail);
+    /* ZeRO-1: this rank keeps the optimizer state of the parameters it owns
+     * (owners in the full table's numbering; the model's table lacks the
+     * other ranks' experts) */
+    MT_GOTO(own_params(t, edp), fail);
+    MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, t->keep), fail);
     const int E = job->model.n_routed_experts;
     if (dp && E > 0 && !(t->load_sum = calloc((size_t)E, sizeof *t->load_sum))) {
         rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
@@ -172,6 +206,7 @@ void mt_trainer_destroy(mt_trainer *t)
     for (int i = 0; i < t->n_sinks; i++) t->sinks[i]->close(t->sinks[i]);
     mt_optimizer_destroy(t->opt);
     mt_model_destroy(t->model);
+    mt_trainer_ep_free(t); /* the dispatcher after the model that uses it */
     if (t->valid) mt_samples_close(t->valid);
     if (t->train) mt_samples_close(t->train);
     if (t->data) mt_indexed_close(t->data);
@@ -179,6 +214,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->bias_host);
     free(t->load_sum);
     free(t->owner);
+    free(t->keep);
     free(t);
 }
 
@@ -245,9 +281,10 @@ static int balance_step(mt_trainer *t, mt_step_metrics *mt)
     return MT_OK;
 }
 
-/* ZeRO-1: every parameter's owner updated it; the others take its compute
- * copies (E4M3 weights with their scales and transposes, or BF16/F32) from
- * the owner. Compute copies are the same on every rank afterwards. */
+/* ZeRO-1: every parameter's owner updated it; the others of its group (dp,
+ * or edp for routed experts) take its compute copies (E4M3 weights with
+ * their scales and transposes, or BF16/F32) from the owner. Compute copies
+ * are the same on every rank afterwards. */
 static int share_updates(mt_trainer *t)
 {
     mt_model *m = t->model;
@@ -255,16 +292,17 @@ static int share_updates(mt_trainer *t)
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];
         const int root = t->owner[i];
-        if (root < 0 || !p->grad) continue;
+        mt_comm *g = p->d.expert >= 0 && t->ep_size > 1 ? t->edp : t->dp;
+        if (root < 0 || !p->grad || !g) continue;
         const size_t n = (size_t)mt_param_numel(&p->d);
         if (p->q) {
             const size_t nb = (size_t)(((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128));
-            MT_CHECK(mt_comm_broadcast(t->dp, p->q, n, MT_COMM_E4M3, root));
-            MT_CHECK(mt_comm_broadcast(t->dp, p->qt, n, MT_COMM_E4M3, root));
-            MT_CHECK(mt_comm_broadcast(t->dp, p->s, nb, MT_COMM_F32, root));
-            MT_CHECK(mt_comm_broadcast(t->dp, p->st, nb, MT_COMM_F32, root));
+            MT_CHECK(mt_comm_broadcast(g, p->q, n, MT_COMM_E4M3, root));
+            MT_CHECK(mt_comm_broadcast(g, p->qt, n, MT_COMM_E4M3, root));
+            MT_CHECK(mt_comm_broadcast(g, p->s, nb, MT_COMM_F32, root));
+            MT_CHECK(mt_comm_broadcast(g, p->st, nb, MT_COMM_F32, root));
         } else {
-            MT_CHECK(mt_comm_broadcast(t->dp, p->w, n * act, MT_COMM_BYTE, root));
+            MT_CHECK(mt_comm_broadcast(g, p->w, n * act, MT_COMM_BYTE, root));
         }
     }
     return MT_OK;
@@ -309,8 +347,11 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     t->consumed_samples += (int64_t)n_mb * B;
     if (t->dp) {
         double tr = profile ? now_s() : 0;
-        MT_CHECK(mt_comm_all_reduce(t->dp, m->buf_grad, m->buf_grad, (size_t)m->n_grad,
-                                    MT_COMM_F32, MT_COMM_SUM));
+        if (t->ep_size > 1) /* experts over edp: trainer_ep.c */
+            MT_CHECK(mt_trainer_ep_reduce_grads(t));
+        else
+            MT_CHECK(mt_comm_all_reduce(t->dp, m->buf_grad, m->buf_grad, (size_t)m->n_grad,
+                                        MT_COMM_F32, MT_COMM_SUM));
         MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), ls, ls, 3, MT_COMM_F64, MT_COMM_SUM));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
@@ -320,7 +361,10 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     const double loss = ls[0], mtp = ls[1], aux = ls[2];
     mt_op_profile_mark(t->be, "optim");
     double sumsq;
-    MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
+    if (t->ep_size > 1)
+        MT_CHECK(mt_trainer_ep_grad_sumsq(t, &sumsq));
+    else
+        MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
     double norm = sqrt(sumsq);
     double lr = mt_lr_at(&j->lr_schedule, j->optimizer.lr, j->optimizer.min_lr, j->train.steps,
                          t->step);
@@ -340,7 +384,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         double scale = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
         double tu = profile ? now_s() : 0;
         MT_CHECK(mt_optimizer_update(t->opt, m, lr, scale));
-        if (t->dp) MT_CHECK(share_updates(t));
+        if (t->dp || (t->ep_size > 1 && t->edp)) MT_CHECK(share_updates(t));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
             tp[1] = now_s() - tu;

@@ -1,20 +1,32 @@
 /* trainer.h - the training loop of one job on one rank.
  *
- * Data parallelism: with a dp communicator (mt_trainer_create_dp) each of the
+ * Data parallelism: with a dp communicator (mt_trainer_create_in) each of the
  * DP ranks reads its contiguous share of the step's global batch (rank d:
  * samples [consumed + d * A * B, consumed + (d + 1) * A * B), A = global /
  * (B * DP) micro-batches of B sequences), scales its gradients by 1 / (A *
  * DP) and the gradients are summed over the group, so every rank holds the
  * gradient of the whole global batch, as one rank would. Losses and expert
  * loads are summed likewise. ZeRO-1: each parameter's optimizer state lives
- * on one rank of the group (mt_zero_owners); the owner updates it and
- * broadcasts its new compute copies, so every rank computes with the same
- * weights. Reductions: gradients F32 sum in rank order (host backends);
- * losses F64 sum; expert loads I64 sum; the gradient norm is computed by
- * every rank from the summed gradients, so the clip and the NaN/Inf skip
- * agree everywhere. Tensor,
- * pipeline and expert parallelism are not in the trainer yet: a layout that
- * needs them is refused.
+ * on one rank of its group (mt_zero_owners: dense parameters over dp,
+ * routed experts over edp); the owner updates it and broadcasts its new
+ * compute copies, so every rank computes with the same weights.
+ *
+ * Expert parallelism (parallel.ep = EP > 1): the model holds only this
+ * rank's n_routed_experts / EP experts and its MoE layers send tokens to
+ * the experts' owners over the ep group (engine/parallel/moe_a2a.h).
+ * Gradients: dense parameters are summed over the dp group as above;
+ * expert parameters over the edp group (the ranks holding the same
+ * experts; each owner already summed the contributions of every ep rank's
+ * tokens). The gradient norm adds the dense part (the same everywhere) to
+ * the expert parts summed over the ep group.
+ *
+ * Reductions: gradients F32 sums (rank order on host backends); losses F64
+ * sums; expert loads I64 sums over dp (each token is routed once, on its
+ * own rank), hence the router bias update; the sequence-wise balance loss
+ * is per sequence, so local. The norm is the same on every rank, so the
+ * clip and the NaN/Inf skip agree everywhere. Tensor and pipeline
+ * parallelism are not in the trainer yet: a layout that needs them is
+ * refused.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
@@ -64,7 +76,15 @@ typedef struct mt_trainer {
     int64_t *load_sum;            /* [E] expert loads summed over the dp group */
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
-    int *owner;                   /* [params]: ZeRO-1 owner's dp rank (mt_zero_owners), -1 none */
+    int *owner;                   /* [params]: ZeRO-1 owner's dp (experts: edp) rank, -1 none */
+    unsigned char *keep;          /* [params]: this rank keeps the optimizer state */
+    /* expert parallelism (ep_size > 1) */
+    int ep_size;
+    mt_comm *ep, *edp;            /* expert-parallel and expert-data-parallel groups, not owned */
+    mt_moe_dispatcher *disp;      /* the model's dispatcher (owned) */
+    int n_gseg;
+    struct mt_grad_seg *gseg;     /* [n_gseg] runs of dense / expert gradients in buf_grad */
+    float *sumsq_dev;             /* f32 [1] backend scratch */
 } mt_trainer;
 
 /* Builds model, optimizer and data readers for an admitted job on a backend,
@@ -74,15 +94,24 @@ typedef struct mt_trainer {
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be);
 void mt_trainer_destroy(mt_trainer *t);
 
+/* The groups a trainer joins (not owned; they must outlive it; NULL where
+ * the group has one rank): dp, the data-parallel group (size parallel.dp);
+ * ep, the expert-parallel group (size parallel.ep); edp, the ranks holding
+ * the same experts. Host memory for the CPU backend, device memory for
+ * CUDA (expert parallelism: CPU backend with host groups for now). */
+typedef struct mt_trainer_groups {
+    mt_comm *dp, *ep, *edp;
+} mt_trainer_groups;
+
+/* The same as a member of its groups (g NULL: one rank). The model is built
+ * with only this rank's experts; the optimizer keeps the state of the
+ * parameters this rank owns (ZeRO-1). */
+int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be,
+                         const mt_trainer_groups *g);
+
 /* The model's options for a job: precision, batch shape, recompute and
  * loss weights (the trainer's and evaluation's model). */
 void mt_trainer_model_opts(mt_model_opts *o, const mt_jobspec *j);
-
-/* The same as a member of the data-parallel group `dp` (not owned; its size
- * must be the job's parallel.dp; host memory for the CPU backend, device
- * memory for CUDA; NULL: one rank). The optimizer keeps the state of the
- * parameters this rank owns (ZeRO-1). */
-int mt_trainer_create_dp(mt_trainer **out, const mt_jobspec *job, mt_backend *be, mt_comm *dp);
 
 /* Registers a sink; the trainer closes it on destroy. */
 int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s);

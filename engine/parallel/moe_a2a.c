@@ -1,0 +1,340 @@
+/* moe_a2a.c - see moe_a2a.h. */
+#include "engine/parallel/moe_a2a.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/mt_status.h"
+
+typedef struct a2a {
+    mt_comm *c;
+    mt_comm_dtype wire;
+    size_t wsize;                 /* bytes of one wire element */
+    int P, me;
+    size_t *sc, *sd, *rc, *rd;    /* [P] element counts and displacements */
+    int64_t *cnt_send, *cnt_recv; /* [P * E_local] row counts */
+    int64_t *seg;                 /* [E_local + 1] first row of each local segment */
+    void *sbuf, *rbuf;            /* wire buffers */
+    size_t scap, rcap;            /* their bytes */
+    int64_t bytes_sent, bytes_recv;
+} a2a;
+
+static a2a *impl_of(const mt_moe_dispatcher *d) { return d->impl; }
+
+static int grow(void **buf, size_t *cap, size_t bytes)
+{
+    if (bytes <= *cap) return MT_OK;
+    void *p = realloc(*buf, bytes);
+    if (!p) return MT_ERR(MT_ENOMEM, "expert dispatch: out of memory for %zu wire bytes", bytes);
+    *buf = p;
+    *cap = bytes;
+    return MT_OK;
+}
+
+/* float -> bf16 bits over a run: mt_bf16_from_f32 (round to nearest even,
+ * NaN stays a quiet NaN) written without branches, so that the compiler
+ * can vectorise it (2-3x faster than the scalar helper here). */
+static void f32_to_bf16(uint16_t *restrict y, const float *restrict x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        const uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        const uint32_t nan = (u >> 16) | 0x40u;
+        y[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rne);
+    }
+}
+
+static void bf16_to_f32(float *restrict y, const uint16_t *restrict x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = (uint32_t)x[i] << 16;
+        memcpy(&y[i], &u, 4);
+    }
+}
+
+/* n rows of D act values (float: the CPU backend) to the wire, and back. */
+static void to_wire(const a2a *x, void *dst, const float *src, int64_t n, int D)
+{
+    const int64_t m = n * D;
+    if (x->wire == MT_COMM_F32) {
+        memcpy(dst, src, (size_t)m * 4);
+        return;
+    }
+    uint16_t *y = dst;
+    const int64_t B = 1 << 16; /* elements per parallel block */
+#pragma omp parallel for schedule(static) if (m > B)
+    for (int64_t b = 0; b < m; b += B) f32_to_bf16(y + b, src + b, m - b < B ? m - b : B);
+}
+
+static void from_wire(const a2a *x, float *dst, const void *src, int64_t n, int D)
+{
+    const int64_t m = n * D;
+    if (x->wire == MT_COMM_F32) {
+        memcpy(dst, src, (size_t)m * 4);
+        return;
+    }
+    const uint16_t *y = src;
+    const int64_t B = 1 << 16;
+#pragma omp parallel for schedule(static) if (m > B)
+    for (int64_t b = 0; b < m; b += B) bf16_to_f32(dst + b, y + b, m - b < B ? m - b : B);
+}
+
+static int check_backend(const mt_moe_dispatcher *d, const mt_backend *be)
+{
+    const a2a *x = impl_of(d);
+    if (be->kind != MT_BE_CPU || be->act_bytes != 4)
+        return MT_ERR(MT_ENOTSUP, "expert dispatch: the %s backend's device buffers need a "
+                      "device communicator (the GPU path of expert parallelism is not done)",
+                      be->name);
+    if (x->wire == MT_COMM_BF16 && !be->round_bf16)
+        return MT_ERR(MT_EINVAL, "expert dispatch: a bf16 wire would round the fp32 recipe's "
+                      "activations; use an f32 wire");
+    return MT_OK;
+}
+
+static int64_t padded(int64_t n, int align) { return (n + align - 1) / align * align; }
+
+/* Counts of the forward: to peer p the rows of p's experts; from peer q
+ * the rows q routes to each local expert. Fills the plan. */
+static int exchange_counts(mt_moe_dispatcher *d, mt_moe_plan *p, const int *rows)
+{
+    a2a *x = impl_of(d);
+    const int P = x->P, El = d->E_local;
+    for (int q = 0; q < P; q++) {
+        x->sc[q] = x->rc[q] = (size_t)El;
+        x->sd[q] = x->rd[q] = (size_t)q * El;
+        p->sent[q] = 0;
+        for (int e = 0; e < El; e++) {
+            x->cnt_send[q * El + e] = rows[q * El + e];
+            p->sent[q] += rows[q * El + e];
+        }
+    }
+    MT_CHECK(mt_comm_all_to_all_v(x->c, x->cnt_send, x->sc, x->sd, x->cnt_recv, x->rc, x->rd,
+                                  MT_COMM_I64));
+    x->bytes_sent += (int64_t)(P - 1) * El * 8;
+    x->bytes_recv += (int64_t)(P - 1) * El * 8;
+    int64_t R = 0, Rl = 0;
+    for (int q = 0; q < P; q++) R += p->sent[q];
+    for (int e = 0; e < El; e++) {
+        int64_t n = 0;
+        for (int q = 0; q < P; q++) {
+            int64_t v = x->cnt_recv[q * El + e];
+            if (v < 0)
+                return MT_ERR(MT_ECORRUPT, "expert dispatch: rank %d announces %lld rows for "
+                              "expert %d", q, (long long)v, d->e_lo + e);
+            p->from[q * El + e] = v;
+            n += padded(v, p->align);
+        }
+        if (n > 0x7fffffff) n = 0x7fffffff; /* refused below */
+        p->local_rows[e] = (int)n;
+        Rl += n;
+    }
+    if (Rl > p->Rl_cap)
+        return MT_ERR(MT_EINVAL, "expert dispatch: %lld rows arrive for experts [%d, %d), the "
+                      "buffer holds %lld", (long long)Rl, d->e_lo, d->e_lo + El,
+                      (long long)p->Rl_cap);
+    p->R = (int)R;
+    p->Rl = (int)Rl;
+    return MT_OK;
+}
+
+/* First row of each local segment in the local layout. */
+static void segments(a2a *x, const mt_moe_plan *p)
+{
+    x->seg[0] = 0;
+    for (int e = 0; e < p->E_local; e++) x->seg[e + 1] = x->seg[e] + p->local_rows[e];
+}
+
+/* First row of peer q's chunk of local expert e: the chunks of the peers
+ * before it, each padded. */
+static int64_t chunk_row(const a2a *x, const mt_moe_plan *p, int q, int e)
+{
+    int64_t row = x->seg[e];
+    for (int q2 = 0; q2 < q; q2++) row += padded(p->from[q2 * p->E_local + e], p->align);
+    return row;
+}
+
+/* The send buffer from the tokens: row r of the source layout is token
+ * src[r] of x (no padding travels: src[r] >= 0 for r < R). */
+static int pack_gather(const a2a *x, void *dst, const float *tok, const int32_t *src, int64_t R,
+                       int D)
+{
+    for (int64_t r = 0; r < R; r++)
+        if (src[r] < 0)
+            return MT_ERR(MT_EINVAL, "expert dispatch: source row %lld is padding (the source "
+                          "layout must be unpadded when rows travel)", (long long)r);
+    const size_t row_bytes = (size_t)D * x->wsize;
+#pragma omp parallel for schedule(static) if (R * D > (1 << 16))
+    for (int64_t r = 0; r < R; r++)
+        to_wire(x, (char *)dst + (size_t)r * row_bytes, tok + (int64_t)src[r] * D, 1, D);
+    return MT_OK;
+}
+
+static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count,
+                        void **xl, void *xl_buf, const void *xp, const void *x_tok,
+                        const int32_t *src, const int *rows, int D)
+{
+    a2a *x = impl_of(d);
+    const int P = x->P, El = d->E_local;
+    MT_CHECK(check_backend(d, be));
+    if (count) MT_CHECK(exchange_counts(d, p, rows));
+    /* rows to peer q: the contiguous run of q's experts in xp */
+    size_t s = 0, r = 0;
+    for (int q = 0; q < P; q++) {
+        int64_t in = 0;
+        for (int e = 0; e < El; e++) in += p->from[q * El + e];
+        x->sc[q] = (size_t)p->sent[q] * D;
+        x->sd[q] = s;
+        x->rc[q] = (size_t)in * D;
+        x->rd[q] = r;
+        s += x->sc[q];
+        r += x->rc[q];
+    }
+    MT_CHECK(grow(&x->rbuf, &x->rcap, r * x->wsize + 1));
+    const void *send = xp;
+    if (x_tok) { /* the permutation and the conversion in one pass */
+        MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
+        MT_CHECK(pack_gather(x, x->sbuf, x_tok, src, p->R, D));
+        send = x->sbuf;
+    } else if (x->wire != MT_COMM_F32) {
+        MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
+        to_wire(x, x->sbuf, xp, p->R, D);
+        send = x->sbuf;
+    }
+    MT_CHECK(mt_comm_all_to_all_v(x->c, send, x->sc, x->sd, x->rbuf, x->rc, x->rd, x->wire));
+    x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
+    x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
+    /* unpack expert-contiguous: segment e = peer 0's chunk of rows for e,
+     * peer 1's, ..., each chunk followed by its zero padding */
+    float *out = xl_buf;
+    segments(x, p);
+    for (int q = 0; q < P; q++) {
+        const char *blk = (const char *)x->rbuf + x->rd[q] * x->wsize;
+        int64_t at = 0; /* rows of q's block before expert e */
+        for (int e = 0; e < El; e++) {
+            const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
+            from_wire(x, out + row * D, blk + (size_t)(at * D) * x->wsize, n, D);
+            const int64_t pad = padded(n, p->align) - n;
+            if (pad > 0) memset(out + (row + n) * D, 0, (size_t)(pad * D) * 4);
+            at += n;
+        }
+    }
+    *xl = xl_buf;
+    return MT_OK;
+}
+
+static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,
+                       const void *yl, int D)
+{
+    a2a *x = impl_of(d);
+    const int P = x->P, El = d->E_local;
+    MT_CHECK(check_backend(d, be));
+    size_t s = 0, r = 0;
+    for (int q = 0; q < P; q++) {
+        int64_t out = 0;
+        for (int e = 0; e < El; e++) out += p->from[q * El + e];
+        x->sc[q] = (size_t)out * D;
+        x->sd[q] = s;
+        x->rc[q] = (size_t)p->sent[q] * D;
+        x->rd[q] = r;
+        s += x->sc[q];
+        r += x->rc[q];
+    }
+    MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
+    /* pack per destination, the reverse of the dispatch's unpack */
+    const float *in = yl;
+    segments(x, p);
+    for (int q = 0; q < P; q++) {
+        char *blk = (char *)x->sbuf + x->sd[q] * x->wsize;
+        int64_t at = 0;
+        for (int e = 0; e < El; e++) {
+            const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
+            to_wire(x, blk + (size_t)(at * D) * x->wsize, in + row * D, n, D);
+            at += n;
+        }
+    }
+    void *recv = yp;
+    if (x->wire != MT_COMM_F32) {
+        MT_CHECK(grow(&x->rbuf, &x->rcap, r * x->wsize + 1));
+        recv = x->rbuf;
+    }
+    MT_CHECK(mt_comm_all_to_all_v(x->c, x->sbuf, x->sc, x->sd, recv, x->rc, x->rd, x->wire));
+    x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
+    x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
+    if (recv != yp) from_wire(x, yp, recv, p->R, D);
+    return MT_OK;
+}
+
+static void a2a_destroy(mt_moe_dispatcher *d)
+{
+    if (!d) return;
+    a2a *x = d->impl;
+    if (x) {
+        free(x->sc);
+        free(x->sd);
+        free(x->rc);
+        free(x->rd);
+        free(x->cnt_send);
+        free(x->cnt_recv);
+        free(x->seg);
+        free(x->sbuf);
+        free(x->rbuf);
+        free(x);
+    }
+    free(d);
+}
+
+int mt_moe_dispatch_a2a(mt_moe_dispatcher **out, mt_comm *ep, int E, mt_comm_dtype wire)
+{
+    *out = NULL;
+    const int P = mt_comm_size(ep);
+    if (E < 1 || E % P != 0)
+        return MT_ERR(MT_EINVAL, "expert dispatch: ep %d does not divide %d experts", P, E);
+    if (mt_comm_mem_kind(ep) != MT_COMM_HOST)
+        return MT_ERR(MT_ENOTSUP, "expert dispatch: the ep group has device buffers; the GPU "
+                      "path of expert parallelism is not done (host communicators only)");
+    if (wire != MT_COMM_F32 && wire != MT_COMM_BF16)
+        return MT_ERR(MT_EINVAL, "expert dispatch: wire type %s (f32 or bf16)",
+                      mt_comm_dtype_name(wire));
+    mt_moe_dispatcher *d = calloc(1, sizeof *d);
+    a2a *x = calloc(1, sizeof *x);
+    if (!d || !x) {
+        free(d);
+        free(x);
+        return MT_ERR(MT_ENOMEM, "expert dispatch: out of memory");
+    }
+    d->impl = x;
+    d->E = E;
+    d->ep = P;
+    d->E_local = E / P;
+    d->e_lo = mt_comm_rank(ep) * d->E_local;
+    d->dispatch = a2a_dispatch;
+    d->combine = a2a_combine;
+    d->destroy = a2a_destroy;
+    x->c = ep;
+    x->wire = wire;
+    x->wsize = mt_comm_dtype_size(wire);
+    x->P = P;
+    x->me = mt_comm_rank(ep);
+    x->sc = calloc((size_t)P, sizeof *x->sc);
+    x->sd = calloc((size_t)P, sizeof *x->sd);
+    x->rc = calloc((size_t)P, sizeof *x->rc);
+    x->rd = calloc((size_t)P, sizeof *x->rd);
+    x->cnt_send = calloc((size_t)E, sizeof *x->cnt_send);
+    x->cnt_recv = calloc((size_t)E, sizeof *x->cnt_recv);
+    x->seg = calloc((size_t)d->E_local + 1, sizeof *x->seg);
+    if (!x->sc || !x->sd || !x->rc || !x->rd || !x->cnt_send || !x->cnt_recv || !x->seg) {
+        a2a_destroy(d);
+        return MT_ERR(MT_ENOMEM, "expert dispatch: out of memory");
+    }
+    *out = d;
+    return MT_OK;
+}
+
+void mt_moe_a2a_bytes(const mt_moe_dispatcher *d, int64_t *sent, int64_t *received)
+{
+    const a2a *x = d && d->dispatch == a2a_dispatch ? d->impl : NULL;
+    *sent = x ? x->bytes_sent : 0;
+    *received = x ? x->bytes_recv : 0;
+}

@@ -1,0 +1,223 @@
+/* bench_moe_dispatch.c - expert-parallel dispatch + combine on the CPU
+ * through MPI (engine/parallel/moe_a2a.h), at DeepSeek-V3 shapes by default.
+ *
+ *   mpirun -np P bench_moe_dispatch [--tokens N] [--hidden D] [--experts E]
+ *       [--topk K] [--align A] [--wire bf16|f32] [--iters I] [--threads T]
+ *
+ * Defaults: 4096 tokens per rank, hidden 7168, top-8 of 256 experts
+ * (uniform random routes, distinct per token), align 128 (the FP8 GEMM's
+ * segment padding, filled on arrival, never sent), bf16 wire, 3 timed
+ * iterations after one warm-up. Each iteration runs the MoE layer's path
+ * around the experts: dispatch (counts, then the rows gathered from the
+ * tokens straight into the wire buffer, the exchange, the unpack
+ * expert-contiguous), combine (pack, rows back into the source layout), and
+ * the weighted unpermute, the "experts" being the identity. Reported per phase:
+ * the slowest rank's time (ms), and for the exchanges the bytes that left
+ * each rank, as GB/s per rank; then the plain all_to_all_v of the same
+ * payload from packed buffers (MPI's own ceiling here).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
+#include "engine/parallel/comm.h"
+#include "engine/parallel/moe_a2a.h"
+#include "kernels/mt_fp8.h"
+#include "kernels/ops.h"
+
+static int rank_;
+
+static void die(const char *what, int rc)
+{
+    fprintf(stderr, "rank %d: %s: %d %s\n", rank_, what, rc, mt_errmsg());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+#define MUST(x)                                                                           \
+    do {                                                                                  \
+        int rc_ = (x);                                                                    \
+        if (rc_ < 0) die(#x, rc_);                                                        \
+    } while (0)
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Rank r's routes: K distinct experts per token, uniform. */
+static void routes_of(int r, int N, int K, int E, int32_t *idx)
+{
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < K; k++) {
+            int32_t e;
+            int dup;
+            uint64_t a = 0;
+            do {
+                e = (int32_t)(mt_hash_u64(0xbe4c4ULL + (uint64_t)r, (uint64_t)n * 1024 + a++) % E);
+                dup = 0;
+                for (int j = 0; j < k; j++) dup |= idx[n * K + j] == e;
+            } while (dup);
+            idx[n * K + k] = e;
+        }
+}
+
+int main(int argc, char **argv)
+{
+    int N = 4096, D = 7168, E = 256, K = 8, align = 128, iters = 3, threads = 1;
+    mt_comm_dtype wire = MT_COMM_BF16;
+    for (int i = 1; i < argc; i++) {
+        int has = i + 1 < argc;
+        if (!strcmp(argv[i], "--tokens") && has) N = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--hidden") && has) D = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--experts") && has) E = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--topk") && has) K = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--align") && has) align = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--iters") && has) iters = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--wire") && has) {
+            ++i;
+            wire = !strcmp(argv[i], "f32") ? MT_COMM_F32 : MT_COMM_BF16;
+        } else {
+            fprintf(stderr, "usage: bench_moe_dispatch [--tokens N] [--hidden D] [--experts E] "
+                            "[--topk K] [--align A] [--wire bf16|f32] [--iters I] [--threads T]\n");
+            return 2;
+        }
+    }
+    int provided;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    mt_comm *c;
+    mt_comm_opts o = {.backend = MT_COMM_MPI, .mem = MT_COMM_HOST};
+    MUST(mt_comm_world(&c, &o));
+    rank_ = mt_comm_rank(c);
+    const int P = mt_comm_size(c);
+    if (E % P != 0 || K > E || N < 1 || iters < 1) die("shape (E % P, K <= E)", MT_EINVAL);
+    mt_backend *be;
+    MUST(mt_backend_cpu_create(&be, threads));
+    be->round_bf16 = wire == MT_COMM_BF16;
+    mt_moe_dispatcher *d;
+    MUST(mt_moe_dispatch_a2a(&d, c, E, wire));
+    const int El = E / P;
+
+    /* every rank's routes, so each knows what it will receive */
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)N * K);
+    int64_t Rl = 0;
+    if (!idx) die("out of memory", MT_ENOMEM);
+    for (int r = 0; r < P; r++) {
+        routes_of(r, N, K, E, idx);
+        int64_t *per = calloc((size_t)El, sizeof *per);
+        for (int64_t a = 0; a < (int64_t)N * K; a++)
+            if (idx[a] / El == rank_) per[idx[a] % El]++;
+        for (int e = 0; e < El; e++) Rl += (per[e] + align - 1) / align * align;
+        free(per);
+    }
+    routes_of(rank_, N, K, E, idx);
+
+    const int64_t R = (int64_t)N * K;
+    int32_t *slot = malloc(sizeof(int32_t) * (size_t)R), *src = malloc(sizeof(int32_t) * (size_t)R);
+    int32_t *counts = malloc(sizeof(int32_t) * (size_t)E);
+    int *rows = malloc(sizeof(int) * (size_t)E);
+    float *w = malloc(sizeof(float) * (size_t)R);
+    float *x = malloc(sizeof(float) * (size_t)N * D), *y = malloc(sizeof(float) * (size_t)N * D);
+    float *xp = malloc(sizeof(float) * (size_t)R * D);   /* yp: combine's output */
+    float *xl = malloc(sizeof(float) * (size_t)Rl * D);  /* local layout */
+    if (!slot || !src || !counts || !rows || !w || !x || !y || !xp || !xl)
+        die("out of memory (tokens x hidden too large for this machine?)", MT_ENOMEM);
+    for (int64_t i = 0; i < (int64_t)N * D; i++)
+        x[i] = mt_bf16_round((float)mt_hash_normal(7 + (uint64_t)rank_, (uint64_t)i));
+    for (int64_t a = 0; a < R; a++) w[a] = 1.0f / K;
+    MUST(be->moe_index(be, slot, src, counts, rows, idx, N, K, E, 1, (int)R));
+    mt_moe_plan plan;
+    MUST(mt_moe_plan_init(&plan, P, El, align));
+    plan.Rl_cap = Rl;
+
+    double t[5] = {0}, best_a2a = 1e30;
+    int64_t s0 = 0, r0 = 0, s1, r1;
+    for (int it = 0; it <= iters; it++) {
+        double ts[5];
+        MUST(mt_comm_barrier(c));
+        ts[0] = ts[1] = now_s();
+        void *out;
+        if (it == 1) mt_moe_a2a_bytes(d, &s0, &r0);
+        /* the layer's forward: rows gathered from the tokens into the wire */
+        MUST(d->dispatch(d, be, &plan, 1, &out, xl, NULL, x, src, rows, D));
+        MUST(mt_comm_barrier(c)); /* phases timed apart */
+        ts[2] = now_s();
+        MUST(d->combine(d, be, &plan, xp, xl, D));
+        MUST(mt_comm_barrier(c));
+        ts[3] = now_s();
+        MUST(be->moe_unpermute(be, y, 0, xp, slot, w, N, K, D));
+        ts[4] = now_s();
+        if (it == 0) continue; /* warm-up: buffers grown, pages touched */
+        for (int k = 0; k < 4; k++) t[k] += ts[k + 1] - ts[k];
+        /* the bare exchange of the same payload, from packed buffers */
+        size_t *sc = calloc((size_t)P, sizeof *sc), *sd = calloc((size_t)P, sizeof *sd);
+        size_t *rc = calloc((size_t)P, sizeof *rc), *rd = calloc((size_t)P, sizeof *rd);
+        size_t so = 0, ro = 0;
+        for (int q = 0; q < P; q++) {
+            int64_t in = 0;
+            for (int e = 0; e < El; e++) in += plan.from[q * El + e];
+            sc[q] = (size_t)plan.sent[q] * D;
+            sd[q] = so;
+            rc[q] = (size_t)in * D;
+            rd[q] = ro;
+            so += sc[q];
+            ro += rc[q];
+        }
+        MUST(mt_comm_barrier(c));
+        double ta = now_s();
+        MUST(mt_comm_all_to_all_v(c, xp, sc, sd, xl, rc, rd, wire));
+        MUST(mt_comm_barrier(c));
+        double tb = now_s() - ta;
+        best_a2a = tb < best_a2a ? tb : best_a2a;
+        free(sc);
+        free(sd);
+        free(rc);
+        free(rd);
+    }
+    mt_moe_a2a_bytes(d, &s1, &r1);
+    double tmax[4];
+    for (int k = 0; k < 4; k++) t[k] /= iters;
+    MUST(mt_comm_all_reduce(c, t, tmax, 4, MT_COMM_F64, MT_COMM_MAX));
+    double a2a_max;
+    MUST(mt_comm_all_reduce(c, &best_a2a, &a2a_max, 1, MT_COMM_F64, MT_COMM_MAX));
+    /* bytes that left this rank per exchange (dispatch = combine in volume
+     * when routes are balanced; counts included) */
+    const double per_x = (double)(s1 - s0) / iters / 2;
+    int64_t mine = (int64_t)per_x, most;
+    MUST(mt_comm_all_reduce(c, &mine, &most, 1, MT_COMM_I64, MT_COMM_MAX));
+    if (rank_ == 0) {
+        printf("ranks %d, tokens/rank %d, hidden %d, top-%d of %d experts, align %d, %s wire, "
+               "%d iterations, %d thread(s)/rank\n", P, N, D, K, E, align,
+               mt_comm_dtype_name(wire), iters, threads);
+        printf("off-rank payload per exchange per rank (max): %.1f MB\n", most / 1e6);
+        printf("dispatch %.1f ms (%.2f GB/s/rank) | combine %.1f ms "
+               "(%.2f GB/s/rank) | unpermute %.1f ms | dispatch+combine %.1f ms | bare "
+               "all_to_all_v %.1f ms (%.2f GB/s/rank)\n",
+               1e3 * tmax[1], most / tmax[1] / 1e9, 1e3 * tmax[2],
+               most / tmax[2] / 1e9, 1e3 * tmax[3], 1e3 * (tmax[1] + tmax[2]), 1e3 * a2a_max,
+               most / a2a_max / 1e9);
+    }
+    mt_moe_plan_free(&plan);
+    d->destroy(d);
+    be->destroy(be);
+    free(idx);
+    free(slot);
+    free(src);
+    free(counts);
+    free(rows);
+    free(w);
+    free(x);
+    free(y);
+    free(xp);
+    free(xl);
+    mt_comm_destroy(c);
+    MPI_Finalize();
+    return 0;
+}

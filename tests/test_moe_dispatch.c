@@ -1,0 +1,332 @@
+/* test_moe_dispatch.c - the expert-parallel dispatcher against a plain
+ * reference (engine/parallel/moe_a2a.h).
+ *
+ * Run under mpirun with P ranks (P divides 12; also alone). Every rank
+ * builds every rank's routes from seeds, so each can compute by itself what
+ * it must receive and get back. For each route pattern (random; skewed: all
+ * ranks route every token to rank 0's experts, so rank 0 receives
+ * everything and the others nothing; holes: no rank routes to the last
+ * rank's experts and the last rank has no tokens at all), each wire (f32 on the fp32 recipe, bf16
+ * on rounded activations) and each padding (1 and 8), properties:
+ *   1. dispatch (rows gathered from the tokens by the source layout's
+ *      src, as the MoE layer does; the xp argument poisoned): the local
+ *      layout holds, for each local expert e, every source's rows for e in
+ *      source-rank order (each source's rows in token order), each
+ *      source's chunk followed by zero rows up to a multiple of align;
+ *      local_rows and Rl say so. Bit-exact (bf16 values travel as bf16);
+ *   2. combine: with an "expert" that scales each row by (e + 1) (its
+ *      padding rows poisoned with NaN, which must never travel), the
+ *      weighted unpermute gives sum_k w[n, k] (idx[n, k] + 1) x[n] on every
+ *      rank, bit-exact against the same sum computed plainly;
+ *   3. the backward's dispatch (count = 0, the forward's plan) moves a new
+ *      payload given in the source layout (xp) identically;
+ *   4. the byte counters count only what left this rank.
+ */
+#include <math.h>
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/mt_rng.h"
+#include "base/mt_status.h"
+#include "engine/parallel/comm.h"
+#include "engine/parallel/moe_a2a.h"
+#include "kernels/mt_fp8.h"
+#include "kernels/ops.h"
+
+#define E 12
+#define K 3
+#define D 20
+
+static int rank_, size_, failures;
+
+#define CHECK(cond, ...)                                                                  \
+    do {                                                                                  \
+        if (!(cond)) {                                                                    \
+            fprintf(stderr, "rank %d: FAIL %s:%d: ", rank_, __FILE__, __LINE__);          \
+            fprintf(stderr, __VA_ARGS__);                                                 \
+            fprintf(stderr, "\n");                                                        \
+            failures++;                                                                   \
+        }                                                                                 \
+    } while (0)
+
+static void die(const char *what, int rc)
+{
+    fprintf(stderr, "rank %d: %s: %d %s\n", rank_, what, rc, mt_errmsg());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+#define MUST(x)                                                                           \
+    do {                                                                                  \
+        int rc_ = (x);                                                                    \
+        if (rc_ < 0) die(#x, rc_);                                                        \
+    } while (0)
+
+enum { PAT_RANDOM = 0, PAT_SKEWED, PAT_HOLES, PAT_COUNT };
+static const char *const PAT_NAME[PAT_COUNT] = {"random", "skewed", "holes"};
+
+/* Tokens per rank: differ by rank (still one N per rank for its layer). */
+static int tokens_of(int r, int pat) { return pat == PAT_HOLES && r == size_ - 1 ? 0 : 5 + 3 * r; }
+
+/* Routes of rank r: N x K distinct experts. */
+static void routes_of(int r, int pat, int N, int32_t *idx)
+{
+    const int El = E / size_;
+    for (int n = 0; n < N; n++) {
+        for (int k = 0; k < K; k++) {
+            int32_t e;
+            int dup;
+            uint64_t a = 0;
+            do {
+                uint64_t h = mt_hash_u64(0xd15ba7c4ULL + (uint64_t)pat * 977 + (uint64_t)r,
+                                         (uint64_t)(n * K + k) * 131 + a++);
+                if (pat == PAT_SKEWED)
+                    e = (int32_t)(h % (uint64_t)El); /* rank 0's experts only */
+                else if (pat == PAT_HOLES && size_ > 1)
+                    e = (int32_t)(h % (uint64_t)(E - El)); /* never the last rank's */
+                else
+                    e = (int32_t)(h % E);
+                dup = 0;
+                for (int j = 0; j < k; j++) dup |= idx[n * K + j] == e;
+            } while (dup && a < 1000);
+            if (dup) e = (int32_t)((idx[n * K] + k) % E); /* El < K on rank 0 only: rare */
+            idx[n * K + k] = e;
+        }
+    }
+}
+
+/* Activations of rank r, token n: distinct, and bf16 values when rounded. */
+static float x_of(int r, int n, int d, int round)
+{
+    float v = (float)mt_hash_normal(0x5eedULL + (uint64_t)r, (uint64_t)n * D + d);
+    return round ? mt_bf16_round(v) : v;
+}
+
+static float w_of(int r, int n, int k) { return 0.25f + 0.125f * (float)((r + n + k) % 5); }
+
+static int64_t padded_of(int64_t n, int align) { return (n + align - 1) / align * align; }
+
+typedef struct routed {
+    int N;
+    int32_t idx[64 * K];
+} routed;
+
+static void run_case(mt_comm *c, int pat, mt_comm_dtype wire, int align)
+{
+    const int El = E / size_, round = wire == MT_COMM_BF16;
+    char what[96];
+    snprintf(what, sizeof what, "%s, %s wire, align %d", PAT_NAME[pat], mt_comm_dtype_name(wire),
+             align);
+    /* every rank's routes */
+    routed *all = calloc((size_t)size_, sizeof *all);
+    if (!all) die("out of memory", MT_ENOMEM);
+    for (int r = 0; r < size_; r++) {
+        all[r].N = tokens_of(r, pat);
+        routes_of(r, pat, all[r].N, all[r].idx);
+    }
+    const int N = all[rank_].N;
+    const int32_t *idx = all[rank_].idx;
+
+    mt_backend *be;
+    MUST(mt_backend_cpu_create(&be, 1));
+    be->round_bf16 = round;
+    mt_moe_dispatcher *d;
+    MUST(mt_moe_dispatch_a2a(&d, c, E, wire));
+    CHECK(d->e_lo == rank_ * El && d->E_local == El && d->ep == size_, "%s: experts [%d, +%d)",
+          what, d->e_lo, d->E_local);
+    mt_moe_plan plan;
+    MUST(mt_moe_plan_init(&plan, size_, El, align));
+    plan.Rl_cap = mt_moe_local_rows_cap(d, 64, K, align);
+
+    /* source layout by the backend's own ops, as the MoE layer builds it */
+    const int R_cap = N * K + 1;
+    int32_t *slot = malloc(sizeof(int32_t) * (size_t)(N * K + 1));
+    int32_t *src = malloc(sizeof(int32_t) * (size_t)R_cap);
+    int32_t counts[E];
+    int rows[E];
+    float *x = malloc(sizeof(float) * (size_t)(N * D + 1));
+    float *xp = malloc(sizeof(float) * (size_t)(R_cap * D));
+    float *yp = malloc(sizeof(float) * (size_t)(R_cap * D));
+    float *y = malloc(sizeof(float) * (size_t)(N * D + 1));
+    float *w = malloc(sizeof(float) * (size_t)(N * K + 1));
+    const size_t lcap = (size_t)plan.Rl_cap * D;
+    float *xl_buf = malloc(sizeof(float) * lcap), *yl = malloc(sizeof(float) * lcap);
+    float *want = malloc(sizeof(float) * lcap);
+    if (!slot || !src || !x || !xp || !yp || !y || !w || !xl_buf || !yl || !want)
+        die("out of memory", MT_ENOMEM);
+    for (int n = 0; n < N; n++) {
+        for (int j = 0; j < D; j++) x[n * D + j] = x_of(rank_, n, j, round);
+        for (int k = 0; k < K; k++) w[n * K + k] = w_of(rank_, n, k);
+    }
+    MUST(be->moe_index(be, slot, src, counts, rows, idx, N, K, E, 1, R_cap));
+    int R = 0;
+    for (int e = 0; e < E; e++) R += rows[e];
+    MUST(be->moe_permute(be, xp, x, src, R, D));
+
+    /* 1. dispatch against the plain layout */
+    int64_t s0, r0;
+    mt_moe_a2a_bytes(d, &s0, &r0);
+    void *xl = NULL;
+    for (size_t i = 0; i < lcap; i++) xl_buf[i] = NAN;
+    /* the forward gathers from the tokens (the layer's way); xp is poisoned */
+    float *poisoned = malloc(sizeof(float) * (size_t)(R_cap * D));
+    if (!poisoned) die("out of memory", MT_ENOMEM);
+    for (size_t i = 0; i < (size_t)R_cap * D; i++) poisoned[i] = NAN;
+    MUST(d->dispatch(d, be, &plan, 1, &xl, xl_buf, poisoned, x, src, rows, D));
+    free(poisoned);
+    CHECK(xl == xl_buf, "%s: dispatch did not use the local buffer", what);
+    int64_t at = 0, expect_recv = 0;
+    for (int e = 0; e < El; e++) {
+        const int g = d->e_lo + e;
+        int64_t first = at;
+        for (int q = 0; q < size_; q++) {
+            int64_t got = 0;
+            for (int n = 0; n < all[q].N; n++)
+                for (int k = 0; k < K; k++)
+                    if (all[q].idx[n * K + k] == g) {
+                        for (int j = 0; j < D; j++) want[at * D + j] = x_of(q, n, j, round);
+                        at++;
+                        got++;
+                    }
+            for (; got % align; got++, at++)
+                for (int j = 0; j < D; j++) want[at * D + j] = 0.0f;
+            CHECK(padded_of(plan.from[q * El + e], align) == got,
+                  "%s: expert %d: %lld rows from rank %d, want %lld with padding", what, g,
+                  (long long)plan.from[q * El + e], q, (long long)got);
+            if (q != rank_) expect_recv += plan.from[q * El + e];
+        }
+        CHECK(plan.local_rows[e] == at - first, "%s: expert %d: %d local rows, want %lld", what,
+              g, plan.local_rows[e], (long long)(at - first));
+    }
+    CHECK(plan.Rl == at && plan.R == R, "%s: Rl %d (want %lld), R %d (want %d)", what, plan.Rl,
+          (long long)at, plan.R, R);
+    if (plan.Rl == at)
+        CHECK(memcmp(xl_buf, want, sizeof(float) * (size_t)(at * D)) == 0,
+              "%s: the local layout differs from the plain one", what);
+    int64_t s1, r1;
+    mt_moe_a2a_bytes(d, &s1, &r1);
+    int64_t expect_sent = R - plan.sent[rank_];
+    const int64_t cnt_bytes = (int64_t)(size_ - 1) * El * 8, ws = (int64_t)mt_comm_dtype_size(wire);
+    CHECK(s1 - s0 == expect_sent * D * ws + cnt_bytes && r1 - r0 == expect_recv * D * ws + cnt_bytes,
+          "%s: byte counters %lld sent, %lld received; want %lld, %lld", what,
+          (long long)(s1 - s0), (long long)(r1 - r0), (long long)(expect_sent * D * ws + cnt_bytes),
+          (long long)(expect_recv * D * ws + cnt_bytes));
+
+    /* 2. the scaling "experts", padding poisoned, then combine and unpermute */
+    at = 0;
+    for (int e = 0; e < El; e++)
+        for (int q = 0; q < size_; q++) {
+            const int64_t used = plan.from[q * El + e];
+            for (int64_t i = 0; i < padded_of(used, align); i++, at++)
+                for (int j = 0; j < D; j++) {
+                    float v = xl_buf[at * D + j] * (float)(d->e_lo + e + 1);
+                    yl[at * D + j] = i < used ? (round ? mt_bf16_round(v) : v) : NAN;
+                }
+        }
+    for (size_t i = 0; i < (size_t)R_cap * D; i++) yp[i] = NAN;
+    MUST(d->combine(d, be, &plan, yp, yl, D));
+    if (N > 0) MUST(be->moe_unpermute(be, y, 0, yp, slot, w, N, K, D));
+    int bad = 0;
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < D; j++) {
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++) {
+                float v = x[n * D + j] * (float)(idx[n * K + k] + 1);
+                acc += w[n * K + k] * (round ? mt_bf16_round(v) : v);
+            }
+            if (round) acc = mt_bf16_round(acc);
+            bad += memcmp(&acc, &y[n * D + j], sizeof acc) != 0;
+        }
+    CHECK(bad == 0, "%s: %d combined values differ from the plain sum", what, bad);
+
+    /* 3. the backward's dispatch reuses the plan */
+    for (int i = 0; i < R * D; i++) xp[i] = round ? mt_bf16_round(-2.0f * xp[i]) : -2.0f * xp[i];
+    for (size_t i = 0; i < lcap; i++) xl_buf[i] = NAN;
+    int64_t s2, r2;
+    mt_moe_a2a_bytes(d, &s2, &r2);
+    MUST(d->dispatch(d, be, &plan, 0, &xl, xl_buf, xp, NULL, NULL, rows, D));
+    for (int64_t i = 0; i < at * D; i++) want[i] = -2.0f * want[i] + 0.0f; /* padding: +0 */
+    CHECK(memcmp(xl_buf, want, sizeof(float) * (size_t)(at * D)) == 0,
+          "%s: the backward's dispatch differs from the forward's layout", what);
+    int64_t s3, r3;
+    mt_moe_a2a_bytes(d, &s3, &r3);
+    CHECK(s3 - s2 == expect_sent * D * ws, "%s: the backward's dispatch exchanged counts again",
+          what);
+
+    mt_moe_plan_free(&plan);
+    d->destroy(d);
+    be->destroy(be);
+    free(slot);
+    free(src);
+    free(x);
+    free(xp);
+    free(yp);
+    free(y);
+    free(w);
+    free(xl_buf);
+    free(yl);
+    free(want);
+    free(all);
+}
+
+/* Refusals that name what is wrong. */
+static void refusals(mt_comm *c)
+{
+    mt_moe_dispatcher *d;
+    if (size_ > 1) {
+        int rc = mt_moe_dispatch_a2a(&d, c, E + 1, MT_COMM_F32);
+        CHECK(rc == MT_EINVAL && strstr(mt_errmsg(), "does not divide"),
+              "ep %d over %d experts not refused: %d %s", size_, E + 1, rc, mt_errmsg());
+    }
+    int rc = mt_moe_dispatch_a2a(&d, c, E, MT_COMM_E4M3);
+    CHECK(rc == MT_EINVAL && strstr(mt_errmsg(), "e4m3"), "an e4m3 wire not refused: %d %s", rc,
+          mt_errmsg());
+    /* a bf16 wire would round the fp32 recipe's activations */
+    mt_backend *be;
+    MUST(mt_backend_cpu_create(&be, 1));
+    be->round_bf16 = 0;
+    MUST(mt_moe_dispatch_a2a(&d, c, E, MT_COMM_BF16));
+    mt_moe_plan plan;
+    MUST(mt_moe_plan_init(&plan, size_, E / size_, 1));
+    int rows[E] = {0};
+    float xp[1] = {0}, xl_buf[1];
+    void *xl;
+    rc = d->dispatch(d, be, &plan, 1, &xl, xl_buf, xp, NULL, NULL, rows, D);
+    CHECK(rc == MT_EINVAL && strstr(mt_errmsg(), "fp32"), "bf16 wire on unrounded values: %d %s",
+          rc, mt_errmsg());
+    mt_moe_plan_free(&plan);
+    d->destroy(d);
+    be->destroy(be);
+    mt_err_clear();
+}
+
+int main(int argc, char **argv)
+{
+    int provided;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    mt_comm *c;
+    mt_comm_opts o = {.backend = MT_COMM_MPI, .mem = MT_COMM_HOST};
+    MUST(mt_comm_world(&c, &o));
+    rank_ = mt_comm_rank(c);
+    size_ = mt_comm_size(c);
+    if (E % size_ != 0) {
+        if (rank_ == 0) fprintf(stderr, "SKIP: %d ranks do not divide %d experts\n", size_, E);
+        mt_comm_destroy(c);
+        MPI_Finalize();
+        return 77;
+    }
+    for (int pat = 0; pat < PAT_COUNT; pat++)
+        for (int wi = 0; wi < 2; wi++)
+            for (int align = 1; align <= 8; align += 7)
+                run_case(c, pat, wi ? MT_COMM_BF16 : MT_COMM_F32, align);
+    refusals(c);
+    int ok = mt_comm_agree(c, failures == 0);
+    if (rank_ == 0)
+        printf("test_moe_dispatch: %d rank%s, %d route patterns x 2 wires x 2 paddings: %s\n",
+               size_, size_ == 1 ? "" : "s", PAT_COUNT, ok == 1 ? "equal to the plain reference"
+                                                                : "FAILED");
+    mt_comm_destroy(c);
+    MPI_Finalize();
+    return ok == 1 ? 0 : 1;
+}
