@@ -60,6 +60,16 @@ expect_fail "NaN in --set, daemon --job" 2 'optimizer.lr: "nan" is not a finite 
 expect_fail "NaN in the file, daemon --job" 2 "optimizer.lr: invalid token near 'NaN'" -- \
   "$d" --listen 127.0.0.1:0 --workdir "$dir/wd" --job "$dir/nan.json"
 
+# admission: a layout the ranks cannot run is refused before anything runs,
+# naming the layout and the world size
+expect_fail "tp 2 on one rank" 2 "layout tp=2,pp=1,vpp=1,ep=1,etp=1,dp=0: 1 rank runs the job, not a multiple of tp 2 x pp 1 = 2" -- \
+  "$d" --job "$job" --set data.path="$dir/syn" --set parallel.tp=2
+expect_fail "dp 2 on one rank" 2 "needs tp 1 x pp 1 x dp 2 = 2 ranks, but 1 rank runs the job" -- \
+  "$d" --job "$job" --set data.path="$dir/syn" --set parallel.dp=2
+expect_fail "tp 2 on one rank, daemon --job" 2 "1 rank runs the job" -- \
+  "$d" --listen 127.0.0.1:0 --workdir "$dir/wd" --job "$job" --set data.path="$dir/syn" \
+  --set parallel.tp=2
+
 "$d" --help-job > "$dir/help.txt" 2>&1 || fail "--help-job exit $?"
 for f in train.steps precision.main_params model.n_group lr_schedule.decay; do
   grep -q "$f" "$dir/help.txt" || fail "--help-job lacks $f"

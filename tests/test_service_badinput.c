@@ -298,6 +298,9 @@ static void test_bad_specs(void **state)
         {"checkpoint.dir=escape/inside", NULL, "symbolic link"},
         {"init.kind=checkpoint", NULL, "init.path"},
         {"name=../../x", NULL, "name"},
+        /* admission: the daemon runs one rank */
+        {"parallel.tp=2", NULL, "layout tp=2,pp=1,vpp=1,ep=1,etp=1,dp=0: 1 rank runs the job"},
+        {"parallel.dp=2", NULL, "needs tp 1 x pp 1 x dp 2 = 2 ranks, but 1 rank runs the job"},
         {NULL, "../../etc", "from_checkpoint"},
         {NULL, "step_00000001", "from_checkpoint"},
     };
