@@ -308,6 +308,10 @@ int mt_backend_cpu_create(mt_backend **out, int threads);
 /* The CUDA backend on `device`, with a memory arena of arena_bytes (0: all
  * but a reserve of the free memory). Returns MT_ENOTSUP in CPU-only builds. */
 int mt_backend_cuda_create(mt_backend **out, int device, size_t arena_bytes);
+/* The same for `sharers` processes using the device at once (several ranks
+ * on one GPU, as the tests run): an arena of total / sharers less the
+ * reserve. */
+int mt_backend_cuda_create_shared(mt_backend **out, int device, int sharers);
 /* Number of CUDA devices usable now (0 without a driver or in CPU-only builds). */
 int mt_cuda_device_count(void);
 

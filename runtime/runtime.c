@@ -41,14 +41,20 @@ int mt_runtime_share(mt_runtime *rt, void *buf, size_t bytes)
 
 /* ---- a job ----------------------------------------------------------------------------- */
 
-static int make_backend(const mt_jobspec *j, int threads, int rank, mt_backend **be)
+/* CUDA: rank r on device r % n; when there are more ranks than devices
+ * (tests: several ranks on one GPU through the staged backend) each takes
+ * its share of the device's memory. Assumes the ranks of one host, as the
+ * rank-to-device rule does. */
+static int make_backend(const mt_jobspec *j, int threads, int rank, int world, mt_backend **be)
 {
     if (j->backend == MT_BACKEND_CUDA) {
         int n = mt_cuda_device_count();
         if (n <= 0)
             return MT_ERR(MT_ENOTSUP, "backend \"cuda\": no CUDA device (this build or this "
                                       "machine); use --set backend=cpu");
-        return mt_backend_cuda_create(be, rank % n, 0);
+        const int sharers = world > n ? (world + n - 1) / n : 1;
+        return sharers > 1 ? mt_backend_cuda_create_shared(be, rank % n, sharers)
+                           : mt_backend_cuda_create(be, rank % n, 0);
     }
     return mt_backend_cpu_create(be, threads);
 }
@@ -101,7 +107,7 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
         rc = MT_ERR(MT_EINVAL, "job %s: its layout covers %d ranks, %d run it (admit the job "
                     "for this world first)", spec->name, l->dp > 0 ? mt_layout_world(l) : 0,
                     rt->size);
-    if (rc == MT_OK) rc = make_backend(spec, o ? o->threads : 0, rt->rank, &j->be);
+    if (rc == MT_OK) rc = make_backend(spec, o ? o->threads : 0, rt->rank, rt->size, &j->be);
     /* every rank reaches the group building (collective) or none does */
     int ok = mt_runtime_agree(rt, rc == MT_OK);
     if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");

@@ -16,6 +16,12 @@ int mt_backend_cuda_create(mt_backend **out, int device, size_t arena_bytes)
                   device);
 }
 
+int mt_backend_cuda_create_shared(mt_backend **out, int device, int sharers)
+{
+    (void)sharers;
+    return mt_backend_cuda_create(out, device, 0);
+}
+
 int mt_cuda_device_count(void) { return 0; }
 
 /* The op profile times the CUDA backend's ops only. */

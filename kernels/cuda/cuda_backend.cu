@@ -297,7 +297,7 @@ static size_t env_mb(const char *name, size_t dflt)
     return v && *v ? (size_t)strtoull(v, NULL, 10) << 20 : dflt;
 }
 
-static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes)
+static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes, int sharers)
 {
     cudaDeviceProp prop;
     c->device = device;
@@ -325,11 +325,16 @@ static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes)
     size_t free_b = 0, total_b = 0;
     MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     if (!arena_bytes) {
-        /* all but a reserve for the CUDA context growth, cuDNN and cuBLAS */
+        /* all but a reserve for the CUDA context growth, cuDNN and cuBLAS;
+         * processes sharing the device take equal parts of its total, so
+         * that ranks starting at once agree */
         size_t reserve = (size_t)1536 << 20;
-        if (free_b <= 2 * reserve)
-            return MT_ERR(MT_ENOMEM, "cuda backend: only %zu MB free on %s", free_b >> 20, prop.name);
-        arena_bytes = free_b - reserve;
+        size_t want = sharers > 1 ? total_b / (size_t)sharers : free_b;
+        if (want <= 2 * reserve || free_b <= 2 * reserve)
+            return MT_ERR(MT_ENOMEM, "cuda backend: only %zu MB free on %s (%zu MB for each of "
+                          "%d processes)", free_b >> 20, prop.name, want >> 20, sharers);
+        arena_bytes = want - reserve;
+        if (arena_bytes > free_b - reserve) arena_bytes = free_b - reserve;
     }
     arena_bytes = arena_bytes / ARENA_ALIGN * ARENA_ALIGN;
     cudaError_t e = cudaMalloc((void **)&c->arena, arena_bytes);
@@ -362,7 +367,19 @@ static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes)
     return MT_OK;
 }
 
+static int make(mt_backend **out, int device, size_t arena_bytes, int sharers);
+
 int mt_backend_cuda_create(mt_backend **out, int device, size_t arena_bytes)
+{
+    return make(out, device, arena_bytes, 1);
+}
+
+int mt_backend_cuda_create_shared(mt_backend **out, int device, int sharers)
+{
+    return make(out, device, 0, sharers > 1 ? sharers : 1);
+}
+
+static int make(mt_backend **out, int device, size_t arena_bytes, int sharers)
 {
     *out = NULL;
     int n = mt_cuda_device_count();
@@ -377,7 +394,7 @@ int mt_backend_cuda_create(mt_backend **out, int device, size_t arena_bytes)
     }
     be->impl = c;
     be->destroy = cuda_destroy;
-    int rc = create(be, c, device, arena_bytes);
+    int rc = create(be, c, device, arena_bytes, sharers);
     if (rc < 0) {
         cuda_destroy(be);
         return rc;
