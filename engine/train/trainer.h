@@ -73,6 +73,15 @@ typedef struct mt_trainer {
     mt_metrics_sink *sinks[MT_TRAINER_MAX_SINKS];
     mt_step_metrics last;         /* metrics of the last step */
     float *bias_host;             /* [E] scratch for the router bias update */
+    /* The last balanced step's routed-expert loads (global: summed over the
+     * dp group, as the bias update uses them) and router biases after its
+     * update, per MoE layer, for the service's heat map. Host memory. */
+    int64_t moe_step;             /* the step they are of; 0: none yet */
+    int n_moe_rec;                /* MoE layers recorded */
+    int moe_have_bias;            /* the router has a bias (noaux_tc) */
+    int *moe_layer;               /* [n_blocks + n_mtp] model layer of record i */
+    int64_t *moe_load;            /* [n_blocks + n_mtp, E] */
+    float *moe_bias;              /* [n_blocks + n_mtp, E] */
     int64_t *load_sum;            /* [E] expert loads summed over the dp group */
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
