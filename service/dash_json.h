@@ -53,7 +53,9 @@ typedef struct dash_access {
 } dash_access;
 
 /* GET /api/status: state, job, layout, progress, the last step's metrics,
- * the last checkpoint, reshard progress, and `control` (dash_access). */
+ * every rank's last step ("rank_stats": rank, step, step_ms, compute_ms,
+ * mem_in_use, mem_peak; "slowest_rank", null before the first step), the
+ * last checkpoint, reshard progress, and `control` (dash_access). */
 int dash_status_json(service *svc, const dash_access *acc, char **out, size_t *len);
 
 /* GET /api/experts: the last step's per-expert loads and router bias, a
