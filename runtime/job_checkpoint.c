@@ -52,6 +52,8 @@ struct mt_job_ckpt {
     int rc;
     char err[1024];
     double t_start;
+    double t_call;             /* when the save was asked for */
+    int foreground;            /* training waits for the whole save */
     mt_job_ckpt_stats st;
     pthread_mutex_t mu;        /* guards st */
 };
@@ -276,6 +278,8 @@ static int finish(mt_job_ckpt *jc)
     double ms = now_ms() - jc->t_start;
     pthread_mutex_lock(&jc->mu);
     jc->st.in_flight = 0;
+    /* a save in the foreground blocks training from the call to the commit */
+    if (jc->foreground) jc->st.last_stall_ms = now_ms() - jc->t_call;
     if (rc == MT_OK) {
         jc->st.saves++;
         jc->st.last_step = jc->step;
@@ -395,6 +399,8 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
     int prev = progress(jc, 1);
     if (prev < 0) MT_LOGW("%s", mt_errmsg());
     jc->t_start = now_ms();
+    jc->t_call = t0;
+    jc->foreground = !background;
     jc->step = t->step;
     jc->rc = MT_OK;
     jc->err[0] = '\0';

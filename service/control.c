@@ -24,6 +24,7 @@
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 #include "kernels/ops.h"
+#include "service/board.h"
 #include "service/control_ckpt.h"
 #include "service/svc_text.h"
 
@@ -79,7 +80,12 @@ struct control {
     int final_rc;
     char final_msg[SVC_MSG_CAP];
     ctl_reshard *reshard;       /* rank 0 with a workdir */
+    board *board;               /* rank 0: the latest per-rank and per-expert values */
+    ctl_verifier *verifier;     /* rank 0 with a workdir: reads saves back */
 };
+
+/* Saves up to this size are read back (verified) while training goes on. */
+#define CTL_VERIFY_MAX_BYTES (512LL << 20)
 
 /* ---- creation ----------------------------------------------------------------------- */
 
@@ -113,6 +119,15 @@ int control_create(control **out, const control_opts *o)
             return rc;
         }
     }
+    if (o->rank == 0) {
+        int rc = board_create(&c->board, o->world);
+        if (rc == MT_OK && o->workdir)
+            rc = ctl_verifier_create(&c->verifier, c->board, c->workdir, CTL_VERIFY_MAX_BYTES);
+        if (rc < 0) {
+            control_destroy(c);
+            return rc;
+        }
+    }
     *out = c;
     return MT_OK;
 }
@@ -131,6 +146,8 @@ void control_destroy(control *c)
 {
     if (!c) return;
     ctl_reshard_destroy(c->reshard);
+    ctl_verifier_destroy(c->verifier);
+    board_destroy(c->board);
     free_pending(c->head);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
@@ -291,9 +308,12 @@ void control_get_status(control *c, control_status *out)
     *out = c->st;
     pthread_mutex_unlock(&c->mu);
     if (c->reshard) ctl_reshard_get(c->reshard, &out->reshard);
+    if (out->last_ckpt.valid) board_fill_saves(c->board, &out->last_ckpt, 1);
 }
 
 int control_world(const control *c) { return c->o.world; }
+
+board *control_board(control *c) { return c->board; }
 
 int control_shutting_down(control *c)
 {
@@ -487,6 +507,7 @@ static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, c
     c->st.last_ckpt.valid = 0;
     c->st.layout = c->job.parallel; /* admitted: dp resolved */
     c->st.have_layout = 1;
+    board_new_run(c->board, c->run_id);
     r.run_id = c->run_id;
     snprintf(r.job, sizeof r.job, "%s", c->job.name);
     r.start_step = r.step = c->t->step;
@@ -502,10 +523,13 @@ static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, c
     complete_ticket(c, t, &r);
 }
 
-/* Records a saved checkpoint in the snapshot and the hub (rank 0). */
-static void note_checkpoint(control *c, const svc_ckpt *ck)
+/* Records a saved checkpoint in the snapshot, on the board (its save
+ * times; its verify starts: ck->verify says so) and in the hub (rank 0). */
+static void note_checkpoint(control *c, svc_ckpt *ck)
 {
     if (!rank0(c) || !ck->valid) return;
+    if (c->verifier) ctl_verifier_submit(c->verifier, ck);
+    else board_note_save(c->board, ck);
     pthread_mutex_lock(&c->mu);
     c->st.last_ckpt = *ck;
     c->st.ckpt_saved_total++;
@@ -528,9 +552,16 @@ static int end_job(control *c, const char *outcome, int save, svc_ckpt *saved)
         c->state = SVC_STOPPING;
         snapshot(c);
         publish_state(c, "stopping at step %lld: saving a final checkpoint", (long long)c->t->step);
-        rc = ctl_ckpt_save(c->ck, saved);
+        svc_ckpt earlier;
+        rc = ctl_ckpt_save(c->ck, &earlier, saved);
         if (rc < 0) MT_LOGE("final checkpoint failed: %s", mt_errmsg());
-        else note_checkpoint(c, saved);
+        note_checkpoint(c, &earlier);
+        note_checkpoint(c, saved);
+    } else {
+        /* a save still writing commits before the job goes: reported */
+        svc_ckpt last;
+        if (ctl_ckpt_finish(c->ck, &last) < 0) mt_err_clear(); /* logged by the policy */
+        note_checkpoint(c, &last);
     }
     int64_t step = c->t->step;
     if (!strcmp(outcome, "completed"))
@@ -640,19 +671,42 @@ static void apply(control *c, const wire_cmd *w, const mt_jobspec *spec, ctl_tic
         if (r.rc < 0) snprintf(r.msg, sizeof r.msg, "stopped, but the final checkpoint failed: %s",
                                mt_errmsg());
         break;
-    case CTL_SAVE:
-        r.rc = ctl_ckpt_save(c->ck, &r.ckpt);
+    case CTL_SAVE: {
+        svc_ckpt earlier;
+        r.rc = ctl_ckpt_save(c->ck, &earlier, &r.ckpt);
         if (r.rc < 0) {
             snprintf(r.msg, sizeof r.msg, "%s", mt_errmsg());
             MT_LOGE("checkpoint failed: %s", r.msg);
-        } else {
-            note_checkpoint(c, &r.ckpt);
         }
+        note_checkpoint(c, &earlier);
+        note_checkpoint(c, &r.ckpt);
         break;
+    }
     default: break;
     }
     r.state = c->state;
     complete_ticket(c, t, &r);
+}
+
+/* After a step, on every rank: each rank's record to rank 0's board (one
+ * gather over the world), and rank 0's expert loads and router biases. */
+static int post_step(control *c)
+{
+    const mt_step_metrics *m = &c->t->last;
+    board_rank me = {.rank = c->o.rank, .step = m->step, .step_ms = m->step_ms,
+                     .compute_ms = m->compute_ms, .mem_in_use = (int64_t)m->mem_in_use,
+                     .mem_peak = (int64_t)m->mem_peak};
+    MT_CHECK(board_gather_ranks(c->board, c->o.rt->world, &me));
+    const mt_trainer *t = c->t;
+    if (!rank0(c) || t->moe_step <= 0 || t->moe_step != m->step) return MT_OK;
+    board_experts e = {.run_id = c->run_id, .step = t->moe_step, .n_layers = t->n_moe_rec,
+                       .n_experts = t->model->cfg.n_routed_experts, .have_bias = t->moe_have_bias,
+                       .layer = t->moe_layer, .load = t->moe_load, .bias = t->moe_bias};
+    if (board_post_experts(c->board, &e) < 0) {
+        MT_LOGW("the expert loads of step %lld are not shown: %s", (long long)m->step, mt_errmsg());
+        mt_err_clear();
+    }
+    return MT_OK;
 }
 
 static void step_once(control *c)
@@ -663,6 +717,7 @@ static void step_once(control *c)
         return;
     }
     int rc = mt_job_step(c->run, NULL);
+    if (rc == MT_OK) rc = post_step(c);
     if (rc < 0) {
         fail_job(c, rc);
         return;
@@ -804,7 +859,9 @@ int control_list_checkpoints(control *c, const char *job, char *dir, size_t dir_
     *out = NULL;
     *n = 0;
     MT_CHECK(job_ckpt_dir(c, job, dir, dir_cap, name, sizeof name));
-    return ctl_ckpt_list(c->o.workdir, dir, out, n);
+    MT_CHECK(ctl_ckpt_list(c->o.workdir, dir, out, n));
+    board_fill_saves(c->board, *out, *n);
+    return MT_OK;
 }
 
 int control_checkpoint_path(control *c, const char *ckpt_dir, const char *name, char *path,

@@ -116,6 +116,11 @@ void control_get_status(control *c, control_status *out);
 /* The number of ranks that run jobs (what StartJob admits a layout for). */
 int control_world(const control *c);
 
+/* What the engine posted after its last step (per-rank step times and
+ * memory, per-expert loads and router bias, save records); rank 0. */
+struct board;
+struct board *control_board(control *c);
+
 /* The daemon is going down: new commands get MT_EINTR. */
 int control_shutting_down(control *c);
 

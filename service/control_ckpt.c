@@ -244,13 +244,27 @@ void ctl_ckpt_newly_saved(ctl_ckpt *ck, svc_ckpt *saved)
     if (st.saves > ck->saves_seen && st.last_step >= 0) {
         ck->saves_seen = st.saves;
         describe_saved(ck, saved, st.last_path, st.last_step);
+        saved->write_ms = st.last_write_ms;
+        saved->stall_ms = st.last_stall_ms;
     }
 }
 
-int ctl_ckpt_save(ctl_ckpt *ck, svc_ckpt *saved)
+int ctl_ckpt_finish(ctl_ckpt *ck, svc_ckpt *saved)
 {
     memset(saved, 0, sizeof *saved);
+    if (!ck || !ck->jc) return MT_OK;
+    int rc = ctl_ckpt_said(ck, mt_job_ckpt_wait(ck->jc));
+    ctl_ckpt_newly_saved(ck, saved);
+    return rc;
+}
+
+int ctl_ckpt_save(ctl_ckpt *ck, svc_ckpt *earlier, svc_ckpt *saved)
+{
+    memset(saved, 0, sizeof *saved);
+    memset(earlier, 0, sizeof *earlier);
     if (!ck || !ck->job) return MT_ERR(MT_ESTATE, "no job");
+    /* the save in flight ends first: reported, not lost behind this one */
+    MT_CHECK(ctl_ckpt_finish(ck, earlier));
     MT_CHECK(ctl_ckpt_said(ck, mt_job_save(ck->job)));
     ctl_ckpt_newly_saved(ck, saved);
     if (!saved->valid) {
@@ -614,4 +628,116 @@ void ctl_reshard_get(ctl_reshard *r, svc_reshard *out)
     *out = r->st;
     pthread_mutex_unlock(&r->mu);
     if (out->active) out->progress = progress_of(&r->prog);
+}
+
+/* ---- reading saves back (rank 0) ---------------------------------------------------------- */
+
+#define VERIFY_QUEUE 8
+
+struct ctl_verifier {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    board *board;
+    char root[MT_PATH_CAP];    /* the workdir: what is read back is confined to it */
+    int64_t max_bytes;
+    char queue[VERIFY_QUEUE][MT_PATH_CAP]; /* a ring of paths */
+    int head, n;
+    int quit;
+    pthread_t thread;
+    int joinable;
+};
+
+static void *verify_main(void *arg)
+{
+    ctl_verifier *v = arg;
+    char path[MT_PATH_CAP], result[SVC_VERIFY_CAP], msg[SVC_MSG_CAP];
+    pthread_mutex_lock(&v->mu);
+    for (;;) {
+        while (!v->n && !v->quit) pthread_cond_wait(&v->cv, &v->mu);
+        if (v->quit) break;
+        snprintf(path, sizeof path, "%s", v->queue[v->head]);
+        v->head = (v->head + 1) % VERIFY_QUEUE;
+        v->n--;
+        pthread_mutex_unlock(&v->mu);
+        /* read through the confined, held folder (like every other read of
+         * the service), whatever happened to the path since the save */
+        pinned p;
+        int rc = pin_step(&p, v->root, path, "checkpoint", 0);
+        if (rc == MT_OK) {
+            rc = unpin_err(mt_ckpt_verify(use_path(&p), NULL, NULL, NULL), &p, NULL);
+            unpin(&p);
+        }
+        if (rc == MT_OK) {
+            snprintf(result, sizeof result, "ok");
+        } else {
+            svc_strip_locations(mt_errmsg(), msg, sizeof msg);
+            snprintf(result, sizeof result, "failed: %s", msg);
+            MT_LOGE("checkpoint %s does not verify: %s", path, msg);
+            mt_err_clear();
+        }
+        board_set_verify(v->board, path, result);
+        pthread_mutex_lock(&v->mu);
+    }
+    pthread_mutex_unlock(&v->mu);
+    return NULL;
+}
+
+int ctl_verifier_create(ctl_verifier **out, board *b, const char *root, int64_t max_bytes)
+{
+    *out = NULL;
+    ctl_verifier *v = calloc(1, sizeof *v);
+    if (!v) return MT_ERR(MT_ENOMEM, "verifier: out of memory");
+    snprintf(v->root, sizeof v->root, "%s", root);
+    pthread_mutex_init(&v->mu, NULL);
+    pthread_cond_init(&v->cv, NULL);
+    v->board = b;
+    v->max_bytes = max_bytes;
+    if (pthread_create(&v->thread, NULL, verify_main, v) != 0) {
+        ctl_verifier_destroy(v);
+        return MT_ERR(MT_EGENERIC, "verifier: cannot start its thread");
+    }
+    v->joinable = 1;
+    *out = v;
+    return MT_OK;
+}
+
+void ctl_verifier_destroy(ctl_verifier *v)
+{
+    if (!v) return;
+    pthread_mutex_lock(&v->mu);
+    v->quit = 1;
+    pthread_cond_signal(&v->cv);
+    pthread_mutex_unlock(&v->mu);
+    if (v->joinable) pthread_join(v->thread, NULL);
+    pthread_mutex_destroy(&v->mu);
+    pthread_cond_destroy(&v->cv);
+    free(v);
+}
+
+void ctl_verifier_submit(ctl_verifier *v, svc_ckpt *c)
+{
+    if (!c->valid) return;
+    if (c->bytes > v->max_bytes) {
+        snprintf(c->verify, sizeof c->verify,
+                 "skipped: %.1f MB is more than the %.0f MB read back while training "
+                 "(moetrain-ckpt verify checks it)",
+                 (double)c->bytes / 1e6, (double)v->max_bytes / 1e6);
+        board_note_save(v->board, c);
+        return;
+    }
+    snprintf(c->verify, sizeof c->verify, "running");
+    board_note_save(v->board, c); /* before the result can come */
+    char dropped[MT_PATH_CAP] = "";
+    pthread_mutex_lock(&v->mu);
+    if (v->n == VERIFY_QUEUE) { /* saves come faster than they read back */
+        snprintf(dropped, sizeof dropped, "%s", v->queue[v->head]);
+        v->head = (v->head + 1) % VERIFY_QUEUE;
+        v->n--;
+    }
+    snprintf(v->queue[(v->head + v->n) % VERIFY_QUEUE], MT_PATH_CAP, "%s", c->path);
+    v->n++;
+    pthread_cond_signal(&v->cv);
+    pthread_mutex_unlock(&v->mu);
+    if (dropped[0])
+        board_set_verify(v->board, dropped, "skipped: newer saves came before it was read back");
 }

@@ -10,6 +10,7 @@
 #include "engine/train/jobspec.h"
 #include "engine/train/trainer.h"
 #include "runtime/runtime.h"
+#include "service/board.h"
 #include "service/metrics_hub.h"
 #include "service/svc_types.h"
 
@@ -41,8 +42,13 @@ void ctl_ckpt_close(ctl_ckpt *ck);
  * valid 0. */
 void ctl_ckpt_newly_saved(ctl_ckpt *ck, svc_ckpt *saved);
 
-/* Saves now (ROOT/step_NNNNNNNN of the current step). All ranks. */
-int ctl_ckpt_save(ctl_ckpt *ck, svc_ckpt *saved);
+/* Waits for the save in flight (all ranks): *saved (valid set) if it
+ * committed; its failure otherwise. */
+int ctl_ckpt_finish(ctl_ckpt *ck, svc_ckpt *saved);
+
+/* Saves now (ROOT/step_NNNNNNNN of the current step). All ranks. A save
+ * still in flight is finished first: *earlier (valid set) if it committed. */
+int ctl_ckpt_save(ctl_ckpt *ck, svc_ckpt *earlier, svc_ckpt *saved);
 
 /* Committed checkpoints under a job's checkpoint directory, oldest first.
  * With the workdir `root` (NULL: no confinement) the directory is confined
@@ -72,5 +78,24 @@ int ctl_reshard_start(ctl_reshard *r, const char *root, const char *src, const c
 
 /* Progress of the current or last reshard. */
 void ctl_reshard_get(ctl_reshard *r, svc_reshard *out);
+
+/* ---- reading saves back (rank 0) ---------------------------------------------- */
+
+/* Each checkpoint the daemon saves is verified once committed (every
+ * dataset read back against its checksums, the index's coverage:
+ * mt_ckpt_verify) by a thread of rank 0 while training goes on, when it is
+ * at most max_bytes: the cheap case. Larger ones are "skipped" (reading
+ * them back would compete with training for the disk; moetrain-ckpt
+ * verify is the tool). Results go to the board (board_set_verify). What
+ * is read is confined to the workdir `root` and held open while read. */
+typedef struct ctl_verifier ctl_verifier;
+
+int ctl_verifier_create(ctl_verifier **out, board *b, const char *root, int64_t max_bytes);
+/* Finishes the verify running (the queued ones are dropped), then frees. */
+void ctl_verifier_destroy(ctl_verifier *v);
+
+/* Notes the saved checkpoint *c on the board with c->verify set to
+ * "running" (queued) or "skipped: ...", then reads it back. */
+void ctl_verifier_submit(ctl_verifier *v, svc_ckpt *c);
 
 #endif

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "base/mt_status.h"
+#include "service/board.h"
 
 #ifndef MOETRAIN_VERSION
 #define MOETRAIN_VERSION "dev"
@@ -39,6 +40,19 @@ int dash_parse_event_id(const char *header, const char *epoch, uint64_t *seq)
 
 /* JSON has no NaN: an unmeasured or non-finite value is null. */
 static json_t *jnum(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
+/* A float as the shortest decimal that reads back as the same float
+ * (0.007, not 0.00700000068173). */
+static json_t *jfloat(float f)
+{
+    if (!isfinite(f)) return json_null();
+    char t[32];
+    for (int digits = 6; digits <= 9; digits++) {
+        snprintf(t, sizeof t, "%.*g", digits, (double)f);
+        if (strtof(t, NULL) == f) break;
+    }
+    return json_real(strtod(t, NULL));
+}
 
 /* A JSON string of s; bytes that do not form UTF-8 (a path, a line cut
  * mid-character) become '?' rather than failing the whole answer. */
@@ -85,6 +99,10 @@ static json_t *ckpt_json(const svc_ckpt *c, int *oom)
      * fsync, with checksums): the page says so rather than claiming a
      * verify pass that did not run. */
     put(o, "committed", json_true(), oom);
+    /* how the save went, when this daemon saved it (null: not known) */
+    put(o, "write_ms", c->write_ms > 0 ? jnum(c->write_ms) : json_null(), oom);
+    put(o, "stall_ms", c->write_ms > 0 ? jnum(c->stall_ms) : json_null(), oom);
+    put(o, "verify", jstr(c->verify), oom);
     return o;
 }
 
@@ -225,6 +243,28 @@ int dash_event_frame(const char *epoch, const hub_event *e, char **out, size_t *
 
 /* ---- /api ----------------------------------------------------------------------- */
 
+/* Every rank's last step: [{"rank","step","step_ms","compute_ms","mem_in_use",
+ * "mem_peak"}], and the slowest rank (null before the first step). */
+static void ranks_json(json_t *o, board *bd, int *oom)
+{
+    board_ranks br = {0};
+    br.slowest = -1;
+    if (bd && board_get_ranks(bd, &br) < 0) *oom = 1;
+    json_t *a = json_array();
+    if (!a) *oom = 1;
+    for (int i = 0; a && i < br.n; i++) {
+        const board_rank *r = &br.r[i];
+        json_t *e = json_pack("{s:i,s:I,s:o,s:o,s:I,s:I}", "rank", r->rank, "step",
+                              (json_int_t)r->step, "step_ms", jnum(r->step_ms), "compute_ms",
+                              jnum(r->compute_ms), "mem_in_use", (json_int_t)r->mem_in_use,
+                              "mem_peak", (json_int_t)r->mem_peak);
+        if (!e || json_array_append_new(a, e) < 0) *oom = 1;
+    }
+    put(o, "rank_stats", a, oom);
+    put(o, "slowest_rank", br.n > 0 ? json_integer(br.slowest) : json_null(), oom);
+    board_ranks_free(&br);
+}
+
 int dash_status_json(service *svc, const dash_access *acc, char **out, size_t *len)
 {
     control_status *st = malloc(sizeof *st);
@@ -257,6 +297,7 @@ int dash_status_json(service *svc, const dash_access *acc, char **out, size_t *l
         put(o, "reshard", rs ? reshard_json(&st->reshard, &oom) : json_null(), &oom);
         put(o, "shutting_down", json_boolean(st->shutting_down), &oom);
         put(o, "last", st->have_metrics ? step_json(&st->last) : json_null(), &oom);
+        ranks_json(o, control_board(svc->ctl), &oom);
         json_t *c = json_object();
         if (c) {
             put(c, "mode", jstr(acc->mode), &oom);
@@ -266,6 +307,61 @@ int dash_status_json(service *svc, const dash_access *acc, char **out, size_t *l
         put(o, "control", c, &oom);
     }
     free(st);
+    return dump(o, oom, out, len);
+}
+
+int dash_experts_json(service *svc, char **out, size_t *len)
+{
+    board *bd = control_board(svc->ctl);
+    board_experts e;
+    memset(&e, 0, sizeof e);
+    if (bd) MT_CHECK(board_get_experts(bd, &e));
+    char job[SVC_NAME_CAP];
+    control_status *st = malloc(sizeof *st);
+    if (!st) {
+        board_experts_free(&e);
+        return MT_ERR(MT_ENOMEM, "experts: out of memory");
+    }
+    control_get_status(svc->ctl, st);
+    snprintf(job, sizeof job, "%s", st->run_id == e.run_id ? st->job : "");
+    free(st);
+    int oom = 0;
+    json_t *o = json_object(), *layers = json_array();
+    if (!o || !layers) oom = 1;
+    const size_t E = (size_t)(e.n_experts > 0 ? e.n_experts : 0);
+    for (int l = 0; !oom && l < e.n_layers; l++) {
+        json_t *ly = json_object(), *load = json_array(), *bias = e.have_bias ? json_array() : json_null();
+        if (!ly || !load || !bias) oom = 1;
+        double sum = 0;
+        for (size_t x = 0; !oom && x < E; x++) {
+            const int64_t v = e.load[(size_t)l * E + x];
+            sum += (double)v;
+            if (json_array_append_new(load, json_integer((json_int_t)v)) < 0) oom = 1;
+            if (e.have_bias && json_array_append_new(bias, jfloat(e.bias[(size_t)l * E + x])) < 0)
+                oom = 1;
+        }
+        if (ly) {
+            put(ly, "layer", json_integer(e.layer[l]), &oom);
+            put(ly, "mean", jnum(E ? sum / (double)E : 0), &oom);
+            put(ly, "load", load, &oom);
+            put(ly, "bias", bias, &oom);
+            if (json_array_append_new(layers, ly) < 0) oom = 1;
+        } else {
+            json_decref(load);
+            json_decref(bias);
+        }
+    }
+    if (o) {
+        put(o, "run_id", json_integer((json_int_t)e.run_id), &oom);
+        put(o, "job", jstr(job), &oom);
+        put(o, "step", json_integer(e.step), &oom);
+        put(o, "experts", json_integer((json_int_t)E), &oom);
+        put(o, "have_bias", json_boolean(e.have_bias), &oom);
+        put(o, "layers", layers, &oom);
+    } else {
+        json_decref(layers);
+    }
+    board_experts_free(&e);
     return dump(o, oom, out, len);
 }
 

@@ -53,8 +53,17 @@ typedef struct dash_access {
 } dash_access;
 
 /* GET /api/status: state, job, layout, progress, the last step's metrics,
- * the last checkpoint, reshard progress, and `control` (dash_access). */
+ * every rank's last step ("rank_stats": rank, step, step_ms, compute_ms,
+ * mem_in_use, mem_peak; "slowest_rank", null before the first step), the
+ * last checkpoint, reshard progress, and `control` (dash_access). */
 int dash_status_json(service *svc, const dash_access *acc, char **out, size_t *len);
+
+/* GET /api/experts: the last step's per-expert loads and router bias, a
+ * "latest only" snapshot (the hub's step events carry only each layer's
+ * min / max / cv): {"run_id", "job", "step" (0: none yet), "experts" E,
+ * "have_bias", "layers": [{"layer", "mean", "load": [E tokens],
+ * "bias": [E] or null}]}. */
+int dash_experts_json(service *svc, char **out, size_t *len);
 
 /* GET /api/checkpoints: {"directory": ..., "checkpoints": [oldest first]}
  * of the current or last job. */

@@ -443,6 +443,10 @@ enum MHD_Result http_dash_handle(http_dash *d, struct MHD_Connection *conn, cons
         int rc = dash_status_json(d->svc, &acc, &body, &len);
         return json_reply(conn, 200, rc, body, len);
     }
+    if (!strcmp(url, "/api/experts")) {
+        int rc = dash_experts_json(d->svc, &body, &len);
+        return json_reply(conn, 200, rc, body, len);
+    }
     if (!strcmp(url, "/api/checkpoints")) {
         int rc = dash_checkpoints_json(d->svc, &body, &len);
         if (rc == MT_ENOTFOUND || rc == MT_EINVAL) return http_text(conn, 404, mt_errmsg());

@@ -7,9 +7,12 @@
  *                           (dash_json.h: ids, resume by Last-Event-ID or
  *                           ?last_event_id=; ?from_step=N skips earlier
  *                           steps of the job, like StreamMetrics' from_step)
- *   GET  /api/status        job state, layout, progress, last metrics, and
- *                           whether this caller may use the controls
- *   GET  /api/checkpoints   the job's checkpoints
+ *   GET  /api/status        job state, layout, progress, last metrics,
+ *                           every rank's last step (rank_stats, the slowest
+ *                           rank), and whether this caller may use the controls
+ *   GET  /api/checkpoints   the job's checkpoints (with save times, verify)
+ *   GET  /api/experts       the last step's tokens per expert and router
+ *                           bias of every MoE layer (the layer x expert map)
  *   GET  /api/logs?after=N  recent log lines of rank 0
  *   POST /api/pause | /api/resume | /api/save | /api/stop[?save=1]
  *

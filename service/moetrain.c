@@ -272,6 +272,30 @@ static int cmd_stop(cli *k, int argc, char **argv)
     return EXIT_OK;
 }
 
+/* Every rank's last step; past 16 ranks only the slowest and the one with
+ * the highest peak memory. */
+static void print_ranks(const Moetrain__V1__GetStatusResponse *r)
+{
+    const size_t n = r->n_rank_stats;
+    if (!n) return;
+    size_t most = 0;
+    for (size_t i = 1; i < n; i++)
+        if (r->rank_stats[i]->mem_peak > r->rank_stats[most]->mem_peak) most = i;
+    for (size_t i = 0; i < n; i++) {
+        const Moetrain__V1__RankStats *s = r->rank_stats[i];
+        const int slowest = s->rank == r->slowest_rank;
+        if (n > 16 && !slowest && i != most) continue;
+        char mem[32], peak[32], label[16];
+        format_bytes((double)s->mem_in_use, mem, sizeof mem);
+        format_bytes((double)s->mem_peak, peak, sizeof peak);
+        snprintf(label, sizeof label, "rank %d", s->rank);
+        printf("%-11s step %lld: %.0f ms (own work %.0f ms), memory %s, peak %s%s\n", label,
+               (long long)s->step, s->step_ms, s->compute_ms, mem, peak,
+               slowest && n > 1 ? "  <- slowest" : "");
+    }
+    if (n > 16) printf("            (%zu ranks: the slowest and the highest peak shown)\n", n);
+}
+
 static void print_status(const Moetrain__V1__GetStatusResponse *r)
 {
     char lay[160];
@@ -297,6 +321,7 @@ static void print_status(const Moetrain__V1__GetStatusResponse *r)
         layout_text(r->layout, lay, sizeof lay);
         printf("layout      %s, %d rank(s), backend %s\n", lay, r->ranks, r->backend);
     }
+    print_ranks(r);
     if (r->last_checkpoint)
         printf("checkpoint  %s at step %lld (%s)\n", r->last_checkpoint->name,
                (long long)r->last_checkpoint->step, r->last_checkpoint->path);
@@ -364,7 +389,11 @@ static int cmd_checkpoints(cli *k, int argc, char **argv)
             char lay[160], size[32];
             layout_text(c->layout, lay, sizeof lay);
             format_bytes((double)c->bytes, size, sizeof size);
-            printf("  %-24s step %-8lld %-10s %s\n", c->name, (long long)c->step, size, lay);
+            printf("  %-24s step %-8lld %-10s %s", c->name, (long long)c->step, size, lay);
+            if (c->write_ms > 0)
+                printf("; written in %.0f ms (training stalled %.0f ms)", c->write_ms, c->stall_ms);
+            if (c->verify[0]) printf("; verify %s", c->verify);
+            printf("\n");
         }
     }
     protobuf_c_message_free_unpacked(&r->base, NULL);

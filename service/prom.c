@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "base/mt_status.h"
+#include "service/board.h"
 
 #ifndef MOETRAIN_VERSION
 #define MOETRAIN_VERSION "dev"
@@ -74,6 +75,76 @@ static void counter(buf *b, const char *name, const char *help, unsigned long lo
 static void lower(char *s)
 {
     for (; *s; s++) *s = (char)tolower((unsigned char)*s);
+}
+
+/* Per-expert series (two per expert and MoE layer) are exported while MoE
+ * layers x routed experts stays at or below this: every label pair is a
+ * series Prometheus keeps. A model past it (DeepSeek-V3: 59 MoE layers
+ * with MTP x 256 experts = 15104) exports only the per-layer ratios, and
+ * the dashboard's /api/experts has every expert. */
+#define PROM_EXPERT_SERIES_MAX 1024
+
+/* The last step's tokens per routed expert and router bias, by layer and
+ * expert, when few enough. */
+static void experts(buf *b, board *bd)
+{
+    board_experts e;
+    if (!bd || board_get_experts(bd, &e) < 0) return;
+    const long cells = (long)e.n_layers * e.n_experts;
+    const int capped = cells > PROM_EXPERT_SERIES_MAX;
+    gauge(b, "moetrain_expert_series_capped",
+          "1 when the per-expert series are left out: MoE layers x routed experts exceeds "
+          "1024.", capped);
+    if (e.step > 0 && cells > 0 && !capped) {
+        head(b, "moetrain_expert_tokens", "gauge",
+             "Tokens routed to each routed expert of a MoE layer in the last step (global batch).");
+        for (int l = 0; l < e.n_layers; l++)
+            for (int x = 0; x < e.n_experts; x++)
+                put(b, "moetrain_expert_tokens{layer=\"%d\",expert=\"%d\"} %lld\n", e.layer[l], x,
+                    (long long)e.load[(size_t)l * e.n_experts + x]);
+        if (e.have_bias) {
+            head(b, "moetrain_router_bias", "gauge",
+                 "Router bias of each routed expert of a MoE layer after the last step "
+                 "(aux-loss-free balancing).");
+            for (int l = 0; l < e.n_layers; l++)
+                for (int x = 0; x < e.n_experts; x++) {
+                    put(b, "moetrain_router_bias{layer=\"%d\",expert=\"%d\"}", e.layer[l], x);
+                    value(b, e.bias[(size_t)l * e.n_experts + x]);
+                }
+        }
+    }
+    board_experts_free(&e);
+}
+
+/* Every rank's last step, labelled by rank, and the slowest rank. */
+static void ranks(buf *b, board *bd)
+{
+    board_ranks br;
+    if (!bd || board_get_ranks(bd, &br) < 0) return;
+    if (br.n > 0) {
+        static const char *const names[4] = {
+            "moetrain_rank_step_duration_seconds", "moetrain_rank_compute_duration_seconds",
+            "moetrain_rank_memory_in_use_bytes", "moetrain_rank_memory_peak_bytes"};
+        static const char *const helps[4] = {
+            "Wall time of each rank's last step.",
+            "Each rank's own work in its last step, until its gradients were ready for the "
+            "data-parallel reduction (the slowest rank has the longest).",
+            "Backend memory in use on each rank after its last step.",
+            "Peak backend memory of each rank."};
+        for (int k = 0; k < 4; k++) {
+            head(b, names[k], "gauge", helps[k]);
+            for (int i = 0; i < br.n; i++) {
+                const board_rank *r = &br.r[i];
+                double v = k == 0 ? r->step_ms * 1e-3 : k == 1 ? r->compute_ms * 1e-3
+                         : k == 2 ? (double)r->mem_in_use : (double)r->mem_peak;
+                put(b, "%s{rank=\"%d\"}", names[k], r->rank);
+                value(b, v);
+            }
+        }
+        gauge(b, "moetrain_slowest_rank",
+              "The rank with the longest own work (compute) in the last step.", br.slowest);
+    }
+    board_ranks_free(&br);
 }
 
 int prom_render(service *svc, char **out, size_t *len)
@@ -150,6 +221,8 @@ int prom_render(service *svc, char **out, size_t *len)
             }
         }
     }
+    ranks(&b, control_board(svc->ctl));
+    experts(&b, control_board(svc->ctl));
     if (isfinite(st->last_valid_loss))
         gauge(&b, "moetrain_valid_loss", "LM loss of the last validation pass.",
               st->last_valid_loss);

@@ -26,6 +26,7 @@ const char *svc_schedule_name(mt_pp_schedule s);
 
 #define SVC_NAME_CAP 128
 #define SVC_MSG_CAP 512
+#define SVC_VERIFY_CAP 256
 
 typedef struct svc_ckpt {
     int valid;                 /* 0: no checkpoint */
@@ -35,6 +36,13 @@ typedef struct svc_ckpt {
     mt_layout layout;
     int have_layout;           /* 0: not known without opening the index */
     int64_t bytes;
+    /* How its save went, when this daemon saved it (0 / "": not known):
+     * rank 0's time from the snapshot to the commit, and how long training
+     * was blocked (snapshot, waiting for the previous save); what verifying
+     * it found: "ok", "failed: ...", "skipped: ..." (too big to read back
+     * at once), "running" or "". */
+    double write_ms, stall_ms;
+    char verify[SVC_VERIFY_CAP];
 } svc_ckpt;
 
 typedef struct svc_reshard {

@@ -10,6 +10,7 @@
 
 #include "base/mt_status.h"
 #include "moetrain.pb-c.h"
+#include "service/board.h"
 #include "service/job_admit.h"
 #include "service/rpc_validate.h"
 #include "service/service.h"
@@ -53,6 +54,9 @@ static Moetrain__V1__CheckpointInfo *ckpt_to_pb(const svc_ckpt *c, ckpt_pb *b)
     b->info.step = c->step;
     b->info.path = (char *)c->path;
     b->info.bytes = c->bytes;
+    b->info.write_ms = c->write_ms;
+    b->info.stall_ms = c->stall_ms;
+    b->info.verify = (char *)c->verify;
     if (c->have_layout) {
         layout_pb(&c->layout, &b->layout);
         b->info.layout = &b->layout;
@@ -79,6 +83,7 @@ static Moetrain__V1__StepMetrics *metrics_to_pb(const mt_step_metrics *s, metric
     m->grad_norm = s->grad_norm;
     m->valid_loss = s->valid_loss;
     m->step_ms = s->step_ms;
+    m->compute_ms = s->compute_ms;
     m->tokens_per_s = s->tokens_per_s;
     m->tflops = s->tflops;
     m->mfu = s->mfu;
@@ -310,7 +315,29 @@ static rpc_stream *h_status(void *ctx, const ProtobufCMessage *req, rpc_reply *o
         return NULL;
     }
     control_get_status(sv->ctl, st);
+    board_ranks br = {0};
+    Moetrain__V1__RankStats *rs = NULL, **rsp = NULL;
+    if (board_get_ranks(control_board(sv->ctl), &br) == MT_OK && br.n > 0) {
+        rs = calloc((size_t)br.n, sizeof *rs);
+        rsp = calloc((size_t)br.n, sizeof *rsp);
+    }
     Moetrain__V1__GetStatusResponse m = MOETRAIN__V1__GET_STATUS_RESPONSE__INIT;
+    if (rs && rsp) {
+        for (int i = 0; i < br.n; i++) {
+            const board_rank *r = &br.r[i];
+            rs[i] = (Moetrain__V1__RankStats)MOETRAIN__V1__RANK_STATS__INIT;
+            rs[i].rank = r->rank;
+            rs[i].step = r->step;
+            rs[i].step_ms = r->step_ms;
+            rs[i].compute_ms = r->compute_ms;
+            rs[i].mem_in_use = r->mem_in_use;
+            rs[i].mem_peak = r->mem_peak;
+            rsp[i] = &rs[i];
+        }
+        m.n_rank_stats = (size_t)br.n;
+        m.rank_stats = rsp;
+        m.slowest_rank = br.slowest;
+    }
     Moetrain__V1__Layout layout;
     ckpt_pb cb;
     reshard_pb rb;
@@ -340,6 +367,9 @@ static rpc_stream *h_status(void *ctx, const ProtobufCMessage *req, rpc_reply *o
     rpc_reply_pack(out, &m.base);
     free(st);
     free(mb);
+    free(rs);
+    free(rsp);
+    board_ranks_free(&br);
     return NULL;
 }
 

@@ -14,8 +14,11 @@ moetraind that runs the tiny job with a token, and checks:
     steps == the step gRPC reports, no duplicate, no gap);
   - the numbers the page shows for that step are the metrics stream's (the
     same step read from /events, and /metrics);
+  - the layer x expert map holds the paused step's loads (/api/experts),
+    the ranks table rank 0's memory as gRPC reports it;
   - the page fits a phone's width (no horizontal scrolling);
-  - Resume and Stop (with its confirmation) work from the page;
+  - Resume and Stop (with its confirmation) work from the page; the final
+    checkpoint is listed with its save time, then as verified;
   - no script error and no Content-Security-Policy violation happened;
 and saves screenshots (desktop and phone) under the build folder.
 
@@ -322,6 +325,18 @@ d = js("return {dup: mtDashboard.duplicates, gaps: mtDashboard.gaps, n: mtDashbo
 ok(d["dup"] == 0 and d["gaps"] == 0, "no step arrived twice and no event was lost (%r)" % d)
 ok(int(attr("#heat", "data-steps")) == min(step, 240), "the heat map holds the recent steps")
 
+# the layer x expert map of the last step and the ranks table (latest-only snapshots)
+ex = json.loads(http_get("/api/experts"))
+wait_for(lambda: int(attr("#experts", "data-step") or 0) == ex["step"],
+         "the expert map shows the loads of step %d" % ex["step"], 30)
+ok(ex["step"] == step and attr("#experts", "data-layers") == str(len(ex["layers"])) == "2"
+   and attr("#experts", "data-experts") == "8",
+   "the expert map is 2 MoE layers x 8 experts of the paused step %d" % step)
+mem = st["rankStats"][0]["memInUse"]
+wait_for(lambda: attr("#ranks tbody tr", "data-mem") == str(mem),
+         "the ranks table shows rank 0's memory in use as gRPC does (%s bytes)" % mem, 30)
+ok(js("return document.querySelectorAll('#ranks tbody tr').length;") == 1, "one rank, one row")
+
 m = sse_step(step)
 for tile, key in (("#t-loss", "loss"), ("#t-lr", "lr"), ("#t-gnorm", "grad_norm"),
                   ("#t-tps", "tokens_per_s"), ("#t-tflops", "tflops")):
@@ -377,6 +392,9 @@ wait_for(lambda: "done at step" in (text("#cmd-result") or ""), "the page report
 wait_for(lambda: js("return document.querySelectorAll('#ckpts tbody tr td').length;") >= 5,
          "the final checkpoint is listed", 30)
 ok(True, "the checkpoint list shows the final checkpoint: %r" % text("#ckpts tbody tr"))
+wait_for(lambda: attr("#ckpts tbody tr td[data-verify]", "data-verify") == "ok",
+         "the final checkpoint is listed as verified", 30)
+ok(True, "the final checkpoint's save time and verify result are listed: %r" % text("#ckpts tbody tr"))
 
 # nothing went wrong in the page
 errs = js("return mtDashboard.errors;")

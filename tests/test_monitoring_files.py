@@ -76,7 +76,10 @@ page = ["moetrain_job_state", "moetrain_steps_total", "moetrain_job_target_steps
         "moetrain_memory_in_use_bytes", "moetrain_memory_peak_bytes",
         "moetrain_skipped_steps_total", "moetrain_expert_load_max_ratio",
         "moetrain_expert_load_min_ratio", "moetrain_expert_load_cv",
-        "moetrain_checkpoints_saved_total", "moetrain_checkpoint_last_step"]
+        "moetrain_checkpoints_saved_total", "moetrain_checkpoint_last_step",
+        "moetrain_rank_memory_in_use_bytes", "moetrain_rank_memory_peak_bytes",
+        "moetrain_rank_compute_duration_seconds", "moetrain_rank_step_duration_seconds",
+        "moetrain_slowest_rank", "moetrain_expert_tokens", "moetrain_router_bias"]
 missing = [n for n in page if n not in used]
 ok(not missing, "the dashboard has a panel for every quantity the web page shows%s"
    % ("" if not missing else ": missing %r" % missing))

@@ -54,6 +54,7 @@ int mt_metrics_to_json(const mt_step_metrics *m, char *buf, size_t cap)
     NUM("grad_norm", m->grad_norm);
     NUM("valid_loss", m->valid_loss);
     NUM("step_ms", m->step_ms);
+    NUM("compute_ms", m->compute_ms);
     NUM("tokens_per_s", m->tokens_per_s);
     NUM("tflops", m->tflops);
     NUM("mfu", m->mfu);

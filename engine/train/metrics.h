@@ -28,6 +28,9 @@ typedef struct mt_step_metrics {
     double grad_norm;        /* global gradient norm before clipping */
     double valid_loss;       /* LM loss on the valid split; NaN when not measured */
     double step_ms;          /* wall time of the step */
+    double compute_ms;       /* this rank's own work: until its gradients are
+                                ready for the dp reduction (data, forward,
+                                backward); without dp the whole step */
     double tokens_per_s;
     double tflops;           /* model TFLOPS per GPU (or per rank on the CPU) */
     double mfu;              /* fraction of peak; NaN when the peak is unknown */

@@ -70,6 +70,18 @@ static int open_data(mt_trainer *t)
     return MT_OK;
 }
 
+int mt_trainer_check_layout(const mt_layout *l)
+{
+    static const char *const name[3] = {"tp", "pp", "etp"};
+    const int v[3] = {l->tp, l->pp, l->etp};
+    for (int i = 0; i < 3; i++)
+        if (v[i] != 1)
+            return MT_ERR(MT_ENOTSUP, "parallel.%s: %d: the trainer runs data and expert "
+                          "parallelism only so far (tensor and pipeline parallelism are not "
+                          "implemented); use tp = pp = etp = 1", name[i], v[i]);
+    return MT_OK;
+}
+
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
 {
     return mt_trainer_create_in(out, job, be, NULL);
@@ -125,11 +137,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     if (l->dp < 1)
         return MT_ERR(MT_EINVAL, "trainer: job %s is not admitted (parallel.dp is %d): "
                       "mt_jobspec_admit resolves the layout for the ranks", job->name, l->dp);
-    if (l->tp != 1 || l->pp != 1 || l->etp != 1)
-        return MT_ERR(MT_ENOTSUP, "trainer: parallel tp %d, pp %d, etp %d: the trainer runs "
-                      "data and expert parallelism only so far (tensor and pipeline "
-                      "parallelism are not implemented); use tp = pp = etp = 1",
-                      l->tp, l->pp, l->etp);
+    MT_CHECK(mt_trainer_check_layout(l));
     mt_comm *dp = g ? g->dp : NULL, *ep = g ? g->ep : NULL, *edp = g ? g->edp : NULL;
     if (l->ep > 1 && !ep)
         return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d needs the expert-parallel group "
@@ -215,6 +223,9 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->load_sum);
     free(t->owner);
     free(t->keep);
+    free(t->moe_layer);
+    free(t->moe_load);
+    free(t->moe_bias);
     free(t);
 }
 
@@ -250,6 +261,29 @@ int mt_trainer_validate(mt_trainer *t, double *loss)
     return MT_OK;
 }
 
+/* Keeps layer l's global loads and its router bias (after the update:
+ * `bias`, or NULL to read it) as MoE record i (t->moe_*). */
+static int record_moe(mt_trainer *t, int i, int l, const int64_t *load, const float *bias)
+{
+    mt_model *m = t->model;
+    const size_t E = (size_t)m->cfg.n_routed_experts, L = (size_t)(m->n_blocks + m->n_mtp);
+    if (!t->moe_load) {
+        t->moe_layer = calloc(L, sizeof *t->moe_layer);
+        t->moe_load = calloc(L * E, sizeof *t->moe_load);
+        t->moe_bias = calloc(L * E, sizeof *t->moe_bias);
+        if (!t->moe_layer || !t->moe_load || !t->moe_bias)
+            return MT_ERR(MT_ENOMEM, "trainer: out of memory for the expert loads");
+    }
+    t->moe_layer[i] = l;
+    memcpy(t->moe_load + (size_t)i * E, load, E * sizeof *load);
+    t->moe_have_bias = m->cfg.topk_method == MT_TOPK_NOAUX_TC;
+    if (bias) memcpy(t->moe_bias + (size_t)i * E, bias, E * sizeof *bias);
+    else if (t->moe_have_bias) MT_CHECK(mt_model_get_router_bias(m, l, t->moe_bias + (size_t)i * E));
+    t->n_moe_rec = i + 1;
+    t->moe_step = t->step + 1;
+    return MT_OK;
+}
+
 /* Per-layer expert load statistics of the step into the metrics, and the
  * router bias update. */
 static int balance_step(mt_trainer *t, mt_step_metrics *mt)
@@ -258,6 +292,7 @@ static int balance_step(mt_trainer *t, mt_step_metrics *mt)
     const int E = m->cfg.n_routed_experts;
     const double gamma = t->job.loss.bias_update_rate;
     mt->n_moe = 0;
+    int rec = 0;
     for (int l = 0; l < m->n_blocks + m->n_mtp; l++) {
         const int64_t *load = mt_model_expert_load(m, l);
         if (!load) continue;
@@ -271,11 +306,13 @@ static int balance_step(mt_trainer *t, mt_step_metrics *mt)
             mt->moe_layer[i] = l;
             mt_metrics_load_stats(load, E, &mt->load_min[i], &mt->load_max[i], &mt->load_cv[i]);
         }
-        if (gamma > 0 && m->cfg.topk_method == MT_TOPK_NOAUX_TC) {
+        const int update = gamma > 0 && m->cfg.topk_method == MT_TOPK_NOAUX_TC;
+        if (update) {
             MT_CHECK(mt_model_get_router_bias(m, l, t->bias_host));
             mt_router_bias_update(t->bias_host, load, E, gamma);
             MT_CHECK(mt_model_set_router_bias(m, l, t->bias_host));
         }
+        MT_CHECK(record_moe(t, rec++, l, load, update ? t->bias_host : NULL));
     }
     mt_model_reset_load(m);
     return MT_OK;
@@ -345,6 +382,13 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         ls[2] += st.aux_loss / n_mb;
     }
     t->consumed_samples += (int64_t)n_mb * B;
+    /* This rank's own work, before it waits for the others in the gradient
+     * reduction: the one time that names a straggler (the step times of
+     * all ranks end together; with ep > 1 the expert dispatch inside the
+     * forward waits for the expert group too). A device backend has to
+     * finish the work to be timed; the reduction would wait for it anyway. */
+    if (t->dp) MT_CHECK(t->be->sync(t->be));
+    mt.compute_ms = (now_s() - t0) * 1e3;
     if (t->dp) {
         double tr = profile ? now_s() : 0;
         if (t->ep_size > 1) /* experts over edp: trainer_ep.c */
@@ -410,6 +454,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     mt.grad_norm = norm;
     mt.valid_loss = NAN;
     mt.step_ms = dt * 1e3;
+    if (!t->dp) mt.compute_ms = mt.step_ms; /* nothing to wait for: the whole step is its own */
     const double tokens = (double)n_mb * B * j->batch.seq_len; /* all ranks */
     mt.tokens_per_s = tokens / dt;
     mt.tflops = t->flops_per_token * tokens / dt / 1e12 / t->dp_size; /* per rank */

@@ -73,6 +73,15 @@ typedef struct mt_trainer {
     mt_metrics_sink *sinks[MT_TRAINER_MAX_SINKS];
     mt_step_metrics last;         /* metrics of the last step */
     float *bias_host;             /* [E] scratch for the router bias update */
+    /* The last balanced step's routed-expert loads (global: summed over the
+     * dp group, as the bias update uses them) and router biases after its
+     * update, per MoE layer, for the service's heat map. Host memory. */
+    int64_t moe_step;             /* the step they are of; 0: none yet */
+    int n_moe_rec;                /* MoE layers recorded */
+    int moe_have_bias;            /* the router has a bias (noaux_tc) */
+    int *moe_layer;               /* [n_blocks + n_mtp] model layer of record i */
+    int64_t *moe_load;            /* [n_blocks + n_mtp, E] */
+    float *moe_bias;              /* [n_blocks + n_mtp, E] */
     int64_t *load_sum;            /* [E] expert loads summed over the dp group */
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
@@ -86,6 +95,13 @@ typedef struct mt_trainer {
     struct mt_grad_seg *gseg;     /* [n_gseg] runs of dense / expert gradients in buf_grad */
     float *sumsq_dev;             /* f32 [1] backend scratch */
 } mt_trainer;
+
+/* MT_OK when the trainer can run layout `l` (sizes > 1 only where the
+ * trainer implements that parallelism: data and expert parallelism so
+ * far), else MT_ENOTSUP naming the field. mt_trainer_create checks it; the
+ * service checks it when it admits a job, so a request for a layout the
+ * trainer cannot run is refused before any rank builds anything. */
+int mt_trainer_check_layout(const mt_layout *l);
 
 /* Builds model, optimizer and data readers for an admitted job on a backend,
  * as one rank (dp 1).

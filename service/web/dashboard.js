@@ -7,9 +7,13 @@
  *                 live events; the browser resumes a broken stream with
  *                 Last-Event-ID, so each event arrives once (a step seen
  *                 twice is counted in mtDashboard.duplicates, and ignored).
- *   /api/status   polled: state, progress, layout, whether the controls
- *                 may be used by this page (token / loopback).
- *   /api/logs, /api/checkpoints   polled: recent log lines, checkpoints.
+ *   /api/status   polled: state, progress, layout, every rank's last step
+ *                 (step time, own work, memory; the slowest named), whether
+ *                 the controls may be used by this page (token / loopback).
+ *   /api/experts  polled: the last step's tokens per expert and router bias
+ *                 of every MoE layer (the layer x expert heat map).
+ *   /api/logs, /api/checkpoints   polled: recent log lines, checkpoints
+ *                 (with each save's time and verify result).
  * Controls are POSTs with the token in the Authorization header (kept in
  * sessionStorage for this tab, never put in a URL).
  */
@@ -225,6 +229,159 @@
     $("heat-legend").textContent = desc[kind] + ". Rows: MoE layers; columns: the last " + n + " steps.";
   }
 
+  /* ---- the layer x expert map of the last step (/api/experts) --------------------------- */
+
+  let experts = null;   // last /api/experts answer with layers
+
+  function expertColor(kind, v, hi) {
+    // load / mean: white at balance, red toward the most loaded, blue toward idle;
+    // bias: green raised (the router favours it), purple lowered
+    let t, rgb;
+    if (kind === "load") {
+      if (v >= 1) { t = Math.min(1, (v - 1) / Math.max(1e-9, hi - 1)); rgb = [214, 69, 69]; }
+      else { t = Math.min(1, Math.max(0, 1 - v)); rgb = [47, 111, 222]; }
+    } else {
+      t = Math.min(1, Math.abs(v) / Math.max(1e-12, hi));
+      rgb = v >= 0 ? [31, 157, 85] : [123, 75, 214];
+    }
+    const mix = (c) => Math.round(255 + (c - 255) * t);
+    return "rgb(" + mix(rgb[0]) + "," + mix(rgb[1]) + "," + mix(rgb[2]) + ")";
+  }
+
+  // the value drawn in a cell: tokens over the layer's mean, or the bias
+  function expertValue(kind, ly, x) {
+    if (kind === "bias") return ly.bias ? ly.bias[x] : null;
+    return ly.mean > 0 ? ly.load[x] / ly.mean : null;
+  }
+
+  let expertGeom = null; // where the cells are, for the tooltip
+  function drawExperts() {
+    const cv = $("experts");
+    const kindSel = $("experts-kind");
+    const e = experts;
+    const layers = e ? e.layers : [];
+    const E = e ? e.experts : 0;
+    cv.dataset.step = String(e ? e.step : 0);
+    cv.dataset.layers = String(layers.length);
+    cv.dataset.experts = String(E);
+    kindSel.disabled = !(e && e.have_bias);
+    if (kindSel.disabled) kindSel.value = "load";
+    const kind = kindSel.value;
+    const dpr = window.devicePixelRatio || 1;
+    const cssW = Math.max(200, cv.parentElement.clientWidth);
+    const rows = Math.max(1, layers.length);
+    const rowH = Math.max(5, Math.min(22, Math.floor(300 / rows)));
+    const cssH = rows * rowH + 16;
+    cv.style.height = cssH + "px";
+    cv.width = Math.round(cssW * dpr);
+    cv.height = Math.round(cssH * dpr);
+    const g = cv.getContext("2d");
+    g.setTransform(dpr, 0, 0, dpr, 0, 0);
+    g.clearRect(0, 0, cssW, cssH);
+    g.font = "10px system-ui, sans-serif";
+    g.fillStyle = "#69738a";
+    expertGeom = null;
+    if (!layers.length || !E) {
+      g.fillText("no expert loads yet", 4, 14);
+      $("experts-legend").textContent = "";
+      return;
+    }
+    const left = 34, colW = (cssW - left) / E;
+    let hi = kind === "load" ? 2 : 1e-6;
+    for (const ly of layers)
+      for (let x = 0; x < E; x++) {
+        const v = expertValue(kind, ly, x);
+        if (v === null) continue;
+        if (kind === "load" && v > hi) hi = v;
+        if (kind === "bias" && Math.abs(v) > hi) hi = Math.abs(v);
+      }
+    for (let r = 0; r < layers.length; r++)
+      for (let x = 0; x < E; x++) {
+        const v = expertValue(kind, layers[r], x);
+        g.fillStyle = v === null ? "#eee" : expertColor(kind, v, hi);
+        g.fillRect(left + x * colW, r * rowH, Math.max(1, Math.ceil(colW) - (colW > 4 ? 1 : 0)), rowH - 1);
+      }
+    g.fillStyle = "#69738a";
+    for (let r = 0; r < layers.length; r++)
+      if (rowH >= 9 || r % 4 === 0) g.fillText("L" + layers[r].layer, 2, r * rowH + rowH - 2);
+    g.fillText("expert 0", left, cssH - 3);
+    const lastLabel = "expert " + (E - 1);
+    if (E > 1) g.fillText(lastLabel, Math.max(left + 60, cssW - g.measureText(lastLabel).width), cssH - 3);
+    expertGeom = { left, colW, rowH, E };
+    $("experts-legend").textContent = (kind === "load"
+      ? "tokens routed to each expert over the layer's mean: white = balanced (1), red = " + fmt(hi, 3) +
+        "x, blue = idle (0)"
+      : "router bias after the step (aux-loss-free balancing): green raised, purple lowered, darkest = " +
+        fmt(hi, 3)) + ". Step " + e.step + "; rows: MoE layers, columns: the " + E + " routed experts.";
+  }
+
+  function expertTooltip(ev) {
+    const cv = $("experts");
+    if (!expertGeom || !experts) { cv.title = ""; return; }
+    const rc = cv.getBoundingClientRect();
+    const x = Math.floor((ev.clientX - rc.left - expertGeom.left) / expertGeom.colW);
+    const r = Math.floor((ev.clientY - rc.top) / expertGeom.rowH);
+    const ly = experts.layers[r];
+    if (!ly || x < 0 || x >= expertGeom.E) { cv.title = ""; return; }
+    cv.title = "layer " + ly.layer + ", expert " + x + ": " + ly.load[x] + " tokens (" +
+      fmt(ly.mean > 0 ? ly.load[x] / ly.mean : NaN, 3) + " x mean)" +
+      (ly.bias ? ", bias " + fmt(ly.bias[x], 4) : "");
+  }
+
+  let expertsKey = "";
+  async function refreshExperts() {
+    try {
+      const r = await fetch("/api/experts", { cache: "no-store" });
+      if (!r.ok) return;
+      const j = await r.json();
+      const key = j.run_id + ":" + j.step;
+      if (key === expertsKey) return;
+      expertsKey = key;
+      experts = j.step > 0 ? j : null;
+      drawExperts();
+    } catch (e) { /* away */ }
+  }
+
+  /* ---- every rank's last step (from /api/status) ----------------------------------------- */
+
+  function fmtMs(ms) { return num(ms) === null ? "—" : fmt(ms, 4) + " ms"; }
+
+  function showRanks(s) {
+    const body = document.querySelector("#ranks tbody");
+    const rs = s.rank_stats || [];
+    body.textContent = "";
+    let top = 0;
+    for (const r of rs) top = Math.max(top, r.mem_peak);
+    for (const r of rs) {
+      const tr = document.createElement("tr");
+      tr.dataset.rank = String(r.rank);
+      tr.dataset.mem = String(r.mem_in_use);
+      const slowest = rs.length > 1 && r.rank === s.slowest_rank;
+      if (slowest) tr.className = "slowest";
+      const cells = [String(r.rank), String(r.step), fmtMs(r.step_ms), fmtMs(r.compute_ms), null,
+                     fmtBytes(r.mem_peak), slowest ? "slowest" : ""];
+      for (const c of cells) {
+        const td = document.createElement("td");
+        if (c === null) { // memory: the number and a bar against the highest peak
+          td.textContent = fmtBytes(r.mem_in_use);
+          const bar = document.createElement("div"), fill = document.createElement("div");
+          bar.className = "membar";
+          fill.style.width = (top > 0 ? (100 * r.mem_in_use) / top : 0).toFixed(1) + "%";
+          bar.appendChild(fill);
+          td.appendChild(bar);
+        } else {
+          td.textContent = c;
+        }
+        tr.appendChild(td);
+      }
+      body.appendChild(tr);
+    }
+    $("ranks-note").textContent = rs.length
+      ? "own work: the time until the rank's gradients are ready for the data-parallel reduction; " +
+        "the other ranks wait for the slowest there, so their step times are alike."
+      : "no step yet";
+  }
+
   /* ---- progress and tiles --------------------------------------------------------------- */
 
   let status = null;          // last /api/status
@@ -376,6 +533,7 @@
       const ev = JSON.parse(e.data), c = ev.checkpoint;
       if (c) eventLog(ev, "event", "checkpoint " + c.name + " (step " + c.step + ", " + fmtBytes(c.bytes) + ")");
       refreshCheckpoints();
+      setTimeout(refreshCheckpoints, 3000); // its verify result comes a little later
     });
     es.addEventListener("reshard", (e) => {
       track(e);
@@ -429,6 +587,7 @@
       ? (c.mode === "token" ? "controls enabled (token)" : "controls enabled (loopback, no token set)")
       : "read-only: " + c.why;
     $("token-form").hidden = c.mode !== "token";
+    showRanks(s);
     updateButtons();
   }
 
@@ -463,19 +622,23 @@
       for (const c of j.checkpoints.slice().reverse()) {
         const tr = document.createElement("tr");
         const l = c.layout;
-        for (const t of [c.name, String(c.step), fmtBytes(c.bytes),
-                         l ? "tp" + l.tp + " pp" + l.pp + " ep" + l.ep + " dp" + l.dp : "",
-                         c.committed ? "committed" : "partial"]) {
+        const saved = num(c.write_ms) === null ? "—"
+          : fmtMs(c.write_ms) + " (stall " + fmtMs(c.stall_ms) + ")";
+        const cells = [c.name, String(c.step), fmtBytes(c.bytes),
+                       l ? "tp" + l.tp + " pp" + l.pp + " ep" + l.ep + " dp" + l.dp : "",
+                       saved, c.verify || "—", c.committed ? "committed" : "partial"];
+        cells.forEach((t, i) => {
           const td = document.createElement("td");
           td.textContent = t;
+          if (i === 5 && c.verify) { td.dataset.verify = c.verify; td.title = c.verify; }
           tr.appendChild(td);
-        }
+        });
         body.appendChild(tr);
       }
       if (!j.checkpoints.length) {
         const tr = document.createElement("tr");
         const td = document.createElement("td");
-        td.colSpan = 5;
+        td.colSpan = 7;
         td.textContent = "none yet";
         tr.appendChild(td);
         body.appendChild(tr);
@@ -539,12 +702,15 @@
     $("token-forget").addEventListener("click", () => { sessionStorage.removeItem(TOKEN_KEY); refreshStatus(); });
     $("loss-log").addEventListener("change", () => { makeChart("c-loss"); draw(); });
     $("heat-kind").addEventListener("change", drawHeat);
+    $("experts-kind").addEventListener("change", drawExperts);
+    $("experts").addEventListener("mousemove", expertTooltip);
     let resizeTimer = null;
     window.addEventListener("resize", () => {
       clearTimeout(resizeTimer);
       resizeTimer = setTimeout(() => {
         for (const id in charts) charts[id].u.setSize(chartSize($(id)));
         drawHeat();
+        drawExperts();
       }, 150);
     });
   }
@@ -556,8 +722,10 @@
     refreshStatus();
     refreshCheckpoints();
     refreshLogs();
+    refreshExperts();
     connect();
     setInterval(refreshStatus, 2000);
+    setInterval(refreshExperts, 2000);
     setInterval(refreshLogs, 2000);
     setInterval(refreshCheckpoints, 15000);
   }
