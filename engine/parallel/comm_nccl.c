@@ -240,6 +240,13 @@ static int nccl_split(mt_comm *c, int color, int key, mt_comm **out)
     mt_comm *h = NULL;
     MT_CHECK(c->host->iface->split(c->host, color, key, &h));
     if (!h) return MT_OK;
+    /* A group of one rank moves nothing: a local communicator, without an
+     * ncclComm's device buffers (a job's groups of one rank were failing
+     * ncclCommInitRank once the backend's arena held the device memory). */
+    if (mt_comm_size(h) == 1) {
+        mt_comm_destroy(h);
+        return mt_comm_local_create(out, MT_COMM_DEVICE);
+    }
     int cur = 0;
     MT_CUDA_CHECK(cudaGetDevice(&cur));
     if (cur != CTX(c)->side.device) MT_CUDA_CHECK(cudaSetDevice(CTX(c)->side.device));
