@@ -1,6 +1,7 @@
 /* job_checkpoint.c - see job_checkpoint.h. */
 #define _POSIX_C_SOURCE 200809L
 #include "runtime/job_checkpoint.h"
+#include "runtime/job_resume.h"
 
 #include <jansson.h>
 #include <pthread.h>
@@ -166,6 +167,7 @@ static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
 
 int mt_job_ckpt_restore(mt_job_ckpt *jc, mt_trainer *t)
 {
+    MT_CHECK(mt_job_resume_auto(&jc->job, jc->comm)); /* issue 20 */
     if (jc->job.init.kind == MT_INIT_CHECKPOINT) MT_CHECK(restore_checkpoint(jc, t));
     if (jc->job.init.kind == MT_INIT_HF) MT_CHECK(restore_hf(jc, t));
     if (jc->job.init.kind != MT_INIT_RANDOM) jc->st.restored_step = t->step;

@@ -58,9 +58,10 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: moetraind [--listen ADDR] [--http ADDR] [--workdir DIR] [--token-file F]\n"
             "                 [--tls-cert F --tls-key F] [--job JOB.json [--set k=v ...]]\n"
+            "                 [--resume auto]\n"
             "                 [--ready-file F] [--metrics-ring N] [--threads N]\n"
             "       moetraind --job JOB.json [--set key.path=value ...] [--metrics-jsonl FILE]\n"
-            "                 [--threads N]\n"
+            "                 [--resume auto] [--threads N]\n"
             "       moetraind --help-job    list every job spec field with its default\n"
             "\n"
             "The daemon (any daemon option given): gRPC control plane on\n"
@@ -80,6 +81,9 @@ static void usage(FILE *f)
             "SIGINT / SIGTERM stop the job at a step boundary.\n"
             "  --job FILE            job spec (JSON; see deploy/examples)\n"
             "  --set key.path=value  override a job spec field (repeatable)\n"
+            "  --resume auto         continue from the newest checkpoint in checkpoint.dir\n"
+            "                        that verifies (= --set checkpoint.resume=auto; also\n"
+            "                        with the daemon's --job)\n"
             "  --metrics-jsonl FILE  also write one JSON object per step to FILE\n"
             "  --threads N           CPU backend worker threads (default: all cores)\n");
 }
@@ -118,6 +122,19 @@ static int parse_args(int argc, char **argv, args *a)
                 return 1;
             }
             a->sets[a->n_sets++] = argv[++i];
+        } else if (!strcmp(s, "--resume") && has) {
+            /* the job spec's checkpoint.resume (runtime/job_resume.h) */
+            const char *v = argv[++i];
+            if (strcmp(v, "auto") != 0 && strcmp(v, "never") != 0) {
+                fprintf(stderr, "moetraind: --resume takes auto or never, not '%s'\n", v);
+                return 1;
+            }
+            if (a->n_sets == MAX_SETS) {
+                fprintf(stderr, "moetraind: more than %d --set options\n", MAX_SETS);
+                return 1;
+            }
+            a->sets[a->n_sets++] = !strcmp(v, "auto") ? "checkpoint.resume=auto"
+                                                      : "checkpoint.resume=never";
         } else if (!strcmp(s, "--metrics-jsonl") && has) {
             a->jsonl = argv[++i];
         } else if (!strcmp(s, "--threads") && has) {
@@ -141,7 +158,7 @@ static int parse_args(int argc, char **argv, args *a)
             daemon_opt = &a->ready_file;
         } else {
             static const char *const with_value[] = {
-                "--job", "--set", "--metrics-jsonl", "--threads", "--metrics-ring", "--listen",
+                "--job", "--set", "--resume", "--metrics-jsonl", "--threads", "--metrics-ring", "--listen",
                 "--http", "--workdir", "--token-file", "--tls-cert", "--tls-key", "--ready-file"};
             int known = 0;
             for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++)
