@@ -26,6 +26,8 @@
 #include "kernels/ops.h"
 #include "service/board.h"
 #include "service/control_ckpt.h"
+#include "service/control_term.h"
+#include "service/preempt.h"
 #include "service/svc_text.h"
 
 /* A ticket is guarded by its control's mutex, the one lock both the
@@ -77,6 +79,7 @@ struct control {
     ctl_ckpt *ck;
     uint64_t run_id;
     int quit, term_seen, ran_job;
+    int term_unsaved;           /* SIGTERM ended the job without its checkpoint */
     int final_rc;
     char final_msg[SVC_MSG_CAP];
     ctl_reshard *reshard;       /* rank 0 with a workdir */
@@ -492,6 +495,7 @@ static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, c
         return;
     }
     c->state = SVC_RUNNING;
+    preempt_set_grace(c->job.train.term_grace_s);
     MT_LOGI("job %s (run %llu) running from step %lld of %lld", c->job.name,
             (unsigned long long)c->run_id, (long long)c->t->step, (long long)c->job.train.steps);
     if (!rank0(c)) return;
@@ -645,7 +649,10 @@ static void apply(control *c, const wire_cmd *w, const mt_jobspec *spec, ctl_tic
     if (k == CTL_SHUTDOWN) {
         if (c->state == SVC_RUNNING || c->state == SVC_PAUSED) {
             svc_ckpt ck;
-            end_job(c, "stopped", c->job.checkpoint.save_on_stop, &ck);
+            /* save: 1 / -1 SIGTERM within / past its grace period (control_term.h), 0 policy */
+            int save = w->save > 0 || (w->save == 0 && c->job.checkpoint.save_on_stop);
+            int src = end_job(c, "stopped", save, &ck);
+            if (w->save < 0 || (w->save > 0 && src < 0)) c->term_unsaved = 1;
         }
         c->quit = 1;
         complete_ticket(c, t, &r);
@@ -736,9 +743,9 @@ static pending *collect(control *c, volatile sig_atomic_t *term)
     for (;;) {
         if (term && *term && !c->term_seen) {
             c->term_seen = 1;
-            MT_LOGI("SIGTERM: stopping at the next step boundary");
             c->shutting_down = 1;
-            enqueue(c, CTL_SHUTDOWN, 0, "", NULL, NULL);
+            enqueue(c, CTL_SHUTDOWN, ctl_term_save_flag(&c->job, c->ck, c->t != NULL), "", NULL,
+                    NULL);
         }
         if (c->head || c->state == SVC_RUNNING || c->quit) break;
         struct timespec ts;
@@ -824,6 +831,10 @@ int control_run(control *c, volatile sig_atomic_t *term)
     if (c->t) release_job(c);
     if (rank0(c)) refuse_queued(c);
     if (rc < 0) return rc;
+    if (c->term_unsaved)
+        return mt_err_at(MT_EINTR, __FILE__, __LINE__,
+                         "stopped by SIGTERM without saving a checkpoint: restart with --resume "
+                         "auto to continue from the newest one");
     if (c->state == SVC_FAILED && c->o.exit_when_idle)
         return mt_err_at(c->final_rc, __FILE__, __LINE__, "%s", c->final_msg);
     return MT_OK;

@@ -249,6 +249,14 @@ void ctl_ckpt_newly_saved(ctl_ckpt *ck, svc_ckpt *saved)
     }
 }
 
+double ctl_ckpt_save_estimate_s(ctl_ckpt *ck)
+{
+    if (!ck || !ck->jc) return -1;
+    mt_job_ckpt_stats st;
+    mt_job_ckpt_get_stats(ck->jc, &st);
+    return st.saves > 0 ? (st.last_stall_ms + st.last_write_ms) * 1e-3 : -1;
+}
+
 int ctl_ckpt_finish(ctl_ckpt *ck, svc_ckpt *saved)
 {
     memset(saved, 0, sizeof *saved);

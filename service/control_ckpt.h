@@ -50,6 +50,10 @@ int ctl_ckpt_finish(ctl_ckpt *ck, svc_ckpt *saved);
  * still in flight is finished first: *earlier (valid set) if it committed. */
 int ctl_ckpt_save(ctl_ckpt *ck, svc_ckpt *earlier, svc_ckpt *saved);
 
+/* Expected seconds of a save now: the last committed save's snapshot stall
+ * plus write time; -1 when this job has not saved yet. */
+double ctl_ckpt_save_estimate_s(ctl_ckpt *ck);
+
 /* Committed checkpoints under a job's checkpoint directory, oldest first.
  * With the workdir `root` (NULL: no confinement) the directory is confined
  * to it and a step that is a link leading out is left out (and logged). */

@@ -11,11 +11,13 @@
  * in the foreground and exits when it ends. Both are MPI programs: alone
  * one rank (singleton init), under mpirun / srun N ranks.
  *
- * SIGINT / SIGTERM stop the job at the next step boundary (saving a
- * checkpoint when its checkpoint.save_on_stop says so); the daemon then
- * drains its streams and exits 0.
+ * SIGINT / SIGTERM stop the job at the next step boundary and save a
+ * checkpoint if that ends within train.term_grace_s (service/preempt.h);
+ * the daemon then drains its streams and exits.
  *
- * Exit status: 0 done (the job completed or was stopped), 1 usage, 2 failed.
+ * Exit status (service/exit_status.h): 0 done (the job completed, or was
+ * stopped with its checkpoint saved), 1 usage, 2 failed, 75 interrupted:
+ * restart with --resume auto.
  */
 #define _XOPEN_SOURCE 700
 #include <errno.h>
@@ -34,9 +36,11 @@
 #include "base/mt_status.h"
 #include "service/auth.h"
 #include "service/control.h"
+#include "service/exit_status.h"
 #include "service/http_endpoint.h"
 #include "service/job_admit.h"
 #include "service/metrics_hub.h"
+#include "service/preempt.h"
 #include "service/rpc_server.h"
 #include "service/service.h"
 #include "service/workdir.h"
@@ -46,12 +50,6 @@
 #define DRAIN_GRACE_S 5.0
 
 static volatile sig_atomic_t stop_requested = 0;
-
-static void on_signal(int sig)
-{
-    (void)sig;
-    stop_requested = 1;
-}
 
 static void usage(FILE *f)
 {
@@ -350,17 +348,16 @@ int main(int argc, char **argv)
     if (rc < 0) {
         MT_LOGE("%s", mt_errmsg());
         MPI_Finalize();
-        return 2;
+        return MT_EXIT_FAILED;
     }
     mt_log_set_rank(rt->rank);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
+    /* SIGINT / SIGTERM: stop at the step boundary, save within the grace
+     * period or exit 75 (service/preempt.h) */
+    preempt_install(&stop_requested);
+    if (preempt_backstop_start() < 0) MT_LOGW("%s", mt_errmsg());
     signal(SIGPIPE, SIG_IGN); /* a client gone mid-write is the RPC layer's business */
     rc = a.daemon ? run_daemon(&a, rt) : run_foreground(&a, rt);
     mt_runtime_destroy(rt);
     MPI_Finalize();
-    return rc < 0 ? 2 : 0;
+    return mt_exit_status(rc);
 }
