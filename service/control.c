@@ -28,6 +28,7 @@
 #include "service/control_ckpt.h"
 #include "service/control_term.h"
 #include "service/preempt.h"
+#include "service/watchdog.h"
 #include "service/svc_text.h"
 
 /* A ticket is guarded by its control's mutex, the one lock both the
@@ -812,12 +813,22 @@ static void refuse_queued(control *c)
     free_pending(p);
 }
 
+/* The step watchdog (watchdog.h) covers a running job's boundary and step. */
+static void arm_watchdog(control *c)
+{
+    if (!c->o.wd || c->state != SVC_RUNNING || !c->t) return;
+    char what[64];
+    snprintf(what, sizeof what, "step %lld", (long long)c->t->step + 1);
+    watchdog_arm(c->o.wd, c->job.train.step_timeout_s, what);
+}
+
 int control_run(control *c, volatile sig_atomic_t *term)
 {
     int rc = MT_OK;
     while (!c->quit) {
         pending *list = NULL;
         if (rank0(c)) list = collect(c, term);
+        arm_watchdog(c);
         /* Under mpirun a signal reaches every rank; only rank 0 acts on it
          * and the others follow the broadcast. */
         rc = boundary(c, list);
@@ -827,7 +838,9 @@ int control_run(control *c, volatile sig_atomic_t *term)
             step_once(c);
             if (c->state != SVC_RUNNING) sync_projected(c, 0);
         }
+        watchdog_disarm(c->o.wd);
     }
+    watchdog_disarm(c->o.wd);
     if (c->t) release_job(c);
     if (rank0(c)) refuse_queued(c);
     if (rc < 0) return rc;
@@ -838,6 +851,28 @@ int control_run(control *c, volatile sig_atomic_t *term)
     if (c->state == SVC_FAILED && c->o.exit_when_idle)
         return mt_err_at(c->final_rc, __FILE__, __LINE__, "%s", c->final_msg);
     return MT_OK;
+}
+
+void control_report_fatal(control *c, const char *msg)
+{
+    if (!rank0(c)) return;
+    char job[SVC_NAME_CAP];
+    pthread_mutex_lock(&c->mu);
+    c->st.state = SVC_FAILED;
+    snprintf(c->st.error, sizeof c->st.error, "%s", msg);
+    snprintf(job, sizeof job, "%s", c->st.job);
+    uint64_t run = c->st.run_id;
+    int64_t step = c->st.step;
+    pthread_mutex_unlock(&c->mu);
+    if (c->o.hub) {
+        hub_event *e = hub_event_new(run, job, HUB_STATE);
+        if (!e) return;
+        e->u.state.state = SVC_FAILED;
+        e->u.state.step = step;
+        snprintf(e->u.state.message, sizeof e->u.state.message, "%s", msg);
+        hub_publish(c->o.hub, e);
+        free(e);
+    }
 }
 
 /* ---- checkpoints (rank 0) ------------------------------------------------------------------ */

@@ -27,7 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
+#include <time.h>
 #include <unistd.h>
 
 #include "engine/train/jobspec.h"
@@ -43,6 +43,7 @@
 #include "service/preempt.h"
 #include "service/rpc_server.h"
 #include "service/service.h"
+#include "service/watchdog.h"
 #include "service/workdir.h"
 
 #define MAX_SETS 128
@@ -50,6 +51,36 @@
 #define DRAIN_GRACE_S 5.0
 
 static volatile sig_atomic_t stop_requested = 0;
+
+/* ---- ending the process from a helper thread ------------------------------------------ */
+
+/* The engine thread may be blocked in a collective that never returns (a
+ * dead peer), so the step watchdog and the SIGTERM backstop end the process
+ * from their own threads (service/watchdog.h, service/preempt.h). */
+static struct {
+    control *ctl; /* rank 0: reports the failure to clients first */
+    int rank;
+} fatal;
+
+static void die(int status) { _exit(status); }
+
+static void on_watchdog(void *arg, const char *what, double waited_s)
+{
+    (void)arg;
+    char msg[512];
+    snprintf(msg, sizeof msg,
+             "rank %d: %s has not finished after %.1f s (train.step_timeout_s): a rank died or a "
+             "collective stalled; exiting with status %d: restart with --resume auto",
+             fatal.rank, what, waited_s, MT_EXIT_RESTART);
+    MT_LOGE("%s", msg);
+    if (fatal.ctl) {
+        control_report_fatal(fatal.ctl, msg);
+        /* a moment for GetStatus and StreamMetrics to carry it out */
+        struct timespec ts = {1, 0};
+        nanosleep(&ts, NULL);
+    }
+    die(MT_EXIT_RESTART);
+}
 
 static void usage(FILE *f)
 {
@@ -87,6 +118,7 @@ static void usage(FILE *f)
 }
 
 typedef struct args {
+    struct watchdog *wd;
     const char *job;
     const char *jsonl;
     const char *sets[MAX_SETS];
@@ -207,7 +239,7 @@ static int run_foreground(const args *a, mt_runtime *rt)
         goto out;
     }
     control_opts o = {.rt = rt, .rank = rank, .world = world, .threads = a->threads,
-                      .jsonl = a->jsonl, .exit_when_idle = 1};
+                      .jsonl = a->jsonl, .exit_when_idle = 1, .wd = a->wd};
     MT_GOTO(control_create(&ctl, &o), out);
     if (rank == 0) MT_GOTO(control_start(ctl, &job, NULL), out);
     rc = control_run(ctl, &stop_requested);
@@ -292,8 +324,9 @@ static int run_daemon(const args *a, mt_runtime *rt)
         MT_GOTO(hub_create(&hub, a->ring), setup_done);
     }
     control_opts o = {.rt = rt, .workdir = rank == 0 ? workdir : NULL, .rank = rank, .world = world,
-                      .threads = a->threads, .hub = hub, .jsonl = a->jsonl};
+                      .threads = a->threads, .hub = hub, .jsonl = a->jsonl, .wd = a->wd};
     MT_GOTO(control_create(&ctl, &o), setup_done);
+    if (rank == 0) fatal.ctl = ctl;
     if (rank == 0) {
         MT_GOTO(service_init(&svc, ctl, hub, workdir), setup_done);
         svc.term = &stop_requested;
@@ -329,6 +362,7 @@ setup_done:;
     rpc_server_stop(srv, DRAIN_GRACE_S);
     http_stop(http);
     if (have_svc) service_cleanup(&svc);
+    fatal.ctl = NULL;
     control_destroy(ctl);
     hub_destroy(hub);
     if (rank == 0 && a->ready_file) remove(a->ready_file);
@@ -354,9 +388,12 @@ int main(int argc, char **argv)
     /* SIGINT / SIGTERM: stop at the step boundary, save within the grace
      * period or exit 75 (service/preempt.h) */
     preempt_install(&stop_requested);
-    if (preempt_backstop_start() < 0) MT_LOGW("%s", mt_errmsg());
+    if (preempt_backstop_start(die) < 0) MT_LOGW("%s", mt_errmsg());
     signal(SIGPIPE, SIG_IGN); /* a client gone mid-write is the RPC layer's business */
+    fatal.rank = rt->rank;
+    if (watchdog_create(&a.wd, on_watchdog, NULL) < 0) MT_LOGW("%s", mt_errmsg());
     rc = a.daemon ? run_daemon(&a, rt) : run_foreground(&a, rt);
+    watchdog_destroy(a.wd);
     mt_runtime_destroy(rt);
     MPI_Finalize();
     return mt_exit_status(rc);

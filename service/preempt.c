@@ -8,7 +8,6 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "base/mt_log.h"
 #include "base/mt_status.h"
@@ -86,7 +85,7 @@ preempt_verdict preempt_decide(double elapsed_s, double est_save_s, double grace
 
 static void *backstop_main(void *arg)
 {
-    (void)arg;
+    void (*die)(int) = *(void (**)(int))arg;
     for (;;) {
         struct timespec nap = {0, 100 * 1000000L};
         nanosleep(&nap, NULL);
@@ -95,20 +94,22 @@ static void *backstop_main(void *arg)
         MT_LOGE("SIGTERM %.1f s ago: the grace period of %g s (train.term_grace_s) is over "
                 "before the job could save and exit: exiting now with status %d; the newest "
                 "committed checkpoint is unchanged", e, g, MT_EXIT_RESTART);
-        _exit(MT_EXIT_RESTART);
+        die(MT_EXIT_RESTART);
     }
     return NULL;
 }
 
-int preempt_backstop_start(void)
+int preempt_backstop_start(void (*die)(int status))
 {
     static int started;
+    static void (*die_fn)(int);
     if (started) return MT_OK;
+    die_fn = die;
     pthread_t th;
     pthread_attr_t at;
     pthread_attr_init(&at);
     pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-    int e = pthread_create(&th, &at, backstop_main, NULL);
+    int e = pthread_create(&th, &at, backstop_main, (void *)&die_fn);
     pthread_attr_destroy(&at);
     if (e != 0) return MT_ERR(MT_EGENERIC, "cannot start the SIGTERM backstop thread");
     started = 1;

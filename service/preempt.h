@@ -50,7 +50,9 @@ typedef enum {
 preempt_verdict preempt_decide(double elapsed_s, double est_save_s, double grace_s, char *why,
                                size_t cap);
 
-/* Starts the backstop thread (once). */
-int preempt_backstop_start(void);
+/* Starts the backstop thread (once); at the deadline it logs why and calls
+ * die(75), which ends the process (the program supplies it: library code
+ * does not exit). */
+int preempt_backstop_start(void (*die)(int status));
 
 #endif
