@@ -474,6 +474,14 @@ void mt_job_ckpt_get_stats(mt_job_ckpt *jc, mt_job_ckpt_stats *s)
     pthread_mutex_unlock(&jc->mu);
 }
 
+void mt_job_ckpt_rewind(mt_job_ckpt *jc, int64_t step)
+{
+    pthread_mutex_lock(&jc->mu);
+    jc->st.last_step = step;
+    mt_ckpt_step_path(jc->st.last_path, sizeof jc->st.last_path, jc->root, step, 0);
+    pthread_mutex_unlock(&jc->mu);
+}
+
 int mt_job_ckpt_close(mt_job_ckpt *jc)
 {
     if (!jc) return MT_OK;

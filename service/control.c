@@ -724,7 +724,15 @@ static void step_once(control *c)
         end_job(c, "completed", 0, &ck);
         return;
     }
-    int rc = mt_job_step(c->run, NULL);
+    int rc = ctl_ckpt_said(c->ck, mt_job_step(c->run, NULL));
+    if (rc == MT_OK && c->run->rollback_note[0]) { /* a loss spike or NaN streak (issue 20) */
+        /* the step was not applied (every rank alike): nothing to post */
+        char msg[SVC_MSG_CAP];
+        ctl_ckpt_say(c->ck, c->run->rollback_note, msg, sizeof msg);
+        snapshot(c);
+        publish_state(c, "%s", msg);
+        return;
+    }
     if (rc == MT_OK) rc = post_step(c);
     if (rc < 0) {
         fail_job(c, rc);

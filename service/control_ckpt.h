@@ -33,6 +33,10 @@ int ctl_ckpt_attach(ctl_ckpt *ck, mt_job *job);
  * canonical paths (for errors of the job's start and saves). */
 int ctl_ckpt_said(const ctl_ckpt *ck, int rc);
 
+/* text (a message of the job's: a rollback's line) with the held folders'
+ * names said as their canonical paths. ck may be NULL. */
+void ctl_ckpt_say(const ctl_ckpt *ck, const char *text, char *out, size_t cap);
+
 /* After the job's end (a save in flight writes through the held folder):
  * lets the folders go and frees. NULL is fine. */
 void ctl_ckpt_close(ctl_ckpt *ck);
