@@ -14,11 +14,11 @@
  * Idle and paused ranks wait for commands without a deadline: the
  * watchdog is armed only while the job runs.
  *
- * What the comm layer adds (engine/parallel, issue 20's note in README
- * "Operations"): MPI_ERRORS_RETURN on its communicators and NCCL's async
- * error polling with ncclCommAbort turn a peer's death into an error
- * status (MT_EMPI / MT_ENCCL, exit 75) within seconds instead of the
- * timeout, and a heartbeat names the rank that stopped answering.
+ * What the comm layer does (engine/parallel/comm_mpi.c, comm_nccl.c): its
+ * communicators return MPI errors (MPI_ERRORS_RETURN) and NCCL's async
+ * error is polled, so a failed collective comes back as MT_EMPI / MT_ENCCL
+ * (exit 75) without waiting for the timeout; a silent peer is the
+ * watchdog's. No heartbeat names the rank that stopped answering yet.
  */
 #ifndef MT_WATCHDOG_H
 #define MT_WATCHDOG_H
