@@ -14,6 +14,9 @@
 #     two-rank run; the run finally completed has its final checkpoint
 #     byte-identical to the uninterrupted run's; mpirun leaves no OpenMPI
 #     session folder behind;
+#   - the daemon under mpirun: when a non-root rank hangs, a client following
+#     the metrics stream (moetrain watch) sees the job FAILED with the
+#     watchdog's cause before rank 0 exits 75;
 #   - SIGTERM to every rank (as srun and Kubernetes deliver it): both ranks
 #     stop at the same step boundary, the checkpoint of that step is saved,
 #     exit 0.
@@ -150,7 +153,31 @@ left=$(find "$OMPI_MCA_orte_tmpdir_base" -mindepth 1 -maxdepth 1 | wc -l)
 echo "ok: ${#times[@]} kills, $restarts resumed from a checkpoint, $completed completed runs;" \
      "$logged steps logged by killed runs all equal the uninterrupted run's; final checkpoint identical"
 
-# 3. SIGTERM to every rank, as Slurm and Kubernetes deliver it: one boundary,
+# 3. the daemon: rank 0 reports the failure to its clients before it exits
+mpirun --allow-run-as-root --oversubscribe -np 2 "$d" --listen 127.0.0.1:0 --workdir "$tmp/wd" \
+    --ready-file "$tmp/ready" "${job[@]}" --set checkpoint.dir=ck --set train.steps=100000 \
+    --set checkpoint.interval=1 --set train.step_timeout_s=3 > "$tmp/daemon.log" 2>&1 &
+mp=$!
+ranks
+for _ in $(seq 300); do [ -s "$tmp/ready" ] && break; sleep 0.1; done
+addr=$(sed -n 's/^grpc=//p' "$tmp/ready")
+[ -n "$addr" ] || fail "the daemon did not serve: $(tail -n 5 "$tmp/daemon.log")"
+"$bin/service/moetrain" --server "$addr" watch > "$tmp/watch.out" 2>&1 &
+wp=$!
+for _ in $(seq 300); do [ "$(grep -c '^step ' "$tmp/watch.out")" -ge 2 ] && break; sleep 0.1; done
+for k in "${kids[@]}"; do # the rank that is not 0
+    tr '\0' '\n' < "/proc/$k/environ" | grep -qx OMPI_COMM_WORLD_RANK=1 && victim=$k
+done
+kill -STOP "$victim"
+rc=0; wait "$mp" || rc=$?
+wait "$wp" || true
+kill -9 "$victim" 2> /dev/null || true
+[ $rc = 75 ] || fail "daemon with a hung rank: mpirun exit $rc, want 75"
+grep -q "^-- FAILED: rank 0: step [0-9]* has not finished after 3.0 s (train.step_timeout_s): a rank died or a collective stalled" \
+    "$tmp/watch.out" || fail "the client did not see FAILED with the cause: $(tail -n 3 "$tmp/watch.out")"
+echo "ok: daemon: the client saw '$(grep '^-- FAILED' "$tmp/watch.out" | cut -c1-60)...' before rank 0 exited 75"
+
+# 4. SIGTERM to every rank, as Slurm and Kubernetes deliver it: one boundary,
 # one checkpoint, exit 0. (mpirun's own SIGTERM is no preemption: it waits
 # odls_base_sigkill_timeout, signals the ranks and exits 1.)
 mpi_bg "$tmp/term.log" --set checkpoint.dir="$tmp/term" --set train.steps=100000 \
