@@ -1,8 +1,9 @@
 /* job_resume.c - see job_resume.h. */
-#define _POSIX_C_SOURCE 200809L
+#define _XOPEN_SOURCE 700 /* realpath */
 #include "runtime/job_resume.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/mt_log.h"
@@ -12,6 +13,13 @@
 static const char *init_name(mt_init_kind k)
 {
     return k == MT_INIT_HF ? "hf" : k == MT_INIT_CHECKPOINT ? "checkpoint" : "random";
+}
+
+void mt_job_path_shown(const char *path, char *out, size_t cap)
+{
+    char *real = realpath(path, NULL);
+    snprintf(out, cap, "%s", real ? real : path);
+    free(real);
 }
 
 int mt_job_pick_checkpoint(const char *root, int64_t below, mt_comm *world, char *path,
@@ -51,14 +59,17 @@ int mt_job_resume_auto(mt_jobspec *job, mt_comm *world)
     int64_t step = -1;
     int rc = mt_job_pick_checkpoint(root, -1, world, path, sizeof path, &step);
     if (rc < 0) return mt_err_wrap(rc, "resume auto: checkpoint.dir %s", root);
+    char shown[MT_PATH_CAP];
     if (step < 0) {
+        mt_job_path_shown(root, shown, sizeof shown);
         if (rank == 0)
-            MT_LOGI("resume auto: no checkpoint in %s verifies: starting as init.kind=%s%s%s", root,
+            MT_LOGI("resume auto: no checkpoint in %s verifies: starting as init.kind=%s%s%s", shown,
                     init_name(job->init.kind), job->init.path[0] ? " from " : "", job->init.path);
         return MT_OK;
     }
+    mt_job_path_shown(path, shown, sizeof shown);
     if (rank == 0)
-        MT_LOGI("resume auto: continuing from %s (step %lld)", path, (long long)step);
+        MT_LOGI("resume auto: continuing from %s (step %lld)", shown, (long long)step);
     job->init.kind = MT_INIT_CHECKPOINT;
     snprintf(job->init.path, sizeof job->init.path, "%s", path);
     return MT_OK;

@@ -29,6 +29,11 @@
 int mt_job_pick_checkpoint(const char *root, int64_t below, mt_comm *world, char *path,
                            size_t cap, int64_t *step);
 
+/* path as operators know it, for log lines: a folder the daemon holds open
+ * is reached through /proc/self/fd/N (service/control_ckpt.h); this says
+ * its canonical path instead (path itself when it cannot be resolved). */
+void mt_job_path_shown(const char *path, char *out, size_t cap);
+
 /* With checkpoint.resume = auto, rewrites job->init to the checkpoint found
  * (init.kind = checkpoint, init.path = its directory); otherwise leaves it.
  * Collective over `world` (NULL: one rank). */
