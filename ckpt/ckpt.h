@@ -58,6 +58,25 @@ int mt_ckpt_commit(const char *root, int64_t step, int keep_last);
  * (mt_ckpt_open takes a shared lock on the directory). */
 int mt_ckpt_retain(const char *root, int keep_last);
 
+/* ---- resuming and setting aside (ckpt_resume.c) ------------------------------- */
+
+/* Moves committed checkpoint ROOT/step_N out of the committed namespace to
+ * ROOT/step_N.<tag> (or .<tag>.2, .<tag>.3 ... when taken), fsyncs ROOT, and
+ * points `latest` at the newest remaining step (removes it when none), so
+ * listings, resolve, retention and a later save of step N never see it. It
+ * is kept for inspection, never deleted. `moved` (may be NULL) gets the new
+ * path. */
+int mt_ckpt_set_aside(const char *root, int64_t step, const char *tag, char *moved, size_t cap);
+
+/* The newest committed checkpoint under root with step < below (below < 0:
+ * any) that verifies completely (mt_ckpt_verify: index, coverage, every
+ * checksum). Each newer one that is damaged (MT_ECORRUPT) is logged and,
+ * with set_aside, moved to step_N.damaged. *step = -1 and MT_OK when none
+ * verifies. Other failures (out of memory, I/O) are returned and move
+ * nothing: a transient error never costs a checkpoint. */
+int mt_ckpt_find_resumable(const char *root, int64_t below, int set_aside, char *path, size_t cap,
+                           int64_t *step);
+
 /* ---- metadata ---------------------------------------------------------------- */
 
 typedef struct mt_ckpt_meta {

@@ -156,7 +156,7 @@ int mt_ckpt_begin(const char *root, int64_t step, char *partial, size_t cap)
 }
 
 /* Writes root/latest = "step_NNNNNNNN\n" by temp file + fsync + rename. */
-static int write_latest(const char *root, int64_t step)
+int ck_write_latest(const char *root, int64_t step)
 {
     char tmp[4400], dst[4400], text[64];
     snprintf(tmp, sizeof tmp, "%s/%s.tmp", root, CK_LATEST);
@@ -178,7 +178,7 @@ static int write_latest(const char *root, int64_t step)
 }
 
 /* The step `latest` names, or -1. */
-static int64_t read_latest(const char *root)
+int64_t ck_read_latest(const char *root)
 {
     char p[4400], buf[64] = "";
     snprintf(p, sizeof p, "%s/%s", root, CK_LATEST);
@@ -209,7 +209,7 @@ int mt_ckpt_commit(const char *root, int64_t step, int keep_last)
     if (rename(part, fin) != 0) return MT_ERR(MT_EIO, "%s: cannot rename: %s", part, strerror(errno));
     MT_CHECK(mt_fsync_path(root));
     if (replaced) MT_CHECK(ck_rm_rf(old));
-    MT_CHECK(write_latest(root, step));
+    MT_CHECK(ck_write_latest(root, step));
     return mt_ckpt_retain(root, keep_last);
 }
 
@@ -219,7 +219,7 @@ int mt_ckpt_retain(const char *root, int keep_last)
     int64_t *steps;
     int n;
     MT_CHECK(mt_ckpt_list(root, &steps, &n));
-    const int64_t latest = read_latest(root);
+    const int64_t latest = ck_read_latest(root);
     int rc = MT_OK;
     for (int i = 0; i + keep_last < n && rc == MT_OK; i++) {
         if (steps[i] == latest || i == n - 1) continue;

@@ -138,6 +138,9 @@ int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d);
 int ck_read_map_band(const mt_shard_map *m, const mt_tensor_source *src, int t, mt_tensor_desc *d);
 /* rm -rf */
 int ck_rm_rf(const char *path);
+/* ROOT/latest: write (temp file, fsync, rename) / read (-1: absent or bad). */
+int ck_write_latest(const char *root, int64_t step);
+int64_t ck_read_latest(const char *root);
 
 /* Opens (once) the shard file of piece p; error names the file and tensor. */
 int ck_piece_file(mt_ckpt *ck, int p, hid_t *f);

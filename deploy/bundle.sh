@@ -15,7 +15,8 @@
 #   mpi/            with --with-mpi: Debian's OpenMPI and PMIx trees, which
 #                   OpenMPI finds only at their absolute paths; mpi/install.sh
 #                   copies them there (root) on the target
-#   deploy/examples, BUNDLE.txt (versions, commit, how to run)
+#   deploy/examples, deploy/{launch,slurm,k8s,systemd} (README "Operations"),
+#   BUNDLE.txt (versions, commit, how to run)
 # CUDA libraries (cudart, cuBLAS(Lt), cuDNN, NCCL) are left to the target:
 # they must match its driver.
 set -euo pipefail
@@ -113,6 +114,8 @@ fi
 
 mkdir -p "$out/deploy"
 cp -a "$root/deploy/examples" "$out/deploy/"
+# the launchers (README "Operations"): they expect the bundle in /opt/moetrain
+for d in launch slurm k8s systemd; do cp -a "$root/deploy/$d" "$out/deploy/"; done
 {
   echo "moetrain bundle"
   echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"

@@ -31,6 +31,7 @@ packages=(
   python3-yaml                                # test_monitoring_files reads the Prometheus files
   chromium chromium-driver                    # test_dashboard_browser (headless, via chromedriver)
   clang libclang-rt-14-dev                    # libFuzzer targets
+  python3-yaml shellcheck                     # ops tests: manifests, deploy scripts
 )
 
 missing=()

@@ -1,6 +1,7 @@
 /* job_checkpoint.c - see job_checkpoint.h. */
 #define _POSIX_C_SOURCE 200809L
 #include "runtime/job_checkpoint.h"
+#include "runtime/job_resume.h"
 
 #include <jansson.h>
 #include <pthread.h>
@@ -166,6 +167,7 @@ static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
 
 int mt_job_ckpt_restore(mt_job_ckpt *jc, mt_trainer *t)
 {
+    MT_CHECK(mt_job_resume_auto(&jc->job, jc->comm)); /* issue 20 */
     if (jc->job.init.kind == MT_INIT_CHECKPOINT) MT_CHECK(restore_checkpoint(jc, t));
     if (jc->job.init.kind == MT_INIT_HF) MT_CHECK(restore_hf(jc, t));
     if (jc->job.init.kind != MT_INIT_RANDOM) jc->st.restored_step = t->step;
@@ -469,6 +471,14 @@ void mt_job_ckpt_get_stats(mt_job_ckpt *jc, mt_job_ckpt_stats *s)
 {
     pthread_mutex_lock(&jc->mu);
     *s = jc->st;
+    pthread_mutex_unlock(&jc->mu);
+}
+
+void mt_job_ckpt_rewind(mt_job_ckpt *jc, int64_t step)
+{
+    pthread_mutex_lock(&jc->mu);
+    jc->st.last_step = step;
+    mt_ckpt_step_path(jc->st.last_path, sizeof jc->st.last_path, jc->root, step, 0);
     pthread_mutex_unlock(&jc->mu);
 }
 

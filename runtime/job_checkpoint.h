@@ -68,6 +68,10 @@ int mt_job_ckpt_wait(mt_job_ckpt *jc);
 
 void mt_job_ckpt_get_stats(mt_job_ckpt *jc, mt_job_ckpt_stats *s);
 
+/* The trainer went back to committed step `step` (a rollback,
+ * runtime/job_rollback.h): it is the last saved step again. */
+void mt_job_ckpt_rewind(mt_job_ckpt *jc, int64_t step);
+
 /* Waits for the save in flight and frees; returns its status. NULL is fine. */
 int mt_job_ckpt_close(mt_job_ckpt *jc);
 

@@ -1,12 +1,14 @@
 /* runtime.c - see runtime.h. */
 #include "runtime/runtime.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 #include "kernels/ops.h"
+#include "runtime/job_rollback.h"
 
 int mt_runtime_create(mt_runtime **out)
 {
@@ -124,6 +126,7 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
             .edp = l->ep > 1 ? j->groups.g[MT_GROUP_EDP] : NULL,
         };
         rc = mt_trainer_create_in(&j->trainer, &j->spec, j->be, &tg);
+        if (rc == MT_OK) j->trainer->rank = rt->rank; /* train.fault.rank */
     }
     if (rc == MT_OK) rc = mt_job_ckpt_open(&j->ckpt, &j->spec, rt->world);
     ok = mt_runtime_agree(rt, rc == MT_OK);
@@ -140,9 +143,31 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
     return MT_OK;
 }
 
+/* The rollback the trainer asked for (runtime/job_rollback.h). */
+static int roll_back(mt_job *j)
+{
+    mt_trainer *t = j->trainer;
+    mt_rollback_result r;
+    MT_CHECK(mt_job_rollback(j->ckpt, t, j->rt->world, &r, j->rollback_note,
+                             sizeof j->rollback_note));
+    if (r.rolled_back) return MT_OK;
+    if (t->rollback.nonfinite)
+        return MT_ERR(MT_ENUMERIC, "%s, and no checkpoint from before step %lld to roll back to",
+                      t->rollback.why, (long long)t->rollback.onset);
+    snprintf(j->rollback_note, sizeof j->rollback_note,
+             "%s; no checkpoint from before step %lld to roll back to: step %lld is dropped, "
+             "training goes on", t->rollback.why, (long long)t->rollback.onset,
+             (long long)t->rollback.step);
+    if (j->rt->rank == 0) MT_LOGW("%s", j->rollback_note);
+    mt_trainer_rollback_cancel(t);
+    return MT_OK;
+}
+
 int mt_job_step(mt_job *j, mt_step_metrics *m)
 {
+    j->rollback_note[0] = '\0';
     MT_CHECK(mt_trainer_step(j->trainer, m));
+    if (j->trainer->rollback.pending) return roll_back(j);
     return mt_job_ckpt_after_step(j->ckpt, j->trainer);
 }
 

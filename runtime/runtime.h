@@ -56,6 +56,11 @@ typedef struct mt_job {
     int have_groups;
     mt_trainer *trainer;
     mt_job_ckpt *ckpt;
+    /* The last mt_job_step's rollback (issue 20; runtime/job_rollback.h),
+     * one line, "" when none: the step was not applied and the job went
+     * back to a checkpoint from before the abnormal steps, or, for a spike
+     * with no checkpoint before it, the step was dropped. */
+    char rollback_note[1024];
 } mt_job;
 
 /* Builds the job on every rank (collective): checks that the spec was
@@ -66,7 +71,11 @@ typedef struct mt_job {
 int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_job_opts *o);
 
 /* One optimizer step, then the checkpoint policy's save when due.
- * Collective. *m (may be NULL): the step's metrics. */
+ * Collective. *m (may be NULL): the step's metrics. When the trainer asks
+ * for a rollback (a persistent loss spike or a NaN / Inf streak,
+ * engine/train/trainer.h) the job rolls back here instead and says so in
+ * j->rollback_note; a NaN / Inf streak with no checkpoint before it, or one
+ * rollback more than train.max_rollbacks, fails the step. */
 int mt_job_step(mt_job *j, mt_step_metrics *m);
 
 /* Saves the current step now and waits (collective). */

@@ -26,6 +26,9 @@
 #include "kernels/ops.h"
 #include "service/board.h"
 #include "service/control_ckpt.h"
+#include "service/control_term.h"
+#include "service/preempt.h"
+#include "service/watchdog.h"
 #include "service/svc_text.h"
 
 /* A ticket is guarded by its control's mutex, the one lock both the
@@ -77,6 +80,7 @@ struct control {
     ctl_ckpt *ck;
     uint64_t run_id;
     int quit, term_seen, ran_job;
+    int term_unsaved;           /* SIGTERM ended the job without its checkpoint */
     int final_rc;
     char final_msg[SVC_MSG_CAP];
     ctl_reshard *reshard;       /* rank 0 with a workdir */
@@ -492,6 +496,7 @@ static void apply_start(control *c, const wire_cmd *w, const mt_jobspec *spec, c
         return;
     }
     c->state = SVC_RUNNING;
+    preempt_set_grace(c->job.train.term_grace_s);
     MT_LOGI("job %s (run %llu) running from step %lld of %lld", c->job.name,
             (unsigned long long)c->run_id, (long long)c->t->step, (long long)c->job.train.steps);
     if (!rank0(c)) return;
@@ -645,7 +650,10 @@ static void apply(control *c, const wire_cmd *w, const mt_jobspec *spec, ctl_tic
     if (k == CTL_SHUTDOWN) {
         if (c->state == SVC_RUNNING || c->state == SVC_PAUSED) {
             svc_ckpt ck;
-            end_job(c, "stopped", c->job.checkpoint.save_on_stop, &ck);
+            /* save: 1 / -1 SIGTERM within / past its grace period (control_term.h), 0 policy */
+            int save = w->save > 0 || (w->save == 0 && c->job.checkpoint.save_on_stop);
+            int src = end_job(c, "stopped", save, &ck);
+            if (w->save < 0 || (w->save > 0 && src < 0)) c->term_unsaved = 1;
         }
         c->quit = 1;
         complete_ticket(c, t, &r);
@@ -716,7 +724,15 @@ static void step_once(control *c)
         end_job(c, "completed", 0, &ck);
         return;
     }
-    int rc = mt_job_step(c->run, NULL);
+    int rc = ctl_ckpt_said(c->ck, mt_job_step(c->run, NULL));
+    if (rc == MT_OK && c->run->rollback_note[0]) { /* a loss spike or NaN streak (issue 20) */
+        /* the step was not applied (every rank alike): nothing to post */
+        char msg[SVC_MSG_CAP];
+        ctl_ckpt_say(c->ck, c->run->rollback_note, msg, sizeof msg);
+        snapshot(c);
+        publish_state(c, "%s", msg);
+        return;
+    }
     if (rc == MT_OK) rc = post_step(c);
     if (rc < 0) {
         fail_job(c, rc);
@@ -736,9 +752,9 @@ static pending *collect(control *c, volatile sig_atomic_t *term)
     for (;;) {
         if (term && *term && !c->term_seen) {
             c->term_seen = 1;
-            MT_LOGI("SIGTERM: stopping at the next step boundary");
             c->shutting_down = 1;
-            enqueue(c, CTL_SHUTDOWN, 0, "", NULL, NULL);
+            enqueue(c, CTL_SHUTDOWN, ctl_term_save_flag(&c->job, c->ck, c->t != NULL), "", NULL,
+                    NULL);
         }
         if (c->head || c->state == SVC_RUNNING || c->quit) break;
         struct timespec ts;
@@ -805,12 +821,22 @@ static void refuse_queued(control *c)
     free_pending(p);
 }
 
+/* The step watchdog (watchdog.h) covers a running job's boundary and step. */
+static void arm_watchdog(control *c)
+{
+    if (!c->o.wd || c->state != SVC_RUNNING || !c->t) return;
+    char what[64];
+    snprintf(what, sizeof what, "step %lld", (long long)c->t->step + 1);
+    watchdog_arm(c->o.wd, c->job.train.step_timeout_s, what);
+}
+
 int control_run(control *c, volatile sig_atomic_t *term)
 {
     int rc = MT_OK;
     while (!c->quit) {
         pending *list = NULL;
         if (rank0(c)) list = collect(c, term);
+        arm_watchdog(c);
         /* Under mpirun a signal reaches every rank; only rank 0 acts on it
          * and the others follow the broadcast. */
         rc = boundary(c, list);
@@ -820,13 +846,41 @@ int control_run(control *c, volatile sig_atomic_t *term)
             step_once(c);
             if (c->state != SVC_RUNNING) sync_projected(c, 0);
         }
+        watchdog_disarm(c->o.wd);
     }
+    watchdog_disarm(c->o.wd);
     if (c->t) release_job(c);
     if (rank0(c)) refuse_queued(c);
     if (rc < 0) return rc;
+    if (c->term_unsaved)
+        return mt_err_at(MT_EINTR, __FILE__, __LINE__,
+                         "stopped by SIGTERM without saving a checkpoint: restart with --resume "
+                         "auto to continue from the newest one");
     if (c->state == SVC_FAILED && c->o.exit_when_idle)
         return mt_err_at(c->final_rc, __FILE__, __LINE__, "%s", c->final_msg);
     return MT_OK;
+}
+
+void control_report_fatal(control *c, const char *msg)
+{
+    if (!rank0(c)) return;
+    char job[SVC_NAME_CAP];
+    pthread_mutex_lock(&c->mu);
+    c->st.state = SVC_FAILED;
+    snprintf(c->st.error, sizeof c->st.error, "%s", msg);
+    snprintf(job, sizeof job, "%s", c->st.job);
+    uint64_t run = c->st.run_id;
+    int64_t step = c->st.step;
+    pthread_mutex_unlock(&c->mu);
+    if (c->o.hub) {
+        hub_event *e = hub_event_new(run, job, HUB_STATE);
+        if (!e) return;
+        e->u.state.state = SVC_FAILED;
+        e->u.state.step = step;
+        snprintf(e->u.state.message, sizeof e->u.state.message, "%s", msg);
+        hub_publish(c->o.hub, e);
+        free(e);
+    }
 }
 
 /* ---- checkpoints (rank 0) ------------------------------------------------------------------ */

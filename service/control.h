@@ -39,6 +39,7 @@ typedef struct control_opts {
     metrics_hub *hub;        /* rank 0; may be NULL */
     const char *jsonl;       /* rank 0: also write each step as a JSON line here */
     int exit_when_idle;      /* foreground: return once the first job has ended */
+    struct watchdog *wd;     /* armed for train.step_timeout_s around each step; may be NULL */
 } control_opts;
 
 int control_create(control **out, const control_opts *o);
@@ -120,6 +121,11 @@ int control_world(const control *c);
  * memory, per-expert loads and router bias, save records); rank 0. */
 struct board;
 struct board *control_board(control *c);
+
+/* Any thread, rank 0: the process is about to end on its own (the step
+ * watchdog fired): the status and the metrics stream say FAILED with msg,
+ * so clients learn why before the connection drops. */
+void control_report_fatal(control *c, const char *msg);
 
 /* The daemon is going down: new commands get MT_EINTR. */
 int control_shutting_down(control *c);

@@ -49,12 +49,11 @@ static void unpin_path(const pinned *p, const char *in, char *out, size_t cap)
     else snprintf(out, cap, "%s", in);
 }
 
-/* The last error with every pinned name said as its canonical path. */
-static int unpin_err(int rc, const pinned *a, const pinned *b)
+/* text with every pinned name in it said as its canonical path. */
+static void unpin_text(const char *text, const pinned *a, const pinned *b, char *out, size_t cap)
 {
-    if (rc >= 0 || (!a->via[0] && (!b || !b->via[0]))) return rc;
     char m1[2048], m2[2048];
-    snprintf(m1, sizeof m1, "%s", mt_errmsg());
+    snprintf(m1, sizeof m1, "%s", text);
     for (const pinned *p = a; p; p = p == a ? b : NULL) {
         if (!p->via[0]) continue;
         /* every occurrence, not only a leading one; "/proc/self/fd/3" is
@@ -71,8 +70,17 @@ static int unpin_err(int rc, const pinned *a, const pinned *b)
         if (o < sizeof m2) snprintf(m2 + o, sizeof m2 - o, "%s", s);
         snprintf(m1, sizeof m1, "%s", m2);
     }
+    snprintf(out, cap, "%s", m1);
+}
+
+/* The last error with every pinned name said as its canonical path. */
+static int unpin_err(int rc, const pinned *a, const pinned *b)
+{
+    if (rc >= 0 || (!a->via[0] && (!b || !b->via[0]))) return rc;
+    char m[2048];
+    unpin_text(mt_errmsg(), a, b, m, sizeof m);
     mt_err_clear();
-    return mt_err_at(rc, __FILE__, __LINE__, "%s", m1);
+    return mt_err_at(rc, __FILE__, __LINE__, "%s", m);
 }
 
 static int pin(pinned *p, const char *root, const char *path, const char *field, int flags)
@@ -215,6 +223,12 @@ int ctl_ckpt_said(const ctl_ckpt *ck, int rc)
     return ck ? unpin_err(rc, &ck->dir, &ck->init) : rc;
 }
 
+void ctl_ckpt_say(const ctl_ckpt *ck, const char *text, char *out, size_t cap)
+{
+    if (ck) unpin_text(text, &ck->dir, &ck->init, out, cap);
+    else snprintf(out, cap, "%s", text);
+}
+
 int ctl_ckpt_attach(ctl_ckpt *ck, mt_job *job)
 {
     ck->job = job;
@@ -247,6 +261,14 @@ void ctl_ckpt_newly_saved(ctl_ckpt *ck, svc_ckpt *saved)
         saved->write_ms = st.last_write_ms;
         saved->stall_ms = st.last_stall_ms;
     }
+}
+
+double ctl_ckpt_save_estimate_s(ctl_ckpt *ck)
+{
+    if (!ck || !ck->jc) return -1;
+    mt_job_ckpt_stats st;
+    mt_job_ckpt_get_stats(ck->jc, &st);
+    return st.saves > 0 ? (st.last_stall_ms + st.last_write_ms) * 1e-3 : -1;
 }
 
 int ctl_ckpt_finish(ctl_ckpt *ck, svc_ckpt *saved)

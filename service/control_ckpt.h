@@ -33,6 +33,10 @@ int ctl_ckpt_attach(ctl_ckpt *ck, mt_job *job);
  * canonical paths (for errors of the job's start and saves). */
 int ctl_ckpt_said(const ctl_ckpt *ck, int rc);
 
+/* text (a message of the job's: a rollback's line) with the held folders'
+ * names said as their canonical paths. ck may be NULL. */
+void ctl_ckpt_say(const ctl_ckpt *ck, const char *text, char *out, size_t cap);
+
 /* After the job's end (a save in flight writes through the held folder):
  * lets the folders go and frees. NULL is fine. */
 void ctl_ckpt_close(ctl_ckpt *ck);
@@ -49,6 +53,10 @@ int ctl_ckpt_finish(ctl_ckpt *ck, svc_ckpt *saved);
 /* Saves now (ROOT/step_NNNNNNNN of the current step). All ranks. A save
  * still in flight is finished first: *earlier (valid set) if it committed. */
 int ctl_ckpt_save(ctl_ckpt *ck, svc_ckpt *earlier, svc_ckpt *saved);
+
+/* Expected seconds of a save now: the last committed save's snapshot stall
+ * plus write time; -1 when this job has not saved yet. */
+double ctl_ckpt_save_estimate_s(ctl_ckpt *ck);
 
 /* Committed checkpoints under a job's checkpoint directory, oldest first.
  * With the workdir `root` (NULL: no confinement) the directory is confined

@@ -11,11 +11,13 @@
  * in the foreground and exits when it ends. Both are MPI programs: alone
  * one rank (singleton init), under mpirun / srun N ranks.
  *
- * SIGINT / SIGTERM stop the job at the next step boundary (saving a
- * checkpoint when its checkpoint.save_on_stop says so); the daemon then
- * drains its streams and exits 0.
+ * SIGINT / SIGTERM stop the job at the next step boundary and save a
+ * checkpoint if that ends within train.term_grace_s (service/preempt.h);
+ * the daemon then drains its streams and exits.
  *
- * Exit status: 0 done (the job completed or was stopped), 1 usage, 2 failed.
+ * Exit status (service/exit_status.h): 0 done (the job completed, or was
+ * stopped with its checkpoint saved), 1 usage, 2 failed, 75 interrupted:
+ * restart with --resume auto.
  */
 #define _XOPEN_SOURCE 700
 #include <errno.h>
@@ -25,7 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
+#include <time.h>
 #include <unistd.h>
 
 #include "engine/train/jobspec.h"
@@ -34,11 +36,14 @@
 #include "base/mt_status.h"
 #include "service/auth.h"
 #include "service/control.h"
+#include "service/exit_status.h"
 #include "service/http_endpoint.h"
 #include "service/job_admit.h"
 #include "service/metrics_hub.h"
+#include "service/preempt.h"
 #include "service/rpc_server.h"
 #include "service/service.h"
+#include "service/watchdog.h"
 #include "service/workdir.h"
 
 #define MAX_SETS 128
@@ -47,10 +52,34 @@
 
 static volatile sig_atomic_t stop_requested = 0;
 
-static void on_signal(int sig)
+/* ---- ending the process from a helper thread ------------------------------------------ */
+
+/* The engine thread may be blocked in a collective that never returns (a
+ * dead peer), so the step watchdog and the SIGTERM backstop end the process
+ * from their own threads (service/watchdog.h, service/preempt.h). */
+static struct {
+    control *ctl; /* rank 0: reports the failure to clients first */
+    int rank;
+} fatal;
+
+static void die(int status) { _exit(status); }
+
+static void on_watchdog(void *arg, const char *what, double waited_s)
 {
-    (void)sig;
-    stop_requested = 1;
+    (void)arg;
+    char msg[512];
+    snprintf(msg, sizeof msg,
+             "rank %d: %s has not finished after %.1f s (train.step_timeout_s): a rank died or a "
+             "collective stalled; exiting with status %d: restart with --resume auto",
+             fatal.rank, what, waited_s, MT_EXIT_RESTART);
+    MT_LOGE("%s", msg);
+    if (fatal.ctl) {
+        control_report_fatal(fatal.ctl, msg);
+        /* a moment for GetStatus and StreamMetrics to carry it out */
+        struct timespec ts = {1, 0};
+        nanosleep(&ts, NULL);
+    }
+    die(MT_EXIT_RESTART);
 }
 
 static void usage(FILE *f)
@@ -58,9 +87,10 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: moetraind [--listen ADDR] [--http ADDR] [--workdir DIR] [--token-file F]\n"
             "                 [--tls-cert F --tls-key F] [--job JOB.json [--set k=v ...]]\n"
+            "                 [--resume auto]\n"
             "                 [--ready-file F] [--metrics-ring N] [--threads N]\n"
             "       moetraind --job JOB.json [--set key.path=value ...] [--metrics-jsonl FILE]\n"
-            "                 [--threads N]\n"
+            "                 [--resume auto] [--threads N]\n"
             "       moetraind --help-job    list every job spec field with its default\n"
             "\n"
             "The daemon (any daemon option given): gRPC control plane on\n"
@@ -80,11 +110,15 @@ static void usage(FILE *f)
             "SIGINT / SIGTERM stop the job at a step boundary.\n"
             "  --job FILE            job spec (JSON; see deploy/examples)\n"
             "  --set key.path=value  override a job spec field (repeatable)\n"
+            "  --resume auto         continue from the newest checkpoint in checkpoint.dir\n"
+            "                        that verifies (= --set checkpoint.resume=auto; also\n"
+            "                        with the daemon's --job)\n"
             "  --metrics-jsonl FILE  also write one JSON object per step to FILE\n"
             "  --threads N           CPU backend worker threads (default: all cores)\n");
 }
 
 typedef struct args {
+    struct watchdog *wd;
     const char *job;
     const char *jsonl;
     const char *sets[MAX_SETS];
@@ -118,6 +152,19 @@ static int parse_args(int argc, char **argv, args *a)
                 return 1;
             }
             a->sets[a->n_sets++] = argv[++i];
+        } else if (!strcmp(s, "--resume") && has) {
+            /* the job spec's checkpoint.resume (runtime/job_resume.h) */
+            const char *v = argv[++i];
+            if (strcmp(v, "auto") != 0 && strcmp(v, "never") != 0) {
+                fprintf(stderr, "moetraind: --resume takes auto or never, not '%s'\n", v);
+                return 1;
+            }
+            if (a->n_sets == MAX_SETS) {
+                fprintf(stderr, "moetraind: more than %d --set options\n", MAX_SETS);
+                return 1;
+            }
+            a->sets[a->n_sets++] = !strcmp(v, "auto") ? "checkpoint.resume=auto"
+                                                      : "checkpoint.resume=never";
         } else if (!strcmp(s, "--metrics-jsonl") && has) {
             a->jsonl = argv[++i];
         } else if (!strcmp(s, "--threads") && has) {
@@ -141,7 +188,7 @@ static int parse_args(int argc, char **argv, args *a)
             daemon_opt = &a->ready_file;
         } else {
             static const char *const with_value[] = {
-                "--job", "--set", "--metrics-jsonl", "--threads", "--metrics-ring", "--listen",
+                "--job", "--set", "--resume", "--metrics-jsonl", "--threads", "--metrics-ring", "--listen",
                 "--http", "--workdir", "--token-file", "--tls-cert", "--tls-key", "--ready-file"};
             int known = 0;
             for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++)
@@ -192,7 +239,7 @@ static int run_foreground(const args *a, mt_runtime *rt)
         goto out;
     }
     control_opts o = {.rt = rt, .rank = rank, .world = world, .threads = a->threads,
-                      .jsonl = a->jsonl, .exit_when_idle = 1};
+                      .jsonl = a->jsonl, .exit_when_idle = 1, .wd = a->wd};
     MT_GOTO(control_create(&ctl, &o), out);
     if (rank == 0) MT_GOTO(control_start(ctl, &job, NULL), out);
     rc = control_run(ctl, &stop_requested);
@@ -277,8 +324,9 @@ static int run_daemon(const args *a, mt_runtime *rt)
         MT_GOTO(hub_create(&hub, a->ring), setup_done);
     }
     control_opts o = {.rt = rt, .workdir = rank == 0 ? workdir : NULL, .rank = rank, .world = world,
-                      .threads = a->threads, .hub = hub, .jsonl = a->jsonl};
+                      .threads = a->threads, .hub = hub, .jsonl = a->jsonl, .wd = a->wd};
     MT_GOTO(control_create(&ctl, &o), setup_done);
+    if (rank == 0) fatal.ctl = ctl;
     if (rank == 0) {
         MT_GOTO(service_init(&svc, ctl, hub, workdir), setup_done);
         svc.term = &stop_requested;
@@ -314,6 +362,7 @@ setup_done:;
     rpc_server_stop(srv, DRAIN_GRACE_S);
     http_stop(http);
     if (have_svc) service_cleanup(&svc);
+    fatal.ctl = NULL;
     control_destroy(ctl);
     hub_destroy(hub);
     if (rank == 0 && a->ready_file) remove(a->ready_file);
@@ -333,17 +382,19 @@ int main(int argc, char **argv)
     if (rc < 0) {
         MT_LOGE("%s", mt_errmsg());
         MPI_Finalize();
-        return 2;
+        return MT_EXIT_FAILED;
     }
     mt_log_set_rank(rt->rank);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
+    /* SIGINT / SIGTERM: stop at the step boundary, save within the grace
+     * period or exit 75 (service/preempt.h) */
+    preempt_install(&stop_requested);
+    if (preempt_backstop_start(die) < 0) MT_LOGW("%s", mt_errmsg());
     signal(SIGPIPE, SIG_IGN); /* a client gone mid-write is the RPC layer's business */
+    fatal.rank = rt->rank;
+    if (watchdog_create(&a.wd, on_watchdog, NULL) < 0) MT_LOGW("%s", mt_errmsg());
     rc = a.daemon ? run_daemon(&a, rt) : run_foreground(&a, rt);
+    watchdog_destroy(a.wd);
     mt_runtime_destroy(rt);
     MPI_Finalize();
-    return rc < 0 ? 2 : 0;
+    return mt_exit_status(rc);
 }

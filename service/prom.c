@@ -187,6 +187,9 @@ int prom_render(service *svc, char **out, size_t *len)
         counter(&b, "moetrain_skipped_steps_total",
                 "Steps skipped for a non-finite loss or gradient.",
                 (unsigned long long)m->skipped_total);
+        counter(&b, "moetrain_rollbacks_total",
+                "Rollbacks to the last good checkpoint after a loss spike or a NaN streak.",
+                (unsigned long long)m->rollbacks_total);
         gauge(&b, "moetrain_loss", "LM loss of the last step.", m->loss);
         gauge(&b, "moetrain_mtp_loss", "Mean MTP loss of the last step.", m->mtp_loss);
         gauge(&b, "moetrain_aux_loss", "Sequence-wise balance loss of the last step (with alpha).",

@@ -1,6 +1,7 @@
 /* test_trainer.c - the training loop: determinism, main-params modes,
  * aux-loss-free balancing, non-finite steps, LR schedules, validation and
  * the JSONL metrics sink. Tiny jobs on the CPU backend. */
+#define _POSIX_C_SOURCE 200809L
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -175,8 +176,8 @@ static void test_non_finite_steps_are_skipped_then_fail_the_job(void **state)
 {
     (void)state;
     mt_jobspec j;
-    const char *extra[] = {"train.max_bad_steps=3"};
-    tiny_job(&j, extra, 1);
+    const char *extra[] = {"train.max_bad_steps=3", "train.max_rollbacks=0"};
+    tiny_job(&j, extra, 2);
     mt_trainer *t;
     assert_int_equal(mt_trainer_create(&t, &j, be), MT_OK);
     /* a NaN in the final norm makes every loss NaN */
@@ -194,6 +195,60 @@ static void test_non_finite_steps_are_skipped_then_fail_the_job(void **state)
     assert_int_equal(rc, MT_ENUMERIC);
     assert_contains(mt_errmsg(), "non-finite in 3 steps in a row");
     mt_trainer_destroy(t);
+}
+
+/* With rollbacks allowed the streak is not applied and asks the caller
+ * (who holds the checkpoints) to roll back; nothing proceeds until then. */
+static void test_non_finite_streak_asks_for_a_rollback(void **state)
+{
+    (void)state;
+    mt_jobspec j;
+    const char *extra[] = {"train.max_bad_steps=3", "train.max_rollbacks=2"};
+    tiny_job(&j, extra, 2);
+    mt_trainer *t;
+    assert_int_equal(mt_trainer_create(&t, &j, be), MT_OK);
+    int i = mt_params_find(&t->model->table, "model.norm.weight");
+    float w[128];
+    for (int d = 0; d < 128; d++) w[d] = d == 5 ? NAN : 1.0f;
+    assert_int_equal(mt_optimizer_set_param(t->opt, t->model, i, w), MT_OK);
+    mt_step_metrics m;
+    assert_int_equal(mt_trainer_step(t, &m), MT_OK);
+    assert_int_equal(mt_trainer_step(t, &m), MT_OK);
+    assert_int_equal(mt_trainer_step(t, &m), MT_OK);
+    assert_true(t->rollback.pending);
+    assert_true(t->rollback.nonfinite);
+    assert_int_equal(t->rollback.onset, 1);
+    assert_int_equal(t->rollback.step, 3);
+    assert_int_equal(t->step, 2);               /* the asking step is not counted */
+    assert_int_equal(t->rollback.samples, 3 * 4); /* its data was read */
+    assert_int_equal(mt_trainer_step(t, &m), MT_ESTATE);
+    assert_contains(mt_errmsg(), "asked for a rollback that did not happen");
+    mt_trainer_rollback_cancel(t);
+    assert_false(t->rollback.pending);
+    mt_trainer_destroy(t);
+}
+
+/* train.fault scales the loss of the data of the given step: the same
+ * step's data, whatever step reads it. */
+static void test_fault_injection_is_tied_to_the_data(void **state)
+{
+    (void)state;
+    setenv("MOETRAIN_ALLOW_FAULTS", "1", 1);
+    mt_jobspec j;
+    const char *extra[] = {"train.fault.kind=loss_scale", "train.fault.step=2",
+                           "train.fault.scale=1000", "train.steps=3"};
+    tiny_job(&j, extra, 4);
+    unsetenv("MOETRAIN_ALLOW_FAULTS");
+    double *l = run_losses(&j, NULL);
+    assert_true(l[1] > 500 * l[0]);
+    assert_true(l[2] < 2 * l[0]);
+    free(l);
+    /* refused without the variable */
+    char path[1200];
+    snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
+    const char *sets[] = {"train.fault.kind=nan_grad", "train.fault.step=2"};
+    assert_int_equal(mt_jobspec_load(&j, path, sets, 2), MT_EINVAL);
+    assert_contains(mt_errmsg(), "fault injection is refused");
 }
 
 static void test_lr_schedules_have_their_shapes(void **state)
@@ -272,6 +327,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_every_main_params_mode_trains),
         cmocka_unit_test(test_aux_loss_free_bias_reduces_imbalance_and_gamma_zero_does_not),
         cmocka_unit_test(test_non_finite_steps_are_skipped_then_fail_the_job),
+        cmocka_unit_test(test_non_finite_streak_asks_for_a_rollback),
+        cmocka_unit_test(test_fault_injection_is_tied_to_the_data),
         cmocka_unit_test(test_lr_schedules_have_their_shapes),
         cmocka_unit_test(test_router_bias_moves_against_the_load),
         cmocka_unit_test(test_validation_and_jsonl_metrics),

@@ -19,6 +19,8 @@ static const char *const recipe_names[] = {"fp8-blockwise", "bf16", "fp32", NULL
 static const char *const main_names[] = {"fp32", "bf16", "none", NULL};
 static const char *const decay_names[] = {"cosine", "linear", "wsd", "constant", NULL};
 static const char *const init_names[] = {"random", "checkpoint", "hf", NULL};
+static const char *const resume_names[] = {"never", "auto", NULL};
+static const char *const fault_names[] = {"none", "nan_grad", "loss_scale", NULL};
 
 #define O(m) offsetof(mt_jobspec, m)
 #define SZ(m) sizeof(((mt_jobspec *)0)->m)
@@ -91,16 +93,39 @@ static const mt_field job_fields[] = {
       "checkpoints kept; 0: all"),
     B("checkpoint.async", checkpoint.async, "true", "write in the background"),
     B("checkpoint.save_on_stop", checkpoint.save_on_stop, "false", "save when stopped"),
+    E("checkpoint.resume", checkpoint.resume, "never", resume_names,
+      "auto: start from the newest checkpoint in checkpoint.dir that verifies"),
     E("init.kind", init.kind, "random", init_names, "initial weights"),
     S("init.path", init.path, "", "checkpoint or Hugging Face directory"),
     L("train.steps", train.steps, NULL, 1, 1LL << 40, "optimizer steps"),
     L("train.seed", train.seed, "1234", 0, 1LL << 62, "seed of initialisation and data order"),
     I("train.log_interval", train.log_interval, "1", 1, 1 << 30, "steps between log lines"),
     I("train.max_bad_steps", train.max_bad_steps, "5", 1, 1 << 20,
-      "consecutive NaN/Inf steps that fail the job"),
+      "consecutive NaN/Inf steps that fail the job (or roll it back)"),
+    D("train.term_grace_s", train.term_grace_s, "25", 0, 86400,
+      "SIGTERM: save a checkpoint and exit within this many seconds; 0: exit without saving"),
+    D("train.step_timeout_s", train.step_timeout_s, "600", 0, 1e7,
+      "a step or save taking longer ends every rank (exit 75); 0: no watchdog"),
+    I("train.max_rollbacks", train.max_rollbacks, "3", 0, 1 << 20,
+      "rollbacks to the last good checkpoint before the job fails; 0: none"),
+    I("train.spike_window", train.spike_window, "100", 4, 1 << 20,
+      "steps of loss and grad-norm history the spike detector keeps"),
+    D("train.spike_sigma", train.spike_sigma, "6", 0, 1e6,
+      "a loss above mean + sigma * std of the history is a spike; 0: off"),
+    D("train.spike_grad_sigma", train.spike_grad_sigma, "0", 0, 1e6,
+      "the same for the gradient norm; 0: off"),
+    I("train.spike_persist", train.spike_persist, "3", 1, 1 << 20,
+      "consecutive spiky steps that trigger a rollback"),
+    E("train.fault.kind", train.fault.kind, "none", fault_names,
+      "test only (MOETRAIN_ALLOW_FAULTS=1): fault in the data of train.fault.step"),
+    L("train.fault.step", train.fault.step, "0", 0, 1LL << 40,
+      "1-based step of the uninterrupted run whose data is bad; 0: none"),
+    I("train.fault.steps", train.fault.steps, "1", 1, 1 << 20, "consecutive steps of bad data"),
+    D("train.fault.scale", train.fault.scale, "1000", 0, 1e30, "loss_scale: loss factor"),
+    I("train.fault.rank", train.fault.rank, "-1", -1, 1 << 20, "rank with the fault; -1: all"),
 };
 #define N_JOB_FIELDS ((int)(sizeof job_fields / sizeof job_fields[0]))
-_Static_assert(N_JOB_FIELDS == 47, "job spec field table changed: update docs and tests");
+_Static_assert(N_JOB_FIELDS == 60, "job spec field table changed: update docs and tests");
 
 static int is_abs(const char *p) { return p[0] == '/'; }
 
@@ -280,6 +305,16 @@ int mt_jobspec_validate(const mt_jobspec *j, int check_files)
     if (j->init.kind != MT_INIT_RANDOM && !j->init.path[0])
         return BAD("init.path", "required when init.kind is \"%s\"",
                    j->init.kind == MT_INIT_HF ? "hf" : "checkpoint");
+    if (j->train.fault.kind != MT_FAULT_NONE) {
+        if (j->train.fault.step == 0)
+            return BAD("train.fault.step", "required (> 0) when train.fault.kind is set");
+        /* A job spec can come over the network: faults only where the
+         * operator allowed them for this process. */
+        const char *allow = getenv("MOETRAIN_ALLOW_FAULTS");
+        if (!allow || strcmp(allow, "1") != 0)
+            return BAD("train.fault.kind", "fault injection is refused: it is for tests; set "
+                                           "MOETRAIN_ALLOW_FAULTS=1 in moetraind's environment");
+    }
     if (check_files) {
         char f[MT_PATH_CAP + 8];
         const char *ext[] = {".idx", ".bin"};

@@ -24,6 +24,11 @@ typedef enum { MT_BACKEND_CPU = 0, MT_BACKEND_CUDA } mt_backend_kind;
 typedef enum { MT_MAIN_FP32 = 0, MT_MAIN_BF16, MT_MAIN_NONE } mt_main_params;
 typedef enum { MT_LR_COSINE = 0, MT_LR_LINEAR, MT_LR_WSD, MT_LR_CONSTANT } mt_lr_decay;
 typedef enum { MT_INIT_RANDOM = 0, MT_INIT_CHECKPOINT, MT_INIT_HF } mt_init_kind;
+/* checkpoint.resume: auto starts from the newest checkpoint of
+ * checkpoint.dir that verifies (runtime/job_resume.h), whatever init says. */
+typedef enum { MT_RESUME_NEVER = 0, MT_RESUME_AUTO } mt_resume_mode;
+/* train.fault.kind: test-only fault injection (engine/train/spike.h). */
+typedef enum { MT_FAULT_NONE = 0, MT_FAULT_NAN_GRAD, MT_FAULT_LOSS_SCALE } mt_fault_kind;
 
 typedef struct mt_precision {
     mt_recipe recipe;
@@ -72,6 +77,7 @@ typedef struct mt_ckpt_cfg {
     int keep_last;           /* retention; 0: keep all */
     int async;               /* save from a host snapshot in the background */
     int save_on_stop;        /* save when the job is stopped */
+    mt_resume_mode resume;   /* auto: continue from the newest verified checkpoint */
 } mt_ckpt_cfg;
 
 typedef struct mt_init_cfg {
@@ -79,11 +85,31 @@ typedef struct mt_init_cfg {
     char path[MT_PATH_CAP];  /* checkpoint or HF directory */
 } mt_init_cfg;
 
+/* Test-only: the data of steps [step, step + steps) of the uninterrupted
+ * run is "bad" (tied to the samples, so skipping them after a rollback
+ * removes the fault). Refused unless MOETRAIN_ALLOW_FAULTS=1. */
+typedef struct mt_fault_cfg {
+    mt_fault_kind kind;      /* nan_grad: NaN gradients; loss_scale: loss and gradients x scale */
+    int64_t step;            /* 1-based step whose data is bad; 0: none */
+    int steps;               /* consecutive steps of bad data */
+    double scale;            /* loss_scale factor */
+    int rank;                /* rank that sees the fault; -1: every rank */
+} mt_fault_cfg;
+
 typedef struct mt_train_cfg {
     int64_t steps;
     int64_t seed;
     int log_interval;
-    int max_bad_steps;       /* consecutive NaN/Inf steps before the job fails */
+    int max_bad_steps;       /* consecutive NaN/Inf steps before the job fails (or rolls back) */
+    /* operations (README "Operations") */
+    double term_grace_s;     /* SIGTERM: save and exit within this; 0: exit without saving */
+    double step_timeout_s;   /* a step (or save) longer than this ends every rank; 0: off */
+    int max_rollbacks;       /* rollbacks before a spike fails the job; 0: no rollback */
+    int spike_window;        /* steps of loss / grad-norm history the detector keeps */
+    double spike_sigma;      /* loss above mean + sigma * std is a spike; 0: off */
+    double spike_grad_sigma; /* the same for the gradient norm; 0: off */
+    int spike_persist;       /* consecutive spiky steps that trigger a rollback */
+    mt_fault_cfg fault;
 } mt_train_cfg;
 
 typedef struct mt_jobspec {

@@ -62,6 +62,7 @@ int mt_metrics_to_json(const mt_step_metrics *m, char *buf, size_t cap)
         (long long)m->tokens, (long long)m->samples, m->mem_in_use, m->mem_peak);
     PUT(",\"skipped\":%s,\"skipped_total\":%lld", m->skipped ? "true" : "false",
         (long long)m->skipped_total);
+    PUT(",\"spike\":%d,\"rollbacks_total\":%lld", m->spike, (long long)m->rollbacks_total);
     PUT(",\"expert_load\":[");
     for (int i = 0; i < m->n_moe; i++) {
         PUT("%s{\"layer\":%d", i ? "," : "", m->moe_layer[i]);

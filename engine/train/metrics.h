@@ -39,6 +39,8 @@ typedef struct mt_step_metrics {
     size_t mem_in_use, mem_peak; /* backend bytes */
     int skipped;             /* this step was skipped (NaN/Inf) */
     int64_t skipped_total;
+    int spike;               /* the spike detector's verdict (engine/train/spike.h); 0: normal */
+    int64_t rollbacks_total; /* rollbacks to a checkpoint done by this process */
     int n_moe;               /* MoE layers reported below */
     int moe_layer[MT_METRICS_MAX_MOE];
     double load_min[MT_METRICS_MAX_MOE];  /* min / mean expert load of the step */

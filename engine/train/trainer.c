@@ -9,6 +9,7 @@
 
 #include "engine/parallel/sharding.h"
 #include "engine/train/lr_schedule.h"
+#include "engine/train/spike.h"
 #include "engine/train/trainer_ep.h"
 #include "kernels/op_profile.h"
 #include "base/mt_log.h"
@@ -158,6 +159,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     t->peak_tflops = be->peak_tflops;
     const char *prof = getenv("MOETRAIN_PROFILE");
     t->profile = prof && *prof && strcmp(prof, "0") != 0;
+    MT_GOTO(mt_spike_init(&t->spike, &job->train), fail);
     MT_GOTO(open_data(t), fail);
     mt_model_opts mo;
     mt_trainer_model_opts(&mo, job);
@@ -226,6 +228,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->moe_layer);
     free(t->moe_load);
     free(t->moe_bias);
+    mt_spike_free(&t->spike);
     free(t);
 }
 
@@ -237,13 +240,43 @@ int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s)
     return MT_OK;
 }
 
-/* Reads micro-batch samples [first, first + micro_batch) of a split. */
+/* Reads micro-batch samples [first, first + micro_batch) of a split;
+ * indices past the split's samples (after a rollback skipped data) wrap. */
 static int load_batch(mt_trainer *t, mt_samples *s, int64_t first)
 {
     const int B = t->job.batch.micro_batch_size, T = t->job.batch.seq_len;
+    const int64_t n = mt_samples_count(s);
     for (int b = 0; b < B; b++)
-        MT_CHECK(mt_samples_get(s, first + b, t->tokens + (size_t)b * (T + 1)));
+        MT_CHECK(mt_samples_get(s, (first + b) % n, t->tokens + (size_t)b * (T + 1)));
     return MT_OK;
+}
+
+/* train.fault: does micro-batch [first, first + B) hold bad data here? The
+ * bad data is that of steps [step, step + steps) of the uninterrupted run. */
+static int faulty(const mt_trainer *t, int64_t first, int B)
+{
+    const mt_fault_cfg *f = &t->job.train.fault;
+    if (f->kind == MT_FAULT_NONE || (f->rank >= 0 && f->rank != t->rank)) return 0;
+    const int64_t gbs = t->job.batch.global_batch_size;
+    const int64_t lo = (f->step - 1) * gbs, hi = (f->step - 1 + f->steps) * gbs;
+    return first < hi && first + B > lo;
+}
+
+void mt_trainer_rollback_done(mt_trainer *t)
+{
+    t->consumed_samples = t->rollback.samples;
+    t->rollbacks++;
+    t->bad_in_row = 0;
+    t->rollback.pending = 0;
+    mt_spike_clear_streak(&t->spike);
+}
+
+void mt_trainer_rollback_cancel(mt_trainer *t)
+{
+    t->skipped_total++;
+    t->bad_in_row = 0;
+    t->rollback.pending = 0;
+    mt_spike_clear_streak(&t->spike);
 }
 
 int mt_trainer_validate(mt_trainer *t, double *loss)
@@ -355,6 +388,9 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     double t0 = now_s();
     if (t->step >= j->train.steps)
         return MT_ERR(MT_ESTATE, "the job has completed its %lld steps", (long long)j->train.steps);
+    if (t->rollback.pending)
+        return MT_ERR(MT_ESTATE, "step %lld asked for a rollback that did not happen: %s",
+                      (long long)t->rollback.step, t->rollback.why);
 
     /* MOETRAIN_PROFILE=1: synchronise after each phase and log its time. */
     const int profile = t->profile;
@@ -370,14 +406,21 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     double ls[3] = {0, 0, 0}; /* LM, MTP and aux loss: means over the global batch */
     for (int i = 0; i < t->accum; i++) {
         mt_mb_stats st;
-        MT_CHECK(load_batch(t, t->train, first + (int64_t)i * B));
+        const int64_t mb_first = first + (int64_t)i * B; /* global sample index */
+        MT_CHECK(load_batch(t, t->train, mb_first));
+        double weight = 1.0 / n_mb, lfactor = 1.0;
+        if (faulty(t, mb_first, B)) { /* test-only fault injection */
+            if (j->train.fault.kind == MT_FAULT_NAN_GRAD) weight = NAN;
+            else lfactor = j->train.fault.scale;
+            weight *= lfactor;
+        }
         double ta = profile ? now_s() : 0;
-        MT_CHECK(mt_model_step(m, t->tokens, 1, 1.0 / n_mb, &st));
+        MT_CHECK(mt_model_step(m, t->tokens, 1, weight, &st));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
             tp[0] += now_s() - ta;
         }
-        ls[0] += st.loss / n_mb;
+        ls[0] += lfactor * st.loss / n_mb;
         ls[1] += st.mtp_loss / n_mb;
         ls[2] += st.aux_loss / n_mb;
     }
@@ -413,15 +456,52 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     double lr = mt_lr_at(&j->lr_schedule, j->optimizer.lr, j->optimizer.min_lr, j->train.steps,
                          t->step);
     mt.skipped = !isfinite(loss) || !isfinite(mtp) || !isfinite(norm);
+    char why[256] = "";
+    mt.spike = (int)mt_spike_observe(&t->spike, t->step + 1, isfinite(mtp) ? loss : NAN, norm,
+                                     why, sizeof why);
+    int rollback = 0;
     if (mt.skipped) {
         t->skipped_total++;
         t->bad_in_row++;
         mt_model_reset_load(m);
-        if (t->bad_in_row >= j->train.max_bad_steps)
+        if (t->bad_in_row >= j->train.max_bad_steps) {
+            if (j->train.max_rollbacks == 0)
+                return MT_ERR(MT_ENUMERIC,
+                              "step %lld: loss or gradients non-finite in %d steps in a row "
+                              "(train.max_bad_steps); lower optimizer.lr or check the data",
+                              (long long)t->step + 1, t->bad_in_row);
+            rollback = 1;
+        }
+    } else if (mt.spike != MT_SPIKE_OK && t->spike.streak >= j->train.spike_persist) {
+        if (j->train.max_rollbacks > 0) rollback = 1;
+        else if (t->spike.streak == j->train.spike_persist)
+            MT_LOGW("%s: %d abnormal steps since step %lld (train.max_rollbacks 0: no rollback)",
+                    why, t->spike.streak, (long long)t->spike.onset);
+    }
+    if (rollback) {
+        /* The step is not applied; the caller restores a checkpoint from
+         * before the onset (trainer.h "Rollback"). */
+        if (t->rollbacks >= j->train.max_rollbacks)
             return MT_ERR(MT_ENUMERIC,
-                          "step %lld: loss or gradients non-finite in %d steps in a row "
-                          "(train.max_bad_steps); lower optimizer.lr or check the data",
-                          (long long)t->step + 1, t->bad_in_row);
+                          "%s: %d abnormal steps since step %lld, and the job rolled back %lld "
+                          "time(s) already (train.max_rollbacks); lower optimizer.lr or check "
+                          "the data", why, t->spike.streak, (long long)t->spike.onset,
+                          (long long)t->rollbacks);
+        if (mt.skipped) t->skipped_total--; /* counted as rolled back instead */
+        mt_model_reset_load(m);
+        t->rollback.pending = 1;
+        t->rollback.nonfinite = mt.skipped;
+        t->rollback.onset = t->spike.onset;
+        t->rollback.step = t->step + 1;
+        t->rollback.samples = t->consumed_samples;
+        snprintf(t->rollback.why, sizeof t->rollback.why, "%s; %d abnormal steps since step %lld",
+                 why, t->spike.streak, (long long)t->spike.onset);
+        MT_LOGW("%s: rolling back", t->rollback.why);
+        if (out) memset(out, 0, sizeof *out);
+        return MT_OK;
+    }
+    if (mt.skipped) {
+        /* counted above */
     } else {
         t->bad_in_row = 0;
         double clip = j->optimizer.clip_grad;
@@ -462,6 +542,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     mt.samples = t->consumed_samples;
     mt.tokens = t->consumed_samples * j->batch.seq_len;
     mt.skipped_total = t->skipped_total;
+    mt.rollbacks_total = t->rollbacks;
     t->be->mem_stats(t->be, &mt.mem_in_use, &mt.mem_peak);
     if (t->valid && j->data.valid_interval > 0 &&
         (t->step % j->data.valid_interval == 0 || t->step == j->train.steps))
@@ -481,6 +562,8 @@ int mt_trainer_run(mt_trainer *t, volatile sig_atomic_t *stop)
             return MT_EINTR;
         }
         MT_CHECK(mt_trainer_step(t, NULL));
+        if (t->rollback.pending) /* only a caller with checkpoints can roll back */
+            return MT_ERR(MT_ENUMERIC, "%s; no checkpoints here to roll back to", t->rollback.why);
     }
     return MT_OK;
 }

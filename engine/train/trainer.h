@@ -35,6 +35,20 @@
  * update from the step's expert loads; validation every valid_interval
  * steps; metrics to every registered sink. The loop stops at train.steps or
  * at a step boundary once *stop becomes non-zero.
+ *
+ * Rollback (issue 20): the spike detector (spike.h) judges each step. When
+ * train.spike_persist abnormal steps follow each other (or
+ * train.max_bad_steps non-finite ones) and train.max_rollbacks allows, the
+ * step is not applied and not counted: rollback.pending is set and the
+ * caller, who owns the checkpoints (service/job_rollback.h), restores the
+ * last good state and calls mt_trainer_rollback_done, which skips the data
+ * read since (the data window before the spike). Skipping reads past
+ * train.steps x global batch samples in the end: those wrap around to the
+ * start of the sample order.
+ *
+ * Fault injection (train.fault, tests only): the data of the configured
+ * steps of the uninterrupted run gives NaN gradients (its loss weight is
+ * NaN) or a loss and gradients scaled by train.fault.scale.
  */
 #ifndef MT_TRAINER_H
 #define MT_TRAINER_H
@@ -49,6 +63,7 @@
 #include "engine/model/model.h"
 #include "engine/train/optimizer.h"
 #include "engine/parallel/comm.h"
+#include "engine/train/spike.h"
 
 #define MT_TRAINER_MAX_SINKS 8
 
@@ -94,6 +109,18 @@ typedef struct mt_trainer {
     int n_gseg;
     struct mt_grad_seg *gseg;     /* [n_gseg] runs of dense / expert gradients in buf_grad */
     float *sumsq_dev;             /* f32 [1] backend scratch */
+    /* operations (issue 20) */
+    int rank;                     /* world rank, for train.fault.rank (set by the runtime) */
+    mt_spike_detector spike;
+    int64_t rollbacks;            /* rollbacks done by this process */
+    struct {
+        int pending;              /* the last step asked for a rollback */
+        int nonfinite;            /* ... for a NaN / Inf streak (else a spike) */
+        int64_t onset;            /* first abnormal step: roll back to a checkpoint before it */
+        int64_t step;             /* the step that asked */
+        int64_t samples;          /* consumed_samples then: training continues from here */
+        char why[320];
+    } rollback;
 } mt_trainer;
 
 /* MT_OK when the trainer can run layout `l` (sizes > 1 only where the
@@ -134,6 +161,15 @@ int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s);
 
 /* One optimizer step; metrics of the step in *out (may be NULL). */
 int mt_trainer_step(mt_trainer *t, mt_step_metrics *out);
+
+/* After the caller restored the state of a checkpoint before
+ * rollback.onset: continue with the data after the abnormal steps, count
+ * the rollback, clear the request. */
+void mt_trainer_rollback_done(mt_trainer *t);
+
+/* No checkpoint to go back to: the abnormal step stays unapplied (counted
+ * as skipped) and training goes on from the current state. */
+void mt_trainer_rollback_cancel(mt_trainer *t);
 
 /* Mean LM loss over the valid samples (no gradients). */
 int mt_trainer_validate(mt_trainer *t, double *loss);
