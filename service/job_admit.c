@@ -9,7 +9,6 @@
 
 #include "base/json_util.h"
 #include "base/mt_status.h"
-#include "engine/train/trainer.h"
 #include "service/workdir.h"
 
 #define MAX_SETS 256
@@ -111,9 +110,6 @@ int job_admit(const char *workdir, const job_request *r, mt_jobspec *out)
     }
     rc = mt_jobspec_validate(out, 1);
     if (rc == MT_OK) rc = mt_jobspec_admit(out, r->world > 0 ? r->world : 1);
-    /* A layout the trainer cannot run is a field of the request this daemon
-     * refuses (INVALID_ARGUMENT), not a job that fails on every rank. */
-    if (rc == MT_OK && mt_trainer_check_layout(&out->parallel) < 0) rc = MT_EINVAL;
     if (rc < 0) mt_err_wrap(rc, "job spec");
 out:
     json_decref(root);

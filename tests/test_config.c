@@ -465,11 +465,18 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
     const char *dp2_err[] = {"needs tp 1 x pp 1 x dp 2 = 2 ranks, but 3 ranks run the job", NULL};
     expect_admission(3, dp2, 1, dp2_err, NULL);
     /* dp derived from the world; micro-batches per rank follow the derived dp */
-    const char *bf16_tp2[] = {"parallel.tp=2", "precision.recipe=bf16"};
-    expect_admission(4, bf16_tp2, 2, NULL, &j);
-    assert_int_equal(j.parallel.dp, 2);
+    const char *ep2[] = {"parallel.ep=2", "batch.micro_batch_size=1"};
+    expect_admission(4, ep2, 2, NULL, &j);
+    assert_int_equal(j.parallel.dp, 4);
+    assert_int_equal(mt_layout_edp(&j.parallel), 2);
     assert_int_equal(mt_layout_world(&j.parallel), 4);
-    assert_int_equal(mt_jobspec_grad_accum(&j), 8 / (4 * 2));
+    assert_int_equal(mt_jobspec_grad_accum(&j), 8 / (1 * 4));
+    /* a layout that fits the ranks and the model but that the trainer does
+     * not run yet is refused too, naming the field */
+    const char *bf16_tp2[] = {"parallel.tp=2", "precision.recipe=bf16"};
+    const char *tp_err[] = {"parallel.tp: 2: the trainer runs data and expert parallelism only",
+                            NULL};
+    expect_admission(4, bf16_tp2, 2, tp_err, NULL);
     /* the batch must divide over the derived dp: 8 sequences, mbs 4, dp 4 */
     const char *dp4_err[] = {"batch.global_batch_size: 8 is not divisible by "
                              "batch.micro_batch_size 4 x data-parallel size 4", NULL};

@@ -270,10 +270,24 @@ static int check_layout(const mt_jobspec *j)
     return rc < 0 ? mt_err_wrap(rc, "parallel") : MT_OK;
 }
 
+int mt_jobspec_check_runnable(const mt_layout *l)
+{
+    static const char *const name[3] = {"tp", "pp", "etp"};
+    const int v[3] = {l->tp, l->pp, l->etp};
+    for (int i = 0; i < 3; i++)
+        if (v[i] != 1)
+            return MT_ERR(MT_ENOTSUP, "parallel.%s: %d: the trainer runs data and expert "
+                          "parallelism only so far (tensor and pipeline parallelism are not "
+                          "implemented); use tp = pp = etp = 1", name[i], v[i]);
+    return MT_OK;
+}
+
 int mt_jobspec_admit(mt_jobspec *j, int world)
 {
     MT_CHECK(mt_layout_resolve(&j->parallel, world));
     MT_CHECK(check_layout(j));
+    /* not runnable is invalid input here: refused before anything runs */
+    if (mt_jobspec_check_runnable(&j->parallel) < 0) return MT_EINVAL;
     return check_batch(j, j->parallel.dp);
 }
 

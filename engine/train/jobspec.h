@@ -154,8 +154,15 @@ void mt_jobspec_print_fields(FILE *out);
  * (derives dp, checks tp * pp * dp == world and the expert folding), checks
  * it against the model (FP8 block boundaries with the fp8 recipe) and the
  * batch against the resolved dp. Refused before anything runs; the message
- * names the layout, the numbers and the world size. */
+ * names the layout, the numbers and the world size; a layout the trainer
+ * does not run yet (mt_jobspec_check_runnable) is refused too. */
 int mt_jobspec_admit(mt_jobspec *j, int world);
+
+/* MT_OK when the trainer can run layout `l` (sizes > 1 only where it
+ * implements that parallelism: data and expert parallelism so far), else
+ * MT_ENOTSUP naming the field. Admission refuses such a layout (EINVAL)
+ * before any rank builds anything; the trainer checks it again. */
+int mt_jobspec_check_runnable(const mt_layout *l);
 
 /* Micro-batches per optimizer step on each data-parallel rank. Needs an
  * admitted job (dp resolved). */

@@ -71,18 +71,6 @@ static int open_data(mt_trainer *t)
     return MT_OK;
 }
 
-int mt_trainer_check_layout(const mt_layout *l)
-{
-    static const char *const name[3] = {"tp", "pp", "etp"};
-    const int v[3] = {l->tp, l->pp, l->etp};
-    for (int i = 0; i < 3; i++)
-        if (v[i] != 1)
-            return MT_ERR(MT_ENOTSUP, "parallel.%s: %d: the trainer runs data and expert "
-                          "parallelism only so far (tensor and pipeline parallelism are not "
-                          "implemented); use tp = pp = etp = 1", name[i], v[i]);
-    return MT_OK;
-}
-
 int mt_trainer_create(mt_trainer **out, const mt_jobspec *job, mt_backend *be)
 {
     return mt_trainer_create_in(out, job, be, NULL);
@@ -138,7 +126,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     if (l->dp < 1)
         return MT_ERR(MT_EINVAL, "trainer: job %s is not admitted (parallel.dp is %d): "
                       "mt_jobspec_admit resolves the layout for the ranks", job->name, l->dp);
-    MT_CHECK(mt_trainer_check_layout(l));
+    MT_CHECK(mt_jobspec_check_runnable(l));
     mt_comm *dp = g ? g->dp : NULL, *ep = g ? g->ep : NULL, *edp = g ? g->edp : NULL;
     if (l->ep > 1 && !ep)
         return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d needs the expert-parallel group "

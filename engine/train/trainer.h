@@ -123,12 +123,6 @@ typedef struct mt_trainer {
     } rollback;
 } mt_trainer;
 
-/* MT_OK when the trainer can run layout `l` (sizes > 1 only where the
- * trainer implements that parallelism: data and expert parallelism so
- * far), else MT_ENOTSUP naming the field. mt_trainer_create checks it; the
- * service checks it when it admits a job, so a request for a layout the
- * trainer cannot run is refused before any rank builds anything. */
-int mt_trainer_check_layout(const mt_layout *l);
 
 /* Builds model, optimizer and data readers for an admitted job on a backend,
  * as one rank (dp 1).
