@@ -270,7 +270,7 @@ int mt_hf_read_fp8_fn(void *ctx, mt_tensor_desc *q, float *sc)
 /* ---- import ----------------------------------------------------------------------------- */
 
 int mt_hf_import(const char *hf_dir, const char *out, const mt_shard_opts *opts,
-                 const mt_layout *layout, mt_progress *prog)
+                 const mt_layout *layout, int flags, mt_progress *prog)
 {
     mt_hf *h;
     MT_CHECK(mt_hf_open(&h, hf_dir));
@@ -310,7 +310,7 @@ int mt_hf_import(const char *hf_dir, const char *out, const mt_shard_opts *opts,
     if (rc == MT_OK) {
         mt_tensor_source src = mt_hf_source(h);
         mt_progress_start(prog, "import", mt_shard_map_bytes(&map), prog ? prog->enabled : 0);
-        rc = mt_ckpt_write_from_source(out, &meta, &map, &src, prog);
+        rc = mt_ckpt_write_from_source(out, &meta, &map, &src, flags, prog);
         mt_progress_end(prog);
     }
     mt_ckpt_meta_free(&meta);

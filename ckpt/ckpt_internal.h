@@ -139,6 +139,20 @@ int ck_read_map_band(const mt_shard_map *m, const mt_tensor_source *src, int t, 
 /* rm -rf */
 int ck_rm_rf(const char *path);
 
+/* Moves the complete directory `work` to the committed name `fin` (both in
+ * `root`) and fsyncs root: a rename when fin is absent; when present,
+ * MT_EINVAL unless flags has MT_CKPT_OVERWRITE, else the atomic exchange
+ * then removal of the old copy (or, where the file system cannot exchange,
+ * two renames with the old copy set aside as FIN.replaced, logged). */
+int ck_commit_dir(const char *root, const char *work, const char *fin, int flags);
+
+/* Test hook: if the environment has MT_CKPT_TEST_CRASH=point, the process
+ * kills itself (SIGKILL, as a power cut) here. Points: replace-start,
+ * replace-exchanged, replace-synced, replace-removing, replace-removed,
+ * replace-aside, replace-renamed (ck_commit_dir). MT_CKPT_TEST_NO_EXCHANGE
+ * makes the exchange fail as on a file system without it. */
+void ck_test_crash(const char *point);
+
 /* Opens (once) the shard file of piece p; error names the file and tensor. */
 int ck_piece_file(mt_ckpt *ck, int p, hid_t *f);
 int ck_file_index(const mt_ckpt *ck, int rank);

@@ -81,15 +81,20 @@ static int fill_from_source(void *ctx, int i, const mt_tensor_desc *band, void *
 }
 
 int mt_ckpt_write_from_source(const char *out, const mt_ckpt_meta *meta, const mt_shard_map *map,
-                              const mt_tensor_source *src, mt_progress *prog)
+                              const mt_tensor_source *src, int flags, mt_progress *prog)
 {
     char dir[4200], root[4200], work[4300];
     int is_root;
     MT_CHECK(mt_ckpt_out_path(out, meta->step, dir, sizeof dir, root, sizeof root, &is_root));
+    /* refused before an hour of writing, not at the commit */
+    if (access(dir, F_OK) == 0 && !(flags & MT_CKPT_OVERWRITE))
+        return MT_ERR(MT_EINVAL,
+                      "%s exists: a committed checkpoint is replaced only when asked (overwrite); "
+                      "choose another output",
+                      dir);
     if (is_root) {
         MT_CHECK(mt_ckpt_begin(root, meta->step, work, sizeof work));
     } else {
-        if (access(dir, F_OK) == 0) return MT_ERR(MT_EINVAL, "%s: exists; choose a new directory", dir);
         snprintf(work, sizeof work, "%s.partial", dir);
         MT_CHECK(mt_mkdir_p(root));
         if (access(work, F_OK) == 0) {
@@ -119,9 +124,8 @@ int mt_ckpt_write_from_source(const char *out, const mt_ckpt_meta *meta, const m
     free(recs);
     free(descs);
     if (rc < 0) return rc;
-    if (is_root) return mt_ckpt_commit(root, meta->step, 0);
-    if (rename(work, dir) != 0) return MT_ERR(MT_EIO, "%s: cannot rename: %s", work, strerror(errno));
-    return mt_fsync_path(root);
+    if (is_root) return mt_ckpt_commit_ex(root, meta->step, 0, flags);
+    return ck_commit_dir(root, work, dir, flags);
 }
 
 /* The job spec JSON with its parallel section set to the layout. */
@@ -147,7 +151,8 @@ static char *job_with_layout(const char *job, const mt_layout *l)
     return s;
 }
 
-int mt_ckpt_reshard(const char *in, const char *out, const mt_layout *layout, mt_progress *prog)
+int mt_ckpt_reshard(const char *in, const char *out, const mt_layout *layout, int flags,
+                    mt_progress *prog)
 {
     mt_ckpt *ck;
     MT_CHECK(mt_ckpt_open(&ck, in));
@@ -165,7 +170,7 @@ int mt_ckpt_reshard(const char *in, const char *out, const mt_layout *layout, mt
     meta.job_json = job;
     mt_tensor_source src = mt_ckpt_source(ck);
     mt_progress_start(prog, "reshard", mt_shard_map_bytes(&map), prog ? prog->enabled : 0);
-    rc = mt_ckpt_write_from_source(out, &meta, &map, &src, prog);
+    rc = mt_ckpt_write_from_source(out, &meta, &map, &src, flags, prog);
     mt_progress_end(prog);
 out:
     mt_shard_map_free(&map);
