@@ -16,6 +16,8 @@
 #define CK_BAND_BYTES ((size_t)64 << 20)
 
 #define CK_INDEX "index.h5"
+/* Bytes of the HDF5 user block of index.h5 holding its seal (ckpt_seal.c). */
+#define CK_INDEX_USERBLOCK 512
 #define CK_LATEST "latest"
 #define CK_META_GROUP "moetrain"
 
@@ -138,6 +140,14 @@ int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d);
 int ck_read_map_band(const mt_shard_map *m, const mt_tensor_source *src, int t, mt_tensor_desc *d);
 /* rm -rf */
 int ck_rm_rf(const char *path);
+
+/* Writes the seal of a closed index.h5 (its user block): XXH64 and length
+ * of the rest of the file. */
+int ck_index_seal(const char *path);
+/* Checks it: MT_OK sealed and intact; 1 no seal (an index written before
+ * seals: its first bytes are HDF5's signature); -1 damaged, with the
+ * reason in why; another negative status if the file cannot be read. */
+int ck_index_check(const char *path, char *why, size_t cap);
 
 /* Moves the complete directory `work` to the committed name `fin` (both in
  * `root`) and fsyncs root: a rename when fin is absent; when present,

@@ -381,6 +381,12 @@ int mt_ckpt_verify(const char *path, mt_ckpt_report_fn report, void *ctx, mt_pro
         mt_ckpt_close(ck);
         return MT_ERR(MT_ECORRUPT, "%s", v.first);
     }
+    /* the index's own checksum: any byte changed since the commit */
+    char ipath[4300], why[256];
+    snprintf(ipath, sizeof ipath, "%s/%s", ck->dir, CK_INDEX);
+    int seal = ck_index_check(ipath, why, sizeof why);
+    if (seal == -1) problem(&v, ipath, "", "%s", why);
+    else if (seal < 0) problem(&v, ipath, "", "%s", mt_errmsg());
     /* files: missing or truncated ones are reported, their pieces skipped */
     char *bad = calloc((size_t)ck->n_files + 1, 1);
     for (int i = 0; i < ck->n_files; i++) {

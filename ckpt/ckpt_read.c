@@ -15,6 +15,7 @@
 #include "ckpt/ckpt_internal.h"
 #include "ckpt/xxh64.h"
 #include "kernels/mt_fp8.h"
+#include "base/mt_log.h"
 #include "base/mt_status.h"
 
 static uint64_t fnv1a(const char *s)
@@ -367,10 +368,28 @@ int mt_ckpt_open(mt_ckpt **out, const char *path)
             goto fail;
         }
     }
+    char ipath[4200], why[256];
+    snprintf(ipath, sizeof ipath, "%s/%s", ck->dir, CK_INDEX);
+    int seal = ck_index_check(ipath, why, sizeof why);
     ck_lock();
     rc = read_index(ck);
     ck_unlock();
+    /* a damage the index's own checks name (table, tensor) is the better message */
     if (rc < 0) goto fail;
+    if (seal == -1) {
+        rc = MT_ERR(MT_ECORRUPT,
+                    "%s: %s; the checkpoint is refused (moetrain-ckpt verify lists what differs)",
+                    ipath, why);
+        goto fail;
+    }
+    if (seal < 0) {
+        rc = seal;
+        goto fail;
+    }
+    if (seal == 1)
+        MT_LOGW("checkpoint: %s has no seal (written by an older moetrain): its contents are "
+                "checked, not its bytes",
+                ipath);
     if ((rc = check_files(ck)) < 0) goto fail;
     /* open every shard now: a damaged superblock shows here, naming a tensor */
     ck_lock();

@@ -128,16 +128,22 @@ out:
     return rc;
 }
 
-static hid_t create_file(const char *path)
+/* userblock: bytes reserved at the start of the file (the index's seal). */
+static hid_t create_file(const char *path, hsize_t userblock)
 {
-    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
-    if (fapl < 0) return -1;
+    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS), fcpl = H5Pcreate(H5P_FILE_CREATE);
+    if (fapl < 0 || fcpl < 0 || (userblock && H5Pset_userblock(fcpl, userblock) < 0)) {
+        if (fapl >= 0) H5Pclose(fapl);
+        if (fcpl >= 0) H5Pclose(fcpl);
+        return -1;
+    }
     /* the 1.10 format: virtual datasets, compact chunk indexes (HDF5 >= 1.10 reads it) */
     H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_V110);
     /* metadata in 64 KB blocks: less seeking on shards with many pieces */
     H5Pset_meta_block_size(fapl, 64 << 10);
-    hid_t f = H5Fcreate(path, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+    hid_t f = H5Fcreate(path, H5F_ACC_TRUNC, fcpl, fapl);
     H5Pclose(fapl);
+    H5Pclose(fcpl);
     return f;
 }
 
@@ -151,7 +157,7 @@ int mt_ckpt_write_shard(const char *dir, int rank, const mt_tensor_desc *d, int 
         return MT_ERR(MT_EINVAL, "%s: path too long", dir);
     ck_lock();
     int rc = MT_OK;
-    hid_t f = create_file(path);
+    hid_t f = create_file(path, 0);
     if (f < 0) {
         rc = MT_ERR(MT_EIO, "%s: cannot create (%s)", path, ck_h5_errstr(eb, sizeof eb));
         goto out;
@@ -429,7 +435,7 @@ int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shar
     if (rc < 0) goto out;
 
     ck_lock();
-    f = create_file(path);
+    f = create_file(path, CK_INDEX_USERBLOCK);
     if (f < 0) {
         rc = MT_ERR(MT_EIO, "%s: cannot create (%s)", path, ck_h5_errstr(eb, sizeof eb));
         goto unlock;
@@ -468,6 +474,7 @@ int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shar
     f = -1;
 unlock:
     ck_unlock();
+    if (rc == MT_OK) rc = ck_index_seal(path);
     if (rc == MT_OK) rc = mt_fsync_path(path);
 out:
     free(order);

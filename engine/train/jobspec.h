@@ -77,6 +77,7 @@ typedef struct mt_ckpt_cfg {
 typedef struct mt_init_cfg {
     mt_init_kind kind;
     char path[MT_PATH_CAP];  /* checkpoint or HF directory */
+    int fallback;            /* a damaged checkpoint: start from the newest older one that loads */
 } mt_init_cfg;
 
 typedef struct mt_train_cfg {
