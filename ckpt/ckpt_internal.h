@@ -14,6 +14,9 @@
 /* Rows per band when streaming a piece: bounded memory (reshard, import,
  * export, verify, diff), a multiple of 128 so FP8 blocks stay whole. */
 #define CK_BAND_BYTES ((size_t)64 << 20)
+/* f32 temporaries of a type conversion on read (bf16 -> f32, e4m3 + scales
+ * -> f32 / bf16) are strips of at most this many bytes. */
+#define CK_STRIP_BYTES ((size_t)4 << 20)
 
 #define CK_INDEX "index.h5"
 /* Bytes of the HDF5 user block of index.h5 holding its seal (ckpt_seal.c). */

@@ -60,14 +60,20 @@ int ck_read_map_band(const mt_shard_map *m, const mt_tensor_source *src, int ti,
     q.dtype = MT_DT_E4M3;
     q.shape[0] = w->shape[0];
     q.shape[1] = w->shape[1];
-    for (int k = 0; k < 2; k++) {
-        q.off[k] = d->off[k] * 128;
-        int64_t end = (d->off[k] + d->count[k]) * 128;
-        q.count[k] = (end < w->shape[k] ? end : w->shape[k]) - q.off[k];
-    }
-    q.data = malloc((size_t)(q.count[0] * q.count[1]));
+    q.off[1] = d->off[1] * 128;
+    int64_t end = (d->off[1] + d->count[1]) * 128;
+    q.count[1] = (end < w->shape[1] ? end : w->shape[1]) - q.off[1];
+    /* one row of scales (128 weight rows) at a time: the quantised bytes
+     * are thrown away, so they need no more than one block row */
+    q.data = malloc((size_t)(128 * q.count[1]));
     if (!q.data) return MT_ERR(MT_ENOMEM, "%s: out of memory", t->name);
-    int rc = mt_source_read_fp8(src, &q, d->data);
+    const int64_t dcols = d->ndim == 2 ? d->count[1] : 1;
+    int rc = MT_OK;
+    for (int64_t i = 0; i < d->count[0] && rc == MT_OK; i++) {
+        q.off[0] = (d->off[0] + i) * 128;
+        q.count[0] = (q.off[0] + 128 < w->shape[0] ? q.off[0] + 128 : w->shape[0]) - q.off[0];
+        rc = mt_source_read_fp8(src, &q, (float *)d->data + i * dcols);
+    }
     free(q.data);
     return rc;
 }

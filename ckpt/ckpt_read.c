@@ -665,6 +665,15 @@ static int read_scales(const mt_tensor_source *s, const mt_tensor_desc *q, float
     return s->read_raw(s->impl, &sd);
 }
 
+/* Rows per strip of a conversion: temporaries of at most CK_STRIP_BYTES of
+ * f32 whatever the hyperslab (a whole tensor read converted must not cost
+ * another tensor or two of memory). */
+static int64_t strip_rows(int64_t rows, int64_t cols)
+{
+    int64_t n = (int64_t)(CK_STRIP_BYTES / 4) / (cols > 0 ? cols : 1);
+    return n < 1 ? 1 : n > rows ? rows : n;
+}
+
 int mt_source_read(const mt_tensor_source *s, mt_tensor_desc *d)
 {
     mt_dtype st;
@@ -677,49 +686,55 @@ int mt_source_read(const mt_tensor_source *s, mt_tensor_desc *d)
                       d->name, (long long)shape[0], (long long)(nd == 2 ? shape[1] : 1),
                       (long long)d->shape[0], (long long)(d->ndim == 2 ? d->shape[1] : 1));
     if (st == d->dtype) return s->read_raw(s->impl, d);
-    const int64_t n = mt_tensor_desc_numel(d);
     const int fl = d->dtype == MT_DT_F32 || d->dtype == MT_DT_BF16;
     if (!fl || (st != MT_DT_F32 && st != MT_DT_BF16 && st != MT_DT_E4M3))
         return MT_ERR(MT_ENOTSUP, "%s: tensor %s: cannot convert %s to %s", s->what, d->name,
                       mt_dtype_name(st), mt_dtype_name(d->dtype));
-    mt_tensor_desc raw = *d;
-    raw.dtype = st;
-    raw.data = malloc((size_t)n * mt_dtype_size(st) + 1);
-    float *f = st == MT_DT_E4M3 ? malloc((size_t)n * 4 + 1) : NULL;
-    float *sc = NULL;
+    if (st == MT_DT_E4M3 && d->ndim != 2)
+        return MT_ERR(MT_ECORRUPT, "%s: tensor %s: 1-D e4m3", s->what, d->name);
+    /* strips of whole rows of the hyperslab, converted into place */
+    const int64_t R = d->count[0], C = d->ndim == 2 ? d->count[1] : 1;
+    const int64_t sr = strip_rows(R, C);
+    const size_t os = mt_dtype_size(d->dtype);
+    int64_t KB = 0;
+    if (st == MT_DT_E4M3) {
+        int64_t r0, r1, c0, c1;
+        block_range(d, &r0, &r1, &c0, &c1);
+        KB = c1 - c0;
+    }
+    void *raw = malloc((size_t)(sr * C) * mt_dtype_size(st) + 1);
+    float *f = st == MT_DT_E4M3 ? malloc((size_t)(sr * C) * 4 + 1) : NULL;
+    /* scale rows a strip can touch: ceil(sr / 128) + 1 */
+    float *sc = st == MT_DT_E4M3 ? malloc((size_t)((sr + 127) / 128 + 1) * (size_t)KB * 4 + 1) : NULL;
     int rc = MT_OK;
-    if (!raw.data || (st == MT_DT_E4M3 && !f)) {
+    if (!raw || (st == MT_DT_E4M3 && (!f || !sc)))
         rc = MT_ERR(MT_ENOMEM, "%s: tensor %s: out of memory", s->what, d->name);
-        goto out;
+    for (int64_t r = 0; r < R && rc == MT_OK; r += sr) {
+        mt_tensor_desc part = *d;
+        part.dtype = st;
+        part.off[0] = d->off[0] + r;
+        part.count[0] = R - r < sr ? R - r : sr;
+        part.data = raw;
+        const int64_t n = part.count[0] * C;
+        char *out = (char *)d->data + (size_t)(r * C) * os;
+        if ((rc = s->read_raw(s->impl, &part)) < 0) break;
+        if (st != MT_DT_E4M3) {
+            ck_convert(out, d->dtype, raw, st, n);
+            continue;
+        }
+        /* e4m3: dequantise with its block scales, q * s in float as dequant_blocks */
+        int64_t r0, r1, c0, c1;
+        block_range(&part, &r0, &r1, &c0, &c1);
+        if ((rc = read_scales(s, &part, sc)) < 0) break;
+        const uint8_t *q = raw;
+        for (int64_t i = 0; i < part.count[0]; i++) {
+            const float *srow = sc + ((part.off[0] + i) / 128 - r0) * KB;
+            for (int64_t j = 0; j < C; j++)
+                f[i * C + j] = mt_e4m3_to_f32(q[i * C + j]) * srow[(d->off[1] + j) / 128 - c0];
+        }
+        ck_convert(out, d->dtype, f, MT_DT_F32, n);
     }
-    if ((rc = s->read_raw(s->impl, &raw)) < 0) goto out;
-    if (st != MT_DT_E4M3) {
-        ck_convert(d->data, d->dtype, raw.data, st, n);
-        goto out;
-    }
-    /* e4m3: dequantise with its block scales, q * s in float as dequant_blocks */
-    if (d->ndim != 2) {
-        rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: 1-D e4m3", s->what, d->name);
-        goto out;
-    }
-    int64_t r0, r1, c0, c1;
-    block_range(d, &r0, &r1, &c0, &c1);
-    sc = malloc((size_t)((r1 - r0) * (c1 - c0)) * 4);
-    if (!sc) {
-        rc = MT_ERR(MT_ENOMEM, "%s: out of memory", s->what);
-        goto out;
-    }
-    if ((rc = read_scales(s, d, sc)) < 0) goto out;
-    const uint8_t *q = raw.data;
-    const int64_t R = d->count[0], C = d->count[1], KB = c1 - c0;
-    for (int64_t i = 0; i < R; i++) {
-        const float *srow = sc + ((d->off[0] + i) / 128 - r0) * KB;
-        for (int64_t j = 0; j < C; j++)
-            f[i * C + j] = mt_e4m3_to_f32(q[i * C + j]) * srow[(d->off[1] + j) / 128 - c0];
-    }
-    ck_convert(d->data, d->dtype, f, MT_DT_F32, n);
-out:
-    free(raw.data);
+    free(raw);
     free(f);
     free(sc);
     return rc;
@@ -768,21 +783,28 @@ int mt_source_read_fp8(const mt_tensor_source *s, mt_tensor_desc *q, float *s_ou
         MT_CHECK(mt_source_read(s, q));
         return s_out ? read_scales(s, q, s_out) : MT_OK;
     }
-    const int64_t n = mt_tensor_desc_numel(q);
-    mt_tensor_desc f = *q;
-    f.dtype = MT_DT_F32;
-    f.data = malloc((size_t)n * 4);
-    float *tmp = NULL;
-    const int64_t RB = (q->count[0] + 127) / 128, CB = (q->count[1] + 127) / 128;
-    if (!s_out) tmp = malloc((size_t)(RB * CB) * 4);
-    if (!f.data || (!s_out && !tmp)) {
-        free(f.data);
+    /* quantised from the stored values one row of 128 x 128 blocks at a
+     * time (the hyperslab starts on a block row): bounded temporaries */
+    const int64_t R = q->count[0], C = q->count[1], CB = (C + 127) / 128;
+    float *f = malloc((size_t)(128 * C) * 4);
+    float *tmp = s_out ? NULL : malloc((size_t)CB * 4);
+    if (!f || (!s_out && !tmp)) {
+        free(f);
         free(tmp);
         return MT_ERR(MT_ENOMEM, "%s: tensor %s: out of memory", s->what, q->name);
     }
-    int rc = mt_source_read(s, &f);
-    if (rc == MT_OK) quantise_blocks(q->data, s_out ? s_out : tmp, f.data, q->count[0], q->count[1]);
-    free(f.data);
+    int rc = MT_OK;
+    for (int64_t rb = 0; rb * 128 < R && rc == MT_OK; rb++) {
+        mt_tensor_desc fd = *q;
+        fd.dtype = MT_DT_F32;
+        fd.off[0] = q->off[0] + rb * 128;
+        fd.count[0] = R - rb * 128 < 128 ? R - rb * 128 : 128;
+        fd.data = f;
+        if ((rc = mt_source_read(s, &fd)) == MT_OK)
+            quantise_blocks((uint8_t *)q->data + (size_t)(rb * 128 * C), s_out ? s_out + rb * CB : tmp,
+                            f, fd.count[0], C);
+    }
+    free(f);
     free(tmp);
     return rc;
 }
