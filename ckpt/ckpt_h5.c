@@ -101,12 +101,17 @@ int64_t ck_chunk_rows(int64_t rows, int64_t cols, size_t esize)
     return c < rows ? c : rows;
 }
 
-int64_t ck_band_rows(int64_t rows, int64_t cols, size_t esize)
+int64_t ck_band_rows_within(int64_t rows, int64_t cols, size_t esize, size_t bytes)
 {
     int64_t rb = cols * (int64_t)esize;
-    int64_t b = pow2_floor((int64_t)CK_BAND_BYTES / rb > 0 ? (int64_t)CK_BAND_BYTES / rb : 1);
+    int64_t b = pow2_floor((int64_t)bytes / rb > 0 ? (int64_t)bytes / rb : 1);
     if (b < 128) b = 128;
     return b < rows ? b : rows;
+}
+
+int64_t ck_band_rows(int64_t rows, int64_t cols, size_t esize)
+{
+    return ck_band_rows_within(rows, cols, esize, CK_BAND_BYTES);
 }
 
 /* HDF5's Fletcher32 (H5checksum.c), bit for bit: 16-bit big-endian words,

@@ -44,6 +44,23 @@ hid_t ck_h5_type(mt_dtype dt);
  * allocations. */
 uint32_t ck_fletcher32(const void *data, size_t n);
 
+/* Worker threads of checkpoint I/O: MT_CKPT_THREADS, else the online CPUs
+ * clamped to [4, 16]. */
+int ck_io_threads(void);
+/* Runs fn(arg) on a worker of the process-wide pool (started on first
+ * use); the caller tracks completion. A task must not wait for another. */
+void ck_pool_submit(void (*fn)(void *), void *arg);
+
+/* The file driver of shard files (ckpt_vfd.c), or -1 (HDF5 other than
+ * 1.10, or MT_CKPT_SERIAL_WRITES set): HDF5's POSIX driver except that the
+ * raw write of the buffer announced by ck_vfd_expect(buf, size) on this
+ * thread is not made but recorded; ck_vfd_take() returns 1 and its
+ * descriptor and offset if it was, and the caller has it written. Call
+ * under the HDF5 lock. */
+hid_t ck_vfd_id(void);
+void ck_vfd_expect(const void *buf, size_t size);
+int ck_vfd_take(int *fd, int64_t *addr);
+
 /* shard_RRRRR.h5 */
 void ck_shard_name(char *out, size_t cap, int rank);
 
@@ -53,6 +70,8 @@ int64_t ck_chunk_rows(int64_t rows, int64_t cols, size_t esize);
 /* Rows per streamed band: a power of two >= 128 near CK_BAND_BYTES, so a
  * multiple of the chunk rows and of the FP8 block (or all rows). */
 int64_t ck_band_rows(int64_t rows, int64_t cols, size_t esize);
+/* The same for bands of at most `bytes`. */
+int64_t ck_band_rows_within(int64_t rows, int64_t cols, size_t esize, size_t bytes);
 
 /* Writes a fixed-length string dataset name (1 element, chunked +
  * Fletcher32) into loc. */
@@ -125,17 +144,23 @@ struct mt_ckpt {
     int *file_rank;              /* [n_files] */
     int64_t *file_bytes;         /* [n_files] recorded sizes */
     hid_t *file_h;               /* [n_files] opened lazily, -1 */
+    int *file_fd;                /* [n_files] our own descriptors for chunk reads, -1 */
+    int64_t *file_base;          /* [n_files] HDF5 base address (user block bytes) */
     int *piece_file;             /* [n_pieces] */
     int hash_cap;
     int *hash;                   /* name -> tensor + 1 */
-    char *scratch;               /* one raw chunk (+ checksum), reused */
-    size_t scratch_cap;
+    int n_bufs;                  /* raw chunk buffers (+ checksum) of parallel reads */
+    char **bufs;
+    size_t buf_cap;
 };
 
 /* Reads index.h5 of ck->dir into ck (takes the lock). */
 int ck_read_index_locked(mt_ckpt *ck);
-/* Reads the intersection of piece p with d into d->data (lock held); a
- * piece read whole is checked against its xxh64. */
+/* Reads the intersection of piece p with d into d->data; a piece read
+ * whole is checked against its xxh64. Takes the HDF5 lock only for HDF5's
+ * calls: the chunks are read by the pool's workers (pread, Fletcher32,
+ * copy) while this thread hashes them in order. An mt_ckpt is read by one
+ * thread at a time. */
 int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d);
 /* Reads a band (any hyperslab) of map tensor t from a source in the map's
  * dtype: e4m3 weights via mt_source_read_fp8, scales stored or from

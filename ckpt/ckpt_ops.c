@@ -263,9 +263,7 @@ static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog)
         mt_tensor_desc_slab(&d, r->tensor, x->dtype, x->ndim, x->shape, r->off[0] + a, r->off[1],
                             nr, cols, buf);
         /* only this piece: other pieces of the tensor do not intersect it */
-        ck_lock();
         int rc = ck_read_piece(ck, p, &d);
-        ck_unlock();
         if (rc < 0) {
             problem(v, path, r->tensor, "%s", mt_errmsg());
             ok = 0;

@@ -89,6 +89,10 @@ PY
 widen "$tmp/hf" "$tmp/small" 64 0
 widen "$tmp/hf" "$tmp/big" 524288 0
 tensor_mb=$((524288 * 128 * 2 / 1000000))
+# The writer's buffers grow with its threads up to 128 MB (two 32 MB bands
+# and at most 64 MB of chunks): four threads keep them at 96 MB, so that the
+# margin under the 134 MB tensor does not depend on the machine.
+export MT_CKPT_THREADS=4
 
 # peak resident memory (kB) of an import
 peak() { # IN OUT [options]

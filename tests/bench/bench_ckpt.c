@@ -120,7 +120,8 @@ int main(int argc, char **argv)
     char s_exp[64], s_grp[64], s_tg[64], s_data[4200], s_dir[4200], s_init[4200];
     int experts = (int)(16 * scale + 0.5), groups = 8;
     if (experts < 2) experts = 2;
-    if (experts < groups) groups = 1;
+    /* group-limited routing scores a group by its top-2 experts */
+    while (groups > 1 && experts / groups < 2) groups /= 2;
     experts = experts / groups * groups;
     snprintf(s_exp, sizeof s_exp, "model.n_routed_experts=%d", experts);
     snprintf(s_grp, sizeof s_grp, "model.n_group=%d", groups);
