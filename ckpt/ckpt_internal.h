@@ -5,6 +5,7 @@
 #define MT_CKPT_INTERNAL_H
 
 #include <hdf5.h>
+#include <pthread.h>
 
 #include "ckpt/ckpt.h"
 
@@ -132,6 +133,14 @@ hid_t ck_tensor_row_type(void);
 hid_t ck_piece_row_type(void);
 hid_t ck_file_row_type(void);
 
+/* A piece of the read-ahead (ckpt_read.c). */
+struct ck_pf {
+    int state;                   /* none, running, ready */
+    int rc;
+    char *data;                  /* the piece's bytes, row-major */
+    char msg[512];
+};
+
 struct mt_ckpt {
     char dir[4096];
     int lock_fd;                 /* shared flock on the directory */
@@ -152,6 +161,16 @@ struct mt_ckpt {
     int n_bufs;                  /* raw chunk buffers (+ checksum) of parallel reads */
     char **bufs;
     size_t buf_cap;
+    /* read-ahead of whole pieces (ckpt_read.c): the pieces after the one
+     * read whole, in the order of their file, read and checked by the
+     * pool's workers into memory the next whole read takes */
+    pthread_mutex_t pf_mu;
+    pthread_cond_t pf_cv;
+    int pf_on;                   /* mutex and condition initialised */
+    struct ck_pf *pf;            /* [n_pieces] */
+    int *pf_cursor;              /* [n_files] next piece to consider */
+    int64_t pf_held;             /* bytes of the entries, running or ready */
+    int pf_running;
 };
 
 /* Reads index.h5 of ck->dir into ck (takes the lock). */
@@ -190,6 +209,11 @@ int ck_commit_dir(const char *root, const char *work, const char *fin, int flags
  * replace-aside, replace-renamed (ck_commit_dir). MT_CKPT_TEST_NO_EXCHANGE
  * makes the exchange fail as on a file system without it. */
 void ck_test_crash(const char *point);
+
+/* Piece p read and checked whole (Fletcher32 of its chunks, its XXH64)
+ * without keeping the bytes: verify's check of the small pieces, through
+ * the read-ahead. 0 if it does not apply (a large piece: read it). */
+int ck_check_piece(mt_ckpt *ck, int p, int *rc);
 
 /* Opens (once) the shard file of piece p; error names the file and tensor. */
 int ck_piece_file(mt_ckpt *ck, int p, hid_t *f);

@@ -213,7 +213,8 @@ static void problem(vstate *v, const char *file, const char *tensor, const char 
 }
 
 /* Reads piece p in bands and checks its xxh64 and attributes. */
-static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog)
+static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog, void **band,
+                         size_t *band_cap)
 {
     const mt_ckpt_piece_rec *r = &ck->pieces[p];
     const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
@@ -247,13 +248,27 @@ static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog)
                 dt);
     H5Dclose(ds);
     ck_unlock();
-    const int64_t cols = x->ndim == 2 ? r->count[1] : 1;
-    const int64_t br = ck_band_rows(r->count[0], cols, es);
-    void *buf = malloc((size_t)br * (size_t)cols * es);
-    if (!buf) {
-        problem(v, path, r->tensor, "out of memory");
+    /* small pieces: read and checked ahead by the workers */
+    int rc0;
+    if (ck_check_piece(ck, p, &rc0)) {
+        if (rc0 < 0) problem(v, path, r->tensor, "%s", mt_errmsg());
+        mt_progress_add(prog, r->nbytes);
         return;
     }
+    /* large ones band by band (their chunks in parallel), one band buffer */
+    const int64_t cols = x->ndim == 2 ? r->count[1] : 1;
+    const int64_t br = ck_band_rows(r->count[0], cols, es);
+    const size_t need = (size_t)br * (size_t)cols * es;
+    if (*band_cap < need) {
+        free(*band);
+        *band_cap = 0;
+        if (!(*band = malloc(need))) {
+            problem(v, path, r->tensor, "out of memory");
+            return;
+        }
+        *band_cap = need;
+    }
+    void *buf = *band;
     mt_xxh64 h;
     mt_xxh64_init(&h, 0);
     int ok = 1;
@@ -269,11 +284,11 @@ static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog)
             ok = 0;
             break;
         }
-        mt_xxh64_update(&h, buf, (size_t)nr * (size_t)cols * es);
+        /* one band of the whole piece: ck_read_piece checked its XXH64 */
+        if (nr < r->count[0]) mt_xxh64_update(&h, buf, (size_t)nr * (size_t)cols * es);
         mt_progress_add(prog, nr * cols * (int64_t)es);
     }
-    free(buf);
-    if (ok && mt_xxh64_digest(&h) != r->xxh64)
+    if (ok && br < r->count[0] && mt_xxh64_digest(&h) != r->xxh64)
         problem(v, path, r->tensor, "xxh64 %016llx, the index records %016llx: data corrupted",
                 (unsigned long long)mt_xxh64_digest(&h), (unsigned long long)r->xxh64);
 }
@@ -411,10 +426,12 @@ int mt_ckpt_verify(const char *path, mt_ckpt_report_fn report, void *ctx, mt_pro
         }
     }
     mt_progress_start(prog, "verify", mt_ckpt_bytes(ck), prog ? prog->enabled : 0);
+    void *band = NULL;
+    size_t band_cap = 0;
     for (int p = 0; p < ck->n_pieces; p++) {
         if (bad && bad[ck->piece_file[p]]) continue;
         int before = v.problems;
-        verify_piece(ck, p, &v, prog);
+        verify_piece(ck, p, &v, prog, &band, &band_cap);
         /* an unopenable file: one report, not one per piece */
         if (v.problems > before && bad) {
             hid_t f;
@@ -423,6 +440,7 @@ int mt_ckpt_verify(const char *path, mt_ckpt_report_fn report, void *ctx, mt_pro
             ck_unlock();
         }
     }
+    free(band);
     mt_progress_end(prog);
     verify_extras(ck, &v);
     verify_vds(ck, &v);

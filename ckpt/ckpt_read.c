@@ -57,9 +57,12 @@ int ck_file_index(const mt_ckpt *ck, int rank)
     return -1;
 }
 
+static void pf_stop(mt_ckpt *ck);
+
 void mt_ckpt_close(mt_ckpt *ck)
 {
     if (!ck) return;
+    pf_stop(ck);
     ck_lock();
     for (int i = 0; i < ck->n_files; i++) {
         if (ck->file_h && ck->file_h[i] >= 0) H5Fclose(ck->file_h[i]);
@@ -179,11 +182,13 @@ static int read_index(mt_ckpt *ck)
     ck->file_h = malloc(((size_t)nf + 1) * sizeof *ck->file_h);
     ck->file_fd = malloc(((size_t)nf + 1) * sizeof *ck->file_fd);
     ck->file_base = calloc((size_t)nf + 1, sizeof *ck->file_base);
+    ck->pf = calloc((size_t)np + 1, sizeof *ck->pf);
+    ck->pf_cursor = calloc((size_t)nf + 1, sizeof *ck->pf_cursor);
     ck->hash_cap = 16;
     while (ck->hash_cap < 2 * nt) ck->hash_cap *= 2;
     ck->hash = calloc((size_t)ck->hash_cap, sizeof *ck->hash);
     if (!ck->tensors || !ck->pieces || !ck->piece_file || !ck->file_rank || !ck->file_bytes ||
-        !ck->file_h || !ck->file_fd || !ck->file_base || !ck->hash) {
+        !ck->file_h || !ck->file_fd || !ck->file_base || !ck->pf || !ck->pf_cursor || !ck->hash) {
         rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
         goto out;
     }
@@ -643,6 +648,250 @@ static int read_chunks(mt_ckpt *ck, int fi, const char *path, const mt_ckpt_piec
     return rc;
 }
 
+/* Opens piece p's dataset and checks its shape and element size against
+ * the index (HDF5 lock held). */
+static int open_piece_ds(mt_ckpt *ck, int p, const char *path, hid_t *out)
+{
+    const mt_ckpt_piece_rec *r = &ck->pieces[p];
+    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
+    const size_t es = mt_dtype_size(x->dtype);
+    const int nd = x->ndim;
+    char eb[256];
+    hid_t f;
+    *out = -1;
+    MT_CHECK(ck_piece_file(ck, p, &f));
+    hid_t dapl = H5Pcreate(H5P_DATASET_ACCESS);
+    /* a 16 MB chunk cache: bands that cut chunks do not re-read them */
+    H5Pset_chunk_cache(dapl, 521, 16u << 20, 1.0);
+    hid_t ds = H5Dopen2(f, r->tensor, dapl);
+    H5Pclose(dapl);
+    if (ds < 0)
+        return MT_ERR(MT_ECORRUPT, "%s: tensor %s: dataset missing (%s)", path, r->tensor,
+                      ck_h5_errstr(eb, sizeof eb));
+    hid_t fsp = H5Dget_space(ds), ftype = H5Dget_type(ds);
+    hsize_t dims[2] = {0, 0};
+    int rc = MT_OK;
+    if (H5Sget_simple_extent_ndims(fsp) != nd || H5Sget_simple_extent_dims(fsp, dims, NULL) != nd ||
+        (int64_t)dims[0] != r->count[0] || (nd == 2 && (int64_t)dims[1] != r->count[1]) ||
+        H5Tget_size(ftype) != es)
+        rc = MT_ERR(MT_ECORRUPT,
+                    "%s: tensor %s: dataset is [%llu, %llu] of %zu-byte elements, the index says "
+                    "[%lld, %lld] %s",
+                    path, r->tensor, (unsigned long long)dims[0], (unsigned long long)dims[1],
+                    H5Tget_size(ftype), (long long)r->count[0], (long long)r->count[1],
+                    mt_dtype_name(x->dtype));
+    H5Sclose(fsp);
+    H5Tclose(ftype);
+    if (rc < 0) H5Dclose(ds);
+    else *out = ds;
+    return rc;
+}
+
+/* ---- read-ahead of whole pieces ---------------------------------------------------
+ *
+ * A load reads its pieces whole, one after another, in about the order they
+ * were written (a rank's pieces in tensor order): one at a time, a piece of
+ * a megabyte is one pread and its checksums, and the reads never overlap.
+ * So the first whole read of a small piece also starts the next pieces of
+ * the same file on the pool's workers (each: pread of its chunks, their
+ * Fletcher32, its XXH64, into memory of its own), up to PF_BYTES held; a
+ * later whole read of such a piece waits for it and copies it out. Larger
+ * pieces are read directly, their chunks in parallel. */
+#define PF_BYTES ((int64_t)128 << 20)
+#define PF_PIECE_MAX ((int64_t)16 << 20)
+
+enum { PF_NONE = 0, PF_RUNNING, PF_READY };
+
+typedef struct pf_arg {
+    mt_ckpt *ck;
+    int p;
+} pf_arg;
+
+/* Reads piece p whole into data, serially (a pool task: it waits for no
+ * other task), checking every chunk's Fletcher32 and the XXH64. */
+static int read_whole_serial(mt_ckpt *ck, int p, char *data)
+{
+    const mt_ckpt_piece_rec *r = &ck->pieces[p];
+    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
+    const size_t es = mt_dtype_size(x->dtype);
+    char name[32], path[4300], eb[256];
+    ck_shard_name(name, sizeof name, r->rank);
+    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
+    const int64_t rows = r->count[0], cols = r->count[1];
+    int64_t *addr = NULL, cr = 0;
+    hid_t ds = -1;
+    ck_lock();
+    int rc = open_piece_ds(ck, p, path, &ds);
+    if (rc == MT_OK && (cr = direct_chunk_rows(ds, x->ndim, cols)) > 0) {
+        addr = malloc((size_t)((rows + cr - 1) / cr + 1) * sizeof *addr);
+        rc = addr ? chunk_addrs(ds, path, r, cr, (size_t)cr * (size_t)cols * es,
+                                ck->file_base[ck->piece_file[p]], 0, rows, addr)
+                  : MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    } else if (rc == MT_OK) {
+        /* not written by moetrain: through HDF5 (and its filter) */
+        hid_t type = ck_h5_type(x->dtype);
+        if (H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
+            rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: read failed: %s", path, r->tensor,
+                        ck_h5_errstr(eb, sizeof eb));
+        H5Tclose(type);
+    }
+    if (ds >= 0) H5Dclose(ds);
+    ck_unlock();
+    const size_t cb = (size_t)cr * (size_t)cols * es, row = (size_t)cols * es;
+    char *buf = cr > 0 && rc == MT_OK ? malloc(cb + 4) : NULL;
+    if (cr > 0 && rc == MT_OK && !buf) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    for (int64_t c = 0; cr > 0 && rc == MT_OK && c * cr < rows; c++) {
+        size_t got = 0;
+        while (got < cb + 4 && rc == MT_OK) {
+            ssize_t n = pread(ck->file_fd[ck->piece_file[p]], buf + got, cb + 4 - got,
+                              (off_t)(addr[c] + (int64_t)got));
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0)
+                rc = MT_ERR(n < 0 ? MT_EIO : MT_ECORRUPT, "%s: tensor %s: chunk at row %lld unreadable: %s",
+                            path, r->tensor, (long long)(c * cr),
+                            n < 0 ? strerror(errno) : "the file ends before it: truncated");
+            else
+                got += (size_t)n;
+        }
+        if (rc < 0) break;
+        const uint8_t *t = (const uint8_t *)buf + cb;
+        uint32_t want = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
+        if (ck_fletcher32(buf, cb) != want) {
+            rc = MT_ERR(MT_ECORRUPT,
+                        "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data corrupted",
+                        path, r->tensor, (long long)(c * cr));
+            break;
+        }
+        const int64_t n = rows - c * cr < cr ? rows - c * cr : cr;
+        memcpy(data + (size_t)(c * cr) * row, buf, (size_t)n * row);
+    }
+    free(buf);
+    free(addr);
+    if (rc == MT_OK) {
+        uint64_t got = mt_xxh64_oneshot(data, (size_t)r->nbytes, 0);
+        if (got != r->xxh64)
+            rc = MT_ERR(MT_ECORRUPT,
+                        "%s: tensor %s: piece [%lld:%lld, %lld:%lld] xxh64 %016llx, the index "
+                        "records %016llx: data corrupted",
+                        path, r->tensor, (long long)r->off[0], (long long)(r->off[0] + r->count[0]),
+                        (long long)r->off[1], (long long)(r->off[1] + r->count[1]),
+                        (unsigned long long)got, (unsigned long long)r->xxh64);
+    }
+    return rc;
+}
+
+static void pf_task(void *arg)
+{
+    pf_arg *a = arg;
+    mt_ckpt *ck = a->ck;
+    struct ck_pf *e = &ck->pf[a->p];
+    int rc = read_whole_serial(ck, a->p, e->data);
+    pthread_mutex_lock(&ck->pf_mu);
+    e->rc = rc;
+    if (rc < 0) snprintf(e->msg, sizeof e->msg, "%s", mt_errmsg());
+    e->state = PF_READY;
+    ck->pf_running--;
+    pthread_cond_broadcast(&ck->pf_cv);
+    pthread_mutex_unlock(&ck->pf_mu);
+    free(a);
+}
+
+/* Starts piece q (pf_mu held). 0, or -1 without memory. */
+static int pf_launch(mt_ckpt *ck, int q)
+{
+    struct ck_pf *e = &ck->pf[q];
+    pf_arg *a = malloc(sizeof *a);
+    e->data = malloc((size_t)ck->pieces[q].nbytes + 1);
+    if (!a || !e->data) {
+        free(a);
+        free(e->data);
+        e->data = NULL;
+        return -1;
+    }
+    a->ck = ck;
+    a->p = q;
+    e->state = PF_RUNNING;
+    e->rc = MT_OK;
+    ck->pf_held += ck->pieces[q].nbytes;
+    ck->pf_running++;
+    ck_pool_submit(pf_task, a);
+    return 0;
+}
+
+/* Tops up the read-ahead of file fi after piece `after` (pf_mu held). */
+static void pf_more(mt_ckpt *ck, int fi, int after)
+{
+    int q = ck->pf_cursor[fi] > after + 1 ? ck->pf_cursor[fi] : after + 1;
+    const int limit = ck_io_threads();
+    for (; q < ck->n_pieces; q++) {
+        if (ck->piece_file[q] != fi || ck->pf[q].state != PF_NONE ||
+            ck->pieces[q].nbytes > PF_PIECE_MAX)
+            continue;
+        if (ck->pf_held + ck->pieces[q].nbytes > PF_BYTES || ck->pf_running >= limit) break;
+        if (pf_launch(ck, q) < 0) break;
+    }
+    ck->pf_cursor[fi] = q;
+}
+
+/* Piece p whole through the read-ahead: its bytes (the caller frees them),
+ * or NULL with *rc set; 0 returned if p is not for the read-ahead. */
+static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
+{
+    if (ck->pieces[p].nbytes > PF_PIECE_MAX || getenv("MT_CKPT_NO_READAHEAD")) return 0;
+    if (!ck->pf_on) {
+        pthread_mutex_init(&ck->pf_mu, NULL);
+        pthread_cond_init(&ck->pf_cv, NULL);
+        ck->pf_on = 1;
+    }
+    struct ck_pf *e = &ck->pf[p];
+    pthread_mutex_lock(&ck->pf_mu);
+    if (e->state == PF_NONE && pf_launch(ck, p) < 0) {
+        pthread_mutex_unlock(&ck->pf_mu);
+        return 0; /* no memory for it: read it directly */
+    }
+    pf_more(ck, ck->piece_file[p], p);
+    while (e->state != PF_READY) pthread_cond_wait(&ck->pf_cv, &ck->pf_mu);
+    *rc = e->rc;
+    *data = e->data;
+    if (e->rc < 0) {
+        *rc = MT_ERR(e->rc, "%s", e->msg);
+        free(e->data);
+        *data = NULL;
+    }
+    e->data = NULL;
+    e->state = PF_NONE;
+    ck->pf_held -= ck->pieces[p].nbytes;
+    pf_more(ck, ck->piece_file[p], p);
+    pthread_mutex_unlock(&ck->pf_mu);
+    return 1;
+}
+
+/* Waits for the read-ahead's tasks (they use ck) and frees what they read. */
+static void pf_stop(mt_ckpt *ck)
+{
+    if (ck->pf_on) {
+        pthread_mutex_lock(&ck->pf_mu);
+        while (ck->pf_running) pthread_cond_wait(&ck->pf_cv, &ck->pf_mu);
+        pthread_mutex_unlock(&ck->pf_mu);
+        pthread_mutex_destroy(&ck->pf_mu);
+        pthread_cond_destroy(&ck->pf_cv);
+    }
+    for (int q = 0; ck->pf && q < ck->n_pieces; q++) free(ck->pf[q].data);
+    free(ck->pf);
+    free(ck->pf_cursor);
+    ck->pf = NULL;
+    ck->pf_cursor = NULL;
+    ck->pf_on = 0;
+}
+
+int ck_check_piece(mt_ckpt *ck, int p, int *rc)
+{
+    char *data = NULL;
+    if (!pf_take(ck, p, &data, rc)) return 0;
+    free(data);
+    return 1;
+}
+
 /* Reads the intersection of piece p with d into d->data. A piece read
  * whole is checked against its xxh64. */
 int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d)
@@ -668,36 +917,23 @@ int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d)
     hsize_t cnt[2] = {(hsize_t)(hi[0] - lo[0]), (hsize_t)(hi[1] - lo[1])};
     hsize_t mdims[2] = {(hsize_t)d->count[0], (hsize_t)dc1};
     hsize_t mo[2] = {(hsize_t)(lo[0] - d->off[0]), (hsize_t)(lo[1] - d1)};
-    int64_t *addr = NULL, cr = 0;
-    int rc = MT_OK, direct = 0;
-    hid_t f, ds = -1, fsp = -1, type = -1, msp = -1, ftype = -1;
-    ck_lock();
-    if ((rc = ck_piece_file(ck, p, &f)) < 0) goto unlock;
-    hid_t dapl = H5Pcreate(H5P_DATASET_ACCESS);
-    /* a 16 MB chunk cache: bands that cut chunks do not re-read them */
-    H5Pset_chunk_cache(dapl, 521, 16u << 20, 1.0);
-    ds = H5Dopen2(f, r->tensor, dapl);
-    H5Pclose(dapl);
-    if (ds < 0) {
-        rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: dataset missing (%s)", path, r->tensor,
-                    ck_h5_errstr(eb, sizeof eb));
-        goto unlock;
+    int rc = MT_OK;
+    char *ready = NULL;
+    if (whole && pf_take(ck, p, &ready, &rc)) {
+        if (rc < 0) return rc;
+        const size_t row = (size_t)cnt[1] * es;
+        for (hsize_t i = 0; i < cnt[0]; i++)
+            memcpy((char *)d->data + ((size_t)(mo[0] + i) * (size_t)dc1 + mo[1]) * es, ready + i * row, row);
+        free(ready);
+        return MT_OK;
     }
+    int64_t *addr = NULL, cr = 0;
+    int direct = 0;
+    hid_t ds = -1, fsp = -1, type = -1, msp = -1;
+    ck_lock();
+    if ((rc = open_piece_ds(ck, p, path, &ds)) < 0) goto unlock;
     fsp = H5Dget_space(ds);
     type = ck_h5_type(x->dtype);
-    ftype = H5Dget_type(ds);
-    hsize_t dims[2] = {0, 0};
-    if (H5Sget_simple_extent_ndims(fsp) != nd || H5Sget_simple_extent_dims(fsp, dims, NULL) != nd ||
-        (int64_t)dims[0] != r->count[0] || (nd == 2 && (int64_t)dims[1] != r->count[1]) ||
-        H5Tget_size(ftype) != es) {
-        rc = MT_ERR(MT_ECORRUPT,
-                    "%s: tensor %s: dataset is [%llu, %llu] of %zu-byte elements, the index says "
-                    "[%lld, %lld] %s",
-                    path, r->tensor, (unsigned long long)dims[0], (unsigned long long)dims[1],
-                    H5Tget_size(ftype), (long long)r->count[0], (long long)r->count[1],
-                    mt_dtype_name(x->dtype));
-        goto unlock;
-    }
     cr = direct_chunk_rows(ds, nd, r->count[1]);
     if (cr > 0) {
         /* moetrain's own chunks: addresses now, bytes in parallel after the lock */
@@ -722,7 +958,6 @@ unlock:
     if (msp >= 0) H5Sclose(msp);
     if (fsp >= 0) H5Sclose(fsp);
     if (type >= 0) H5Tclose(type);
-    if (ftype >= 0) H5Tclose(ftype);
     if (ds >= 0) H5Dclose(ds);
     ck_unlock();
     if (rc < 0) {

@@ -46,7 +46,9 @@ struct mt_job_ckpt {
     int async;
     int64_t step;
     char partial[MT_PATH_CAP + 32];
-    mt_train_snapshot snap;
+    mt_train_snapshot snap;    /* host copies (asynchronous saves; kept for the next) */
+    mt_train_snapshot view;    /* a synchronous save on host memory: no copy */
+    mt_train_snapshot *cur;    /* the one the save in flight writes */
     mt_ckpt_meta meta;
     mt_tensor_desc *descs;     /* this rank's pieces */
     mt_ckpt_piece_rec *recs;
@@ -287,7 +289,7 @@ static int fill_snapshot(void *ctx, int i, const mt_tensor_desc *band, void *buf
 {
     (void)i;
     mt_job_ckpt *jc = ctx;
-    return mt_train_snapshot_fill(&jc->snap, &jc->map, band, buf);
+    return mt_train_snapshot_fill(jc->cur, &jc->map, band, buf);
 }
 
 /* This rank's shard file. */
@@ -302,7 +304,7 @@ static int write_local(mt_job_ckpt *jc)
     for (int k = 0; k < n; k++) {
         mt_shard_piece_desc(&jc->map, idx[k], &jc->descs[k]);
         /* whole rows already in the snapshot in the stored type: no copy */
-        jc->descs[k].data = (void *)mt_train_snapshot_direct(&jc->snap, &jc->map, &jc->descs[k]);
+        jc->descs[k].data = (void *)mt_train_snapshot_direct(jc->cur, &jc->map, &jc->descs[k]);
     }
     if (!n) return MT_OK;
     return mt_ckpt_write_shard(jc->partial, jc->rank, jc->descs, n, fill_snapshot, jc, jc->recs, NULL);
@@ -493,14 +495,23 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
     jc->step = t->step;
     jc->rc = MT_OK;
     jc->err[0] = '\0';
-    int rc = mt_train_state_snapshot(t, &jc->snap);
+    /* a synchronous save of a host-memory trainer writes from its state
+     * directly (the trainer waits anyway); otherwise a host copy */
+    int rc;
+    if (!background && t->model->be->kind == MT_BE_CPU) {
+        jc->cur = &jc->view;
+        rc = mt_train_state_view(t, jc->cur);
+    } else {
+        jc->cur = &jc->snap;
+        rc = mt_train_state_snapshot(t, jc->cur);
+    }
     if (rc == MT_OK) {
-        jc->meta.step = jc->snap.step;
-        jc->meta.consumed_samples = jc->snap.consumed_samples;
-        jc->meta.consumed_tokens = jc->snap.consumed_tokens;
-        jc->meta.config_json = strdup(jc->snap.config_json);
-        jc->meta.job_json = strdup(jc->snap.job_json);
-        jc->meta.state_json = strdup(jc->snap.state_json);
+        jc->meta.step = jc->cur->step;
+        jc->meta.consumed_samples = jc->cur->consumed_samples;
+        jc->meta.consumed_tokens = jc->cur->consumed_tokens;
+        jc->meta.config_json = strdup(jc->cur->config_json);
+        jc->meta.job_json = strdup(jc->cur->job_json);
+        jc->meta.state_json = strdup(jc->cur->state_json);
         jc->meta.layout = jc->map.layout;
         jc->meta.opts = jc->map.opts;
         if (!jc->meta.config_json || !jc->meta.job_json || !jc->meta.state_json)
@@ -518,7 +529,7 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
     double stall = now_ms() - t0;
     pthread_mutex_lock(&jc->mu);
     jc->st.last_stall_ms = stall;
-    jc->st.last_bytes = (int64_t)jc->snap.bytes;
+    jc->st.last_bytes = (int64_t)jc->cur->bytes;
     jc->st.in_flight = rc == MT_OK;
     pthread_mutex_unlock(&jc->mu);
     jc->busy = 1;
@@ -566,6 +577,7 @@ int mt_job_ckpt_close(mt_job_ckpt *jc)
     if (!jc) return MT_OK;
     int rc = progress(jc, 1);
     mt_train_snapshot_free(&jc->snap);
+    mt_train_snapshot_free(&jc->view);
     if (jc->have_map) mt_shard_map_free(&jc->map);
     pthread_mutex_destroy(&jc->mu);
     free(jc);

@@ -79,13 +79,15 @@ void mt_train_snapshot_free(mt_train_snapshot *s)
 {
     if (!s) return;
     free(s->params);
-    free(s->act);
-    free(s->q);
-    free(s->s);
-    free(s->f32);
-    free(s->m);
-    free(s->v);
-    free(s->master);
+    if (!s->borrowed) {
+        free(s->act);
+        free(s->q);
+        free(s->s);
+        free(s->f32);
+        free(s->m);
+        free(s->v);
+        free(s->master);
+    }
     free(s->state_json);
     free(s->config_json);
     free(s->job_json);
@@ -93,27 +95,35 @@ void mt_train_snapshot_free(mt_train_snapshot *s)
 }
 
 /* Host copy of `bytes` of backend memory into *dst, reusing a buffer of a
- * previous snapshot (same trainer, same size) when there is one. */
-static int grab(mt_backend *be, void **dst, const void *src, size_t bytes, size_t *total)
+ * previous snapshot (same trainer, same size) when there is one; a view
+ * (borrowed) points at the backend's host memory instead. */
+static int grab(mt_backend *be, void **dst, const void *src, size_t bytes, size_t *total, int borrow)
 {
+    if (borrow) {
+        *dst = (void *)src;
+        *total += bytes;
+        return MT_OK;
+    }
     if (!*dst) *dst = malloc(bytes ? bytes : 1);
     if (!*dst) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of host memory (%zu bytes)", bytes);
     *total += bytes;
     return bytes ? be->download(be, *dst, src, bytes) : MT_OK;
 }
 
-int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
+static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
 {
     mt_model *m = t->model;
     mt_optimizer *o = t->opt;
     mt_backend *be = m->be;
     const size_t act = (size_t)be->act_bytes;
     int rc = MT_OK;
+    if (s->borrowed != borrow) mt_train_snapshot_free(s); /* a view's buffers are not ours */
     if (!(s->params && s->n_params == m->table.n && s->trainer == t)) {
         mt_train_snapshot_free(s);
         s->params = calloc((size_t)(m->table.n > 0 ? m->table.n : 1), sizeof *s->params);
         if (!s->params) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of memory");
     }
+    s->borrowed = borrow; /* after any free (which zeroes s) */
     free(s->state_json);
     free(s->config_json);
     free(s->job_json);
@@ -146,14 +156,14 @@ int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
     s->master_bytes = o->main == MT_MAIN_FP32 ? 4 : 2;
     const size_t nopt = (size_t)(o->hi - o->lo);
     MT_GOTO(be->sync(be), fail);
-    MT_GOTO(grab(be, &s->act, m->buf_act, (size_t)n_act * act, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->q, m->buf_q, (size_t)n_q, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->s, m->buf_s, (size_t)n_s * 4, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->f32, m->buf_f32, (size_t)n_f * 4, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->m, o->m, nopt * 2, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->v, o->v, nopt * 2, &s->bytes), fail);
+    MT_GOTO(grab(be, &s->act, m->buf_act, (size_t)n_act * act, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->q, m->buf_q, (size_t)n_q, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->s, m->buf_s, (size_t)n_s * 4, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->f32, m->buf_f32, (size_t)n_f * 4, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->m, o->m, nopt * 2, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->v, o->v, nopt * 2, &s->bytes, borrow), fail);
     if (o->master)
-        MT_GOTO(grab(be, &s->master, o->master, nopt * (size_t)s->master_bytes, &s->bytes), fail);
+        MT_GOTO(grab(be, &s->master, o->master, nopt * (size_t)s->master_bytes, &s->bytes, borrow), fail);
     s->step = t->step;
     s->consumed_samples = t->consumed_samples;
     s->consumed_tokens = t->consumed_samples * t->job.batch.seq_len;
@@ -170,6 +180,16 @@ int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
 fail:
     mt_train_snapshot_free(s);
     return rc;
+}
+
+int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s) { return snapshot(t, s, 0); }
+
+int mt_train_state_view(mt_trainer *t, mt_train_snapshot *s)
+{
+    if (t->model->be->kind != MT_BE_CPU)
+        return MT_ERR(MT_ENOTSUP, "checkpoint snapshot: a view needs host memory (%s backend)",
+                      t->model->be->name);
+    return snapshot(t, s, 1);
 }
 
 /* Converts n elements of a source type to the band dtype. Source types:
