@@ -381,6 +381,20 @@ static int read_whole(const mt_tensor_reader *r, mt_tensor_desc *d)
  * as stored (the transpose rebuilt), router bias f32, other weights through
  * f32 (exact for bf16 values) into act. dev_tmp: device f32 scratch of the
  * largest parameter; host / hs: host scratch of its values / block scales. */
+/* Where a restore reads a tensor the backend keeps at dev: dev itself when
+ * the backend's memory is host memory (CPU: no upload copy), else the host
+ * staging buffer. */
+static void *read_into(const mt_backend *be, void *dev, void *host)
+{
+    return be->kind == MT_BE_CPU ? dev : host;
+}
+
+/* Uploads n bytes from src to dev unless they were read there. */
+static int upload_unless(mt_backend *be, void *dev, const void *src, size_t n)
+{
+    return src == dev ? MT_OK : be->upload(be, dev, src, n);
+}
+
 static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host, float *hs,
                       float *dev_tmp)
 {
@@ -390,18 +404,21 @@ static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host,
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
     if (p->q) {
-        param_desc(&d, pd, pd->name, MT_DT_E4M3, host);
-        int rc = r->read_fp8(r->ctx, &d, hs);
+        void *q = read_into(be, p->q, host);
+        float *sc = read_into(be, p->s, hs);
+        param_desc(&d, pd, pd->name, MT_DT_E4M3, q);
+        int rc = r->read_fp8(r->ctx, &d, sc);
         if (rc < 0) return mt_err_wrap(rc, "restoring %s", pd->name);
         const int64_t nb = ((pd->rows + 127) / 128) * ((pd->cols + 127) / 128);
-        MT_CHECK(be->upload(be, p->q, host, (size_t)n));
-        MT_CHECK(be->upload(be, p->s, hs, (size_t)nb * 4));
+        MT_CHECK(upload_unless(be, p->q, q, (size_t)n));
+        MT_CHECK(upload_unless(be, p->s, sc, (size_t)nb * 4));
         return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)pd->rows, (int)pd->cols);
     }
     if (p->wf) {
-        param_desc(&d, pd, pd->name, MT_DT_F32, host);
+        void *w = read_into(be, p->wf, host);
+        param_desc(&d, pd, pd->name, MT_DT_F32, w);
         MT_CHECK(read_whole(r, &d));
-        return be->upload(be, p->wf, host, (size_t)n * 4);
+        return upload_unless(be, p->wf, w, (size_t)n * 4);
     }
     param_desc(&d, pd, pd->name, MT_DT_F32, host);
     MT_CHECK(read_whole(r, &d));
@@ -438,20 +455,24 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
         return be->upload(be, (char *)o->master + (size_t)off * mb, host, (size_t)n * mb);
     }
     MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg", pd->name));
-    param_desc(&d, pd, name, MT_DT_BF16, host);
+    void *mv = read_into(be, o->m + off, host);
+    param_desc(&d, pd, name, MT_DT_BF16, mv);
     MT_CHECK(read_whole(r, &d));
-    MT_CHECK(be->upload(be, o->m + off, host, (size_t)n * 2));
+    MT_CHECK(upload_unless(be, o->m + off, mv, (size_t)n * 2));
     MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg_sq", pd->name));
-    param_desc(&d, pd, name, MT_DT_BF16, host);
+    mv = read_into(be, o->v + off, host);
+    param_desc(&d, pd, name, MT_DT_BF16, mv);
     MT_CHECK(read_whole(r, &d));
-    MT_CHECK(be->upload(be, o->v + off, host, (size_t)n * 2));
+    MT_CHECK(upload_unless(be, o->v + off, mv, (size_t)n * 2));
     if (!o->master) return MT_OK;
     MT_CHECK(mt_param_optim_name(name, sizeof name, "main", pd->name));
-    param_desc(&d, pd, name, o->main == MT_MAIN_FP32 ? MT_DT_F32 : MT_DT_BF16, host);
+    void *master = (char *)o->master + (size_t)off * mb, *mm = read_into(be, master, host);
+    param_desc(&d, pd, name, o->main == MT_MAIN_FP32 ? MT_DT_F32 : MT_DT_BF16, mm);
     int rc = r->read(r->ctx, &d);
     if (rc == MT_ENOTFOUND) {
         /* saved with main_params none: start the main copy from the weights */
         mt_err_clear();
+        mm = host;
         float *f = host;
         MT_CHECK(mt_model_get_param(m, i, f));
         if (o->main == MT_MAIN_BF16)
@@ -459,7 +480,7 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     } else if (rc < 0) {
         return mt_err_wrap(rc, "restoring %s", name);
     }
-    return be->upload(be, (char *)o->master + (size_t)off * mb, host, (size_t)n * mb);
+    return upload_unless(be, master, mm, (size_t)n * mb);
 }
 
 /* Elements of the largest parameter and block scales of the largest weight. */
