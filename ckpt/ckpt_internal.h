@@ -60,7 +60,10 @@ void ck_pool_submit(void (*fn)(void *), void *arg);
  * under the HDF5 lock. */
 hid_t ck_vfd_id(void);
 void ck_vfd_expect(const void *buf, size_t size);
-int ck_vfd_take(int *fd, int64_t *addr);
+/* dfd: an O_DIRECT descriptor of the file (MT_CKPT_DIRECT), or -1. */
+int ck_vfd_take(int *fd, int *dfd, int64_t *addr);
+/* MT_CKPT_DIRECT=1: shard chunks written with O_DIRECT (ckpt_vfd.c). */
+int ck_io_direct(void);
 
 /* shard_RRRRR.h5 */
 void ck_shard_name(char *out, size_t cap, int rank);

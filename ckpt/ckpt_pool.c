@@ -35,6 +35,12 @@ int ck_io_threads(void)
     return n < 4 ? 4 : n > 16 ? 16 : n;
 }
 
+int ck_io_direct(void)
+{
+    const char *e = getenv("MT_CKPT_DIRECT");
+    return e && !strcmp(e, "1");
+}
+
 static void *pool_main(void *arg)
 {
     (void)arg;

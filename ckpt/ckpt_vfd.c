@@ -11,6 +11,13 @@
  * metadata and every other write happen at once, as in the POSIX driver.
  * Files are plain HDF5 files: readers use the default driver.
  *
+ * With MT_CKPT_DIRECT=1 the deferred chunks bypass the page cache: shard
+ * files then align chunk allocations to 4 KB (H5Pset_alignment), and a
+ * chunk whose data is a whole number of blocks is written with O_DIRECT on
+ * a second descriptor, its 4-byte checksum through the first (the blocks
+ * of the chunk's data belong to it alone). Whether that pays depends on the
+ * machine: measure with tests/bench/bench_ckpt.sh.
+ *
  * The driver interface differs between HDF5 releases: this is the 1.10
  * one; with another release ck_vfd_id() returns -1 and shards are written
  * through the default driver, one chunk after another.
@@ -32,6 +39,7 @@
 typedef struct vfd_file {
     H5FD_t pub;    /* first: HDF5's part */
     int fd;
+    int dfd;       /* O_DIRECT descriptor for the deferred chunks, or -1 */
     haddr_t eoa, eof;
     dev_t dev;
     ino_t ino;
@@ -43,7 +51,7 @@ typedef struct expect {
     size_t size;
     int taken;
     int64_t addr;
-    int fd;
+    int fd, dfd;
 } expect;
 static _Thread_local expect want;
 
@@ -54,10 +62,11 @@ void ck_vfd_expect(const void *buf, size_t size)
     want.taken = 0;
 }
 
-int ck_vfd_take(int *fd, int64_t *addr)
+int ck_vfd_take(int *fd, int *dfd, int64_t *addr)
 {
     int t = want.taken;
     *fd = want.fd;
+    *dfd = want.dfd;
     *addr = want.addr;
     want.buf = NULL;
     want.taken = 0;
@@ -95,6 +104,8 @@ static H5FD_t *vfd_open(const char *name, unsigned flags, hid_t fapl, haddr_t ma
         return NULL;
     }
     f->fd = fd;
+    f->dfd = -1;
+    if ((flags & H5F_ACC_RDWR) && ck_io_direct()) f->dfd = open(name, O_WRONLY | O_DIRECT | O_CLOEXEC);
     f->eof = (haddr_t)st.st_size;
     f->dev = st.st_dev;
     f->ino = st.st_ino;
@@ -105,6 +116,7 @@ static herr_t vfd_close(H5FD_t *h)
 {
     vfd_file *f = (vfd_file *)h;
     int rc = close(f->fd);
+    if (f->dfd >= 0) close(f->dfd);
     free(f);
     return rc == 0 ? 0 : -1;
 }
@@ -183,6 +195,7 @@ static herr_t vfd_write(H5FD_t *h, H5FD_mem_t t, hid_t dxpl, haddr_t addr, size_
         want.taken = 1;
         want.addr = (int64_t)addr;
         want.fd = f->fd;
+        want.dfd = f->dfd;
     } else if (full_pwrite(f->fd, buf, size, (off_t)addr) < 0) {
         return -1;
     }
@@ -247,9 +260,9 @@ void ck_vfd_expect(const void *buf, size_t size)
     (void)size;
 }
 
-int ck_vfd_take(int *fd, int64_t *addr)
+int ck_vfd_take(int *fd, int *dfd, int64_t *addr)
 {
-    *fd = -1;
+    *fd = *dfd = -1;
     *addr = 0;
     return 0;
 }

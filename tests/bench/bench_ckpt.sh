@@ -15,6 +15,9 @@
 #   --rank-scale K each rank's model in the multi-rank case (default scale/N)
 #   --repeat R     each figure the best of R runs (default 3)
 #   --threads T    CPU backend threads per rank (default: cores / ranks)
+#   --io LIST      single-rank passes: buffered (page cache, the default of
+#                  the code), direct (MT_CKPT_DIRECT=1: shard chunks written
+#                  with O_DIRECT); default "buffered,direct"
 #
 # Prints each run's table (GB/s, % of dd, peak memory) and the rows for
 # tests/bench/RESULTS.md with date, machine and commit. Memory: the job
@@ -23,7 +26,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 src="$(cd "$here/../.." && pwd)"
-build="$src/build" bundle="" dir=/tmp/bench_ckpt scale=1 ranks=4 rank_scale="" repeat=3 threads=""
+build="$src/build" bundle="" dir=/tmp/bench_ckpt scale=1 ranks=4 rank_scale="" repeat=3 threads="" io="buffered,direct"
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build="$2"; shift 2 ;;
@@ -34,7 +37,8 @@ while [ $# -gt 0 ]; do
     --rank-scale) rank_scale="$2"; shift 2 ;;
     --repeat) repeat="$2"; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --io) io="$2"; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "bench_ckpt.sh: unknown option $1" >&2; exit 1 ;;
   esac
 done
@@ -62,12 +66,16 @@ echo "machine: $machine"
 echo "commit:  $commit"
 rows=()
 
-# one rank
+# one rank, with the page cache and past it
 t1=${threads:-$cores}
-out="$dir/one.log"
-"$bench" --dir "$dir/run" --examples "$examples" --synth "$synth" --scale "$scale" \
-  --repeat "$repeat" --threads "$t1" 2>&1 | grep -v '^\[moetrain' | tee "$out"
-rows+=("$(grep '^| 1 |' "$out")")
+for mode in ${io//,/ }; do
+  out="$dir/one.$mode.log"
+  echo "== one rank, $mode writes"
+  MT_CKPT_DIRECT=$([ "$mode" = direct ] && echo 1 || echo 0) \
+    "$bench" --dir "$dir/run" --examples "$examples" --synth "$synth" --scale "$scale" \
+    --repeat "$repeat" --threads "$t1" 2>&1 | grep -v '^\[moetrain' | tee "$out"
+  rows+=("$(grep '^| 1 |' "$out" | sed "s/^| 1 |/| 1 ($mode) |/")")
+done
 
 # N ranks, each writing its own shard at the same time
 if [ "$ranks" -gt 1 ]; then
@@ -77,6 +85,7 @@ if [ "$ranks" -gt 1 ]; then
     rs=${rank_scale:-$(awk -v s="$scale" -v n="$ranks" 'BEGIN {print s / n}')}
     tn=${threads:-$(( cores / ranks > 0 ? cores / ranks : 1 ))}
     out="$dir/ranks.log"
+    echo "== $ranks ranks, buffered writes"
     "$mpirun" --oversubscribe -np "$ranks" "$bench" --dir "$dir/run" --examples "$examples" \
       --synth "$synth" --scale "$rs" --repeat "$repeat" --threads "$tn" 2>&1 | grep -v '^\[moetrain' | tee "$out"
     rows+=("$(grep "^| $ranks |" "$out")")
