@@ -48,10 +48,22 @@ int mt_ckpt_resolve(const char *path, char *out, size_t cap);
  * ROOT/step_NNNNNNNN.partial and returns its path. */
 int mt_ckpt_begin(const char *root, int64_t step, char *partial, size_t cap);
 
+/* Flags of the operations that commit a checkpoint. */
+enum {
+    /* replace a committed step_NNNNNNNN of the same step (refused without):
+     * exchanged atomically (renameat2 RENAME_EXCHANGE), then the old copy
+     * removed, so that one committed copy exists at every instant */
+    MT_CKPT_OVERWRITE = 1,
+};
+
 /* Commits the partial directory of `step` (its files already fsynced):
  * fsync, rename to step_NNNNNNNN, fsync ROOT, replace ROOT/latest
- * atomically, then keep-last-k retention (keep_last 0: keep all). */
+ * atomically (it names the newest step), then keep-last-k retention
+ * (keep_last 0: keep all). A committed step_NNNNNNNN of the same step is
+ * an error (MT_EINVAL) that leaves both directories as they are. */
 int mt_ckpt_commit(const char *root, int64_t step, int keep_last);
+/* The same with flags (MT_CKPT_OVERWRITE). */
+int mt_ckpt_commit_ex(const char *root, int64_t step, int keep_last, int flags);
 
 /* Removes the oldest committed checkpoints beyond keep_last, never the
  * newest, never the one `latest` names, never one a reader holds open
@@ -194,16 +206,19 @@ int mt_ckpt_map(const mt_ckpt *ck, mt_shard_map *map);
 /* Writes every rank's shard of `map` (one process playing all ranks) with
  * pieces read from `src`, then the index; into ROOT/step_N via the commit
  * protocol, or into `out` itself if its name is step_NNNNNNNN. Memory is
- * bounded by the band size, never the model. */
+ * bounded by the band size, never the model. An existing target is
+ * refused before anything is written unless flags has MT_CKPT_OVERWRITE. */
 int mt_ckpt_write_from_source(const char *out, const mt_ckpt_meta *meta, const mt_shard_map *map,
-                              const mt_tensor_source *src, mt_progress *prog);
+                              const mt_tensor_source *src, int flags, mt_progress *prog);
 
 /* The resulting checkpoint directory of mt_ckpt_write_from_source(out, step). */
 int mt_ckpt_out_path(const char *out, int64_t step, char *dir, size_t cap, char *root,
                      size_t rcap, int *is_root);
 
-/* Re-lays `in` out under `layout` into `out` (streaming). */
-int mt_ckpt_reshard(const char *in, const char *out, const mt_layout *layout, mt_progress *prog);
+/* Re-lays `in` out under `layout` into `out` (streaming); flags as
+ * mt_ckpt_write_from_source. */
+int mt_ckpt_reshard(const char *in, const char *out, const mt_layout *layout, int flags,
+                    mt_progress *prog);
 
 /* One problem found by verify. */
 typedef void (*mt_ckpt_report_fn)(void *ctx, const char *file, const char *tensor,

@@ -1,16 +1,17 @@
 /* ckpt_commit.c - the checkpoint root: step directories, the commit
  * protocol, `latest`, retention (FORMAT.md "Commit"). */
-#define _XOPEN_SOURCE 700
-#define _DEFAULT_SOURCE
+#define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "ckpt/ckpt_internal.h"
@@ -109,12 +110,25 @@ int mt_ckpt_resolve(const char *path, char *out, size_t cap)
     return rc;
 }
 
+void ck_test_crash(const char *point)
+{
+    const char *want = getenv("MT_CKPT_TEST_CRASH");
+    if (!want || strcmp(want, point) != 0) return;
+    MT_LOGW("checkpoint: MT_CKPT_TEST_CRASH: killing the process at %s", point);
+    raise(SIGKILL);
+}
+
+/* The crash point of the removal in progress (nftw has no context argument). */
+static _Thread_local const char *rm_crash_point;
+
 static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw)
 {
     (void)st;
     (void)flag;
     (void)ftw;
-    return remove(p) != 0 && errno != ENOENT ? -1 : 0;
+    if (remove(p) != 0 && errno != ENOENT) return -1;
+    if (rm_crash_point) ck_test_crash(rm_crash_point);
+    return 0;
 }
 
 int ck_rm_rf(const char *path)
@@ -124,7 +138,38 @@ int ck_rm_rf(const char *path)
     return MT_OK;
 }
 
-/* Removes leftovers of interrupted saves and deletions. */
+/* ck_rm_rf with the test hook `point` after the first entry removed. */
+static int rm_rf_hooked(const char *path, const char *point)
+{
+    rm_crash_point = point;
+    int rc = ck_rm_rf(path);
+    rm_crash_point = NULL;
+    return rc;
+}
+
+#define REPLACED ".replaced"
+
+/* A committed copy set aside by the two-rename replacement (no
+ * RENAME_EXCHANGE): back to its committed name if the crash left none
+ * there, else removed. */
+static int recover_replaced(const char *root, const char *name)
+{
+    char p[4400], fin[4400];
+    snprintf(p, sizeof p, "%s/%s", root, name);
+    snprintf(fin, sizeof fin, "%s/%.*s", root, (int)(strlen(name) - strlen(REPLACED)), name);
+    if (is_dir(fin)) {
+        MT_LOGI("checkpoint: removing %s, replaced by %s", p, fin);
+        return ck_rm_rf(p);
+    }
+    MT_LOGW("checkpoint: %s was set aside by a replacement that did not finish: committing it "
+            "again as %s",
+            p, fin);
+    if (rename(p, fin) != 0) return MT_ERR(MT_EIO, "%s: cannot rename back: %s", p, strerror(errno));
+    return mt_fsync_path(root);
+}
+
+/* Removes leftovers of interrupted saves and deletions; recovers a copy
+ * an interrupted replacement set aside. */
 static int clean_stale(const char *root)
 {
     DIR *d = opendir(root);
@@ -135,7 +180,13 @@ static int clean_stale(const char *root)
         size_t n = strlen(e->d_name);
         int partial = n > 8 && !strcmp(e->d_name + n - 8, ".partial");
         int deleting = n > 9 && !strcmp(e->d_name + n - 9, ".deleting");
-        if (strncmp(e->d_name, "step_", 5) != 0 || (!partial && !deleting)) continue;
+        int replaced = n > strlen(REPLACED) && !strcmp(e->d_name + n - strlen(REPLACED), REPLACED);
+        if (strncmp(e->d_name, "step_", 5) != 0 || (!partial && !deleting && !replaced)) continue;
+        if (replaced) {
+            if (recover_replaced(root, e->d_name) < 0 && rc == MT_OK)
+                rc = mt_err_wrap(MT_EIO, "cleaning %s", root);
+            continue;
+        }
         char p[4400];
         snprintf(p, sizeof p, "%s/%s", root, e->d_name);
         MT_LOGI("checkpoint: removing %s left by an interrupted %s", p, partial ? "save" : "deletion");
@@ -191,25 +242,86 @@ int64_t ck_read_latest(const char *root)
     return ok && committed_step(buf, &s) ? s : -1;
 }
 
+/* renameat2(RENAME_EXCHANGE) by its system call (no glibc version needed):
+ * swaps two directory entries atomically. */
+static int exchange(const char *a, const char *b)
+{
+#ifdef SYS_renameat2
+    if (!getenv("MT_CKPT_TEST_NO_EXCHANGE"))
+        return (int)syscall(SYS_renameat2, AT_FDCWD, a, AT_FDCWD, b, 2 /* RENAME_EXCHANGE */);
+#endif
+    errno = EINVAL;
+    return -1;
+}
+
+int ck_commit_dir(const char *root, const char *work, const char *fin, int flags)
+{
+    MT_CHECK(mt_fsync_path(work));
+    if (!is_dir(fin)) {
+        if (rename(work, fin) != 0)
+            return MT_ERR(MT_EIO, "%s: cannot rename to %s: %s", work, fin, strerror(errno));
+        return mt_fsync_path(root);
+    }
+    if (!(flags & MT_CKPT_OVERWRITE))
+        return MT_ERR(MT_EINVAL,
+                      "%s exists: a committed checkpoint is replaced only when asked (overwrite); "
+                      "the new one is left uncommitted in %s",
+                      fin, work);
+    /* Replacing: at every instant one committed copy of the step exists.
+     * The exchange puts the new copy in place and the old one under the
+     * partial name (ignored by readers, removed by the next save). */
+    ck_test_crash("replace-start");
+    if (exchange(work, fin) == 0) {
+        ck_test_crash("replace-exchanged");
+        MT_CHECK(mt_fsync_path(root));
+        ck_test_crash("replace-synced");
+        MT_CHECK(rm_rf_hooked(work, "replace-removing"));
+        ck_test_crash("replace-removed");
+        return MT_OK;
+    }
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP && errno != EOPNOTSUPP)
+        return MT_ERR(MT_EIO, "%s: cannot exchange with %s: %s", work, fin, strerror(errno));
+    /* No atomic exchange on this file system: two renames, the old copy
+     * set aside as step_N.replaced; a crash between them leaves it there
+     * and the next save into the root (clean_stale) commits it again. */
+    char aside[4400];
+    snprintf(aside, sizeof aside, "%s%s", fin, REPLACED);
+    MT_LOGW("checkpoint: %s: the file system cannot exchange directories atomically "
+            "(renameat2 RENAME_EXCHANGE: %s); replacing by two renames, the old copy set aside "
+            "as %s until the new one is in place",
+            fin, strerror(errno), aside);
+    if (rename(fin, aside) != 0)
+        return MT_ERR(MT_EIO, "%s: cannot rename to %s: %s", fin, aside, strerror(errno));
+    MT_CHECK(mt_fsync_path(root));
+    ck_test_crash("replace-aside");
+    if (rename(work, fin) != 0) {
+        int e = errno;
+        if (rename(aside, fin) == 0) mt_fsync_path(root);
+        return MT_ERR(MT_EIO, "%s: cannot rename to %s: %s", work, fin, strerror(e));
+    }
+    MT_CHECK(mt_fsync_path(root));
+    ck_test_crash("replace-renamed");
+    return rm_rf_hooked(aside, "replace-removing");
+}
+
 int mt_ckpt_commit(const char *root, int64_t step, int keep_last)
 {
-    char part[4400], fin[4400], old[4400];
+    return mt_ckpt_commit_ex(root, step, keep_last, 0);
+}
+
+int mt_ckpt_commit_ex(const char *root, int64_t step, int keep_last, int flags)
+{
+    char part[4400], fin[4400];
     MT_CHECK(mt_ckpt_step_path(part, sizeof part, root, step, 1));
     MT_CHECK(mt_ckpt_step_path(fin, sizeof fin, root, step, 0));
-    MT_CHECK(mt_fsync_path(part));
-    int replaced = 0;
-    if (is_dir(fin)) {
-        /* a second save of the same step (save on stop): move the old one
-         * out of the committed namespace first */
-        snprintf(old, sizeof old, "%s.deleting", fin);
-        if (rename(fin, old) != 0)
-            return MT_ERR(MT_EIO, "%s: cannot rename: %s", fin, strerror(errno));
-        replaced = 1;
-    }
-    if (rename(part, fin) != 0) return MT_ERR(MT_EIO, "%s: cannot rename: %s", part, strerror(errno));
-    MT_CHECK(mt_fsync_path(root));
-    if (replaced) MT_CHECK(ck_rm_rf(old));
-    MT_CHECK(ck_write_latest(root, step));
+    MT_CHECK(ck_commit_dir(root, part, fin, flags));
+    /* `latest` names the newest committed step (a replaced older step leaves it) */
+    int64_t *steps;
+    int n;
+    MT_CHECK(mt_ckpt_list(root, &steps, &n));
+    int64_t newest = n && steps[n - 1] > step ? steps[n - 1] : step;
+    free(steps);
+    MT_CHECK(ck_write_latest(root, newest));
     return mt_ckpt_retain(root, keep_last);
 }
 

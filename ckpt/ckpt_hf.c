@@ -216,6 +216,20 @@ static float half_to_f32(uint16_t h)
     return mt_bits_f32(s | ((e + 112) << 23) | (m << 13));
 }
 
+/* F16 -> F32 of n elements. */
+static void widen_f16(float *dst, const uint8_t *src, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++) {
+        uint16_t v;
+        memcpy(&v, src + 2 * j, 2);
+        dst[j] = half_to_f32(v);
+    }
+}
+
+/* Reads with pread into the caller's buffer (mapped pages would stay
+ * resident: an import touching every byte of a model through a mapping
+ * grows to the model's size). Whole rows in one read; a column slice row
+ * by row; F16 through a bounded staging buffer. */
 static int hf_read_raw(void *impl, mt_tensor_desc *d)
 {
     mt_hf *h = impl;
@@ -231,22 +245,35 @@ static int hf_read_raw(void *impl, mt_tensor_desc *d)
         d->off[0] + rows > t->shape[0] || c0 + cols > C || (f16 ? 4 : es) != os)
         return MT_ERR(MT_EINVAL, "%s: tensor %s: hyperslab or type outside the stored %s tensor",
                       f->path, d->name, t->dtype);
-    const uint8_t *base = f->map + f->data_off + t->begin;
-    for (int64_t i = 0; i < rows; i++) {
-        const uint8_t *src = base + ((size_t)(d->off[0] + i) * (size_t)C + (size_t)c0) * es;
-        uint8_t *dst = (uint8_t *)d->data + (size_t)i * (size_t)cols * os;
-        if (!f16) {
-            memcpy(dst, src, (size_t)cols * es);
-            continue;
-        }
-        for (int64_t j = 0; j < cols; j++) {
-            uint16_t v;
-            memcpy(&v, src + 2 * j, 2);
-            float x = half_to_f32(v);
-            memcpy(dst + 4 * j, &x, 4);
-        }
+    const uint64_t base = t->begin + (uint64_t)d->off[0] * (uint64_t)C * es;
+    uint8_t *dst = d->data;
+    if (!f16 && cols == C) return mt_st_read(f, dst, (size_t)rows * (size_t)C * es, base);
+    if (!f16) {
+        for (int64_t i = 0; i < rows; i++)
+            MT_CHECK(mt_st_read(f, dst + (size_t)i * (size_t)cols * es, (size_t)cols * es,
+                                base + ((uint64_t)i * (uint64_t)C + (uint64_t)c0) * es));
+        return MT_OK;
     }
-    return MT_OK;
+    /* F16: rows of the slice, up to 4 MB at a time, widened into place */
+    const size_t rb = (size_t)cols * 2;
+    int64_t per = (int64_t)((4u << 20) / rb);
+    per = per < 1 ? 1 : per > rows ? rows : per;
+    uint8_t *stage = malloc((size_t)per * rb + 1);
+    if (!stage) return MT_ERR(MT_ENOMEM, "%s: out of memory", f->path);
+    int rc = MT_OK;
+    for (int64_t i = 0; i < rows && rc == MT_OK; i += per) {
+        const int64_t n = rows - i < per ? rows - i : per;
+        if (cols == C) {
+            rc = mt_st_read(f, stage, (size_t)n * rb, base + (uint64_t)i * (uint64_t)C * 2);
+        } else {
+            for (int64_t r = 0; r < n && rc == MT_OK; r++)
+                rc = mt_st_read(f, stage + (size_t)r * rb, rb,
+                                base + ((uint64_t)(i + r) * (uint64_t)C + (uint64_t)c0) * 2);
+        }
+        if (rc == MT_OK) widen_f16((float *)(dst + (size_t)i * (size_t)cols * 4), stage, n * cols);
+    }
+    free(stage);
+    return rc;
 }
 
 mt_tensor_source mt_hf_source(mt_hf *h)
@@ -270,7 +297,7 @@ int mt_hf_read_fp8_fn(void *ctx, mt_tensor_desc *q, float *sc)
 /* ---- import ----------------------------------------------------------------------------- */
 
 int mt_hf_import(const char *hf_dir, const char *out, const mt_shard_opts *opts,
-                 const mt_layout *layout, mt_progress *prog)
+                 const mt_layout *layout, int flags, mt_progress *prog)
 {
     mt_hf *h;
     MT_CHECK(mt_hf_open(&h, hf_dir));
@@ -310,7 +337,7 @@ int mt_hf_import(const char *hf_dir, const char *out, const mt_shard_opts *opts,
     if (rc == MT_OK) {
         mt_tensor_source src = mt_hf_source(h);
         mt_progress_start(prog, "import", mt_shard_map_bytes(&map), prog ? prog->enabled : 0);
-        rc = mt_ckpt_write_from_source(out, &meta, &map, &src, prog);
+        rc = mt_ckpt_write_from_source(out, &meta, &map, &src, flags, prog);
         mt_progress_end(prog);
     }
     mt_ckpt_meta_free(&meta);

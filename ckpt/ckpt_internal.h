@@ -5,6 +5,7 @@
 #define MT_CKPT_INTERNAL_H
 
 #include <hdf5.h>
+#include <pthread.h>
 
 #include "ckpt/ckpt.h"
 
@@ -14,8 +15,13 @@
 /* Rows per band when streaming a piece: bounded memory (reshard, import,
  * export, verify, diff), a multiple of 128 so FP8 blocks stay whole. */
 #define CK_BAND_BYTES ((size_t)64 << 20)
+/* f32 temporaries of a type conversion on read (bf16 -> f32, e4m3 + scales
+ * -> f32 / bf16) are strips of at most this many bytes. */
+#define CK_STRIP_BYTES ((size_t)4 << 20)
 
 #define CK_INDEX "index.h5"
+/* Bytes of the HDF5 user block of index.h5 holding its seal (ckpt_seal.c). */
+#define CK_INDEX_USERBLOCK 512
 #define CK_LATEST "latest"
 #define CK_META_GROUP "moetrain"
 
@@ -39,6 +45,26 @@ hid_t ck_h5_type(mt_dtype dt);
  * allocations. */
 uint32_t ck_fletcher32(const void *data, size_t n);
 
+/* Worker threads of checkpoint I/O: MT_CKPT_THREADS, else the online CPUs
+ * clamped to [4, 16]. */
+int ck_io_threads(void);
+/* Runs fn(arg) on a worker of the process-wide pool (started on first
+ * use); the caller tracks completion. A task must not wait for another. */
+void ck_pool_submit(void (*fn)(void *), void *arg);
+
+/* The file driver of shard files (ckpt_vfd.c), or -1 (HDF5 other than
+ * 1.10, or MT_CKPT_SERIAL_WRITES set): HDF5's POSIX driver except that the
+ * raw write of the buffer announced by ck_vfd_expect(buf, size) on this
+ * thread is not made but recorded; ck_vfd_take() returns 1 and its
+ * descriptor and offset if it was, and the caller has it written. Call
+ * under the HDF5 lock. */
+hid_t ck_vfd_id(void);
+void ck_vfd_expect(const void *buf, size_t size);
+/* dfd: an O_DIRECT descriptor of the file (MT_CKPT_DIRECT), or -1. */
+int ck_vfd_take(int *fd, int *dfd, int64_t *addr);
+/* MT_CKPT_DIRECT=1: shard chunks written with O_DIRECT (ckpt_vfd.c). */
+int ck_io_direct(void);
+
 /* shard_RRRRR.h5 */
 void ck_shard_name(char *out, size_t cap, int rank);
 
@@ -48,6 +74,8 @@ int64_t ck_chunk_rows(int64_t rows, int64_t cols, size_t esize);
 /* Rows per streamed band: a power of two >= 128 near CK_BAND_BYTES, so a
  * multiple of the chunk rows and of the FP8 block (or all rows). */
 int64_t ck_band_rows(int64_t rows, int64_t cols, size_t esize);
+/* The same for bands of at most `bytes`. */
+int64_t ck_band_rows_within(int64_t rows, int64_t cols, size_t esize, size_t bytes);
 
 /* Writes a fixed-length string dataset name (1 element, chunked +
  * Fletcher32) into loc. */
@@ -108,6 +136,14 @@ hid_t ck_tensor_row_type(void);
 hid_t ck_piece_row_type(void);
 hid_t ck_file_row_type(void);
 
+/* A piece of the read-ahead (ckpt_read.c). */
+struct ck_pf {
+    int state;                   /* none, running, ready */
+    int rc;
+    char *data;                  /* the piece's bytes, row-major */
+    char msg[512];
+};
+
 struct mt_ckpt {
     char dir[4096];
     int lock_fd;                 /* shared flock on the directory */
@@ -120,17 +156,33 @@ struct mt_ckpt {
     int *file_rank;              /* [n_files] */
     int64_t *file_bytes;         /* [n_files] recorded sizes */
     hid_t *file_h;               /* [n_files] opened lazily, -1 */
+    int *file_fd;                /* [n_files] our own descriptors for chunk reads, -1 */
+    int64_t *file_base;          /* [n_files] HDF5 base address (user block bytes) */
     int *piece_file;             /* [n_pieces] */
     int hash_cap;
     int *hash;                   /* name -> tensor + 1 */
-    char *scratch;               /* one raw chunk (+ checksum), reused */
-    size_t scratch_cap;
+    int n_bufs;                  /* raw chunk buffers (+ checksum) of parallel reads */
+    char **bufs;
+    size_t buf_cap;
+    /* read-ahead of whole pieces (ckpt_read.c): the pieces after the one
+     * read whole, in the order of their file, read and checked by the
+     * pool's workers into memory the next whole read takes */
+    pthread_mutex_t pf_mu;
+    pthread_cond_t pf_cv;
+    int pf_on;                   /* mutex and condition initialised */
+    struct ck_pf *pf;            /* [n_pieces] */
+    int *pf_cursor;              /* [n_files] next piece to consider */
+    int64_t pf_held;             /* bytes of the entries, running or ready */
+    int pf_running;
 };
 
 /* Reads index.h5 of ck->dir into ck (takes the lock). */
 int ck_read_index_locked(mt_ckpt *ck);
-/* Reads the intersection of piece p with d into d->data (lock held); a
- * piece read whole is checked against its xxh64. */
+/* Reads the intersection of piece p with d into d->data; a piece read
+ * whole is checked against its xxh64. Takes the HDF5 lock only for HDF5's
+ * calls: the chunks are read by the pool's workers (pread, Fletcher32,
+ * copy) while this thread hashes them in order. An mt_ckpt is read by one
+ * thread at a time. */
 int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d);
 /* Reads a band (any hyperslab) of map tensor t from a source in the map's
  * dtype: e4m3 weights via mt_source_read_fp8, scales stored or from
@@ -141,6 +193,33 @@ int ck_rm_rf(const char *path);
 /* ROOT/latest: write (temp file, fsync, rename) / read (-1: absent or bad). */
 int ck_write_latest(const char *root, int64_t step);
 int64_t ck_read_latest(const char *root);
+
+/* Writes the seal of a closed index.h5 (its user block): XXH64 and length
+ * of the rest of the file. */
+int ck_index_seal(const char *path);
+/* Checks it: MT_OK sealed and intact; 1 no seal (an index written before
+ * seals: its first bytes are HDF5's signature); -1 damaged, with the
+ * reason in why; another negative status if the file cannot be read. */
+int ck_index_check(const char *path, char *why, size_t cap);
+
+/* Moves the complete directory `work` to the committed name `fin` (both in
+ * `root`) and fsyncs root: a rename when fin is absent; when present,
+ * MT_EINVAL unless flags has MT_CKPT_OVERWRITE, else the atomic exchange
+ * then removal of the old copy (or, where the file system cannot exchange,
+ * two renames with the old copy set aside as FIN.replaced, logged). */
+int ck_commit_dir(const char *root, const char *work, const char *fin, int flags);
+
+/* Test hook: if the environment has MT_CKPT_TEST_CRASH=point, the process
+ * kills itself (SIGKILL, as a power cut) here. Points: replace-start,
+ * replace-exchanged, replace-synced, replace-removing, replace-removed,
+ * replace-aside, replace-renamed (ck_commit_dir). MT_CKPT_TEST_NO_EXCHANGE
+ * makes the exchange fail as on a file system without it. */
+void ck_test_crash(const char *point);
+
+/* Piece p read and checked whole (Fletcher32 of its chunks, its XXH64)
+ * without keeping the bytes: verify's check of the small pieces, through
+ * the read-ahead. 0 if it does not apply (a large piece: read it). */
+int ck_check_piece(mt_ckpt *ck, int p, int *rc);
 
 /* Opens (once) the shard file of piece p; error names the file and tensor. */
 int ck_piece_file(mt_ckpt *ck, int p, hid_t *f);

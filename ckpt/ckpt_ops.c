@@ -60,14 +60,20 @@ int ck_read_map_band(const mt_shard_map *m, const mt_tensor_source *src, int ti,
     q.dtype = MT_DT_E4M3;
     q.shape[0] = w->shape[0];
     q.shape[1] = w->shape[1];
-    for (int k = 0; k < 2; k++) {
-        q.off[k] = d->off[k] * 128;
-        int64_t end = (d->off[k] + d->count[k]) * 128;
-        q.count[k] = (end < w->shape[k] ? end : w->shape[k]) - q.off[k];
-    }
-    q.data = malloc((size_t)(q.count[0] * q.count[1]));
+    q.off[1] = d->off[1] * 128;
+    int64_t end = (d->off[1] + d->count[1]) * 128;
+    q.count[1] = (end < w->shape[1] ? end : w->shape[1]) - q.off[1];
+    /* one row of scales (128 weight rows) at a time: the quantised bytes
+     * are thrown away, so they need no more than one block row */
+    q.data = malloc((size_t)(128 * q.count[1]));
     if (!q.data) return MT_ERR(MT_ENOMEM, "%s: out of memory", t->name);
-    int rc = mt_source_read_fp8(src, &q, d->data);
+    const int64_t dcols = d->ndim == 2 ? d->count[1] : 1;
+    int rc = MT_OK;
+    for (int64_t i = 0; i < d->count[0] && rc == MT_OK; i++) {
+        q.off[0] = (d->off[0] + i) * 128;
+        q.count[0] = (q.off[0] + 128 < w->shape[0] ? q.off[0] + 128 : w->shape[0]) - q.off[0];
+        rc = mt_source_read_fp8(src, &q, (float *)d->data + i * dcols);
+    }
     free(q.data);
     return rc;
 }
@@ -81,15 +87,20 @@ static int fill_from_source(void *ctx, int i, const mt_tensor_desc *band, void *
 }
 
 int mt_ckpt_write_from_source(const char *out, const mt_ckpt_meta *meta, const mt_shard_map *map,
-                              const mt_tensor_source *src, mt_progress *prog)
+                              const mt_tensor_source *src, int flags, mt_progress *prog)
 {
     char dir[4200], root[4200], work[4300];
     int is_root;
     MT_CHECK(mt_ckpt_out_path(out, meta->step, dir, sizeof dir, root, sizeof root, &is_root));
+    /* refused before an hour of writing, not at the commit */
+    if (access(dir, F_OK) == 0 && !(flags & MT_CKPT_OVERWRITE))
+        return MT_ERR(MT_EINVAL,
+                      "%s exists: a committed checkpoint is replaced only when asked (overwrite); "
+                      "choose another output",
+                      dir);
     if (is_root) {
         MT_CHECK(mt_ckpt_begin(root, meta->step, work, sizeof work));
     } else {
-        if (access(dir, F_OK) == 0) return MT_ERR(MT_EINVAL, "%s: exists; choose a new directory", dir);
         snprintf(work, sizeof work, "%s.partial", dir);
         MT_CHECK(mt_mkdir_p(root));
         if (access(work, F_OK) == 0) {
@@ -119,9 +130,8 @@ int mt_ckpt_write_from_source(const char *out, const mt_ckpt_meta *meta, const m
     free(recs);
     free(descs);
     if (rc < 0) return rc;
-    if (is_root) return mt_ckpt_commit(root, meta->step, 0);
-    if (rename(work, dir) != 0) return MT_ERR(MT_EIO, "%s: cannot rename: %s", work, strerror(errno));
-    return mt_fsync_path(root);
+    if (is_root) return mt_ckpt_commit_ex(root, meta->step, 0, flags);
+    return ck_commit_dir(root, work, dir, flags);
 }
 
 /* The job spec JSON with its parallel section set to the layout. */
@@ -147,7 +157,8 @@ static char *job_with_layout(const char *job, const mt_layout *l)
     return s;
 }
 
-int mt_ckpt_reshard(const char *in, const char *out, const mt_layout *layout, mt_progress *prog)
+int mt_ckpt_reshard(const char *in, const char *out, const mt_layout *layout, int flags,
+                    mt_progress *prog)
 {
     mt_ckpt *ck;
     MT_CHECK(mt_ckpt_open(&ck, in));
@@ -165,7 +176,7 @@ int mt_ckpt_reshard(const char *in, const char *out, const mt_layout *layout, mt
     meta.job_json = job;
     mt_tensor_source src = mt_ckpt_source(ck);
     mt_progress_start(prog, "reshard", mt_shard_map_bytes(&map), prog ? prog->enabled : 0);
-    rc = mt_ckpt_write_from_source(out, &meta, &map, &src, prog);
+    rc = mt_ckpt_write_from_source(out, &meta, &map, &src, flags, prog);
     mt_progress_end(prog);
 out:
     mt_shard_map_free(&map);
@@ -202,7 +213,8 @@ static void problem(vstate *v, const char *file, const char *tensor, const char 
 }
 
 /* Reads piece p in bands and checks its xxh64 and attributes. */
-static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog)
+static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog, void **band,
+                         size_t *band_cap)
 {
     const mt_ckpt_piece_rec *r = &ck->pieces[p];
     const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
@@ -236,13 +248,27 @@ static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog)
                 dt);
     H5Dclose(ds);
     ck_unlock();
-    const int64_t cols = x->ndim == 2 ? r->count[1] : 1;
-    const int64_t br = ck_band_rows(r->count[0], cols, es);
-    void *buf = malloc((size_t)br * (size_t)cols * es);
-    if (!buf) {
-        problem(v, path, r->tensor, "out of memory");
+    /* small pieces: read and checked ahead by the workers */
+    int rc0;
+    if (ck_check_piece(ck, p, &rc0)) {
+        if (rc0 < 0) problem(v, path, r->tensor, "%s", mt_errmsg());
+        mt_progress_add(prog, r->nbytes);
         return;
     }
+    /* large ones band by band (their chunks in parallel), one band buffer */
+    const int64_t cols = x->ndim == 2 ? r->count[1] : 1;
+    const int64_t br = ck_band_rows(r->count[0], cols, es);
+    const size_t need = (size_t)br * (size_t)cols * es;
+    if (*band_cap < need) {
+        free(*band);
+        *band_cap = 0;
+        if (!(*band = malloc(need))) {
+            problem(v, path, r->tensor, "out of memory");
+            return;
+        }
+        *band_cap = need;
+    }
+    void *buf = *band;
     mt_xxh64 h;
     mt_xxh64_init(&h, 0);
     int ok = 1;
@@ -252,19 +278,17 @@ static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog)
         mt_tensor_desc_slab(&d, r->tensor, x->dtype, x->ndim, x->shape, r->off[0] + a, r->off[1],
                             nr, cols, buf);
         /* only this piece: other pieces of the tensor do not intersect it */
-        ck_lock();
         int rc = ck_read_piece(ck, p, &d);
-        ck_unlock();
         if (rc < 0) {
             problem(v, path, r->tensor, "%s", mt_errmsg());
             ok = 0;
             break;
         }
-        mt_xxh64_update(&h, buf, (size_t)nr * (size_t)cols * es);
+        /* one band of the whole piece: ck_read_piece checked its XXH64 */
+        if (nr < r->count[0]) mt_xxh64_update(&h, buf, (size_t)nr * (size_t)cols * es);
         mt_progress_add(prog, nr * cols * (int64_t)es);
     }
-    free(buf);
-    if (ok && mt_xxh64_digest(&h) != r->xxh64)
+    if (ok && br < r->count[0] && mt_xxh64_digest(&h) != r->xxh64)
         problem(v, path, r->tensor, "xxh64 %016llx, the index records %016llx: data corrupted",
                 (unsigned long long)mt_xxh64_digest(&h), (unsigned long long)r->xxh64);
 }
@@ -376,6 +400,12 @@ int mt_ckpt_verify(const char *path, mt_ckpt_report_fn report, void *ctx, mt_pro
         mt_ckpt_close(ck);
         return MT_ERR(MT_ECORRUPT, "%s", v.first);
     }
+    /* the index's own checksum: any byte changed since the commit */
+    char ipath[4300], why[256];
+    snprintf(ipath, sizeof ipath, "%s/%s", ck->dir, CK_INDEX);
+    int seal = ck_index_check(ipath, why, sizeof why);
+    if (seal == -1) problem(&v, ipath, "", "%s", why);
+    else if (seal < 0) problem(&v, ipath, "", "%s", mt_errmsg());
     /* files: missing or truncated ones are reported, their pieces skipped */
     char *bad = calloc((size_t)ck->n_files + 1, 1);
     for (int i = 0; i < ck->n_files; i++) {
@@ -396,10 +426,12 @@ int mt_ckpt_verify(const char *path, mt_ckpt_report_fn report, void *ctx, mt_pro
         }
     }
     mt_progress_start(prog, "verify", mt_ckpt_bytes(ck), prog ? prog->enabled : 0);
+    void *band = NULL;
+    size_t band_cap = 0;
     for (int p = 0; p < ck->n_pieces; p++) {
         if (bad && bad[ck->piece_file[p]]) continue;
         int before = v.problems;
-        verify_piece(ck, p, &v, prog);
+        verify_piece(ck, p, &v, prog, &band, &band_cap);
         /* an unopenable file: one report, not one per piece */
         if (v.problems > before && bad) {
             hid_t f;
@@ -408,6 +440,7 @@ int mt_ckpt_verify(const char *path, mt_ckpt_report_fn report, void *ctx, mt_pro
             ck_unlock();
         }
     }
+    free(band);
     mt_progress_end(prog);
     verify_extras(ck, &v);
     verify_vds(ck, &v);

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,7 @@
 #include "ckpt/ckpt_internal.h"
 #include "ckpt/xxh64.h"
 #include "kernels/mt_fp8.h"
+#include "base/mt_log.h"
 #include "base/mt_status.h"
 
 static uint64_t fnv1a(const char *s)
@@ -55,12 +57,17 @@ int ck_file_index(const mt_ckpt *ck, int rank)
     return -1;
 }
 
+static void pf_stop(mt_ckpt *ck);
+
 void mt_ckpt_close(mt_ckpt *ck)
 {
     if (!ck) return;
+    pf_stop(ck);
     ck_lock();
-    for (int i = 0; i < ck->n_files; i++)
+    for (int i = 0; i < ck->n_files; i++) {
         if (ck->file_h && ck->file_h[i] >= 0) H5Fclose(ck->file_h[i]);
+        if (ck->file_fd && ck->file_fd[i] >= 0) close(ck->file_fd[i]);
+    }
     ck_unlock();
     if (ck->lock_fd >= 0) close(ck->lock_fd); /* releases the shared lock */
     mt_ckpt_meta_free(&ck->meta);
@@ -69,9 +76,12 @@ void mt_ckpt_close(mt_ckpt *ck)
     free(ck->file_rank);
     free(ck->file_bytes);
     free(ck->file_h);
+    free(ck->file_fd);
+    free(ck->file_base);
     free(ck->piece_file);
     free(ck->hash);
-    free(ck->scratch);
+    for (int i = 0; i < ck->n_bufs; i++) free(ck->bufs[i]);
+    free(ck->bufs);
     free(ck);
 }
 
@@ -170,11 +180,15 @@ static int read_index(mt_ckpt *ck)
     ck->file_rank = calloc((size_t)nf + 1, sizeof *ck->file_rank);
     ck->file_bytes = calloc((size_t)nf + 1, sizeof *ck->file_bytes);
     ck->file_h = malloc(((size_t)nf + 1) * sizeof *ck->file_h);
+    ck->file_fd = malloc(((size_t)nf + 1) * sizeof *ck->file_fd);
+    ck->file_base = calloc((size_t)nf + 1, sizeof *ck->file_base);
+    ck->pf = calloc((size_t)np + 1, sizeof *ck->pf);
+    ck->pf_cursor = calloc((size_t)nf + 1, sizeof *ck->pf_cursor);
     ck->hash_cap = 16;
     while (ck->hash_cap < 2 * nt) ck->hash_cap *= 2;
     ck->hash = calloc((size_t)ck->hash_cap, sizeof *ck->hash);
     if (!ck->tensors || !ck->pieces || !ck->piece_file || !ck->file_rank || !ck->file_bytes ||
-        !ck->file_h || !ck->hash) {
+        !ck->file_h || !ck->file_fd || !ck->file_base || !ck->pf || !ck->pf_cursor || !ck->hash) {
         rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
         goto out;
     }
@@ -182,6 +196,7 @@ static int read_index(mt_ckpt *ck)
         ck->file_rank[i] = fr[i].rank;
         ck->file_bytes[i] = fr[i].bytes;
         ck->file_h[i] = -1;
+        ck->file_fd[i] = -1;
         char want[32];
         ck_shard_name(want, sizeof want, fr[i].rank);
         if (strcmp(want, fr[i].name) != 0 || ck_file_index(ck, fr[i].rank) != i) {
@@ -328,6 +343,18 @@ int ck_piece_file(mt_ckpt *ck, int p, hid_t *out)
             return MT_ERR(MT_ECORRUPT, "%s: cannot open (%s), needed for tensor %s", path,
                           ck_h5_errstr(eb, sizeof eb), ck->pieces[p].tensor);
         ck->file_h[fi] = f;
+        /* chunk addresses are relative to the end of the user block */
+        hid_t fcpl = H5Fget_create_plist(f);
+        hsize_t ub = 0;
+        if (fcpl >= 0) {
+            H5Pget_userblock(fcpl, &ub);
+            H5Pclose(fcpl);
+        }
+        ck->file_base[fi] = (int64_t)ub;
+        ck->file_fd[fi] = open(path, O_RDONLY | O_CLOEXEC);
+        if (ck->file_fd[fi] < 0)
+            return MT_ERR(MT_EIO, "%s: cannot open: %s, needed for tensor %s", path,
+                          strerror(errno), ck->pieces[p].tensor);
     }
     *out = ck->file_h[fi];
     return MT_OK;
@@ -367,10 +394,28 @@ int mt_ckpt_open(mt_ckpt **out, const char *path)
             goto fail;
         }
     }
+    char ipath[4200], why[256];
+    snprintf(ipath, sizeof ipath, "%s/%s", ck->dir, CK_INDEX);
+    int seal = ck_index_check(ipath, why, sizeof why);
     ck_lock();
     rc = read_index(ck);
     ck_unlock();
+    /* a damage the index's own checks name (table, tensor) is the better message */
     if (rc < 0) goto fail;
+    if (seal == -1) {
+        rc = MT_ERR(MT_ECORRUPT,
+                    "%s: %s; the checkpoint is refused (moetrain-ckpt verify lists what differs)",
+                    ipath, why);
+        goto fail;
+    }
+    if (seal < 0) {
+        rc = seal;
+        goto fail;
+    }
+    if (seal == 1)
+        MT_LOGW("checkpoint: %s has no seal (written by an older moetrain): its contents are "
+                "checked, not its bytes",
+                ipath);
     if ((rc = check_files(ck)) < 0) goto fail;
     /* open every shard now: a damaged superblock shows here, naming a tensor */
     ck_lock();
@@ -411,52 +456,444 @@ static int64_t direct_chunk_rows(hid_t ds, int nd, int64_t cols)
     return cr;
 }
 
-/* Reads rows fo[0] .. + cnt[0], columns fo[1] .. + cnt[1] of a piece
- * dataset chunk by chunk (raw, Fletcher32 checked here) into dst at row
- * mo[0], column mo[1] of a [*, ldd] buffer. */
-static int read_chunks(mt_ckpt *ck, hid_t ds, const char *path, const mt_ckpt_piece_rec *r,
-                       size_t es, int64_t cr, const hsize_t fo[2], const hsize_t cnt[2], char *dst,
-                       const hsize_t mo[2], size_t ldd)
+/* Parallel chunk reads of one piece: the chunks' file addresses come from
+ * HDF5 (its lock held), their bytes by pread on our own descriptor in the
+ * pool's workers, which check each chunk's Fletcher32 and copy its rows
+ * into the destination; the caller hashes the rows in order (a piece read
+ * whole) while later chunks are still in flight. */
+typedef struct rchunk {
+    struct rpipe *p;
+    int64_t c;             /* chunk index in the piece */
+    int64_t addr;          /* file offset of the stored chunk */
+    char *buf;
+    int done, rc;
+    char msg[512];
+} rchunk;
+
+typedef struct rpipe {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int fd;
+    const char *path;
+    const mt_ckpt_piece_rec *r;
+    size_t es, cb;         /* element bytes; chunk bytes without the checksum */
+    int64_t cr, cols;      /* rows per chunk; columns of the piece */
+    int64_t r0, r1;        /* rows of the piece read */
+    hsize_t c0, nc;        /* columns of the piece read */
+    char *dst;
+    hsize_t mo[2];
+    size_t ldd;
+} rpipe;
+
+static void read_task(void *arg)
 {
-    const int64_t cols = r->count[1];
-    const size_t cb = (size_t)cr * (size_t)cols * es;
-    char eb[256];
-    if (ck->scratch_cap < cb + 4) {
-        free(ck->scratch);
-        ck->scratch_cap = 0;
-        ck->scratch = malloc(cb + 4);
-        if (!ck->scratch) return MT_ERR(MT_ENOMEM, "%s: out of memory for a chunk", path);
-        ck->scratch_cap = cb + 4;
+    rchunk *k = arg;
+    rpipe *p = k->p;
+    const size_t want = p->cb + 4;
+    size_t got = 0;
+    int rc = MT_OK;
+    while (got < want) {
+        ssize_t n = pread(p->fd, k->buf + got, want - got, (off_t)(k->addr + (int64_t)got));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            snprintf(k->msg, sizeof k->msg, "%s: tensor %s: chunk at row %lld unreadable: %s", p->path,
+                     p->r->tensor, (long long)(k->c * p->cr),
+                     n < 0 ? strerror(errno) : "the file ends before it: truncated");
+            rc = n < 0 ? MT_EIO : MT_ECORRUPT;
+            break;
+        }
+        got += (size_t)n;
     }
-    const int64_t r0 = (int64_t)fo[0], r1 = r0 + (int64_t)cnt[0];
-    for (int64_t c = r0 / cr; c * cr < r1; c++) {
-        hsize_t off[2] = {(hsize_t)(c * cr), 0};
-        hsize_t stored = 0;
-        uint32_t mask = 0;
-        if (H5Dget_chunk_storage_size(ds, off, &stored) < 0 || stored != cb + 4)
+    if (rc == MT_OK) {
+        const uint8_t *t = (const uint8_t *)k->buf + p->cb;
+        uint32_t want_f = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
+        if (ck_fletcher32(k->buf, p->cb) != want_f) {
+            snprintf(k->msg, sizeof k->msg,
+                     "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data corrupted",
+                     p->path, p->r->tensor, (long long)(k->c * p->cr));
+            rc = MT_ECORRUPT;
+        }
+    }
+    if (rc == MT_OK) {
+        const int64_t a = k->c * p->cr > p->r0 ? k->c * p->cr : p->r0;
+        const int64_t b = (k->c + 1) * p->cr < p->r1 ? (k->c + 1) * p->cr : p->r1;
+        const size_t row = (size_t)p->nc * p->es;
+        if (p->c0 == 0 && (int64_t)p->nc == p->cols && p->ldd == p->nc) {
+            memcpy(p->dst + ((size_t)(p->mo[0] + (hsize_t)(a - p->r0)) * p->ldd + p->mo[1]) * p->es,
+                   k->buf + (size_t)(a - k->c * p->cr) * row, (size_t)(b - a) * row);
+        } else {
+            for (int64_t i = a; i < b; i++)
+                memcpy(p->dst + (((size_t)(p->mo[0] + (hsize_t)(i - p->r0))) * p->ldd + p->mo[1]) * p->es,
+                       k->buf + ((size_t)(i - k->c * p->cr) * (size_t)p->cols + p->c0) * p->es, row);
+        }
+    }
+    pthread_mutex_lock(&p->mu);
+    k->rc = rc;
+    k->done = 1;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* At least n raw chunk buffers of `bytes` in ck. */
+static int ensure_bufs(mt_ckpt *ck, int n, size_t bytes, const char *path)
+{
+    if (ck->buf_cap < bytes) {
+        for (int i = 0; i < ck->n_bufs; i++) free(ck->bufs[i]);
+        free(ck->bufs);
+        ck->bufs = NULL;
+        ck->n_bufs = 0;
+        ck->buf_cap = bytes;
+    }
+    if (ck->n_bufs >= n) return MT_OK;
+    char **b = realloc(ck->bufs, (size_t)n * sizeof *b);
+    if (!b) return MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    ck->bufs = b;
+    for (; ck->n_bufs < n; ck->n_bufs++)
+        if (!(ck->bufs[ck->n_bufs] = malloc(ck->buf_cap)))
+            return MT_ERR(MT_ENOMEM, "%s: out of memory for chunk buffers of %zu bytes", path, bytes);
+    return MT_OK;
+}
+
+/* Chunk addresses of rows [r0, r1) of a direct-read dataset (lock held);
+ * each must be stored whole with its checksum, unfiltered by HDF5. */
+static int chunk_addrs(hid_t ds, const char *path, const mt_ckpt_piece_rec *r, int64_t cr,
+                       size_t cb, int64_t base, int64_t r0, int64_t r1, int64_t *addr)
+{
+    char eb[256];
+    for (int64_t c = r0 / cr, k = 0; c * cr < r1; c++, k++) {
+        hsize_t off[2] = {(hsize_t)(c * cr), 0}, size = 0;
+        haddr_t a = HADDR_UNDEF;
+        unsigned mask = 0;
+        if (H5Dget_chunk_info_by_coord(ds, off, &mask, &a, &size) < 0 || a == HADDR_UNDEF)
+            return MT_ERR(MT_ECORRUPT, "%s: tensor %s: chunk at row %lld missing (%s): the file is damaged",
+                          path, r->tensor, (long long)(c * cr), ck_h5_errstr(eb, sizeof eb));
+        if (size != cb + 4 || mask != 0)
             return MT_ERR(MT_ECORRUPT, "%s: tensor %s: chunk at row %lld is %llu bytes, not %zu: "
                                        "the file is damaged",
-                          path, r->tensor, (long long)(c * cr), (unsigned long long)stored, cb + 4);
-        if (H5Dread_chunk(ds, H5P_DEFAULT, off, &mask, ck->scratch) < 0 || mask != 0)
-            return MT_ERR(MT_ECORRUPT, "%s: tensor %s: chunk at row %lld unreadable (%s)", path,
-                          r->tensor, (long long)(c * cr), ck_h5_errstr(eb, sizeof eb));
-        const uint8_t *t = (const uint8_t *)ck->scratch + cb;
-        uint32_t want = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
-        if (ck_fletcher32(ck->scratch, cb) != want)
-            return MT_ERR(MT_ECORRUPT,
-                          "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data "
-                          "corrupted",
-                          path, r->tensor, (long long)(c * cr));
-        const int64_t a = c * cr > r0 ? c * cr : r0, b = (c + 1) * cr < r1 ? (c + 1) * cr : r1;
-        for (int64_t i = a; i < b; i++)
-            memcpy(dst + (((size_t)(mo[0] + (hsize_t)(i - r0))) * ldd + mo[1]) * es,
-                   ck->scratch + ((size_t)(i - c * cr) * (size_t)cols + fo[1]) * es, (size_t)cnt[1] * es);
+                          path, r->tensor, (long long)(c * cr), (unsigned long long)size, cb + 4);
+        addr[k] = base + (int64_t)a;
     }
     return MT_OK;
 }
 
-/* Reads the intersection of piece p with d into d->data (the lock is held).
- * A piece read whole is checked against its xxh64. */
+/* Reads rows fo[0] .. + cnt[0], columns fo[1] .. + cnt[1] of a piece
+ * (chunk addresses addr[], from chunk fo[0] / cr on) into dst at row
+ * mo[0], column mo[1] of a [*, ldd] buffer; h, if given, hashes the rows
+ * in order (cnt covers the piece's columns). */
+static int read_chunks(mt_ckpt *ck, int fi, const char *path, const mt_ckpt_piece_rec *r,
+                       size_t es, int64_t cr, const int64_t *addr, const hsize_t fo[2],
+                       const hsize_t cnt[2], char *dst, const hsize_t mo[2], size_t ldd, mt_xxh64 *h)
+{
+    rpipe p;
+    memset(&p, 0, sizeof p);
+    p.fd = ck->file_fd[fi];
+    p.path = path;
+    p.r = r;
+    p.es = es;
+    p.cols = r->count[1];
+    p.cb = (size_t)cr * (size_t)p.cols * es;
+    p.cr = cr;
+    p.r0 = (int64_t)fo[0];
+    p.r1 = p.r0 + (int64_t)cnt[0];
+    p.c0 = fo[1];
+    p.nc = cnt[1];
+    p.dst = dst;
+    p.mo[0] = mo[0];
+    p.mo[1] = mo[1];
+    p.ldd = ldd;
+    const int64_t first = p.r0 / cr, n = (p.r1 + cr - 1) / cr - first;
+    const int depth = (int)(n < ck_io_threads() + 2 ? n : ck_io_threads() + 2);
+    MT_CHECK(ensure_bufs(ck, depth, p.cb + 4, path));
+    rchunk *k = calloc((size_t)depth, sizeof *k);
+    if (!k) return MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    pthread_mutex_init(&p.mu, NULL);
+    pthread_cond_init(&p.cv, NULL);
+    int rc = MT_OK;
+    int64_t next = 0; /* chunks handed out */
+    const size_t row = (size_t)p.nc * es;
+    for (int64_t c = 0; c < n; c++) {
+        /* keep `depth` chunks in flight */
+        for (; next < n && next < c + depth && rc == MT_OK; next++) {
+            rchunk *x = &k[next % depth];
+            x->p = &p;
+            x->c = first + next;
+            x->addr = addr[next];
+            x->buf = ck->bufs[next % depth];
+            x->done = 0;
+            ck_pool_submit(read_task, x);
+        }
+        if (c >= next) break; /* failed before handing it out */
+        rchunk *x = &k[c % depth];
+        pthread_mutex_lock(&p.mu);
+        while (!x->done) pthread_cond_wait(&p.cv, &p.mu);
+        pthread_mutex_unlock(&p.mu);
+        if (x->rc < 0 && rc == MT_OK) rc = MT_ERR(x->rc, "%s", x->msg);
+        if (rc == MT_OK && h) {
+            const int64_t a = x->c * cr > p.r0 ? x->c * cr : p.r0;
+            const int64_t b = (x->c + 1) * cr < p.r1 ? (x->c + 1) * cr : p.r1;
+            const char *base = dst + ((size_t)(mo[0] + (hsize_t)(a - p.r0)) * ldd + mo[1]) * es;
+            if (ldd == p.nc) mt_xxh64_update(h, base, (size_t)(b - a) * row);
+            else
+                for (int64_t i = 0; i < b - a; i++) mt_xxh64_update(h, base + (size_t)i * ldd * es, row);
+        }
+    }
+    /* tasks still running use the buffers */
+    pthread_mutex_lock(&p.mu);
+    for (int64_t c = 0; c < next; c++)
+        while (!k[c % depth].done && c + depth >= next) pthread_cond_wait(&p.cv, &p.mu);
+    pthread_mutex_unlock(&p.mu);
+    pthread_mutex_destroy(&p.mu);
+    pthread_cond_destroy(&p.cv);
+    free(k);
+    return rc;
+}
+
+/* Opens piece p's dataset and checks its shape and element size against
+ * the index (HDF5 lock held). */
+static int open_piece_ds(mt_ckpt *ck, int p, const char *path, hid_t *out)
+{
+    const mt_ckpt_piece_rec *r = &ck->pieces[p];
+    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
+    const size_t es = mt_dtype_size(x->dtype);
+    const int nd = x->ndim;
+    char eb[256];
+    hid_t f;
+    *out = -1;
+    MT_CHECK(ck_piece_file(ck, p, &f));
+    hid_t dapl = H5Pcreate(H5P_DATASET_ACCESS);
+    /* a 16 MB chunk cache: bands that cut chunks do not re-read them */
+    H5Pset_chunk_cache(dapl, 521, 16u << 20, 1.0);
+    hid_t ds = H5Dopen2(f, r->tensor, dapl);
+    H5Pclose(dapl);
+    if (ds < 0)
+        return MT_ERR(MT_ECORRUPT, "%s: tensor %s: dataset missing (%s)", path, r->tensor,
+                      ck_h5_errstr(eb, sizeof eb));
+    hid_t fsp = H5Dget_space(ds), ftype = H5Dget_type(ds);
+    hsize_t dims[2] = {0, 0};
+    int rc = MT_OK;
+    if (H5Sget_simple_extent_ndims(fsp) != nd || H5Sget_simple_extent_dims(fsp, dims, NULL) != nd ||
+        (int64_t)dims[0] != r->count[0] || (nd == 2 && (int64_t)dims[1] != r->count[1]) ||
+        H5Tget_size(ftype) != es)
+        rc = MT_ERR(MT_ECORRUPT,
+                    "%s: tensor %s: dataset is [%llu, %llu] of %zu-byte elements, the index says "
+                    "[%lld, %lld] %s",
+                    path, r->tensor, (unsigned long long)dims[0], (unsigned long long)dims[1],
+                    H5Tget_size(ftype), (long long)r->count[0], (long long)r->count[1],
+                    mt_dtype_name(x->dtype));
+    H5Sclose(fsp);
+    H5Tclose(ftype);
+    if (rc < 0) H5Dclose(ds);
+    else *out = ds;
+    return rc;
+}
+
+/* ---- read-ahead of whole pieces ---------------------------------------------------
+ *
+ * A load reads its pieces whole, one after another, in about the order they
+ * were written (a rank's pieces in tensor order): one at a time, a piece of
+ * a megabyte is one pread and its checksums, and the reads never overlap.
+ * So the first whole read of a small piece also starts the next pieces of
+ * the same file on the pool's workers (each: pread of its chunks, their
+ * Fletcher32, its XXH64, into memory of its own), up to PF_BYTES held; a
+ * later whole read of such a piece waits for it and copies it out. Larger
+ * pieces are read directly, their chunks in parallel. */
+#define PF_BYTES ((int64_t)128 << 20)
+#define PF_PIECE_MAX ((int64_t)16 << 20)
+
+enum { PF_NONE = 0, PF_RUNNING, PF_READY };
+
+typedef struct pf_arg {
+    mt_ckpt *ck;
+    int p;
+} pf_arg;
+
+/* Reads piece p whole into data, serially (a pool task: it waits for no
+ * other task), checking every chunk's Fletcher32 and the XXH64. */
+static int read_whole_serial(mt_ckpt *ck, int p, char *data)
+{
+    const mt_ckpt_piece_rec *r = &ck->pieces[p];
+    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
+    const size_t es = mt_dtype_size(x->dtype);
+    char name[32], path[4300], eb[256];
+    ck_shard_name(name, sizeof name, r->rank);
+    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
+    const int64_t rows = r->count[0], cols = r->count[1];
+    int64_t *addr = NULL, cr = 0;
+    hid_t ds = -1;
+    ck_lock();
+    int rc = open_piece_ds(ck, p, path, &ds);
+    if (rc == MT_OK && (cr = direct_chunk_rows(ds, x->ndim, cols)) > 0) {
+        addr = malloc((size_t)((rows + cr - 1) / cr + 1) * sizeof *addr);
+        rc = addr ? chunk_addrs(ds, path, r, cr, (size_t)cr * (size_t)cols * es,
+                                ck->file_base[ck->piece_file[p]], 0, rows, addr)
+                  : MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    } else if (rc == MT_OK) {
+        /* not written by moetrain: through HDF5 (and its filter) */
+        hid_t type = ck_h5_type(x->dtype);
+        if (H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
+            rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: read failed: %s", path, r->tensor,
+                        ck_h5_errstr(eb, sizeof eb));
+        H5Tclose(type);
+    }
+    if (ds >= 0) H5Dclose(ds);
+    ck_unlock();
+    const size_t cb = (size_t)cr * (size_t)cols * es, row = (size_t)cols * es;
+    char *buf = cr > 0 && rc == MT_OK ? malloc(cb + 4) : NULL;
+    if (cr > 0 && rc == MT_OK && !buf) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    for (int64_t c = 0; cr > 0 && rc == MT_OK && c * cr < rows; c++) {
+        size_t got = 0;
+        while (got < cb + 4 && rc == MT_OK) {
+            ssize_t n = pread(ck->file_fd[ck->piece_file[p]], buf + got, cb + 4 - got,
+                              (off_t)(addr[c] + (int64_t)got));
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0)
+                rc = MT_ERR(n < 0 ? MT_EIO : MT_ECORRUPT, "%s: tensor %s: chunk at row %lld unreadable: %s",
+                            path, r->tensor, (long long)(c * cr),
+                            n < 0 ? strerror(errno) : "the file ends before it: truncated");
+            else
+                got += (size_t)n;
+        }
+        if (rc < 0) break;
+        const uint8_t *t = (const uint8_t *)buf + cb;
+        uint32_t want = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
+        if (ck_fletcher32(buf, cb) != want) {
+            rc = MT_ERR(MT_ECORRUPT,
+                        "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data corrupted",
+                        path, r->tensor, (long long)(c * cr));
+            break;
+        }
+        const int64_t n = rows - c * cr < cr ? rows - c * cr : cr;
+        memcpy(data + (size_t)(c * cr) * row, buf, (size_t)n * row);
+    }
+    free(buf);
+    free(addr);
+    if (rc == MT_OK) {
+        uint64_t got = mt_xxh64_oneshot(data, (size_t)r->nbytes, 0);
+        if (got != r->xxh64)
+            rc = MT_ERR(MT_ECORRUPT,
+                        "%s: tensor %s: piece [%lld:%lld, %lld:%lld] xxh64 %016llx, the index "
+                        "records %016llx: data corrupted",
+                        path, r->tensor, (long long)r->off[0], (long long)(r->off[0] + r->count[0]),
+                        (long long)r->off[1], (long long)(r->off[1] + r->count[1]),
+                        (unsigned long long)got, (unsigned long long)r->xxh64);
+    }
+    return rc;
+}
+
+static void pf_task(void *arg)
+{
+    pf_arg *a = arg;
+    mt_ckpt *ck = a->ck;
+    struct ck_pf *e = &ck->pf[a->p];
+    int rc = read_whole_serial(ck, a->p, e->data);
+    pthread_mutex_lock(&ck->pf_mu);
+    e->rc = rc;
+    if (rc < 0) snprintf(e->msg, sizeof e->msg, "%s", mt_errmsg());
+    e->state = PF_READY;
+    ck->pf_running--;
+    pthread_cond_broadcast(&ck->pf_cv);
+    pthread_mutex_unlock(&ck->pf_mu);
+    free(a);
+}
+
+/* Starts piece q (pf_mu held). 0, or -1 without memory. */
+static int pf_launch(mt_ckpt *ck, int q)
+{
+    struct ck_pf *e = &ck->pf[q];
+    pf_arg *a = malloc(sizeof *a);
+    e->data = malloc((size_t)ck->pieces[q].nbytes + 1);
+    if (!a || !e->data) {
+        free(a);
+        free(e->data);
+        e->data = NULL;
+        return -1;
+    }
+    a->ck = ck;
+    a->p = q;
+    e->state = PF_RUNNING;
+    e->rc = MT_OK;
+    ck->pf_held += ck->pieces[q].nbytes;
+    ck->pf_running++;
+    ck_pool_submit(pf_task, a);
+    return 0;
+}
+
+/* Tops up the read-ahead of file fi after piece `after` (pf_mu held). */
+static void pf_more(mt_ckpt *ck, int fi, int after)
+{
+    int q = ck->pf_cursor[fi] > after + 1 ? ck->pf_cursor[fi] : after + 1;
+    const int limit = ck_io_threads();
+    for (; q < ck->n_pieces; q++) {
+        if (ck->piece_file[q] != fi || ck->pf[q].state != PF_NONE ||
+            ck->pieces[q].nbytes > PF_PIECE_MAX)
+            continue;
+        if (ck->pf_held + ck->pieces[q].nbytes > PF_BYTES || ck->pf_running >= limit) break;
+        if (pf_launch(ck, q) < 0) break;
+    }
+    ck->pf_cursor[fi] = q;
+}
+
+/* Piece p whole through the read-ahead: its bytes (the caller frees them),
+ * or NULL with *rc set; 0 returned if p is not for the read-ahead. */
+static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
+{
+    if (ck->pieces[p].nbytes > PF_PIECE_MAX || getenv("MT_CKPT_NO_READAHEAD")) return 0;
+    if (!ck->pf_on) {
+        pthread_mutex_init(&ck->pf_mu, NULL);
+        pthread_cond_init(&ck->pf_cv, NULL);
+        ck->pf_on = 1;
+    }
+    struct ck_pf *e = &ck->pf[p];
+    pthread_mutex_lock(&ck->pf_mu);
+    if (e->state == PF_NONE && pf_launch(ck, p) < 0) {
+        pthread_mutex_unlock(&ck->pf_mu);
+        return 0; /* no memory for it: read it directly */
+    }
+    pf_more(ck, ck->piece_file[p], p);
+    while (e->state != PF_READY) pthread_cond_wait(&ck->pf_cv, &ck->pf_mu);
+    *rc = e->rc;
+    *data = e->data;
+    if (e->rc < 0) {
+        *rc = MT_ERR(e->rc, "%s", e->msg);
+        free(e->data);
+        *data = NULL;
+    }
+    e->data = NULL;
+    e->state = PF_NONE;
+    ck->pf_held -= ck->pieces[p].nbytes;
+    pf_more(ck, ck->piece_file[p], p);
+    pthread_mutex_unlock(&ck->pf_mu);
+    return 1;
+}
+
+/* Waits for the read-ahead's tasks (they use ck) and frees what they read. */
+static void pf_stop(mt_ckpt *ck)
+{
+    if (ck->pf_on) {
+        pthread_mutex_lock(&ck->pf_mu);
+        while (ck->pf_running) pthread_cond_wait(&ck->pf_cv, &ck->pf_mu);
+        pthread_mutex_unlock(&ck->pf_mu);
+        pthread_mutex_destroy(&ck->pf_mu);
+        pthread_cond_destroy(&ck->pf_cv);
+    }
+    for (int q = 0; ck->pf && q < ck->n_pieces; q++) free(ck->pf[q].data);
+    free(ck->pf);
+    free(ck->pf_cursor);
+    ck->pf = NULL;
+    ck->pf_cursor = NULL;
+    ck->pf_on = 0;
+}
+
+int ck_check_piece(mt_ckpt *ck, int p, int *rc)
+{
+    char *data = NULL;
+    if (!pf_take(ck, p, &data, rc)) return 0;
+    free(data);
+    return 1;
+}
+
+/* Reads the intersection of piece p with d into d->data. A piece read
+ * whole is checked against its xxh64. */
 int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d)
 {
     const mt_ckpt_piece_rec *r = &ck->pieces[p];
@@ -471,32 +908,8 @@ int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d)
     char name[32], path[4300], eb[256];
     ck_shard_name(name, sizeof name, r->rank);
     snprintf(path, sizeof path, "%s/%s", ck->dir, name);
-    hid_t f;
-    MT_CHECK(ck_piece_file(ck, p, &f));
-    hid_t dapl = H5Pcreate(H5P_DATASET_ACCESS);
-    /* a 16 MB chunk cache: bands that cut chunks do not re-read them */
-    H5Pset_chunk_cache(dapl, 521, 16u << 20, 1.0);
-    hid_t ds = H5Dopen2(f, r->tensor, dapl);
-    H5Pclose(dapl);
-    if (ds < 0)
-        return MT_ERR(MT_ECORRUPT, "%s: tensor %s: dataset missing (%s)", path, r->tensor,
-                      ck_h5_errstr(eb, sizeof eb));
     const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
     const size_t es = mt_dtype_size(x->dtype);
-    hid_t fsp = H5Dget_space(ds), type = ck_h5_type(x->dtype), msp = -1, ftype = H5Dget_type(ds);
-    hsize_t dims[2] = {0, 0};
-    int rc = MT_OK;
-    if (H5Sget_simple_extent_ndims(fsp) != nd || H5Sget_simple_extent_dims(fsp, dims, NULL) != nd ||
-        (int64_t)dims[0] != r->count[0] || (nd == 2 && (int64_t)dims[1] != r->count[1]) ||
-        H5Tget_size(ftype) != es) {
-        rc = MT_ERR(MT_ECORRUPT,
-                    "%s: tensor %s: dataset is [%llu, %llu] of %zu-byte elements, the index says "
-                    "[%lld, %lld] %s",
-                    path, r->tensor, (unsigned long long)dims[0], (unsigned long long)dims[1],
-                    H5Tget_size(ftype), (long long)r->count[0], (long long)r->count[1],
-                    mt_dtype_name(x->dtype));
-        goto out;
-    }
     const int64_t dc1 = nd == 2 ? d->count[1] : 1, d1 = nd == 2 ? d->off[1] : 0;
     const int whole = lo[0] == r->off[0] && hi[0] == r->off[0] + r->count[0] &&
                       lo[1] == r->off[1] && hi[1] == r->off[1] + r->count[1];
@@ -504,33 +917,68 @@ int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d)
     hsize_t cnt[2] = {(hsize_t)(hi[0] - lo[0]), (hsize_t)(hi[1] - lo[1])};
     hsize_t mdims[2] = {(hsize_t)d->count[0], (hsize_t)dc1};
     hsize_t mo[2] = {(hsize_t)(lo[0] - d->off[0]), (hsize_t)(lo[1] - d1)};
-    int64_t cr = direct_chunk_rows(ds, nd, r->count[1]);
+    int rc = MT_OK;
+    char *ready = NULL;
+    if (whole && pf_take(ck, p, &ready, &rc)) {
+        if (rc < 0) return rc;
+        const size_t row = (size_t)cnt[1] * es;
+        for (hsize_t i = 0; i < cnt[0]; i++)
+            memcpy((char *)d->data + ((size_t)(mo[0] + i) * (size_t)dc1 + mo[1]) * es, ready + i * row, row);
+        free(ready);
+        return MT_OK;
+    }
+    int64_t *addr = NULL, cr = 0;
+    int direct = 0;
+    hid_t ds = -1, fsp = -1, type = -1, msp = -1;
+    ck_lock();
+    if ((rc = open_piece_ds(ck, p, path, &ds)) < 0) goto unlock;
+    fsp = H5Dget_space(ds);
+    type = ck_h5_type(x->dtype);
+    cr = direct_chunk_rows(ds, nd, r->count[1]);
     if (cr > 0) {
-        rc = read_chunks(ck, ds, path, r, es, cr, fo, cnt, (char *)d->data, mo, (size_t)dc1);
-        goto hash;
+        /* moetrain's own chunks: addresses now, bytes in parallel after the lock */
+        const int64_t r0 = (int64_t)fo[0], r1 = r0 + (int64_t)cnt[0];
+        addr = malloc((size_t)((r1 + cr - 1) / cr - r0 / cr + 1) * sizeof *addr);
+        if (!addr) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+        else rc = chunk_addrs(ds, path, r, cr, (size_t)cr * (size_t)r->count[1] * es,
+                              ck->file_base[ck->piece_file[p]], r0, r1, addr);
+        direct = 1;
+        goto unlock;
     }
     msp = H5Screate_simple(nd, mdims, NULL);
     if (msp < 0 || H5Sselect_hyperslab(fsp, H5S_SELECT_SET, fo, NULL, cnt, NULL) < 0 ||
         H5Sselect_hyperslab(msp, H5S_SELECT_SET, mo, NULL, cnt, NULL) < 0) {
         rc = MT_ERR(MT_EHDF5, "%s: tensor %s: cannot select the hyperslab", path, r->tensor);
-        goto out;
+        goto unlock;
     }
-    if (H5Dread(ds, type, msp, fsp, H5P_DEFAULT, d->data) < 0) {
+    if (H5Dread(ds, type, msp, fsp, H5P_DEFAULT, d->data) < 0)
         rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: read failed: %s", path, r->tensor,
                     ck_h5_errstr(eb, sizeof eb));
-        goto out;
+unlock:
+    if (msp >= 0) H5Sclose(msp);
+    if (fsp >= 0) H5Sclose(fsp);
+    if (type >= 0) H5Tclose(type);
+    if (ds >= 0) H5Dclose(ds);
+    ck_unlock();
+    if (rc < 0) {
+        free(addr);
+        return rc;
     }
-hash:
-    if (rc < 0) goto out;
-    if (whole) {
-        mt_xxh64 h;
-        mt_xxh64_init(&h, 0);
-        const size_t rb = (size_t)cnt[1] * es;
-        const char *base = (const char *)d->data + ((size_t)mo[0] * (size_t)dc1 + mo[1]) * es;
+    mt_xxh64 h;
+    mt_xxh64_init(&h, 0);
+    const size_t rb = (size_t)cnt[1] * es;
+    const char *base = (const char *)d->data + ((size_t)mo[0] * (size_t)dc1 + mo[1]) * es;
+    if (direct) {
+        rc = read_chunks(ck, ck->piece_file[p], path, r, es, cr, addr, fo, cnt, (char *)d->data, mo,
+                         (size_t)dc1, whole ? &h : NULL);
+        free(addr);
+    } else if (whole) {
         if ((int64_t)cnt[1] == dc1)
             mt_xxh64_update(&h, base, (size_t)cnt[0] * rb);
         else
             for (hsize_t i = 0; i < cnt[0]; i++) mt_xxh64_update(&h, base + i * (size_t)dc1 * es, rb);
+    }
+    if (rc == MT_OK && whole) {
         uint64_t got = mt_xxh64_digest(&h);
         if (got != r->xxh64)
             rc = MT_ERR(MT_ECORRUPT,
@@ -540,12 +988,6 @@ hash:
                         (long long)r->off[1], (long long)(r->off[1] + r->count[1]),
                         (unsigned long long)got, (unsigned long long)r->xxh64);
     }
-out:
-    if (msp >= 0) H5Sclose(msp);
-    H5Sclose(fsp);
-    H5Tclose(type);
-    H5Tclose(ftype);
-    H5Dclose(ds);
     return rc;
 }
 
@@ -562,10 +1004,8 @@ static int ckpt_read_raw(void *impl, mt_tensor_desc *d)
         if (d->off[k] < 0 || d->count[k] <= 0 || d->off[k] + d->count[k] > x->shape[k])
             return MT_ERR(MT_EINVAL, "%s: tensor %s: hyperslab outside the shape", ck->dir, d->name);
     int rc = MT_OK;
-    ck_lock();
     for (int p = x->first_piece; p < x->first_piece + x->n_pieces && rc == MT_OK; p++)
         rc = ck_read_piece(ck, p, d);
-    ck_unlock();
     return rc;
 }
 
@@ -646,6 +1086,15 @@ static int read_scales(const mt_tensor_source *s, const mt_tensor_desc *q, float
     return s->read_raw(s->impl, &sd);
 }
 
+/* Rows per strip of a conversion: temporaries of at most CK_STRIP_BYTES of
+ * f32 whatever the hyperslab (a whole tensor read converted must not cost
+ * another tensor or two of memory). */
+static int64_t strip_rows(int64_t rows, int64_t cols)
+{
+    int64_t n = (int64_t)(CK_STRIP_BYTES / 4) / (cols > 0 ? cols : 1);
+    return n < 1 ? 1 : n > rows ? rows : n;
+}
+
 int mt_source_read(const mt_tensor_source *s, mt_tensor_desc *d)
 {
     mt_dtype st;
@@ -658,49 +1107,55 @@ int mt_source_read(const mt_tensor_source *s, mt_tensor_desc *d)
                       d->name, (long long)shape[0], (long long)(nd == 2 ? shape[1] : 1),
                       (long long)d->shape[0], (long long)(d->ndim == 2 ? d->shape[1] : 1));
     if (st == d->dtype) return s->read_raw(s->impl, d);
-    const int64_t n = mt_tensor_desc_numel(d);
     const int fl = d->dtype == MT_DT_F32 || d->dtype == MT_DT_BF16;
     if (!fl || (st != MT_DT_F32 && st != MT_DT_BF16 && st != MT_DT_E4M3))
         return MT_ERR(MT_ENOTSUP, "%s: tensor %s: cannot convert %s to %s", s->what, d->name,
                       mt_dtype_name(st), mt_dtype_name(d->dtype));
-    mt_tensor_desc raw = *d;
-    raw.dtype = st;
-    raw.data = malloc((size_t)n * mt_dtype_size(st) + 1);
-    float *f = st == MT_DT_E4M3 ? malloc((size_t)n * 4 + 1) : NULL;
-    float *sc = NULL;
+    if (st == MT_DT_E4M3 && d->ndim != 2)
+        return MT_ERR(MT_ECORRUPT, "%s: tensor %s: 1-D e4m3", s->what, d->name);
+    /* strips of whole rows of the hyperslab, converted into place */
+    const int64_t R = d->count[0], C = d->ndim == 2 ? d->count[1] : 1;
+    const int64_t sr = strip_rows(R, C);
+    const size_t os = mt_dtype_size(d->dtype);
+    int64_t KB = 0;
+    if (st == MT_DT_E4M3) {
+        int64_t r0, r1, c0, c1;
+        block_range(d, &r0, &r1, &c0, &c1);
+        KB = c1 - c0;
+    }
+    void *raw = malloc((size_t)(sr * C) * mt_dtype_size(st) + 1);
+    float *f = st == MT_DT_E4M3 ? malloc((size_t)(sr * C) * 4 + 1) : NULL;
+    /* scale rows a strip can touch: ceil(sr / 128) + 1 */
+    float *sc = st == MT_DT_E4M3 ? malloc((size_t)((sr + 127) / 128 + 1) * (size_t)KB * 4 + 1) : NULL;
     int rc = MT_OK;
-    if (!raw.data || (st == MT_DT_E4M3 && !f)) {
+    if (!raw || (st == MT_DT_E4M3 && (!f || !sc)))
         rc = MT_ERR(MT_ENOMEM, "%s: tensor %s: out of memory", s->what, d->name);
-        goto out;
+    for (int64_t r = 0; r < R && rc == MT_OK; r += sr) {
+        mt_tensor_desc part = *d;
+        part.dtype = st;
+        part.off[0] = d->off[0] + r;
+        part.count[0] = R - r < sr ? R - r : sr;
+        part.data = raw;
+        const int64_t n = part.count[0] * C;
+        char *out = (char *)d->data + (size_t)(r * C) * os;
+        if ((rc = s->read_raw(s->impl, &part)) < 0) break;
+        if (st != MT_DT_E4M3) {
+            ck_convert(out, d->dtype, raw, st, n);
+            continue;
+        }
+        /* e4m3: dequantise with its block scales, q * s in float as dequant_blocks */
+        int64_t r0, r1, c0, c1;
+        block_range(&part, &r0, &r1, &c0, &c1);
+        if ((rc = read_scales(s, &part, sc)) < 0) break;
+        const uint8_t *q = raw;
+        for (int64_t i = 0; i < part.count[0]; i++) {
+            const float *srow = sc + ((part.off[0] + i) / 128 - r0) * KB;
+            for (int64_t j = 0; j < C; j++)
+                f[i * C + j] = mt_e4m3_to_f32(q[i * C + j]) * srow[(d->off[1] + j) / 128 - c0];
+        }
+        ck_convert(out, d->dtype, f, MT_DT_F32, n);
     }
-    if ((rc = s->read_raw(s->impl, &raw)) < 0) goto out;
-    if (st != MT_DT_E4M3) {
-        ck_convert(d->data, d->dtype, raw.data, st, n);
-        goto out;
-    }
-    /* e4m3: dequantise with its block scales, q * s in float as dequant_blocks */
-    if (d->ndim != 2) {
-        rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: 1-D e4m3", s->what, d->name);
-        goto out;
-    }
-    int64_t r0, r1, c0, c1;
-    block_range(d, &r0, &r1, &c0, &c1);
-    sc = malloc((size_t)((r1 - r0) * (c1 - c0)) * 4);
-    if (!sc) {
-        rc = MT_ERR(MT_ENOMEM, "%s: out of memory", s->what);
-        goto out;
-    }
-    if ((rc = read_scales(s, d, sc)) < 0) goto out;
-    const uint8_t *q = raw.data;
-    const int64_t R = d->count[0], C = d->count[1], KB = c1 - c0;
-    for (int64_t i = 0; i < R; i++) {
-        const float *srow = sc + ((d->off[0] + i) / 128 - r0) * KB;
-        for (int64_t j = 0; j < C; j++)
-            f[i * C + j] = mt_e4m3_to_f32(q[i * C + j]) * srow[(d->off[1] + j) / 128 - c0];
-    }
-    ck_convert(d->data, d->dtype, f, MT_DT_F32, n);
-out:
-    free(raw.data);
+    free(raw);
     free(f);
     free(sc);
     return rc;
@@ -749,21 +1204,28 @@ int mt_source_read_fp8(const mt_tensor_source *s, mt_tensor_desc *q, float *s_ou
         MT_CHECK(mt_source_read(s, q));
         return s_out ? read_scales(s, q, s_out) : MT_OK;
     }
-    const int64_t n = mt_tensor_desc_numel(q);
-    mt_tensor_desc f = *q;
-    f.dtype = MT_DT_F32;
-    f.data = malloc((size_t)n * 4);
-    float *tmp = NULL;
-    const int64_t RB = (q->count[0] + 127) / 128, CB = (q->count[1] + 127) / 128;
-    if (!s_out) tmp = malloc((size_t)(RB * CB) * 4);
-    if (!f.data || (!s_out && !tmp)) {
-        free(f.data);
+    /* quantised from the stored values one row of 128 x 128 blocks at a
+     * time (the hyperslab starts on a block row): bounded temporaries */
+    const int64_t R = q->count[0], C = q->count[1], CB = (C + 127) / 128;
+    float *f = malloc((size_t)(128 * C) * 4);
+    float *tmp = s_out ? NULL : malloc((size_t)CB * 4);
+    if (!f || (!s_out && !tmp)) {
+        free(f);
         free(tmp);
         return MT_ERR(MT_ENOMEM, "%s: tensor %s: out of memory", s->what, q->name);
     }
-    int rc = mt_source_read(s, &f);
-    if (rc == MT_OK) quantise_blocks(q->data, s_out ? s_out : tmp, f.data, q->count[0], q->count[1]);
-    free(f.data);
+    int rc = MT_OK;
+    for (int64_t rb = 0; rb * 128 < R && rc == MT_OK; rb++) {
+        mt_tensor_desc fd = *q;
+        fd.dtype = MT_DT_F32;
+        fd.off[0] = q->off[0] + rb * 128;
+        fd.count[0] = R - rb * 128 < 128 ? R - rb * 128 : 128;
+        fd.data = f;
+        if ((rc = mt_source_read(s, &fd)) == MT_OK)
+            quantise_blocks((uint8_t *)q->data + (size_t)(rb * 128 * C), s_out ? s_out + rb * CB : tmp,
+                            f, fd.count[0], C);
+    }
+    free(f);
     free(tmp);
     return rc;
 }

@@ -1,11 +1,15 @@
 /* ckpt_write.c - shard files and the index (FORMAT.md). */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "ckpt/ckpt_internal.h"
 #include "ckpt/xxh64.h"
@@ -24,44 +28,320 @@ static size_t chunk_bytes(const mt_tensor_desc *d, int64_t *rows_per_chunk)
     return (size_t)cr * (size_t)cols * es;
 }
 
-/* Writes rows [a, a + nr) of the piece from src: chunk by chunk, each
- * copied into cbuf (padded with zeros to a whole chunk, as HDF5 stores edge
- * chunks), its Fletcher32 appended little-endian, written raw. */
-static int write_rows(hid_t ds, const char *path, const mt_tensor_desc *d, int64_t a, int64_t nr,
-                      const char *src, char *cbuf, mt_xxh64 *h)
+static size_t row_bytes(const mt_tensor_desc *d)
 {
-    int64_t cr;
-    const size_t cb = chunk_bytes(d, &cr);
-    const size_t rb = (size_t)(d->ndim == 1 ? 1 : d->count[1]) * mt_dtype_size(d->dtype);
-    char eb[256];
-    for (int64_t r = 0; r < nr; r += cr) {
-        const int64_t n = nr - r < cr ? nr - r : cr;
-        const size_t bytes = (size_t)n * rb;
-        memcpy(cbuf, src + (size_t)r * rb, bytes);
-        if (bytes < cb) memset(cbuf + bytes, 0, cb - bytes);
-        uint32_t f = ck_fletcher32(cbuf, cb);
-        for (int k = 0; k < 4; k++) cbuf[cb + (size_t)k] = (char)((f >> (8 * k)) & 0xff);
-        hsize_t off[2] = {(hsize_t)(a + r), 0};
-        if ((a + r) % cr != 0 || H5Dwrite_chunk(ds, H5P_DEFAULT, 0, off, cb + 4, cbuf) < 0)
-            return MT_ERR(MT_EIO, "%s: tensor %s: write failed at row %lld (%s)", path, d->name,
-                          (long long)(a + r), ck_h5_errstr(eb, sizeof eb));
-        mt_xxh64_update(h, cbuf, bytes);
-    }
-    return MT_OK;
+    return (size_t)(d->ndim == 1 ? 1 : d->count[1]) * mt_dtype_size(d->dtype);
 }
 
-static int write_piece(hid_t f, const char *path, const mt_tensor_desc *d, int i,
-                       mt_ckpt_fill_fn fill, void *ctx, void *band, char *cbuf,
-                       mt_ckpt_piece_rec *rec, mt_progress *prog)
+/* userblock: bytes reserved at the start of the file (the index's seal);
+ * shard: through the driver whose chunk writes the writer hands to workers
+ * (ckpt_vfd.c). */
+static hid_t create_file(const char *path, hsize_t userblock, int shard)
 {
-    const size_t es = mt_dtype_size(d->dtype);
+    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS), fcpl = H5Pcreate(H5P_FILE_CREATE);
+    if (fapl < 0 || fcpl < 0 || (userblock && H5Pset_userblock(fcpl, userblock) < 0) ||
+        (shard && ck_vfd_id() >= 0 && H5Pset_driver(fapl, ck_vfd_id(), NULL) < 0)) {
+        if (fapl >= 0) H5Pclose(fapl);
+        if (fcpl >= 0) H5Pclose(fcpl);
+        return -1;
+    }
+    /* the 1.10 format: virtual datasets, compact chunk indexes (HDF5 >= 1.10 reads it) */
+    H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_V110);
+    /* metadata in 64 KB blocks: less seeking on shards with many pieces */
+    H5Pset_meta_block_size(fapl, 64 << 10);
+    /* O_DIRECT chunk writes need block-aligned chunks */
+    if (shard && ck_io_direct()) H5Pset_alignment(fapl, (hsize_t)1 << 20, 4096);
+    hid_t f = H5Fcreate(path, H5F_ACC_TRUNC, fcpl, fapl);
+    H5Pclose(fapl);
+    H5Pclose(fcpl);
+    return f;
+}
+
+/* Writing a shard is a pipeline (issue 23): the pieces' chunks go through
+ * a ring of chunk buffers,
+ *   producer thread   fill() band by band (or the resident data), hands
+ *                     each chunk's rows to a worker;
+ *   workers (pool)    copy the rows into the chunk buffer, zero-pad it as
+ *                     HDF5 stores edge chunks, append its Fletcher32;
+ *   hasher thread     the piece's XXH64, chunk after chunk in order;
+ *   this thread       HDF5: creates each piece's dataset, hands each
+ *                     chunk to H5Dwrite_chunk in order, closes the dataset
+ *                     once its XXH64 is known; the file driver leaves the
+ *                     chunk's pwrite to a worker (ckpt_vfd.c), so several
+ *                     chunks are copied into the page cache at once;
+ *                     asks the kernel to start writing back every
+ *                     CK_WRITEBACK_BYTES, so that the final fsync does not
+ *                     find the whole file dirty.
+ * The file is the one the serial writer produced, byte for byte. */
+#define CK_WRITEBACK_BYTES ((int64_t)64 << 20)
+/* Memory of the pipeline: two bands of half CK_BAND_BYTES (one filled while
+ * the other is cut into chunks) and chunk buffers of at most
+ * PIPE_SLOT_BYTES in all (at least 6): 128 MB, never the model. */
+#define PIPE_BAND_BYTES (CK_BAND_BYTES / 2)
+#define PIPE_SLOT_BYTES ((size_t)64 << 20)
+
+enum { SLOT_FREE = 0, SLOT_QUEUED, SLOT_READY };
+
+typedef struct wslot {
+    int state;
+    int piece;
+    int64_t row, nrows;   /* rows [row, row + nrows) of the piece */
+    const char *src;      /* their bytes (resident data or a band buffer) */
+    int band;             /* band buffer of src, -1: resident */
+    size_t bytes, cb;     /* data bytes; chunk bytes (zero-padded) */
+    int first, last;      /* first / last chunk of its piece */
+    int written, hashed;  /* HDF5 call made; XXH64 updated */
+    int io;               /* its pwrite is with a worker */
+    int64_t addr;         /* where (file offset) */
+    int fd, dfd;          /* the file; its O_DIRECT descriptor or -1 */
+    char *buf;            /* cb + 4 */
+} wslot;
+
+typedef struct wpipe {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    const char *path;
+    const mt_tensor_desc *d;
+    int n;
+    mt_ckpt_fill_fn fill;
+    void *fill_ctx;
+    wslot *slot;
+    int nslots;
+    int64_t n_chunks;     /* total, known when the producer is done (-1 before) */
+    int64_t produced;     /* chunks handed out */
+    int inflight;         /* worker tasks running */
+    int band_refs[2];     /* chunks whose rows are in band buffer b, not yet copied */
+    void *band[2];
+    mt_xxh64 *hash;       /* [n] */
+    uint64_t *digest;     /* [n] */
+    int failed;
+    int err;
+    char msg[1024];
+} wpipe;
+
+/* Records the first failure (its message copied: mt_errmsg is per thread). */
+static void pipe_fail(wpipe *p, int rc)
+{
+    pthread_mutex_lock(&p->mu);
+    if (!p->failed) {
+        p->failed = 1;
+        p->err = rc;
+        snprintf(p->msg, sizeof p->msg, "%s", mt_errmsg());
+    }
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+typedef struct wtask {
+    wpipe *p;
+    wslot *s;
+} wtask;
+
+static void prepare_task(void *arg)
+{
+    wtask *t = arg;
+    wslot *s = t->s;
+    memcpy(s->buf, s->src, s->bytes);
+    if (s->bytes < s->cb) memset(s->buf + s->bytes, 0, s->cb - s->bytes);
+    uint32_t f = ck_fletcher32(s->buf, s->cb);
+    for (int k = 0; k < 4; k++) s->buf[s->cb + (size_t)k] = (char)((f >> (8 * k)) & 0xff);
+    wpipe *p = t->p;
+    pthread_mutex_lock(&p->mu);
+    s->state = SLOT_READY;
+    if (s->band >= 0) p->band_refs[s->band]--;
+    p->inflight--;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Producer: hands chunk rows [row, row + nrows) of piece i to a free slot
+ * (in ring order). 0, or -1 once the pipeline failed. */
+static int produce(wpipe *p, wtask *tasks, int i, int64_t row, int64_t nrows, const char *src,
+                   int band, int first, int last)
+{
+    const int64_t seq = p->produced;
+    wslot *s = &p->slot[seq % p->nslots];
+    pthread_mutex_lock(&p->mu);
+    while (s->state != SLOT_FREE && !p->failed) pthread_cond_wait(&p->cv, &p->mu);
+    if (p->failed) {
+        pthread_mutex_unlock(&p->mu);
+        return -1;
+    }
+    s->state = SLOT_QUEUED;
+    s->piece = i;
+    s->row = row;
+    s->nrows = nrows;
+    s->src = src;
+    s->band = band;
+    s->bytes = (size_t)nrows * row_bytes(&p->d[i]);
+    s->cb = chunk_bytes(&p->d[i], NULL);
+    s->first = first;
+    s->last = last;
+    s->written = s->hashed = 0;
+    if (band >= 0) p->band_refs[band]++;
+    p->inflight++;
+    p->produced++;
+    pthread_mutex_unlock(&p->mu);
+    wtask *t = &tasks[seq % p->nslots];
+    t->p = p;
+    t->s = s;
+    ck_pool_submit(prepare_task, t);
+    return 0;
+}
+
+typedef struct producer_arg {
+    wpipe *p;
+    wtask *tasks;
+} producer_arg;
+
+static void *producer_main(void *arg)
+{
+    producer_arg *a = arg;
+    wpipe *p = a->p;
+    int band_no = 0, rc = MT_OK;
+    for (int i = 0; i < p->n && rc == MT_OK; i++) {
+        const mt_tensor_desc *d = &p->d[i];
+        const size_t rb = row_bytes(d), es = mt_dtype_size(d->dtype);
+        const int64_t rows = d->count[0], cols = d->ndim == 1 ? 1 : d->count[1];
+        int64_t cr;
+        chunk_bytes(d, &cr);
+        /* bands: a power of two >= the chunk rows (also powers of two) */
+        const int64_t br = d->data ? rows : ck_band_rows_within(rows, cols, es, PIPE_BAND_BYTES);
+        for (int64_t a0 = 0; a0 < rows && rc == MT_OK; a0 += br) {
+            const int64_t nr = rows - a0 < br ? rows - a0 : br;
+            const char *src = d->data;
+            int b = -1;
+            if (!d->data) {
+                b = band_no++ % 2;
+                pthread_mutex_lock(&p->mu);
+                while (p->band_refs[b] && !p->failed) pthread_cond_wait(&p->cv, &p->mu);
+                int failed = p->failed;
+                pthread_mutex_unlock(&p->mu);
+                if (failed) {
+                    rc = MT_EGENERIC;
+                    break;
+                }
+                mt_tensor_desc bd = *d;
+                bd.off[0] = d->off[0] + a0;
+                bd.count[0] = nr;
+                bd.data = p->band[b];
+                if ((rc = p->fill(p->fill_ctx, i, &bd, p->band[b])) < 0) {
+                    pipe_fail(p, rc);
+                    break;
+                }
+                src = p->band[b];
+            } else {
+                src = (const char *)d->data + (size_t)a0 * rb;
+            }
+            for (int64_t r = 0; r < nr && rc == MT_OK; r += cr) {
+                const int64_t n = nr - r < cr ? nr - r : cr;
+                if (produce(p, a->tasks, i, a0 + r, n, src + (size_t)r * rb, b, a0 + r == 0,
+                            a0 + r + n == rows) < 0)
+                    rc = MT_EGENERIC;
+            }
+        }
+    }
+    pthread_mutex_lock(&p->mu);
+    p->n_chunks = p->produced;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* Waits until slot seq is ready (or the pipeline is over: 0 returned). */
+static wslot *wait_ready(wpipe *p, int64_t seq, int *hashed_too)
+{
+    wslot *s = &p->slot[seq % p->nslots];
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        if (p->failed || (p->n_chunks >= 0 && seq >= p->n_chunks)) {
+            s = NULL;
+            break;
+        }
+        if (seq < p->produced && s->state == SLOT_READY && (!hashed_too || s->hashed)) break;
+        pthread_cond_wait(&p->cv, &p->mu);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return s;
+}
+
+/* Marks the writer's or the hasher's part of a slot done; frees it after
+ * both and its pwrite. */
+static void slot_done(wpipe *p, wslot *s, int hasher)
+{
+    pthread_mutex_lock(&p->mu);
+    if (hasher) s->hashed = 1;
+    else s->written = 1;
+    if (s->hashed && s->written && !s->io) s->state = SLOT_FREE;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+typedef struct iotask {
+    wpipe *p;
+    wslot *s;
+} iotask;
+
+/* A worker writes a chunk the driver left to us. */
+static void write_task(void *arg)
+{
+    iotask *t = arg;
+    wpipe *p = t->p;
+    wslot *s = t->s;
+    const char *b = s->buf;
+    size_t n = s->cb + 4;
+    off_t at = (off_t)s->addr;
+    int err = 0, fd = s->fd;
+    if (s->dfd >= 0 && s->addr % 4096 == 0 && s->cb % 4096 == 0 && (uintptr_t)b % 4096 == 0) {
+        /* the chunk's data past the page cache, its checksum through it */
+        ssize_t k = pwrite(s->dfd, b, s->cb, at);
+        if (k == (ssize_t)s->cb) {
+            b += s->cb;
+            n -= s->cb;
+            at += (off_t)s->cb;
+        }
+    }
+    while (n) {
+        ssize_t k = pwrite(fd, b, n, at);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            err = k < 0 ? errno : ENOSPC;
+            break;
+        }
+        b += k;
+        n -= (size_t)k;
+        at += k;
+    }
+    if (err) pipe_fail(p, MT_ERR(MT_EIO, "%s: tensor %s: write of %zu bytes at %lld failed: %s",
+                                 p->path, p->d[s->piece].name, s->cb + 4, (long long)s->addr,
+                                 strerror(err)));
+    pthread_mutex_lock(&p->mu);
+    s->io = 0;
+    if (s->hashed && s->written) s->state = SLOT_FREE;
+    p->inflight--;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void *hasher_main(void *arg)
+{
+    wpipe *p = arg;
+    for (int64_t seq = 0;; seq++) {
+        wslot *s = wait_ready(p, seq, NULL);
+        if (!s) break;
+        if (s->first) mt_xxh64_init(&p->hash[s->piece], 0);
+        mt_xxh64_update(&p->hash[s->piece], s->buf, s->bytes);
+        if (s->last) p->digest[s->piece] = mt_xxh64_digest(&p->hash[s->piece]);
+        slot_done(p, s, 1);
+    }
+    return NULL;
+}
+
+/* Creates piece i's dataset with its attributes (HDF5 lock held). */
+static int open_piece(hid_t f, const char *path, const mt_tensor_desc *d, hid_t *out)
+{
     const int nd = d->ndim;
     const int64_t rows = d->count[0], cols = nd == 1 ? 1 : d->count[1];
-    if (nd < 1 || nd > 2 || rows <= 0 || cols <= 0 || !es)
-        return MT_ERR(MT_EINVAL, "%s: tensor %s: bad piece (ndim %d, count %lld x %lld, dtype %d)",
-                      path, d->name, nd, (long long)rows, (long long)cols, (int)d->dtype);
-    if (!d->data && !fill)
-        return MT_ERR(MT_EINVAL, "%s: tensor %s: no data and no fill function", path, d->name);
     char eb[256];
     int rc = MT_OK;
     int64_t cr;
@@ -88,57 +368,109 @@ static int write_piece(hid_t f, const char *path, const mt_tensor_desc *d, int i
         (rc = ck_attr_i64(ds, "global_shape", gshape, nd)) < 0 ||
         (rc = ck_attr_i64(ds, "offset", off, nd)) < 0)
         goto out;
-    mt_xxh64 h;
-    mt_xxh64_init(&h, 0);
-    const size_t row_bytes = (size_t)cols * es;
-    if (d->data) {
-        rc = write_rows(ds, path, d, 0, rows, d->data, cbuf, &h);
-        mt_progress_add(prog, (int64_t)rows * (int64_t)row_bytes);
-    } else {
-        /* bands: a power of two >= the chunk rows (also powers of two) */
-        const int64_t br = ck_band_rows(rows, cols, es);
-        for (int64_t a = 0; a < rows && rc == MT_OK; a += br) {
-            int64_t nr = rows - a < br ? rows - a : br;
-            mt_tensor_desc bd = *d;
-            bd.off[0] = d->off[0] + a;
-            bd.count[0] = nr;
-            bd.data = band;
-            if ((rc = fill(ctx, i, &bd, band)) < 0) break;
-            rc = write_rows(ds, path, d, a, nr, band, cbuf, &h);
-            mt_progress_add(prog, nr * (int64_t)row_bytes);
-        }
-    }
-    if (rc < 0) goto out;
-    uint64_t hv = mt_xxh64_digest(&h);
-    if ((rc = ck_attr_u64(ds, "xxh64", hv)) < 0) goto out;
-    memset(rec, 0, sizeof *rec);
-    snprintf(rec->tensor, sizeof rec->tensor, "%s", d->name);
-    for (int k = 0; k < 2; k++) {
-        rec->off[k] = k < nd ? d->off[k] : 0;
-        rec->count[k] = k < nd ? d->count[k] : 1;
-    }
-    rec->nbytes = (int64_t)rows * (int64_t)row_bytes;
-    rec->xxh64 = hv;
 out:
-    if (ds >= 0 && H5Dclose(ds) < 0 && rc == MT_OK)
-        rc = MT_ERR(MT_EIO, "%s: tensor %s: close failed", path, d->name);
+    if (rc < 0 && ds >= 0) H5Dclose(ds);
+    else *out = ds;
     if (dcpl >= 0) H5Pclose(dcpl);
     if (sp >= 0) H5Sclose(sp);
     if (type >= 0) H5Tclose(type);
     return rc;
 }
 
-static hid_t create_file(const char *path)
+/* Checks the descriptors before anything starts. */
+static int check_pieces(const char *path, const mt_tensor_desc *d, int n, mt_ckpt_fill_fn fill)
 {
-    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
-    if (fapl < 0) return -1;
-    /* the 1.10 format: virtual datasets, compact chunk indexes (HDF5 >= 1.10 reads it) */
-    H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_V110);
-    /* metadata in 64 KB blocks: less seeking on shards with many pieces */
-    H5Pset_meta_block_size(fapl, 64 << 10);
-    hid_t f = H5Fcreate(path, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
-    H5Pclose(fapl);
-    return f;
+    for (int i = 0; i < n; i++) {
+        const size_t es = mt_dtype_size(d[i].dtype);
+        const int nd = d[i].ndim;
+        const int64_t rows = d[i].count[0], cols = nd == 1 ? 1 : d[i].count[1];
+        if (nd < 1 || nd > 2 || rows <= 0 || cols <= 0 || !es)
+            return MT_ERR(MT_EINVAL, "%s: tensor %s: bad piece (ndim %d, count %lld x %lld, dtype %d)",
+                          path, d[i].name, nd, (long long)rows, (long long)cols, (int)d[i].dtype);
+        if (!d[i].data && !fill)
+            return MT_ERR(MT_EINVAL, "%s: tensor %s: no data and no fill function", path, d[i].name);
+    }
+    return MT_OK;
+}
+
+/* The writer: this thread, in ring order (see the pipeline above). */
+static int write_chunks(wpipe *p, hid_t f, int wfd, mt_ckpt_piece_rec *recs, mt_progress *prog)
+{
+    iotask *io = calloc((size_t)p->nslots, sizeof *io);
+    if (!io) return MT_ERR(MT_ENOMEM, "%s: out of memory", p->path);
+    hid_t ds = -1;
+    char eb[256];
+    int rc = MT_OK;
+    int64_t since_wb = 0;
+    for (int64_t seq = 0; rc == MT_OK; seq++) {
+        wslot *s = wait_ready(p, seq, NULL);
+        if (!s) break;
+        const mt_tensor_desc *d = &p->d[s->piece];
+        int64_t cr;
+        chunk_bytes(d, &cr);
+        ck_lock();
+        if (s->first) rc = open_piece(f, p->path, d, &ds);
+        hsize_t off[2] = {(hsize_t)s->row, 0};
+        ck_vfd_expect(s->buf, s->cb + 4);
+        if (rc == MT_OK && (s->row % cr != 0 || H5Dwrite_chunk(ds, H5P_DEFAULT, 0, off, s->cb + 4, s->buf) < 0))
+            rc = MT_ERR(MT_EIO, "%s: tensor %s: write failed at row %lld (%s)", p->path, d->name,
+                        (long long)s->row, ck_h5_errstr(eb, sizeof eb));
+        int fd, dfd;
+        int64_t addr;
+        const int deferred = ck_vfd_take(&fd, &dfd, &addr);
+        ck_unlock();
+        if (deferred && rc == MT_OK) {
+            pthread_mutex_lock(&p->mu);
+            s->io = 1;
+            s->fd = fd;
+            s->dfd = dfd;
+            s->addr = addr;
+            p->inflight++;
+            pthread_mutex_unlock(&p->mu);
+            iotask *t = &io[seq % p->nslots];
+            t->p = p;
+            t->s = s;
+            ck_pool_submit(write_task, t);
+        }
+        mt_progress_add(prog, (int64_t)s->bytes);
+        since_wb += (int64_t)s->cb;
+        if (wfd >= 0 && since_wb >= CK_WRITEBACK_BYTES) {
+            /* start writing back what is dirty; returns without waiting */
+            sync_file_range(wfd, 0, 0, SYNC_FILE_RANGE_WRITE);
+            since_wb = 0;
+        }
+        if (rc == MT_OK && s->last) {
+            /* the piece's XXH64 comes from the hasher, in order */
+            if (!wait_ready(p, seq, &(int){1})) rc = MT_EGENERIC;
+            ck_lock();
+            if (rc == MT_OK) rc = ck_attr_u64(ds, "xxh64", p->digest[s->piece]);
+            if (H5Dclose(ds) < 0 && rc == MT_OK)
+                rc = MT_ERR(MT_EIO, "%s: tensor %s: close failed", p->path, d->name);
+            ck_unlock();
+            ds = -1;
+            mt_ckpt_piece_rec *rec = &recs[s->piece];
+            memset(rec, 0, sizeof *rec);
+            snprintf(rec->tensor, sizeof rec->tensor, "%s", d->name);
+            for (int k = 0; k < 2; k++) {
+                rec->off[k] = k < d->ndim ? d->off[k] : 0;
+                rec->count[k] = k < d->ndim ? d->count[k] : 1;
+            }
+            rec->nbytes = d->count[0] * (int64_t)row_bytes(d);
+            rec->xxh64 = p->digest[s->piece];
+        }
+        slot_done(p, s, 0);
+    }
+    if (ds >= 0) {
+        ck_lock();
+        H5Dclose(ds);
+        ck_unlock();
+    }
+    /* the chunks' pwrites end before the file closes (and io[] goes) */
+    pthread_mutex_lock(&p->mu);
+    while (p->inflight) pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    free(io);
+    return rc;
 }
 
 int mt_ckpt_write_shard(const char *dir, int rank, const mt_tensor_desc *d, int n,
@@ -149,19 +481,8 @@ int mt_ckpt_write_shard(const char *dir, int rank, const mt_tensor_desc *d, int 
     ck_shard_name(name, sizeof name, rank);
     if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path)
         return MT_ERR(MT_EINVAL, "%s: path too long", dir);
-    ck_lock();
-    int rc = MT_OK;
-    hid_t f = create_file(path);
-    if (f < 0) {
-        rc = MT_ERR(MT_EIO, "%s: cannot create (%s)", path, ck_h5_errstr(eb, sizeof eb));
-        goto out;
-    }
-    int64_t r64 = rank, ver = MT_CKPT_FORMAT_VERSION;
-    if ((rc = ck_attr_str(f, "format", MT_CKPT_FORMAT)) < 0 ||
-        (rc = ck_attr_i64(f, "format_version", &ver, 1)) < 0 ||
-        (rc = ck_attr_i64(f, "rank", &r64, 1)) < 0)
-        goto out;
-    /* one band buffer for the pieces filled band by band, one chunk buffer */
+    MT_CHECK(check_pieces(path, d, n, fill));
+    /* buffers: the ring of chunks, two bands for the pieces filled band by band */
     size_t band = 0, chunk = 0;
     for (int i = 0; i < n; i++) {
         const size_t es = mt_dtype_size(d[i].dtype);
@@ -169,27 +490,88 @@ int mt_ckpt_write_shard(const char *dir, int rank, const mt_tensor_desc *d, int 
         const size_t c = chunk_bytes(&d[i], NULL) + 4;
         chunk = c > chunk ? c : chunk;
         if (d[i].data) continue;
-        const size_t b = (size_t)ck_band_rows(d[i].count[0], cols, es) * (size_t)cols * es;
+        const size_t b = (size_t)ck_band_rows_within(d[i].count[0], cols, es, PIPE_BAND_BYTES) *
+                         (size_t)cols * es;
         band = b > band ? b : band;
     }
-    void *buf = band ? malloc(band) : NULL;
-    char *cbuf = malloc(chunk ? chunk : 4);
-    if ((band && !buf) || !cbuf) {
-        free(buf);
-        free(cbuf);
-        rc = MT_ERR(MT_ENOMEM, "%s: out of memory for a %zu-byte band", path, band);
-        goto out;
+    wpipe p;
+    memset(&p, 0, sizeof p);
+    pthread_mutex_init(&p.mu, NULL);
+    pthread_cond_init(&p.cv, NULL);
+    p.path = path;
+    p.d = d;
+    p.n = n;
+    p.fill = fill;
+    p.fill_ctx = ctx;
+    p.n_chunks = -1;
+    p.nslots = ck_io_threads() + 4;
+    if ((size_t)p.nslots * chunk > PIPE_SLOT_BYTES) p.nslots = (int)(PIPE_SLOT_BYTES / chunk);
+    if (p.nslots < 6) p.nslots = 6;
+    p.slot = calloc((size_t)p.nslots, sizeof *p.slot);
+    wtask *tasks = calloc((size_t)p.nslots, sizeof *tasks);
+    p.hash = calloc((size_t)n + 1, sizeof *p.hash);
+    p.digest = calloc((size_t)n + 1, sizeof *p.digest);
+    int rc = MT_OK;
+    if (!p.slot || !tasks || !p.hash || !p.digest) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    for (int k = 0; k < p.nslots && rc == MT_OK; k++)
+        if (posix_memalign((void **)&p.slot[k].buf, 4096, chunk ? chunk : 4) != 0)
+            rc = MT_ERR(MT_ENOMEM, "%s: out of memory for %d chunk buffers of %zu bytes", path,
+                        p.nslots, chunk);
+    for (int b = 0; b < 2 && band && rc == MT_OK; b++)
+        if (!(p.band[b] = malloc(band)))
+            rc = MT_ERR(MT_ENOMEM, "%s: out of memory for a %zu-byte band", path, band);
+    hid_t f = -1;
+    if (rc == MT_OK) {
+        ck_lock();
+        f = create_file(path, 0, 1);
+        int64_t r64 = rank, ver = MT_CKPT_FORMAT_VERSION;
+        if (f < 0)
+            rc = MT_ERR(MT_EIO, "%s: cannot create (%s)", path, ck_h5_errstr(eb, sizeof eb));
+        if (rc == MT_OK) rc = ck_attr_str(f, "format", MT_CKPT_FORMAT);
+        if (rc == MT_OK) rc = ck_attr_i64(f, "format_version", &ver, 1);
+        if (rc == MT_OK) rc = ck_attr_i64(f, "rank", &r64, 1);
+        ck_unlock();
     }
-    for (int i = 0; i < n && rc == MT_OK; i++) {
-        rc = write_piece(f, path, &d[i], i, fill, ctx, buf, cbuf, &recs[i], prog);
-        if (rc == MT_OK) recs[i].rank = rank;
+    if (rc == MT_OK) {
+        const char *wb = getenv("MT_CKPT_WRITEBACK");
+        int wfd = wb && !strcmp(wb, "0") ? -1 : open(path, O_RDONLY);
+        producer_arg pa = {&p, tasks};
+        pthread_t prod, hasher;
+        int have_prod = pthread_create(&prod, NULL, producer_main, &pa) == 0;
+        int have_hasher = have_prod && pthread_create(&hasher, NULL, hasher_main, &p) == 0;
+        if (!have_prod || !have_hasher) {
+            rc = MT_ERR(MT_EGENERIC, "%s: cannot start the writer threads", path);
+            pipe_fail(&p, rc);
+        } else {
+            rc = write_chunks(&p, f, wfd, recs, prog);
+            if (rc < 0) pipe_fail(&p, rc);
+        }
+        if (have_prod) pthread_join(prod, NULL);
+        if (have_hasher) pthread_join(hasher, NULL);
+        /* the workers hold buffers until their tasks end */
+        pthread_mutex_lock(&p.mu);
+        while (p.inflight) pthread_cond_wait(&p.cv, &p.mu);
+        pthread_mutex_unlock(&p.mu);
+        if (wfd >= 0) close(wfd);
+        if (p.failed) rc = MT_ERR(p.err < 0 ? p.err : MT_EIO, "%s", p.msg);
+        for (int i = 0; i < n && rc == MT_OK; i++) recs[i].rank = rank;
     }
-    free(buf);
-    free(cbuf);
-out:
-    if (f >= 0 && H5Fclose(f) < 0 && rc == MT_OK)
-        rc = MT_ERR(MT_EIO, "%s: close failed (%s)", path, ck_h5_errstr(eb, sizeof eb));
-    ck_unlock();
+    if (f >= 0) {
+        ck_lock();
+        if (H5Fclose(f) < 0 && rc == MT_OK)
+            rc = MT_ERR(MT_EIO, "%s: close failed (%s)", path, ck_h5_errstr(eb, sizeof eb));
+        ck_unlock();
+    }
+    for (int k = 0; p.slot && k < p.nslots; k++) free(p.slot[k].buf);
+    free(p.slot);
+    free(tasks);
+    free(p.band[0]);
+    free(p.band[1]);
+    free(p.hash);
+    free(p.digest);
+    pthread_mutex_destroy(&p.mu);
+    pthread_cond_destroy(&p.cv);
+    /* one fsync per file, at the end */
     if (rc == MT_OK) rc = mt_fsync_path(path);
     return rc;
 }
@@ -429,7 +811,7 @@ int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shar
     if (rc < 0) goto out;
 
     ck_lock();
-    f = create_file(path);
+    f = create_file(path, CK_INDEX_USERBLOCK, 0);
     if (f < 0) {
         rc = MT_ERR(MT_EIO, "%s: cannot create (%s)", path, ck_h5_errstr(eb, sizeof eb));
         goto unlock;
@@ -468,6 +850,7 @@ int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shar
     f = -1;
 unlock:
     ck_unlock();
+    if (rc == MT_OK) rc = ck_index_seal(path);
     if (rc == MT_OK) rc = mt_fsync_path(path);
 out:
     free(order);

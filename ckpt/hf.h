@@ -44,8 +44,9 @@ int mt_hf_export(const char *ckpt, const char *out_dir, int64_t max_shard_bytes,
 
 /* Imports hf_dir into a step-0 checkpoint `out` (a root, or a step_N
  * directory) with the given contents (fp8 / weight dtype; optimizer state
- * is never written) and layout. */
+ * is never written) and layout; flags as mt_ckpt_write_from_source (an
+ * existing step_00000000 is replaced only with MT_CKPT_OVERWRITE). */
 int mt_hf_import(const char *hf_dir, const char *out, const mt_shard_opts *opts,
-                 const mt_layout *layout, mt_progress *prog);
+                 const mt_layout *layout, int flags, mt_progress *prog);
 
 #endif

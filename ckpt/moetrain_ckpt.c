@@ -29,13 +29,13 @@ static const char usage_text[] =
     "  verify DIR [--quiet]        every checksum, shard coverage, index consistency;\n"
     "                              exit 2 with one line per problem\n"
     "  reshard --input DIR --output DIR --layout tp=..,pp=..,ep=..,dp=..[,vpp=..,etp=..]\n"
-    "                              re-lay a checkpoint out for another parallel layout\n"
+    "          [--overwrite]       re-lay a checkpoint out for another parallel layout\n"
     "                              (streaming, bounded memory)\n"
     "  export-hf --input DIR --output DIR [--shard-size 5G]\n"
     "                              Hugging Face DeepSeek-V3 release format (FP8 +\n"
     "                              weight_scale_inv, config.json, safetensors index)\n"
     "  import-hf --input DIR --output DIR [--layout ...] [--recipe fp8-blockwise|bf16|fp32]\n"
-    "                              a step-0 checkpoint for continued pre-training\n"
+    "          [--overwrite]       a step-0 checkpoint for continued pre-training\n"
     "  diff A B [--weights-only] [--meta]\n"
     "                              compare two checkpoints tensor by tensor (bytes)\n"
     "  list ROOT                   committed checkpoints under a root\n"
@@ -56,6 +56,8 @@ static const char usage_text[] =
     "DIR is a checkpoint directory (step_NNNNNNNN) or a root (its newest committed\n"
     "checkpoint). An --output root gets OUTPUT/step_NNNNNNNN through the commit\n"
     "protocol; an --output named step_NNNNNNNN is written as that directory.\n"
+    "A step that exists already is refused; --overwrite replaces it atomically\n"
+    "(one committed copy at every instant).\n"
     "Long operations draw a progress bar on stderr (--quiet: none).\n";
 
 static int usage_error(const char *fmt, const char *arg)
@@ -81,7 +83,7 @@ typedef struct opts {
     const char *tokens, *job, *out, *backend, *batch, *threads;
     const char *sets[128];
     int n_sets;
-    int json, quiet, weights_only, meta, logits, fp32;
+    int json, quiet, weights_only, meta, logits, fp32, overwrite;
 } opts;
 
 static int parse(int argc, char **argv, opts *o)
@@ -114,6 +116,7 @@ static int parse(int argc, char **argv, opts *o)
         else if (!strcmp(s, "--meta")) o->meta = 1;
         else if (!strcmp(s, "--logits")) o->logits = 1;
         else if (!strcmp(s, "--fp32")) o->fp32 = 1;
+        else if (!strcmp(s, "--overwrite")) o->overwrite = 1;
         else if (s[0] == '-' && s[1]) return usage_error("unknown option %s", s);
         else if (o->npos < 4) o->pos[o->npos++] = s;
         else return usage_error("too many arguments at %s", s);
@@ -261,7 +264,8 @@ static int cmd_reshard(const opts *o)
     if (mt_layout_parse(&l, o->layout) < 0) return fail();
     mt_progress p;
     mt_progress_start(&p, "reshard", 1, !o->quiet);
-    if (mt_ckpt_reshard(o->input, o->output, &l, &p) < 0) return fail();
+    if (mt_ckpt_reshard(o->input, o->output, &l, o->overwrite ? MT_CKPT_OVERWRITE : 0, &p) < 0)
+        return fail();
     return EXIT_OK;
 }
 
@@ -305,7 +309,8 @@ static int cmd_import(const opts *o)
     }
     mt_progress p;
     mt_progress_start(&p, "import", 1, !o->quiet);
-    if (mt_hf_import(o->input, o->output, &so, &l, &p) < 0) return fail();
+    if (mt_hf_import(o->input, o->output, &so, &l, o->overwrite ? MT_CKPT_OVERWRITE : 0, &p) < 0)
+        return fail();
     return EXIT_OK;
 }
 

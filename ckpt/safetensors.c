@@ -139,6 +139,23 @@ int mt_st_find(const mt_st_file *f, const char *name)
     return -1;
 }
 
+int mt_st_read(const mt_st_file *f, void *dst, size_t n, uint64_t off)
+{
+    char *p = dst;
+    uint64_t at = f->data_off + off;
+    while (n) {
+        ssize_t got = pread(f->fd, p, n, (off_t)at);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0)
+            return MT_ERR(MT_EIO, "%s: read of %zu bytes at %llu failed: %s", f->path, n,
+                          (unsigned long long)at, got < 0 ? strerror(errno) : "end of file");
+        p += got;
+        at += (uint64_t)got;
+        n -= (size_t)got;
+    }
+    return MT_OK;
+}
+
 /* ---- writer ---------------------------------------------------------------------- */
 
 struct mt_st_writer {

@@ -18,7 +18,8 @@ typedef struct mt_st_tensor {
     uint64_t begin, end; /* data offsets */
 } mt_st_tensor;
 
-/* A mapped safetensors file. */
+/* A safetensors file: the header parsed from a mapping, the data read with
+ * mt_st_read (map is the whole file, for callers that want it). */
 typedef struct mt_st_file {
     char path[4096];
     int fd;
@@ -38,6 +39,10 @@ int mt_st_open(mt_st_file **out, const char *path);
 void mt_st_close(mt_st_file *f);
 /* Index of a tensor, or -1. */
 int mt_st_find(const mt_st_file *f, const char *name);
+/* Reads n bytes at data offset `off` (relative to the end of the header)
+ * with pread: the bytes land in dst only, not in mapped pages that would
+ * stay resident (the mapping is for the header). */
+int mt_st_read(const mt_st_file *f, void *dst, size_t n, uint64_t off);
 
 /* A file written front to back: the header is fixed by the entry list,
  * then the data of each entry in order. Written to PATH.tmp, fsynced,

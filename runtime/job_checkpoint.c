@@ -1,15 +1,19 @@
 /* job_checkpoint.c - see job_checkpoint.h. */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE
 #include "runtime/job_checkpoint.h"
 #include "runtime/job_resume.h"
 
+#include <errno.h>
 #include <jansson.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "ckpt/ckpt.h"
 #include "ckpt/hf.h"
@@ -43,7 +47,9 @@ struct mt_job_ckpt {
     int async;
     int64_t step;
     char partial[MT_PATH_CAP + 32];
-    mt_train_snapshot snap;
+    mt_train_snapshot snap;    /* host copies (asynchronous saves; kept for the next) */
+    mt_train_snapshot view;    /* a synchronous save on host memory: no copy */
+    mt_train_snapshot *cur;    /* the one the save in flight writes */
     mt_ckpt_meta meta;
     mt_tensor_desc *descs;     /* this rank's pieces */
     mt_ckpt_piece_rec *recs;
@@ -127,11 +133,31 @@ static int same_config(const char *saved, const mt_model_config *job, const char
     return MT_OK;
 }
 
-static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
+/* Every rank's outcome of one attempt (collective under several ranks):
+ * the worst status, with the message of the lowest rank that has it, so
+ * that all ranks fail, fall back or go on together and rank 0 reports the
+ * cause (a damaged piece only its reader sees). */
+static int agree(const mt_job_ckpt *jc, int rc)
+{
+    if (!jc->comm || jc->world == 1) return rc;
+    mt_comm *c = mt_comm_host(jc->comm);
+    int32_t mine = rc < 0 ? rc : 0, worst = 0, who = jc->world, from;
+    if (mt_comm_all_reduce(c, &mine, &worst, 1, MT_COMM_I32, MT_COMM_MIN) < 0) return MT_EGENERIC;
+    if (worst >= 0) return MT_OK;
+    from = mine == worst ? jc->rank : jc->world;
+    if (mt_comm_all_reduce(c, &from, &who, 1, MT_COMM_I32, MT_COMM_MIN) < 0) return MT_EGENERIC;
+    char msg[1024] = "";
+    if (jc->rank == who) snprintf(msg, sizeof msg, "%s", mt_errmsg());
+    if (mt_comm_broadcast(c, msg, sizeof msg, MT_COMM_BYTE, who) < 0) return MT_EGENERIC;
+    if (jc->rank == who) return rc;
+    return MT_ERR(worst, "rank %d: %s", who, msg);
+}
+
+static int restore_from(mt_trainer *t, const char *path)
 {
     double t0 = now_ms();
     mt_ckpt *ck;
-    MT_CHECK(mt_ckpt_open(&ck, jc->job.init.path));
+    MT_CHECK(mt_ckpt_open(&ck, path));
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
     int rc = same_config(m->config_json, &t->job.model, mt_ckpt_dir(ck));
     mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn};
@@ -140,10 +166,84 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
         MT_LOGI("restored step %lld (%lld samples) from %s: %.2f GB in %.1f s", (long long)t->step,
                 (long long)t->consumed_samples, mt_ckpt_dir(ck), (double)mt_ckpt_bytes(ck) / 1e9,
                 (now_ms() - t0) / 1e3);
-    } else {
-        rc = mt_err_wrap(rc, "init.path %s", jc->job.init.path);
     }
     mt_ckpt_close(ck);
+    return rc;
+}
+
+/* A damaged or unreadable checkpoint (what init.fallback steps over); a
+ * wrong model or a bad spec is not. */
+static int is_damage(int rc) { return rc == MT_ECORRUPT || rc == MT_EIO; }
+
+/* Rank 0 moves a damaged checkpoint the job stepped over out of the
+ * committed namespace (step_N.damaged, kept for inspection): the job saves
+ * that step again, and its history must not hold a newer step. */
+static int set_aside(mt_job_ckpt *jc, const char *dir)
+{
+    int rc = MT_OK;
+    if (jc->rank == 0) {
+        char to[MT_PATH_CAP + 64];
+        snprintf(to, sizeof to, "%s.damaged", dir);
+        for (int k = 2; access(to, F_OK) == 0 && k < 1000; k++)
+            snprintf(to, sizeof to, "%s.damaged.%d", dir, k);
+        if (rename(dir, to) != 0)
+            rc = MT_ERR(MT_EIO, "%s: cannot set the damaged checkpoint aside: %s", dir, strerror(errno));
+        else
+            MT_LOGW("checkpoint: %s is damaged; set aside as %s", dir, to);
+    }
+    return agree(jc, rc);
+}
+
+/* init.path's checkpoint; with init.fallback, when it is damaged, the
+ * newest older committed step of the same root that loads (all ranks
+ * agree on each attempt). */
+static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
+{
+    char first[MT_PATH_CAP + 32], root[MT_PATH_CAP + 32];
+    int rc = agree(jc, mt_ckpt_resolve(jc->job.init.path, first, sizeof first));
+    if (rc < 0) return mt_err_wrap(rc, "init.path %s", jc->job.init.path);
+    rc = agree(jc, restore_from(t, first));
+    if (rc == MT_OK || !jc->job.init.fallback || !is_damage(rc))
+        return rc < 0 ? mt_err_wrap(rc, "init.path %s", jc->job.init.path) : rc;
+    /* the older steps of its root, newest first; a step the daemon holds
+     * open (/proc/self/fd/N, service/workdir.c) is named by its real path */
+    char real[PATH_MAX];
+    const char *named = realpath(first, real) ? real : first;
+    const char *slash = strrchr(named, '/');
+    snprintf(root, sizeof root, "%.*s", slash ? (int)(slash - named) : 1, slash ? named : ".");
+    int64_t step = strtoll(slash ? slash + 6 : named + 5, NULL, 10), *steps = NULL;
+    int n = 0;
+    char why[1024];
+    snprintf(why, sizeof why, "%s", mt_errmsg());
+    MT_CHECK(mt_ckpt_list(root, &steps, &n));
+    /* the job's own history: damaged steps it skips are set aside */
+    char a[PATH_MAX], b[PATH_MAX];
+    const int own = jc->root[0] && realpath(root, a) && realpath(jc->root, b) && !strcmp(a, b);
+    char tried[MT_PATH_CAP + 32];
+    snprintf(tried, sizeof tried, "%s", first);
+    for (int i = n - 1; i >= 0 && rc < 0 && is_damage(rc); i--) {
+        if (steps[i] >= step) continue;
+        char path[MT_PATH_CAP + 32];
+        mt_ckpt_step_path(path, sizeof path, root, steps[i], 0);
+        MT_LOGW("checkpoint: %s cannot be loaded (%s); init.fallback: trying %s", tried, why, path);
+        rc = agree(jc, restore_from(t, path));
+        if (rc < 0) snprintf(why, sizeof why, "%s", mt_errmsg());
+        snprintf(tried, sizeof tried, "%s", path);
+    }
+    if (rc < 0) {
+        free(steps);
+        return MT_ERR(rc, "init.path %s: no checkpoint of %s loads (init.fallback); the last "
+                          "tried, %s: %s",
+                      jc->job.init.path, root, tried, why);
+    }
+    /* started from step t->step: the damaged newer ones leave the job's history */
+    for (int i = 0; i < n && rc == MT_OK && own; i++) {
+        if (steps[i] <= t->step || steps[i] > step) continue;
+        char path[MT_PATH_CAP + 32];
+        mt_ckpt_step_path(path, sizeof path, root, steps[i], 0);
+        rc = set_aside(jc, path);
+    }
+    free(steps);
     return rc;
 }
 
@@ -196,7 +296,7 @@ static int fill_snapshot(void *ctx, int i, const mt_tensor_desc *band, void *buf
 {
     (void)i;
     mt_job_ckpt *jc = ctx;
-    return mt_train_snapshot_fill(&jc->snap, &jc->map, band, buf);
+    return mt_train_snapshot_fill(jc->cur, &jc->map, band, buf);
 }
 
 /* This rank's shard file. */
@@ -211,7 +311,7 @@ static int write_local(mt_job_ckpt *jc)
     for (int k = 0; k < n; k++) {
         mt_shard_piece_desc(&jc->map, idx[k], &jc->descs[k]);
         /* whole rows already in the snapshot in the stored type: no copy */
-        jc->descs[k].data = (void *)mt_train_snapshot_direct(&jc->snap, &jc->map, &jc->descs[k]);
+        jc->descs[k].data = (void *)mt_train_snapshot_direct(jc->cur, &jc->map, &jc->descs[k]);
     }
     if (!n) return MT_OK;
     return mt_ckpt_write_shard(jc->partial, jc->rank, jc->descs, n, fill_snapshot, jc, jc->recs, NULL);
@@ -406,14 +506,23 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
     jc->step = t->step;
     jc->rc = MT_OK;
     jc->err[0] = '\0';
-    int rc = mt_train_state_snapshot(t, &jc->snap);
+    /* a synchronous save of a host-memory trainer writes from its state
+     * directly (the trainer waits anyway); otherwise a host copy */
+    int rc;
+    if (!background && t->model->be->kind == MT_BE_CPU) {
+        jc->cur = &jc->view;
+        rc = mt_train_state_view(t, jc->cur);
+    } else {
+        jc->cur = &jc->snap;
+        rc = mt_train_state_snapshot(t, jc->cur);
+    }
     if (rc == MT_OK) {
-        jc->meta.step = jc->snap.step;
-        jc->meta.consumed_samples = jc->snap.consumed_samples;
-        jc->meta.consumed_tokens = jc->snap.consumed_tokens;
-        jc->meta.config_json = strdup(jc->snap.config_json);
-        jc->meta.job_json = strdup(jc->snap.job_json);
-        jc->meta.state_json = strdup(jc->snap.state_json);
+        jc->meta.step = jc->cur->step;
+        jc->meta.consumed_samples = jc->cur->consumed_samples;
+        jc->meta.consumed_tokens = jc->cur->consumed_tokens;
+        jc->meta.config_json = strdup(jc->cur->config_json);
+        jc->meta.job_json = strdup(jc->cur->job_json);
+        jc->meta.state_json = strdup(jc->cur->state_json);
         jc->meta.layout = jc->map.layout;
         jc->meta.opts = jc->map.opts;
         if (!jc->meta.config_json || !jc->meta.job_json || !jc->meta.state_json)
@@ -431,7 +540,7 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
     double stall = now_ms() - t0;
     pthread_mutex_lock(&jc->mu);
     jc->st.last_stall_ms = stall;
-    jc->st.last_bytes = (int64_t)jc->snap.bytes;
+    jc->st.last_bytes = (int64_t)jc->cur->bytes;
     jc->st.in_flight = rc == MT_OK;
     pthread_mutex_unlock(&jc->mu);
     jc->busy = 1;
@@ -487,6 +596,7 @@ int mt_job_ckpt_close(mt_job_ckpt *jc)
     if (!jc) return MT_OK;
     int rc = progress(jc, 1);
     mt_train_snapshot_free(&jc->snap);
+    mt_train_snapshot_free(&jc->view);
     if (jc->have_map) mt_shard_map_free(&jc->map);
     pthread_mutex_destroy(&jc->mu);
     free(jc);

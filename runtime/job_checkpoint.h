@@ -4,7 +4,12 @@
  * async, save_on_stop) and init section; restore() loads the initial state
  * when init.kind is "checkpoint" (init.path: a step directory, or a root
  * whose newest committed checkpoint is taken) or "hf" (a Hugging Face
- * directory, imported on the fly); after_step() saves every `interval`
+ * directory, imported on the fly). A damaged checkpoint (its index seal,
+ * a piece's checksum) fails the restore with MT_ECORRUPT naming the file;
+ * with init.fallback the newest older committed step of the same root
+ * that loads is taken instead, and damaged steps of the job's own
+ * checkpoint.dir it stepped over are renamed step_N.damaged (kept, out of
+ * the history). after_step() saves every `interval`
  * steps; save_now() saves at once (stop, RPC); close() waits for the save
  * in flight.
  *

@@ -504,7 +504,7 @@ static void *reshard_main(void *arg)
         pthread_t tk;
         __atomic_store_n(&w->ticking, 1, __ATOMIC_RELEASE);
         int have_ticker = pthread_create(&tk, NULL, ticker, w) == 0;
-        rc = mt_ckpt_reshard(use_path(&r->src), use_path(&r->dst), &w->layout, &r->prog);
+        rc = mt_ckpt_reshard(use_path(&r->src), use_path(&r->dst), &w->layout, 0, &r->prog);
         __atomic_store_n(&w->ticking, 0, __ATOMIC_RELEASE);
         if (have_ticker) pthread_join(tk, NULL);
     }

@@ -312,11 +312,16 @@ static void copy_tree(const char *from, const char *to)
     assert_int_equal(system(cmd), 0);
 }
 
-/* File offset of a byte inside the first chunk of dataset `name`. */
+/* File offset of a byte inside the first chunk of dataset `name` (HDF5
+ * addresses start after the user block: the index has one, its seal). */
 static long chunk_byte(const char *file, const char *name)
 {
     hid_t f = H5Fopen(file, H5F_ACC_RDONLY, H5P_DEFAULT);
     assert_true(f >= 0);
+    hid_t fcpl = H5Fget_create_plist(f);
+    hsize_t ub = 0;
+    assert_true(H5Pget_userblock(fcpl, &ub) >= 0);
+    H5Pclose(fcpl);
     hid_t ds = H5Dopen2(f, name, H5P_DEFAULT);
     assert_true(ds >= 0);
     hid_t sp = H5Dget_space(ds);
@@ -328,7 +333,7 @@ static long chunk_byte(const char *file, const char *name)
     H5Sclose(sp);
     H5Dclose(ds);
     H5Fclose(f);
-    return (long)(addr + size / 2);
+    return (long)(ub + addr + size / 2);
 }
 
 static void flip_byte(const char *file, long at)
@@ -457,9 +462,12 @@ static void test_truncated_and_missing_shard(void **state)
     expect_load_fails(dir, "shard_00001.h5", "model.layers.1.");
 }
 
-/* Rewrites one row of an index table with edit(). */
+/* Rewrites one row of an index table with edit(); with reseal, the
+ * index's seal is renewed (an index consistent in its bytes, wrong in its
+ * contents: what a faulty writer would commit), so that the checks of the
+ * contents are what must catch it. */
 static void edit_index_row(const char *dir, const char *table, size_t row_size, int row,
-                           void (*edit)(void *row))
+                           void (*edit)(void *row), int reseal)
 {
     char p[1400];
     snprintf(p, sizeof p, "%s/index.h5", dir);
@@ -481,6 +489,7 @@ static void edit_index_row(const char *dir, const char *table, size_t row_size, 
     H5Tclose(t);
     H5Dclose(ds);
     H5Fclose(f);
+    if (reseal) assert_int_equal(ck_index_seal(p), MT_OK);
 }
 
 /* The file layout of a pieces row (FORMAT.md): tensor i32, rank i32,
@@ -520,19 +529,69 @@ static void test_inconsistent_index(void **state)
     copy_tree(base, dir);
     assert_int_equal(piece_of(dir, tn, &first), 2);
     /* a gap: a piece one row short (and its byte count inconsistent) */
-    edit_index_row(dir, "moetrain/pieces", sizeof(prow), first + 1, shrink_count);
+    edit_index_row(dir, "moetrain/pieces", sizeof(prow), first + 1, shrink_count, 1);
     expect_verify_fails(dir, "index.h5", tn);
     expect_load_fails(dir, "index.h5", tn);
     /* an overlap: a piece shifted by a row (and now outside the shape) */
     copy_tree(base, dir);
-    edit_index_row(dir, "moetrain/pieces", sizeof(prow), first, shift_offset);
+    edit_index_row(dir, "moetrain/pieces", sizeof(prow), first, shift_offset, 1);
     expect_verify_fails(dir, "index.h5", tn);
     expect_load_fails(dir, "index.h5", tn);
     /* a checksum that does not match the data */
     copy_tree(base, dir);
-    edit_index_row(dir, "moetrain/pieces", sizeof(prow), first + 1, bad_hash);
+    edit_index_row(dir, "moetrain/pieces", sizeof(prow), first + 1, bad_hash, 1);
     expect_verify_fails(dir, "shard_00001.h5", tn);
     expect_load_fails(dir, "shard_00001.h5", tn);
+}
+
+/* Issue 21, defect 6: an index damaged after its commit, so that verify
+ * fails, is refused by a load too (its seal: XXH64 of every byte), naming
+ * index.h5; whatever the damage: a virtual dataset mapping (HDF5 does not
+ * checksum it, a load never reads it), a table rewritten through HDF5
+ * (valid Fletcher32), bytes appended, the seal itself. An index written
+ * before seals (no user block) still loads. */
+static void test_damaged_index_refused(void **state)
+{
+    (void)state;
+    char root[1200], base[1300], dir[1300], file[1400], cmd[4200];
+    snprintf(root, sizeof root, "%s/seal", tmp);
+    save_ckpt(root, "tp=2", 6, 0);
+    snprintf(base, sizeof base, "%s/step_00000006", root);
+    snprintf(dir, sizeof dir, "%s/../seal_case", root);
+    snprintf(file, sizeof file, "%s/index.h5", dir);
+    mt_ckpt *ck;
+    for (int kind = 0; kind < 4; kind++) {
+        copy_tree(base, dir);
+        if (kind == 0) assert_int_equal(mt_test_damage_index(file), 0);
+        if (kind == 1) {
+            int first;
+            piece_of(dir, "model.embed_tokens.weight", &first);
+            edit_index_row(dir, "moetrain/pieces", sizeof(prow), first + 1, bad_hash, 0);
+        }
+        if (kind == 2) {
+            FILE *f = fopen(file, "ab");
+            fputs("appended", f);
+            fclose(f);
+        }
+        if (kind == 3) flip_byte(file, 30); /* inside the seal's text */
+        reports r = {0, ""};
+        assert_int_equal(mt_ckpt_verify(dir, collect, &r, NULL), MT_ECORRUPT);
+        assert_contains(r.first, "index.h5");
+        assert_int_equal(mt_ckpt_open(&ck, dir), MT_ECORRUPT);
+        assert_contains(mt_errmsg(), "index.h5");
+        assert_contains(mt_errmsg(), kind == 3 ? "checksum block" : "seal");
+    }
+    /* an index without a seal (as older builds wrote it) loads and verifies */
+    copy_tree(base, dir);
+    if (system("command -v h5unjam > /dev/null") != 0) skip();
+    snprintf(cmd, sizeof cmd, "h5unjam -i '%s' -o '%s.plain' > /dev/null && mv '%s.plain' '%s'", file,
+             file, file, file);
+    assert_int_equal(system(cmd), 0);
+    char why[256];
+    assert_int_equal(ck_index_check(file, why, sizeof why), 1);
+    assert_int_equal(mt_ckpt_open(&ck, dir), MT_OK);
+    mt_ckpt_close(ck);
+    assert_int_equal(mt_ckpt_verify(dir, NULL, NULL, NULL), MT_OK);
 }
 
 /* h5dump prints the whole embedding through the virtual dataset, whose
@@ -702,9 +761,13 @@ static void test_fletcher32_matches_hdf5(void **state)
     mt_rng r;
     mt_rng_seed(&r, 5);
     for (size_t i = 0; i < sizeof buf; i++) buf[i] = (uint8_t)mt_rng_u64(&r);
-    const size_t lens[] = {0, 1, 2, 3, 719, 720, 721, 722, 4096, 100002, 100003};
-    for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++)
-        assert_int_equal(ck_fletcher32(buf, lens[k]), fletcher_ref(buf, lens[k]));
+    /* around the 16-word vector step and the 360-word block; odd addresses */
+    const size_t lens[] = {0,   1,   2,   3,   30,  31,  32,   33,   34,     63,     64,
+                           65,  719, 720, 721, 722, 751, 752, 4096, 100001, 100002};
+    for (int off = 0; off < 2; off++) {
+        for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++)
+            assert_int_equal(ck_fletcher32(buf + off, lens[k]), fletcher_ref(buf + off, lens[k]));
+    }
     memset(buf, 0xff, sizeof buf);
     for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++)
         assert_int_equal(ck_fletcher32(buf, lens[k]), fletcher_ref(buf, lens[k]));
@@ -766,6 +829,7 @@ int main(void)
         cmocka_unit_test(test_flipped_byte),
         cmocka_unit_test(test_truncated_and_missing_shard),
         cmocka_unit_test(test_inconsistent_index),
+        cmocka_unit_test(test_damaged_index_refused),
         cmocka_unit_test(test_h5dump_vds),
         cmocka_unit_test(test_commit_protocol),
     };

@@ -318,6 +318,61 @@ static void test_hf_into_trainer(void **state)
     mt_trainer_destroy(b);
 }
 
+/* Issue 21, defect 6: a job does not start from a checkpoint whose index
+ * was damaged after the commit (MT_ECORRUPT naming index.h5, DATA_LOSS
+ * over gRPC); asked (init.fallback), it starts from the newest older step
+ * of the root that loads, and sets the damaged one aside so that its
+ * history holds no newer step. */
+static void test_damaged_checkpoint_fallback(void **state)
+{
+    (void)state;
+    char dir[1300], cmd[3000], idx[1400], set_dir[1400], set_init[1400];
+    snprintf(dir, sizeof dir, "%s/damaged", tmp);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && cp -r '%s/async' '%s'", dir, tmp, dir); /* steps 4, 6 */
+    assert_int_equal(system(cmd), 0);
+    snprintf(idx, sizeof idx, "%s/step_00000006/index.h5", dir);
+    assert_int_equal(mt_test_damage_index(idx), 0);
+    snprintf(set_dir, sizeof set_dir, "checkpoint.dir=%s", dir);
+    snprintf(set_init, sizeof set_init, "init.path=%s", dir);
+    const char *plain[] = {"init.kind=checkpoint", set_init, set_dir};
+    const char *fallback[] = {"init.kind=checkpoint", set_init, set_dir, "init.fallback=true"};
+    mt_jobspec j;
+    mt_trainer *t;
+    mt_job_ckpt *c;
+    tiny_job(&j, plain, 3);
+    ok(mt_trainer_create(&t, &j, be));
+    ok(mt_job_ckpt_open(&c, &j, NULL));
+    assert_int_equal(mt_job_ckpt_restore(c, t), MT_ECORRUPT);
+    assert_contains(mt_errmsg(), "step_00000006/index.h5");
+    ok(mt_job_ckpt_close(c));
+    mt_trainer_destroy(t);
+    /* nothing was changed by the refusal */
+    int64_t *steps;
+    int n;
+    ok(mt_ckpt_list(dir, &steps, &n));
+    assert_int_equal(n, 2);
+    free(steps);
+
+    tiny_job(&j, fallback, 4);
+    ok(mt_trainer_create(&t, &j, be));
+    ok(mt_job_ckpt_open(&c, &j, NULL));
+    ok(mt_job_ckpt_restore(c, t));
+    assert_int_equal(t->step, 4);
+    ok(mt_ckpt_list(dir, &steps, &n));
+    assert_int_equal(n, 1);
+    assert_int_equal(steps[0], 4);
+    free(steps);
+    snprintf(idx, sizeof idx, "%s/step_00000006.damaged/index.h5", dir);
+    assert_int_equal(access(idx, F_OK), 0);
+    /* it trains and saves step 6 again */
+    ok(mt_trainer_step(t, NULL));
+    ok(mt_trainer_step(t, NULL));
+    ok(mt_job_ckpt_save_now(c, t));
+    ok(mt_ckpt_verify(dir, NULL, NULL, NULL));
+    ok(mt_job_ckpt_close(c));
+    mt_trainer_destroy(t);
+}
+
 /* A fresh job refuses a checkpoint.dir holding a newer checkpoint. */
 static void test_refuses_newer_history(void **state)
 {
@@ -346,6 +401,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_exact_fp8_main_none), cmocka_unit_test(test_exact_bf16_recipe),
         cmocka_unit_test(test_exact_fp32_recipe),   cmocka_unit_test(test_async_saves),
         cmocka_unit_test(test_hf_into_trainer),     cmocka_unit_test(test_refuses_newer_history),
+        cmocka_unit_test(test_damaged_checkpoint_fallback),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -772,6 +772,55 @@ static void test_health(void **state)
     rpc_client_close(c);
 }
 
+/* Waits until no job is resident (IDLE or FAILED). */
+static void wait_not_running(rpc_client *c)
+{
+    for (int i = 0;; i++) {
+        assert_true(i < 600);
+        Moetrain__V1__GetStatusResponse *r = status(c);
+        int busy = r->state == MOETRAIN__V1__JOB_STATE__JOB_STATE_RUNNING ||
+                   r->state == MOETRAIN__V1__JOB_STATE__JOB_STATE_PAUSED ||
+                   r->state == MOETRAIN__V1__JOB_STATE__JOB_STATE_STOPPING;
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+        if (!busy) return;
+        sleep_ms(100);
+    }
+}
+
+/* Issue 21, defect 6: StartJob from a checkpoint whose index was damaged
+ * after the commit answers DATA_LOSS naming the file; with
+ * init.fallback=true the job starts from the older step. */
+static void test_damaged_checkpoint(void **state)
+{
+    (void)state;
+    char cmd[8192], root[1200], idx[1300];
+    snprintf(root, sizeof root, "%s/wd/checkpoints/damaged", tmp);
+    snprintf(cmd, sizeof cmd,
+             "%s/tests/ckpt_run --job %s/tiny-cpu.json --threads 1 --set data.path=%s "
+             "--set batch.seq_len=32 --set train.steps=2 --set lr_schedule.warmup_steps=1 "
+             "--set data.valid_interval=0 "
+             "--set checkpoint.dir=%s --set checkpoint.interval=1 2> %s/ckpt_run.log",
+             bin, examples, data, root, tmp);
+    assert_int_equal(system(cmd), 0);
+    snprintf(idx, sizeof idx, "%s/step_00000002/index.h5", root);
+    assert_int_equal(mt_test_damage_index(idx), 0);
+    rpc_client *c = client(TOKEN, NULL);
+    wait_not_running(c);
+    rpc_status st;
+    const char *sets[] = {"checkpoint.dir=checkpoints/damaged", "init.fallback=true"};
+    assert_int_equal(start_job(c, sets, 1, "latest", &st), GRPC_STATUS_DATA_LOSS);
+    assert_contains(st.detail, "step_00000002/index.h5");
+    assert_int_equal(start_job(c, sets, 2, "latest", &st), 0);
+    Moetrain__V1__GetStatusResponse *r = status(c);
+    assert_true(r->step >= 1);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    assert_int_equal(empty_call(c, T "StopJob", &moetrain__v1__stop_job_request__descriptor,
+                                &moetrain__v1__stop_job_response__descriptor, &st),
+                     0);
+    wait_not_running(c);
+    rpc_client_close(c);
+}
+
 /* Last: restart the daemon with TLS. */
 static void test_tls(void **state)
 {
@@ -812,7 +861,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_nonfinite_and_bad_utf8),
         cmocka_unit_test(test_links_out_of_workdir),
         cmocka_unit_test(test_vanishing_clients), cmocka_unit_test(test_health),
-        cmocka_unit_test(test_tls),
+        cmocka_unit_test(test_damaged_checkpoint), cmocka_unit_test(test_tls),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

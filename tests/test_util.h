@@ -48,6 +48,26 @@ static inline int mt_test_synth(const char *prefix, const char *options)
     return system(cmd) == 0 ? 0 : -1;
 }
 
+/* Damages a checkpoint's index.h5 where only its seal notices: flips a
+ * digit of the first virtual dataset mapping's source file name
+ * ("shard_RRRRR.h5" in the global heap, which HDF5 does not checksum and a
+ * load does not read; verify reports the mapping). 0, or -1 if none. */
+static inline int mt_test_damage_index(const char *index_h5)
+{
+    FILE *f = fopen(index_h5, "r+b");
+    if (!f) return -1;
+    static char buf[1 << 22];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    long at = -1;
+    for (size_t i = 0; i + 16 < n && at < 0; i++) {
+        if (memcmp(buf + i, "GCOL", 4) != 0) continue;
+        for (size_t j = i; j + 14 < n && at < 0; j++)
+            if (!memcmp(buf + j, "shard_", 6)) at = (long)(j + 10); /* a digit of the rank */
+    }
+    int rc = at >= 0 && fseek(f, at, SEEK_SET) == 0 && fputc(buf[at] ^ 0x20, f) != EOF ? 0 : -1;
+    return fclose(f) == 0 ? rc : -1;
+}
+
 /* Asserts that `haystack` contains `needle`, printing both if not. */
 #define assert_contains(haystack, needle)                                          \
     do {                                                                           \

@@ -97,6 +97,8 @@ static const mt_field job_fields[] = {
       "auto: start from the newest checkpoint in checkpoint.dir that verifies"),
     E("init.kind", init.kind, "random", init_names, "initial weights"),
     S("init.path", init.path, "", "checkpoint or Hugging Face directory"),
+    B("init.fallback", init.fallback, "false",
+      "a damaged checkpoint: start from the newest older one that loads"),
     L("train.steps", train.steps, NULL, 1, 1LL << 40, "optimizer steps"),
     L("train.seed", train.seed, "1234", 0, 1LL << 62, "seed of initialisation and data order"),
     I("train.log_interval", train.log_interval, "1", 1, 1 << 30, "steps between log lines"),
@@ -125,7 +127,7 @@ static const mt_field job_fields[] = {
     I("train.fault.rank", train.fault.rank, "-1", -1, 1 << 20, "rank with the fault; -1: all"),
 };
 #define N_JOB_FIELDS ((int)(sizeof job_fields / sizeof job_fields[0]))
-_Static_assert(N_JOB_FIELDS == 60, "job spec field table changed: update docs and tests");
+_Static_assert(N_JOB_FIELDS == 61, "job spec field table changed: update docs and tests");
 
 static int is_abs(const char *p) { return p[0] == '/'; }
 

@@ -83,6 +83,7 @@ typedef struct mt_ckpt_cfg {
 typedef struct mt_init_cfg {
     mt_init_kind kind;
     char path[MT_PATH_CAP];  /* checkpoint or HF directory */
+    int fallback;            /* a damaged checkpoint: start from the newest older one that loads */
 } mt_init_cfg;
 
 /* Test-only: the data of steps [step, step + steps) of the uninterrupted

@@ -79,13 +79,15 @@ void mt_train_snapshot_free(mt_train_snapshot *s)
 {
     if (!s) return;
     free(s->params);
-    free(s->act);
-    free(s->q);
-    free(s->s);
-    free(s->f32);
-    free(s->m);
-    free(s->v);
-    free(s->master);
+    if (!s->borrowed) {
+        free(s->act);
+        free(s->q);
+        free(s->s);
+        free(s->f32);
+        free(s->m);
+        free(s->v);
+        free(s->master);
+    }
     free(s->state_json);
     free(s->config_json);
     free(s->job_json);
@@ -93,22 +95,43 @@ void mt_train_snapshot_free(mt_train_snapshot *s)
 }
 
 /* Host copy of `bytes` of backend memory into *dst, reusing a buffer of a
- * previous snapshot (same trainer, same size) when there is one. */
-static int grab(mt_backend *be, void **dst, const void *src, size_t bytes, size_t *total)
+ * previous snapshot (same trainer, same size) when there is one; a view
+ * (borrowed) points at the backend's host memory instead. */
+static int grab(mt_backend *be, void **dst, const void *src, size_t bytes, size_t *total, int borrow)
 {
+    if (borrow) {
+        *dst = (void *)src;
+        *total += bytes;
+        return MT_OK;
+    }
     if (!*dst) *dst = malloc(bytes ? bytes : 1);
     if (!*dst) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of host memory (%zu bytes)", bytes);
     *total += bytes;
+    if (be->kind == MT_BE_CPU && bytes >= ((size_t)64 << 20)) {
+        /* host to host: the stall of an async save is this copy; split it
+         * over the cores in 16 MB blocks */
+        const size_t blk = (size_t)16 << 20;
+        const int64_t nb = (int64_t)((bytes + blk - 1) / blk);
+        int rc = MT_OK;
+#pragma omp parallel for schedule(static) reduction(min : rc)
+        for (int64_t k = 0; k < nb; k++) {
+            const size_t o = (size_t)k * blk, n = bytes - o < blk ? bytes - o : blk;
+            int r = be->download(be, (char *)*dst + o, (const char *)src + o, n);
+            rc = r < rc ? r : rc;
+        }
+        return rc < 0 ? MT_ERR(rc, "checkpoint snapshot: host copy failed") : MT_OK;
+    }
     return bytes ? be->download(be, *dst, src, bytes) : MT_OK;
 }
 
-int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
+static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
 {
     mt_model *m = t->model;
     mt_optimizer *o = t->opt;
     mt_backend *be = m->be;
     const size_t act = (size_t)be->act_bytes;
     int rc = MT_OK;
+    if (s->borrowed != borrow) mt_train_snapshot_free(s); /* a view's buffers are not ours */
     /* indexed like the sharding map (the full table): under expert
      * parallelism the other ranks' experts are absent here (offsets -1) */
     const int n_glob = m->n_params_global;
@@ -117,6 +140,7 @@ int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
         s->params = calloc((size_t)(n_glob > 0 ? n_glob : 1), sizeof *s->params);
         if (!s->params) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of memory");
     }
+    s->borrowed = borrow; /* after any free (which zeroes s) */
     free(s->state_json);
     free(s->config_json);
     free(s->job_json);
@@ -152,14 +176,14 @@ int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
     s->master_bytes = o->main == MT_MAIN_FP32 ? 4 : 2;
     const size_t nopt = (size_t)o->n_state;
     MT_GOTO(be->sync(be), fail);
-    MT_GOTO(grab(be, &s->act, m->buf_act, (size_t)n_act * act, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->q, m->buf_q, (size_t)n_q, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->s, m->buf_s, (size_t)n_s * 4, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->f32, m->buf_f32, (size_t)n_f * 4, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->m, o->m, nopt * 2, &s->bytes), fail);
-    MT_GOTO(grab(be, (void **)&s->v, o->v, nopt * 2, &s->bytes), fail);
+    MT_GOTO(grab(be, &s->act, m->buf_act, (size_t)n_act * act, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->q, m->buf_q, (size_t)n_q, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->s, m->buf_s, (size_t)n_s * 4, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->f32, m->buf_f32, (size_t)n_f * 4, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->m, o->m, nopt * 2, &s->bytes, borrow), fail);
+    MT_GOTO(grab(be, (void **)&s->v, o->v, nopt * 2, &s->bytes, borrow), fail);
     if (o->master)
-        MT_GOTO(grab(be, &s->master, o->master, nopt * (size_t)s->master_bytes, &s->bytes), fail);
+        MT_GOTO(grab(be, &s->master, o->master, nopt * (size_t)s->master_bytes, &s->bytes, borrow), fail);
     s->step = t->step;
     s->consumed_samples = t->consumed_samples;
     s->consumed_tokens = t->consumed_samples * t->job.batch.seq_len;
@@ -176,6 +200,16 @@ int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s)
 fail:
     mt_train_snapshot_free(s);
     return rc;
+}
+
+int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s) { return snapshot(t, s, 0); }
+
+int mt_train_state_view(mt_trainer *t, mt_train_snapshot *s)
+{
+    if (t->model->be->kind != MT_BE_CPU)
+        return MT_ERR(MT_ENOTSUP, "checkpoint snapshot: a view needs host memory (%s backend)",
+                      t->model->be->name);
+    return snapshot(t, s, 1);
 }
 
 /* Converts n elements of a source type to the band dtype. Source types:
@@ -367,6 +401,20 @@ static int read_whole(const mt_tensor_reader *r, mt_tensor_desc *d)
  * as stored (the transpose rebuilt), router bias f32, other weights through
  * f32 (exact for bf16 values) into act. dev_tmp: device f32 scratch of the
  * largest parameter; host / hs: host scratch of its values / block scales. */
+/* Where a restore reads a tensor the backend keeps at dev: dev itself when
+ * the backend's memory is host memory (CPU: no upload copy), else the host
+ * staging buffer. */
+static void *read_into(const mt_backend *be, void *dev, void *host)
+{
+    return be->kind == MT_BE_CPU ? dev : host;
+}
+
+/* Uploads n bytes from src to dev unless they were read there. */
+static int upload_unless(mt_backend *be, void *dev, const void *src, size_t n)
+{
+    return src == dev ? MT_OK : be->upload(be, dev, src, n);
+}
+
 static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host, float *hs,
                       float *dev_tmp)
 {
@@ -376,18 +424,21 @@ static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host,
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
     if (p->q) {
-        param_desc(&d, pd, pd->name, MT_DT_E4M3, host);
-        int rc = r->read_fp8(r->ctx, &d, hs);
+        void *q = read_into(be, p->q, host);
+        float *sc = read_into(be, p->s, hs);
+        param_desc(&d, pd, pd->name, MT_DT_E4M3, q);
+        int rc = r->read_fp8(r->ctx, &d, sc);
         if (rc < 0) return mt_err_wrap(rc, "restoring %s", pd->name);
         const int64_t nb = ((pd->rows + 127) / 128) * ((pd->cols + 127) / 128);
-        MT_CHECK(be->upload(be, p->q, host, (size_t)n));
-        MT_CHECK(be->upload(be, p->s, hs, (size_t)nb * 4));
+        MT_CHECK(upload_unless(be, p->q, q, (size_t)n));
+        MT_CHECK(upload_unless(be, p->s, sc, (size_t)nb * 4));
         return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)pd->rows, (int)pd->cols);
     }
     if (p->wf) {
-        param_desc(&d, pd, pd->name, MT_DT_F32, host);
+        void *w = read_into(be, p->wf, host);
+        param_desc(&d, pd, pd->name, MT_DT_F32, w);
         MT_CHECK(read_whole(r, &d));
-        return be->upload(be, p->wf, host, (size_t)n * 4);
+        return upload_unless(be, p->wf, w, (size_t)n * 4);
     }
     param_desc(&d, pd, pd->name, MT_DT_F32, host);
     MT_CHECK(read_whole(r, &d));
@@ -424,20 +475,24 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
         return be->upload(be, (char *)o->master + (size_t)off * mb, host, (size_t)n * mb);
     }
     MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg", pd->name));
-    param_desc(&d, pd, name, MT_DT_BF16, host);
+    void *mv = read_into(be, o->m + off, host);
+    param_desc(&d, pd, name, MT_DT_BF16, mv);
     MT_CHECK(read_whole(r, &d));
-    MT_CHECK(be->upload(be, o->m + off, host, (size_t)n * 2));
+    MT_CHECK(upload_unless(be, o->m + off, mv, (size_t)n * 2));
     MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg_sq", pd->name));
-    param_desc(&d, pd, name, MT_DT_BF16, host);
+    mv = read_into(be, o->v + off, host);
+    param_desc(&d, pd, name, MT_DT_BF16, mv);
     MT_CHECK(read_whole(r, &d));
-    MT_CHECK(be->upload(be, o->v + off, host, (size_t)n * 2));
+    MT_CHECK(upload_unless(be, o->v + off, mv, (size_t)n * 2));
     if (!o->master) return MT_OK;
     MT_CHECK(mt_param_optim_name(name, sizeof name, "main", pd->name));
-    param_desc(&d, pd, name, o->main == MT_MAIN_FP32 ? MT_DT_F32 : MT_DT_BF16, host);
+    void *master = (char *)o->master + (size_t)off * mb, *mm = read_into(be, master, host);
+    param_desc(&d, pd, name, o->main == MT_MAIN_FP32 ? MT_DT_F32 : MT_DT_BF16, mm);
     int rc = r->read(r->ctx, &d);
     if (rc == MT_ENOTFOUND) {
         /* saved with main_params none: start the main copy from the weights */
         mt_err_clear();
+        mm = host;
         float *f = host;
         MT_CHECK(mt_model_get_param(m, i, f));
         if (o->main == MT_MAIN_BF16)
@@ -445,7 +500,7 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     } else if (rc < 0) {
         return mt_err_wrap(rc, "restoring %s", name);
     }
-    return be->upload(be, (char *)o->master + (size_t)off * mb, host, (size_t)n * mb);
+    return upload_unless(be, master, mm, (size_t)n * mb);
 }
 
 /* Elements of the largest parameter and block scales of the largest weight. */

@@ -58,6 +58,7 @@ typedef struct mt_train_snapshot {
     char *config_json;         /* the model's config.json */
     char *job_json;            /* the job spec */
     const void *trainer;       /* the trainer it copies (buffer reuse) */
+    int borrowed;              /* a view: the buffers are the trainer's own */
 } mt_train_snapshot;
 
 /* Copies the trainer's state to host memory (the stall of an async save).
@@ -65,6 +66,11 @@ typedef struct mt_train_snapshot {
  * buffers are then reused: after the first save the stall is the copy
  * alone, without allocating and faulting in fresh host memory. */
 int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s);
+/* The same without copying, where the backend's buffers are host memory
+ * (CPU): the snapshot points into the trainer, valid while it does not
+ * step - what a synchronous save needs (MT_ENOTSUP on device backends).
+ * s is zeroed or a previous view. */
+int mt_train_state_view(mt_trainer *t, mt_train_snapshot *s);
 void mt_train_snapshot_free(mt_train_snapshot *s);
 
 /* Fills band (a hyperslab of a tensor of `map`, map dtype) from the

@@ -1,39 +1,49 @@
-/* bench_ckpt.c - checkpoint throughput against the disk, and the stall of
- * an asynchronous save against a plain host copy.
+/* bench_ckpt.c - checkpoint throughput against dd on the same disk, the
+ * stall of an asynchronous save against a plain host copy, peak memory.
  *
- *   bench_ckpt [--dir DIR] [--examples DIR] [--threads N] [--scale K] [--keep]
+ *   bench_ckpt [--dir DIR] [--examples DIR] [--synth MOETRAIN-DATA] [--threads N]
+ *              [--scale K] [--repeat R] [--keep]
+ *   mpirun -np N bench_ckpt ...      (aggregate over the ranks: dp = N)
  *
- * Builds a DeepSeek-V3-architecture trainer on the CPU backend whose
- * checkpoint (FP8 weights + scales, BF16 moments, FP32 main params) is
- * about 2.3 GB x K, and measures in DIR (default ./bench_ckpt.tmp):
+ * Builds a DeepSeek-V3-architecture job on the CPU backend (one per rank)
+ * whose checkpoint (FP8 weights + scales, BF16 moments, FP32 main params) is
+ * about 2.3 GB x K, and measures in DIR (default ./bench_ckpt.tmp), each
+ * figure the best of R runs (default 3):
  *   dd write      dd bs=4M conv=fsync of a file of the checkpoint's size
+ *                 (under mpirun: one file per rank, of its shard's size, at
+ *                 the same time)
  *   dd read       dd bs=4M of it, page cache dropped first
- *   save          a synchronous save (snapshot, shards, index, fsyncs, commit)
+ *   save          a synchronous save (shards, index, fsyncs, commit)
  *   async write   the background part of an asynchronous save (shards,
  *                 index, fsyncs, commit): the disk-facing throughput
- *   load          restore into a new trainer, page cache dropped first
+ *   load          a new job restoring it, page cache dropped first
  *   verify        moetrain-ckpt verify (every byte read and checksummed), cold
- *   async stall   training blocked by an asynchronous save (the snapshot)
- *   host copy     memcpy of the same bytes, into fresh and into touched memory
- * The first asynchronous save allocates its host buffers (page faults);
- * later ones reuse them.
- * Results go to tests/bench/RESULTS.md.
+ *                 (rank 0 alone)
+ *   async stall   training blocked by an asynchronous save (the snapshot),
+ *   host copy     against memcpy of the same bytes into touched memory
+ * Peak memory: the largest resident set during each phase above the one
+ * at its start (Linux's VmHWM after clear_refs): what the phase allocates
+ * beyond the job's own memory (the async saves' snapshot buffers count). Results go to tests/bench/RESULTS.md;
+ * tests/bench/bench_ckpt.sh runs the single-rank and the 4-rank cases.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <fcntl.h>
+#include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "ckpt/ckpt.h"
-#include "engine/train/train_state.h"
 #include "engine/train/trainer.h"
+#include "base/mt_log.h"
 #include "base/mt_status.h"
 #include "runtime/job_checkpoint.h"
+#include "runtime/runtime.h"
 
 static double now_s(void)
 {
@@ -45,7 +55,45 @@ static double now_s(void)
 static int die(const char *what)
 {
     fprintf(stderr, "bench_ckpt: %s: %s\n", what, mt_errmsg());
+    MPI_Abort(MPI_COMM_WORLD, 2);
     return 2;
+}
+
+/* A field of /proc/self/status in MB ("VmRSS", "VmHWM"), -1 if absent. */
+static double status_mb(const char *key)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    double v = -1;
+    size_t n = strlen(key);
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, key, n) && line[n] == ':') v = atof(line + n + 1) / 1024.0;
+    if (f) fclose(f);
+    return v;
+}
+
+/* Starts a phase's memory measure: resets the peak resident set (Linux:
+ * clear_refs 5) and returns the resident set now, MB. */
+static double mem_start(void)
+{
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (f) {
+        fputs("5", f);
+        fclose(f);
+    }
+    return status_mb("VmRSS");
+}
+
+/* The phase's peak resident set above its start, MB. */
+static double mem_peak(double start)
+{
+    double hwm = status_mb("VmHWM");
+    if (hwm < 0) {
+        struct rusage u;
+        getrusage(RUSAGE_SELF, &u);
+        hwm = (double)u.ru_maxrss / 1024.0;
+    }
+    return hwm > start ? hwm - start : 0;
 }
 
 /* Drops the page cache of every file under dir (recursively): clean pages
@@ -77,7 +125,13 @@ static int64_t drop_cache(const char *dir)
     return total;
 }
 
-/* Runs a dd command, returns its seconds (wall clock of the command). */
+static int64_t file_size(const char *p)
+{
+    struct stat st;
+    return stat(p, &st) == 0 ? (int64_t)st.st_size : 0;
+}
+
+/* Runs a shell command, returns its seconds. */
 static double run_timed(const char *cmd)
 {
     double t0 = now_s();
@@ -88,39 +142,82 @@ static double run_timed(const char *cmd)
     return now_s() - t0;
 }
 
+/* Wall time of a collective phase: every rank starts together, the phase
+ * ends when the last rank is done. */
+static double phase_begin(void)
+{
+    MPI_Barrier(MPI_COMM_WORLD);
+    return now_s();
+}
+
+static double phase_end(double t0)
+{
+    MPI_Barrier(MPI_COMM_WORLD);
+    return now_s() - t0;
+}
+
+static double best(double a, double b) { return a < 0 || (b >= 0 && b < a) ? b : a; }
+
+typedef struct row {
+    const char *name;
+    double s, gb;       /* seconds, GB moved */
+    double dd;          /* the dd figure it compares with, GB/s (0: none) */
+    double mem;         /* peak RSS above the job's own, MB */
+    const char *note;
+} row;
+
+static void print_row(const row *r)
+{
+    double rate = r->gb / r->s;
+    char vs[32] = "";
+    if (r->dd > 0) snprintf(vs, sizeof vs, "%5.0f %%", 100 * rate / r->dd);
+    printf("%-13s %9.3f %9.2f %9s %9.0f  %s\n", r->name, r->s, rate, vs, r->mem, r->note ? r->note : "");
+}
+
 int main(int argc, char **argv)
 {
-    const char *dir = "bench_ckpt.tmp", *examples = "deploy/examples";
-    int threads = 0, keep = 0;
+    int provided;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    const char *dir = "bench_ckpt.tmp", *examples = "deploy/examples", *synth = NULL;
+    int threads = 0, keep = 0, repeat = 3;
     double scale = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--dir") && i + 1 < argc) dir = argv[++i];
         else if (!strcmp(argv[i], "--examples") && i + 1 < argc) examples = argv[++i];
+        else if (!strcmp(argv[i], "--synth") && i + 1 < argc) synth = argv[++i];
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--scale") && i + 1 < argc) scale = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--keep")) keep = 1;
         else {
-            fprintf(stderr, "usage: bench_ckpt [--dir DIR] [--examples DIR] [--threads N] "
-                            "[--scale K] [--keep]\n");
+            fprintf(stderr, "usage: bench_ckpt [--dir DIR] [--examples DIR] [--synth MOETRAIN-DATA] "
+                            "[--threads N] [--scale K] [--repeat R] [--keep]\n");
             return 1;
         }
     }
-    char cmd[8192], p[4096], root[4096], data[4096];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s'", dir, dir);
-    if (system(cmd) != 0) return 2;
+    if (repeat < 1) repeat = 1;
+    mt_runtime *rt;
+    if (mt_runtime_create(&rt) < 0) return die("runtime");
+    mt_log_set_rank(rt->rank);
+    const int rank = rt->rank, world = rt->size;
+    char cmd[8192], p[4096], root[4096], data[4096], tool[4096];
     snprintf(root, sizeof root, "%s/ckpt", dir);
     snprintf(data, sizeof data, "%s/syn", dir);
-    const char *bin = getenv("MT_BIN_DIR");
-    snprintf(cmd, sizeof cmd,
-             "%s/engine/moetrain-data synth --output '%s' --vocab 1024 --tokens 20000 --seed 1 > /dev/null",
-             bin ? bin : "build", data);
-    if (system(cmd) != 0) return 2;
+    if (synth) snprintf(tool, sizeof tool, "%s", synth);
+    else snprintf(tool, sizeof tool, "%s/engine/moetrain-data", getenv("MT_BIN_DIR") ? getenv("MT_BIN_DIR") : "build");
+    if (rank == 0) {
+        snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s' && '%s' synth --output '%s' --vocab 1024 "
+                 "--tokens 20000 --seed 1 > /dev/null", dir, dir, tool, data);
+        if (system(cmd) != 0) return die("corpus (moetrain-data synth)");
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
 
     /* ~260M parameters x 9 bytes (e4m3 + bf16 m, v + f32 main): 2.3 GB at scale 1 */
-    char s_exp[64], s_grp[64], s_tg[64], s_data[4200], s_dir[4200], s_init[4200];
+    char s_exp[64], s_grp[64], s_tg[64], s_data[4200], s_dir[4200], s_init[4200], s_dp[64];
     int experts = (int)(16 * scale + 0.5), groups = 8;
     if (experts < 2) experts = 2;
-    if (experts < groups) groups = 1;
+    /* group-limited routing scores a group by its top-2 experts */
+    while (groups > 1 && experts / groups < 2) groups /= 2;
     experts = experts / groups * groups;
     snprintf(s_exp, sizeof s_exp, "model.n_routed_experts=%d", experts);
     snprintf(s_grp, sizeof s_grp, "model.n_group=%d", groups);
@@ -128,133 +225,203 @@ int main(int argc, char **argv)
     snprintf(s_data, sizeof s_data, "data.path=%s", data);
     snprintf(s_dir, sizeof s_dir, "checkpoint.dir=%s", root);
     snprintf(s_init, sizeof s_init, "init.path=%s", root);
-    const char *sets[] = {s_data, "model.vocab_size=32768", "model.hidden_size=1024",
-                          "model.intermediate_size=4096", "model.moe_intermediate_size=1024",
-                          "model.num_hidden_layers=4", "model.num_attention_heads=16",
-                          "model.num_key_value_heads=16", "model.q_lora_rank=512",
-                          "model.kv_lora_rank=512", "model.qk_nope_head_dim=128",
-                          "model.qk_rope_head_dim=64", "model.v_head_dim=128", s_exp,
-                          s_grp, s_tg, "model.num_experts_per_tok=2",
-                          "batch.micro_batch_size=1", "batch.global_batch_size=1",
-                          "batch.seq_len=16", "train.steps=4", "lr_schedule.warmup_steps=1",
-                          "data.valid_interval=0", "train.log_interval=1000", s_dir,
-                          "checkpoint.async=false", "checkpoint.keep_last=0", NULL, NULL};
+    snprintf(s_dp, sizeof s_dp, "parallel.dp=%d", world);
+    const char *sets[40] = {s_data, "model.vocab_size=32768", "model.hidden_size=1024",
+                            "model.intermediate_size=4096", "model.moe_intermediate_size=1024",
+                            "model.num_hidden_layers=4", "model.num_attention_heads=16",
+                            "model.num_key_value_heads=16", "model.q_lora_rank=512",
+                            "model.kv_lora_rank=512", "model.qk_nope_head_dim=128",
+                            "model.qk_rope_head_dim=64", "model.v_head_dim=128", s_exp,
+                            s_grp, s_tg, "model.num_experts_per_tok=2",
+                            "batch.micro_batch_size=1", s_dp, "batch.seq_len=16",
+                            "train.steps=4", "lr_schedule.warmup_steps=1",
+                            "data.valid_interval=0", "train.log_interval=1000", s_dir,
+                            "checkpoint.async=false", "checkpoint.keep_last=0"};
     int ns = 27;
+    char s_gbs[64];
+    snprintf(s_gbs, sizeof s_gbs, "batch.global_batch_size=%d", world);
+    sets[ns++] = s_gbs;
     snprintf(p, sizeof p, "%s/tiny-cpu.json", examples);
     mt_jobspec ja, jb;
-    if (mt_jobspec_load(&ja, p, sets, ns) < 0 || mt_jobspec_admit(&ja, 1) < 0) return die("job");
-    mt_backend *be;
-    if (mt_backend_cpu_create(&be, threads) < 0) return die("backend");
+    if (mt_jobspec_load(&ja, p, sets, ns) < 0 || mt_jobspec_admit(&ja, world) < 0) return die("job");
+    mt_job_opts jo = {.threads = threads};
 
-    /* ---- save ---- */
+    /* ---- the job, and its synchronous saves (each into a fresh root) ---- */
     double t0 = now_s();
-    mt_trainer *a;
-    mt_job_ckpt *ca;
-    if (mt_trainer_create(&a, &ja, be) < 0) return die("trainer");
-    if (mt_job_ckpt_open(&ca, &ja, NULL) < 0 || mt_job_ckpt_restore(ca, a) < 0) return die("checkpoint policy");
-    printf("trainer: %lld parameters, created in %.1f s\n", (long long)mt_params_numel(&a->model->table),
-           now_s() - t0);
-    t0 = now_s();
-    if (mt_job_ckpt_save_now(ca, a) < 0) return die("save");
-    const double t_save = now_s() - t0;
-    mt_job_ckpt_close(ca);
-    mt_trainer_destroy(a);
-    const int64_t bytes = drop_cache(root);
-    printf("checkpoint: %.3f GB on disk\n", (double)bytes / 1e9);
+    mt_job *a;
+    if (mt_job_start(&a, rt, &ja, &jo) < 0) return die("job start");
+    const double base_mb = status_mb("VmRSS");
+    if (rank == 0)
+        printf("job: %d rank(s), %lld parameters, created in %.1f s, %.0f MB resident\n", world,
+               (long long)mt_params_numel(&a->trainer->model->table), now_s() - t0, base_mb);
+    double t_save = -1, m0 = mem_start();
+    int64_t bytes = 0, mine = 0;
+    mt_trainer *tr = a->trainer;
+    const int64_t step0 = tr->step;
+    for (int k = 1; k <= repeat; k++) {
+        tr->step = step0 + k; /* a step not saved yet */
+        t0 = phase_begin();
+        if (mt_job_save(a) < 0) return die("save");
+        t_save = best(t_save, phase_end(t0));
+        if (rank == 0 && k > 1) { /* keep the disk for one */
+            char old[4200];
+            mt_ckpt_step_path(old, sizeof old, root, tr->step - 1, 0);
+            snprintf(cmd, sizeof cmd, "rm -rf '%s'", old);
+            if (system(cmd) != 0) return 2;
+        }
+    }
+    const double mem_save = mem_peak(m0);
+    /* sizes: the whole checkpoint, and this rank's shard (dd's file) */
+    char step_dir[4200];
+    mt_ckpt_step_path(step_dir, sizeof step_dir, root, tr->step, 0);
+    snprintf(p, sizeof p, "%s/shard_%05d.h5", step_dir, rank);
+    mine = file_size(p);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (rank == 0) bytes = drop_cache(root);
+    MPI_Bcast(&bytes, 1, MPI_INT64_T, 0, MPI_COMM_WORLD);
+    const double gb = (double)bytes / 1e9;
+    if (rank == 0) printf("checkpoint: %.3f GB on disk\n", gb);
 
-    /* ---- dd of the same size on the same disk ---- */
-    snprintf(p, sizeof p, "%s/dd.bin", dir);
-    const long blocks = (long)(bytes / (4 << 20)) + 1;
-    snprintf(cmd, sizeof cmd, "dd if=/dev/zero of='%s' bs=4M count=%ld conv=fsync status=none", p, blocks);
-    const double t_ddw = run_timed(cmd);
-    snprintf(cmd, sizeof cmd, "dd if='%s' iflag=nocache count=0 status=none", p);
-    if (system(cmd) != 0) return 2;
-    drop_cache(dir);
-    snprintf(cmd, sizeof cmd, "dd if='%s' of=/dev/null bs=4M status=none", p);
-    const double t_ddr = run_timed(cmd);
-    const double dd_bytes = (double)blocks * (4 << 20);
+    /* ---- dd of the same sizes on the same disk, every rank at once ---- */
+    double t_ddw = -1, t_ddr = -1;
+    snprintf(p, sizeof p, "%s/dd.%d.bin", dir, rank);
+    const long blocks = (long)((world > 1 ? mine : bytes) / (4 << 20)) + 1;
+    for (int k = 0; k < repeat; k++) {
+        snprintf(cmd, sizeof cmd, "dd if=/dev/zero of='%s' bs=4M count=%ld conv=fsync status=none", p, blocks);
+        t0 = phase_begin();
+        if (run_timed(cmd) < 0) return 2;
+        t_ddw = best(t_ddw, phase_end(t0));
+        snprintf(cmd, sizeof cmd, "dd if='%s' iflag=nocache count=0 status=none", p);
+        if (system(cmd) != 0) return 2;
+        drop_cache(dir);
+        snprintf(cmd, sizeof cmd, "dd if='%s' of=/dev/null bs=4M status=none", p);
+        t0 = phase_begin();
+        if (run_timed(cmd) < 0) return 2;
+        t_ddr = best(t_ddr, phase_end(t0));
+    }
     unlink(p);
+    double dd_bytes = (double)blocks * (4 << 20), all_dd = 0;
+    MPI_Allreduce(&dd_bytes, &all_dd, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    const double ddw = all_dd / 1e9 / t_ddw, ddr = all_dd / 1e9 / t_ddr;
 
-    /* ---- load ---- */
+    /* ---- load: a new job restoring the checkpoint, cold ---- */
     sets[ns] = "init.kind=checkpoint";
     sets[ns + 1] = s_init;
     snprintf(p, sizeof p, "%s/tiny-cpu.json", examples);
-    if (mt_jobspec_load(&jb, p, sets, ns + 2) < 0 || mt_jobspec_admit(&jb, 1) < 0)
-        return die("job");
-    mt_trainer *b;
-    mt_job_ckpt *cb;
-    if (mt_trainer_create(&b, &jb, be) < 0) return die("trainer");
-    if (mt_job_ckpt_open(&cb, &jb, NULL) < 0) return die("checkpoint policy");
-    drop_cache(root);
-    t0 = now_s();
-    if (mt_job_ckpt_restore(cb, b) < 0) return die("load");
-    const double t_load = now_s() - t0;
-    mt_job_ckpt_close(cb);
-
-    /* ---- verify, cold ---- */
-    drop_cache(root);
-    t0 = now_s();
-    if (mt_ckpt_verify(root, NULL, NULL, NULL) < 0) return die("verify");
-    const double t_verify = now_s() - t0;
-
-    /* ---- async save: the stall, against a host copy of the same bytes ---- */
-    jb.checkpoint.async = 1;
-    jb.checkpoint.interval = 1;
-    jb.init.kind = MT_INIT_RANDOM;
-    snprintf(jb.checkpoint.dir, sizeof jb.checkpoint.dir, "%s/async", dir);
-    if (mt_job_ckpt_open(&cb, &jb, NULL) < 0) return die("checkpoint policy");
-    /* first save: fresh host buffers; second: the same buffers again */
-    double t_stall1 = 0, t_stall = 0;
-    mt_job_ckpt_stats st;
-    for (int k = 1; k <= 2; k++) {
-        b->step = k; /* a step boundary that is due for a save */
-        t0 = now_s();
-        if (mt_job_ckpt_after_step(cb, b) < 0) return die("async save");
-        *(k == 1 ? &t_stall1 : &t_stall) = now_s() - t0;
-        if (mt_job_ckpt_wait(cb) < 0) return die("async save");
+    if (mt_jobspec_load(&jb, p, sets, ns + 2) < 0 || mt_jobspec_admit(&jb, world) < 0) return die("job");
+    double t_load = -1, mem_load = 0;
+    for (int k = 0; k < repeat; k++) {
+        /* the trainer's own state again, from the disk: the restore alone */
+        mt_job_ckpt *cl;
+        if (mt_job_ckpt_open(&cl, &jb, rt->world) < 0) return die("checkpoint policy");
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (rank == 0) drop_cache(root);
+        m0 = mem_start();
+        t0 = phase_begin();
+        if (mt_job_ckpt_restore(cl, tr) < 0) return die("load");
+        t_load = best(t_load, phase_end(t0));
+        mem_load = mem_peak(m0);
+        mt_job_ckpt_close(cl);
     }
-    mt_job_ckpt_get_stats(cb, &st);
+    const int64_t saved = tr->step;
+
+    /* ---- verify, cold (rank 0: the whole checkpoint) ---- */
+    double t_verify = -1, mem_verify = 0;
+    if (rank == 0) {
+        m0 = mem_start();
+        for (int k = 0; k < repeat; k++) {
+            drop_cache(root);
+            t0 = now_s();
+            if (mt_ckpt_verify(root, NULL, NULL, NULL) < 0) return die("verify");
+            t_verify = best(t_verify, now_s() - t0);
+        }
+        mem_verify = mem_peak(m0);
+    }
+
+    /* ---- asynchronous saves: the stall, and the background write ---- */
+    mt_job_ckpt *cb;
+    mt_jobspec jc = ja;
+    jc.checkpoint.async = 1;
+    jc.checkpoint.interval = 1;
+    snprintf(jc.checkpoint.dir, sizeof jc.checkpoint.dir, "%s/async", dir);
+    if (mt_job_ckpt_open(&cb, &jc, rt->world) < 0) return die("checkpoint policy");
+    /* first save: fresh host buffers; later ones: the same buffers again */
+    double t_stall1 = 0, t_stall = -1, t_bg = -1;
+    mt_job_ckpt_stats st;
+    m0 = mem_start();
+    for (int k = 1; k <= repeat + 1; k++) {
+        tr->step = saved + k; /* a step boundary that is due for a save */
+        t0 = phase_begin();
+        if (mt_job_ckpt_after_step(cb, tr) < 0) return die("async save");
+        double s = phase_end(t0);
+        if (mt_job_ckpt_wait(cb) < 0) return die("async save");
+        MPI_Barrier(MPI_COMM_WORLD);
+        mt_job_ckpt_get_stats(cb, &st);
+        if (k == 1) {
+            t_stall1 = s;
+        } else {
+            t_stall = best(t_stall, s);
+            t_bg = best(t_bg, (st.last_write_ms - st.last_stall_ms) / 1e3);
+        }
+    }
+    tr->step = saved;
+    const double mem_async = mem_peak(m0);
     mt_job_ckpt_close(cb);
     const size_t snap = (size_t)st.last_bytes;
-    char *src = malloc(snap);
+    char *src = malloc(snap), *dst = malloc(snap);
+    if (!src || !dst) return die("host copy: out of memory");
+    /* both touched first (not 0: malloc + memset 0 may become calloc's
+     * untouched zero pages) */
     memset(src, 1, snap);
-    t0 = now_s();
-    char *dst = malloc(snap);
-    memcpy(dst, src, snap);
-    const double t_copy1 = now_s() - t0;
-    memset(src, 2, snap);
-    t0 = now_s();
-    memcpy(dst, src, snap);
-    const double t_copy = now_s() - t0;
-    if (dst[snap - 1] != 2) return 2;
+    memset(dst, 2, snap);
+    double t_copy = -1;
+    for (int k = 0; k < repeat; k++) {
+        src[k] = (char)k;
+        t0 = now_s();
+        memcpy(dst, src, snap);
+        t_copy = best(t_copy, now_s() - t0);
+    }
+    if (dst[0] != src[0]) return 2;
     free(src);
     free(dst);
-    mt_trainer_destroy(b);
-    be->destroy(be);
+    mt_job_end(a);
 
-    const double gb = (double)bytes / 1e9;
-    printf("\n%-12s %10s %10s\n", "", "seconds", "GB/s");
-    printf("%-12s %10.2f %10.2f\n", "dd write", t_ddw, dd_bytes / 1e9 / t_ddw);
-    printf("%-12s %10.2f %10.2f\n", "save", t_save, gb / t_save);
-    printf("%-12s %10.2f %10.2f\n", "dd read", t_ddr, dd_bytes / 1e9 / t_ddr);
-    printf("%-12s %10.2f %10.2f\n", "load", t_load, gb / t_load);
-    printf("%-12s %10.2f %10.2f\n", "verify", t_verify, gb / t_verify);
-    printf("%-12s %10.3f %10.2f  (snapshot %.2f GB, first save: fresh buffers)\n", "async stall 1",
-           t_stall1, (double)snap / 1e9 / t_stall1, (double)snap / 1e9);
-    printf("%-12s %10.3f %10.2f  (into fresh memory)\n", "host copy 1", t_copy1, (double)snap / 1e9 / t_copy1);
-    printf("%-12s %10.3f %10.2f  (later saves: buffers reused)\n", "async stall", t_stall, (double)snap / 1e9 / t_stall);
-    printf("%-12s %10.3f %10.2f  (into touched memory)\n", "host copy", t_copy, (double)snap / 1e9 / t_copy);
-    const double t_bg = (st.last_write_ms - st.last_stall_ms) / 1e3;
-    printf("%-12s %10.2f %10.2f  (snapshot to commit)\n", "async save", st.last_write_ms / 1e3,
-           gb / (st.last_write_ms / 1e3));
-    printf("%-12s %10.2f %10.2f  (its background part: shards, index, fsyncs, commit)\n",
-           "async write", t_bg, gb / t_bg);
-    printf("\n| %.2f GB | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f / %.0f ms | %.0f / %.0f ms |\n",
-           gb, gb / t_save, gb / t_bg, dd_bytes / 1e9 / t_ddw, gb / t_load, dd_bytes / 1e9 / t_ddr,
-           gb / t_verify, t_stall1 * 1e3, t_stall * 1e3, t_copy1 * 1e3, t_copy * 1e3);
-    if (!keep) {
+    if (rank == 0) {
+        const double sg = (double)snap / 1e9;
+        printf("\n%d rank(s); best of %d; GB/s of the whole checkpoint (%.2f GB); %% of dd "
+               "write (saves) or read (load, verify); MB peak: resident memory the phase added "
+               "to the job's %.0f MB\n\n",
+               world, repeat, gb, base_mb);
+        printf("%-13s %9s %9s %9s %9s\n", "", "seconds", "GB/s", "vs dd", "MB peak");
+        row rows[] = {
+            {"dd write", t_ddw, all_dd / 1e9, 0, 0, world > 1 ? "every rank its shard's size at once" : NULL},
+            {"save", t_save, gb, ddw, mem_save, "synchronous: shards, index, fsyncs, commit"},
+            {"async write", t_bg, gb, ddw, mem_async, "background part of an async save (snapshot buffers included)"},
+            {"dd read", t_ddr, all_dd / 1e9, 0, 0, "page cache dropped"},
+            {"load", t_load, gb, ddr, mem_load, "restore into the job's trainer, cold"},
+            {"verify", t_verify, gb, world > 1 ? 0 : ddr, mem_verify, "moetrain-ckpt verify, cold (rank 0)"},
+            {"async stall", t_stall, sg, 0, 0, "training blocked by an async save, buffers reused"},
+            {"host copy", t_copy, sg, 0, 0, "memcpy of the snapshot's bytes into touched memory"},
+        };
+        for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+            if (rows[i].s > 0) print_row(&rows[i]);
+        printf("%-13s %9.3f %9.2f %9s %9s  first async save: host buffers allocated\n", "async stall 1",
+               t_stall1, sg / t_stall1, "", "");
+        printf("\n| %d | %.2f GB | %.2f (%.0f %%) | %.2f (%.0f %%) | %.2f | %.2f (%.0f %%) | ",
+               world, gb, gb / t_save, 100 * gb / t_save / ddw, gb / t_bg, 100 * gb / t_bg / ddw, ddw,
+               gb / t_load, 100 * gb / t_load / ddr);
+        if (world == 1) printf("%.2f (%.0f %%) | ", gb / t_verify, 100 * gb / t_verify / ddr);
+        else printf("%.2f | ", gb / t_verify);
+        printf("%.2f | %.0f / %.0f ms (%.2fx) | %.0f / %.0f / %.0f MB |\n", ddr, t_stall * 1e3,
+               t_copy * 1e3, t_stall / t_copy, mem_save, mem_load, mem_verify);
+        fflush(stdout);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (!keep && rank == 0) {
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
         if (system(cmd) != 0) return 2;
     }
+    mt_runtime_destroy(rt);
+    MPI_Finalize();
     return 0;
 }

@@ -5,8 +5,12 @@
 #
 # BUNDLE is a deploy/bundle.sh bundle made with --with-mpi --tests (and
 # data/ with the proxy corpus); OUT collects logs. STAGES (default all) is a
-# comma list of: info, ops, attn, model, bench, proxy, profile, tiny. Each stage's log
-# is OUT/<stage>.log; a summary table is printed last.
+# comma list of: info, ops, attn, model, bench, proxy, profile, tiny, ckpt. Each
+# stage's log is OUT/<stage>.log; a summary table is printed last. ckpt (not
+# in the default list: it needs no GPU and about 40 GB of memory and disk)
+# is tests/bench/bench_ckpt.sh on the bundle: checkpoint save / load /
+# verify against dd, one rank and 4 ranks (CKPT_DIR: the disk, default
+# /tmp/bench_ckpt; CKPT_SCALE: default 1).
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 out="$2"
@@ -56,6 +60,8 @@ stage profile 300 env MOETRAIN_OP_PROFILE=4 MOETRAIN_OP_PROFILE_OUT="$out/profil
   --set train.steps="${PROFILE_STEPS:-12}"
 stage tiny 300 "$bundle/bin/moetraind" --job "$ex/tiny-cpu.json" --set backend=cuda \
   --set data.path="$bundle/data/synth-tiny" --metrics-jsonl "$out/tiny.jsonl"
+stage ckpt 1800 "$(dirname "${BASH_SOURCE[0]}")/bench_ckpt.sh" --bundle "$bundle" \
+  --dir "${CKPT_DIR:-/tmp/bench_ckpt}" --scale "${CKPT_SCALE:-1}"
 
 echo "== summary"
 printf '%s\n' "${summary[@]}"
