@@ -14,8 +14,22 @@
  *
  * Every function returns MT_OK or a negative status with a message naming
  * the file and the tensor involved. HDF5 is not thread-safe in this build:
- * every entry point here takes one process-wide lock, so a background
- * writer and a foreground reader serialise instead of corrupting state.
+ * every HDF5 call here holds one process-wide lock, so a background writer
+ * and a foreground reader serialise their HDF5 calls instead of corrupting
+ * state; the bytes of the chunks move outside it (issue 23):
+ *  - writing a shard is a pipeline: chunks filled, copied, Fletcher32-ed by
+ *    a pool of worker threads, XXH64 in order by a hasher thread, handed to
+ *    HDF5 in order by the caller, and pwritten by the workers (the shard's
+ *    file driver, ckpt_vfd.c, leaves them the chunk writes); write-back
+ *    started every 64 MB, one fsync per file;
+ *  - reading: chunk addresses from HDF5, the chunks pread and checked by the
+ *    workers; whole small pieces are read ahead in file order.
+ * Memory stays bounded (about 128 MB for a writer, 128 MB of read-ahead),
+ * never the model. Environment: MT_CKPT_THREADS (workers; default the CPUs
+ * clamped to [4, 16]), MT_CKPT_DIRECT=1 (shard chunks written with
+ * O_DIRECT), and for comparisons MT_CKPT_SERIAL_WRITES=1 (HDF5's own
+ * driver), MT_CKPT_NO_READAHEAD=1, MT_CKPT_WRITEBACK=0, MT_CKPT_NO_SIMD=1
+ * (Fletcher32 without AVX2). An mt_ckpt is read by one thread at a time.
  */
 #ifndef MT_CKPT_H
 #define MT_CKPT_H
