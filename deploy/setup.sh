@@ -32,6 +32,7 @@ packages=(
   chromium chromium-driver                    # test_dashboard_browser (headless, via chromedriver)
   clang libclang-rt-14-dev                    # libFuzzer targets
   python3-yaml shellcheck                     # ops tests: manifests, deploy scripts
+  slurm-wlm munge                             # ops_slurm: a local single-node Slurm
 )
 
 missing=()

@@ -10,7 +10,7 @@
 #     (rank >= world, several pods without the comm layer, no job) refuses;
 #   - Slurm (deploy/slurm/moetrain.sbatch) under a fake srun/scontrol: srun
 #     with --kill-on-bad-exit, the address file beside the job while rank 0
-#     serves, requeue on exit 75 (up to MOETRAIN_MAX_REQUEUES), none on 0 or
+#     serves, requeue on exit 75 or 137 (up to MOETRAIN_MAX_REQUEUES), none on 0 or
 #     2, session folders removed; and once with the real moetraind: gRPC
 #     health at the written address, SIGTERM saves and exits 0, the next
 #     start says "resume auto: continuing from";
@@ -176,6 +176,10 @@ grep -q requeue "$tmp/fake.log" && fail "sbatch: requeued a job that ended with 
 sbatch_run restart STUB_EXIT=75
 [ $rc = 75 ] || fail "sbatch (75): rc $rc"
 grep -q "^scontrol requeue 4242$" "$tmp/fake.log" || fail "sbatch: no requeue on 75: $(cat "$tmp/fake.log")"
+# real srun reports a rank killed by a signal as 128 + signal (137), not 75
+sbatch_run killed STUB_EXIT=137
+[ $rc = 137 ] && grep -q "^scontrol requeue 4242$" "$tmp/fake.log" ||
+    fail "sbatch: no requeue on 137 (a rank killed): rc $rc: $(cat "$tmp/fake.log")"
 sbatch_run giveup STUB_EXIT=75 SLURM_RESTART_COUNT=3
 grep -q requeue "$tmp/fake.log" && fail "sbatch: requeued beyond MOETRAIN_MAX_REQUEUES"
 grep -q "giving up" "$tmp/sbatch.giveup.out" || fail "sbatch: did not say it gives up"
@@ -184,7 +188,7 @@ sbatch_run failed STUB_EXIT=2
 grep -q requeue "$tmp/fake.log" && fail "sbatch: requeued a failed job (2)"
 sbatch_run notoken MOETRAIN_TOKEN_FILE=
 [ $rc = 1 ] && grep -q "set MOETRAIN_TOKEN_FILE" "$tmp/sbatch.notoken.out" || fail "sbatch without a token: rc $rc"
-ok "Slurm (fake srun): srun options, address file, requeue on 75 only, cleanup"
+ok "Slurm (fake srun): srun options, address file, requeue on 75 and 137 only, cleanup"
 
 # wait_ready FILE PID: until FILE exists (60 s)
 wait_ready() {
