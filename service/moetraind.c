@@ -87,7 +87,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: moetraind [--listen ADDR] [--http ADDR] [--workdir DIR] [--token-file F]\n"
             "                 [--tls-cert F --tls-key F] [--job JOB.json [--set k=v ...]]\n"
-            "                 [--resume auto]\n"
+            "                 [--resume auto] [--exit-when-done]\n"
             "                 [--ready-file F] [--metrics-ring N] [--threads N]\n"
             "       moetraind --job JOB.json [--set key.path=value ...] [--metrics-jsonl FILE]\n"
             "                 [--resume auto] [--threads N]\n"
@@ -105,6 +105,8 @@ static void usage(FILE *f)
             "  --tls-cert F --tls-key F   serve gRPC over TLS (PEM files)\n"
             "  --job FILE            start this job at once (also with --set)\n"
             "  --ready-file F        write the bound addresses here once serving\n"
+            "  --exit-when-done      exit once the job has ended (0 completed or stopped\n"
+            "                        with its checkpoint; launchers: Slurm, Kubernetes)\n"
             "  --metrics-ring N      events kept for StreamMetrics replay (default 4096)\n"
             "The foreground mode (--job and no daemon option) runs one job and exits;\n"
             "SIGINT / SIGTERM stop the job at a step boundary.\n"
@@ -127,6 +129,7 @@ typedef struct args {
     const char *listen, *http, *workdir, *token_file, *tls_cert, *tls_key, *ready_file;
     int ring;
     int daemon;
+    int exit_when_done;  /* daemon: exit once its first job has ended */
 } args;
 
 /* 0 ok, 1 usage error (printed), 2 --help-job / --help done. */
@@ -165,6 +168,9 @@ static int parse_args(int argc, char **argv, args *a)
             }
             a->sets[a->n_sets++] = !strcmp(v, "auto") ? "checkpoint.resume=auto"
                                                       : "checkpoint.resume=never";
+        } else if (!strcmp(s, "--exit-when-done")) {
+            a->exit_when_done = 1;
+            a->daemon = 1;
         } else if (!strcmp(s, "--metrics-jsonl") && has) {
             a->jsonl = argv[++i];
         } else if (!strcmp(s, "--threads") && has) {
@@ -324,7 +330,8 @@ static int run_daemon(const args *a, mt_runtime *rt)
         MT_GOTO(hub_create(&hub, a->ring), setup_done);
     }
     control_opts o = {.rt = rt, .workdir = rank == 0 ? workdir : NULL, .rank = rank, .world = world,
-                      .threads = a->threads, .hub = hub, .jsonl = a->jsonl, .wd = a->wd};
+                      .threads = a->threads, .hub = hub, .jsonl = a->jsonl, .wd = a->wd,
+                      .exit_when_idle = a->exit_when_done};
     MT_GOTO(control_create(&ctl, &o), setup_done);
     if (rank == 0) fatal.ctl = ctl;
     if (rank == 0) {

@@ -90,7 +90,7 @@ launch SLURM_PROCID=3 SLURM_NTASKS=8 SLURM_LOCALID=3 MOETRAIN_GPUS_PER_NODE=4 \
 [ $rc = 0 ] || fail "slurm: rc $rc: $out"
 has MOETRAIN_RANK=3 3 slurm; has MOETRAIN_WORLD_SIZE=8 3 slurm; has MOETRAIN_LOCAL_RANK=3 3 slurm
 has CUDA_VISIBLE_DEVICES=3 3 slurm; has "OMPI_MCA_orte_tmpdir_base=$tmp/scratch" 3 slurm
-has "ARGV --listen 0.0.0.0:50051 --workdir $tmp/wd --job $tmp/job.json --resume auto --http 0.0.0.0:9400 --token-file $tmp/token --ready-file $tmp/ready --set train.steps=7" 3 slurm
+has "ARGV --listen 0.0.0.0:50051 --workdir $tmp/wd --job $tmp/job.json --resume auto --exit-when-done --http 0.0.0.0:9400 --token-file $tmp/token --ready-file $tmp/ready --set train.steps=7" 3 slurm
 grep -q "rank 3 of 8 (local 3, via Slurm)" <<< "$out" || fail "slurm: no start line: $out"
 # flags the launcher passes are flags moetraind knows
 for f in $(grep -o -- ' --[a-z-]*' "$tmp/stub/rank3" | sort -u); do

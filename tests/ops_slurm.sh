@@ -194,16 +194,11 @@ done
 grep -q "r0 I .*job tiny-cpu completed $STEPS steps" "$out" ||
     { fail "the requeued start did not complete $STEPS steps (state $(state)):"; tail -n 15 "$out"; }
 echo "ok: the requeued start completed $STEPS steps $(since "$tk") s after the kill, $(since "$t0") s after sbatch"
-# moetraind as a daemon keeps serving once its job is complete, so the
-# Slurm job stays RUNNING: it ends with scancel (SIGTERM: exit 0)
-sleep 2
+# the launcher runs moetraind --exit-when-done: the ranks exit 0 once the
+# job has completed, and so does the Slurm job
+for _ in $(seq 300); do case "$(state)" in RUNNING | COMPLETING) sleep 0.1 ;; *) break ;; esac; done
 st=$(state)
-if [ "$st" = RUNNING ]; then
-    echo "NOTE: the Slurm job is still RUNNING after its training completed (the daemon does not exit when its job is done): scancel"
-    scancel "$job_id"
-    for _ in $(seq 600); do case "$(state)" in RUNNING | COMPLETING) sleep 0.1 ;; *) break ;; esac; done
-    st=$(state)
-fi
+[ "$st" = COMPLETED ] || fail "the Slurm job is $st after its training completed, not COMPLETED"
 echo "ok: Slurm job state $st"
 grep -q "^moetrain.sbatch: job $job_id (start 2)" "$out" || fail "no second start in $out"
 from=$(sed -n "s|.*resume auto: continuing from $tmp/wd/checkpoints/tiny-cpu/step_0*\([0-9]*\) (step .*|\1|p" "$out" | tail -n 1)

@@ -80,7 +80,7 @@ export TMPDIR="$tmpbase"
 mkdir -p "$MOETRAIN_WORKDIR" || die "cannot create MOETRAIN_WORKDIR $MOETRAIN_WORKDIR"
 listen=${MOETRAIN_LISTEN:-0.0.0.0:50051}
 cmd=("${MOETRAIND:-moetraind}" --listen "$listen" --workdir "$MOETRAIN_WORKDIR"
-     --job "$MOETRAIN_JOB" --resume auto)
+     --job "$MOETRAIN_JOB" --resume auto --exit-when-done)
 http=${MOETRAIN_HTTP-0.0.0.0:9400}
 [ -n "$http" ] && cmd+=(--http "$http")
 if [ -n "${MOETRAIN_TOKEN_FILE:-}" ]; then
