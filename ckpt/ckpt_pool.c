@@ -1,8 +1,9 @@
 /* ckpt_pool.c - the checkpoint module's worker threads (ckpt_internal.h).
  *
  * One process-wide pool, started on first use: MT_CKPT_THREADS threads
- * (default: the online CPUs, at least 4 so that reads keep several requests
- * in flight on small machines, at most 16). Tasks run in submission order
+ * (default: the online CPUs divided among the ranks on this host, at least
+ * 4 so that reads keep several requests in flight on small machines, at
+ * most 16). Tasks run in submission order
  * of their start; callers track completion themselves. A task never waits
  * for another task (no deadlock whatever the pool size).
  */
@@ -32,6 +33,15 @@ int ck_io_threads(void)
     if (n >= 1) return n > 256 ? 256 : n;
     long c = sysconf(_SC_NPROCESSORS_ONLN);
     n = c > 0 ? (int)c : 1;
+    /* ranks sharing the host share its cores (Open MPI, MPICH, Slurm) */
+    const char *local[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"};
+    for (int i = 0; i < 3; i++) {
+        const char *v = getenv(local[i]);
+        if (v && atoi(v) > 1) {
+            n /= atoi(v);
+            break;
+        }
+    }
     return n < 4 ? 4 : n > 16 ? 16 : n;
 }
 

@@ -176,20 +176,17 @@ static int restore_from(mt_trainer *t, const char *path)
 static int is_damage(int rc) { return rc == MT_ECORRUPT || rc == MT_EIO; }
 
 /* Rank 0 moves a damaged checkpoint the job stepped over out of the
- * committed namespace (step_N.damaged, kept for inspection): the job saves
- * that step again, and its history must not hold a newer step. */
-static int set_aside(mt_job_ckpt *jc, const char *dir)
+ * committed namespace (mt_ckpt_set_aside: step_N.damaged, kept for
+ * inspection, `latest` repointed): the job saves that step again, and its
+ * history must not hold a newer step. */
+static int set_aside(mt_job_ckpt *jc, const char *root, int64_t step)
 {
     int rc = MT_OK;
     if (jc->rank == 0) {
-        char to[MT_PATH_CAP + 64];
-        snprintf(to, sizeof to, "%s.damaged", dir);
-        for (int k = 2; access(to, F_OK) == 0 && k < 1000; k++)
-            snprintf(to, sizeof to, "%s.damaged.%d", dir, k);
-        if (rename(dir, to) != 0)
-            rc = MT_ERR(MT_EIO, "%s: cannot set the damaged checkpoint aside: %s", dir, strerror(errno));
-        else
-            MT_LOGW("checkpoint: %s is damaged; set aside as %s", dir, to);
+        char moved[MT_PATH_CAP + 64];
+        rc = mt_ckpt_set_aside(root, step, "damaged", moved, sizeof moved);
+        if (rc == MT_OK) MT_LOGW("checkpoint: step_%08lld of %s is damaged; set aside as %s",
+                                 (long long)step, root, moved);
     }
     return agree(jc, rc);
 }
@@ -239,9 +236,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
     /* started from step t->step: the damaged newer ones leave the job's history */
     for (int i = 0; i < n && rc == MT_OK && own; i++) {
         if (steps[i] <= t->step || steps[i] > step) continue;
-        char path[MT_PATH_CAP + 32];
-        mt_ckpt_step_path(path, sizeof path, root, steps[i], 0);
-        rc = set_aside(jc, path);
+        rc = set_aside(jc, root, steps[i]);
     }
     free(steps);
     return rc;
