@@ -123,9 +123,9 @@ int wd_confine(const char *root, const char *path, const char *field, int flags,
     }
     static walk zero;
     walk *w = malloc(sizeof *w);
-    char *todo = malloc(PATH_MAX), *next = malloc(PATH_MAX), *target = malloc(PATH_MAX);
+    char *rest = malloc(PATH_MAX), *next = malloc(PATH_MAX), *target = malloc(PATH_MAX);
     int rc = MT_OK, links = 0;
-    if (!w || !todo || !next || !target) {
+    if (!w || !rest || !next || !target) {
         rc = MT_ERR(MT_ENOMEM, "%s: out of memory", field);
         goto done;
     }
@@ -145,16 +145,16 @@ int wd_confine(const char *root, const char *path, const char *field, int flags,
         rc = MT_ERR(MT_EINVAL, "%s: path too long", field);
         goto done;
     }
-    snprintf(todo, PATH_MAX, "%s", rel);
-    size_t at = 0; /* todo[at..] is still to walk */
+    snprintf(rest, PATH_MAX, "%s", rel);
+    size_t at = 0; /* rest[at..] is still to walk */
     for (;;) {
-        while (todo[at] == '/') at++;
-        if (!todo[at]) break;
-        const char *comp = todo + at;
+        while (rest[at] == '/') at++;
+        if (!rest[at]) break;
+        const char *comp = rest + at;
         size_t len = strcspn(comp, "/");
         at += len;
-        while (todo[at] == '/') at++;
-        int last = !todo[at];
+        while (rest[at] == '/') at++;
+        int last = !rest[at];
         if (len == 1 && comp[0] == '.') continue;
         if (len == 2 && comp[0] == '.' && comp[1] == '.') { /* from a link's target */
             if (w->missing > 0) {
@@ -238,11 +238,11 @@ int wd_confine(const char *root, const char *path, const char *field, int flags,
                 walk_reset(w);
             }
             /* the link's target, then the rest of the path */
-            if ((size_t)snprintf(next, PATH_MAX, "%s/%s", tail, todo + at) >= PATH_MAX) {
+            if ((size_t)snprintf(next, PATH_MAX, "%s/%s", tail, rest + at) >= PATH_MAX) {
                 rc = MT_ERR(MT_EINVAL, "%s: path too long", field);
                 goto done;
             }
-            memcpy(todo, next, PATH_MAX);
+            memcpy(rest, next, PATH_MAX);
             at = 0;
             continue;
         }
@@ -275,7 +275,7 @@ done:
         walk_close(w, keep);
     }
     free(w);
-    free(todo);
+    free(rest);
     free(next);
     free(target);
     return rc;

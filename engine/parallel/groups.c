@@ -25,16 +25,11 @@ int mt_groups_build(mt_groups *g, mt_comm *world, const mt_layout *l)
 {
     memset(g, 0, sizeof *g);
     const int n = mt_comm_size(world), rank = mt_comm_rank(world);
-    if (l->tp < 1 || l->dp < 1 || l->pp < 1 || l->ep < 1 || l->etp < 1)
-        return MT_ERR(MT_EINVAL, "groups: layout sizes must be >= 1 (tp %d dp %d pp %d ep %d etp %d)",
-                      l->tp, l->dp, l->pp, l->ep, l->etp);
-    if (mt_layout_world(l) != n)
-        return MT_ERR(MT_EINVAL, "groups: layout tp %d x dp %d x pp %d = %d ranks, the world has %d",
-                      l->tp, l->dp, l->pp, mt_layout_world(l), n);
-    if ((l->tp * l->dp) % (l->etp * l->ep) != 0)
-        return MT_ERR(MT_EINVAL,
-                      "groups: expert folding etp %d x ep %d does not divide tp %d x dp %d",
-                      l->etp, l->ep, l->tp, l->dp);
+    /* the layout must cover the world and fold the experts: the one check */
+    mt_layout r = *l;
+    int rc = mt_layout_resolve(&r, n);
+    if (rc < 0) return mt_err_wrap(rc, "groups: a world of %d ranks", n);
+    l = &r;
     g->layout = *l;
     g->world = world;
     mt_layout_coords(l, rank, &g->me);
@@ -50,7 +45,7 @@ int mt_groups_build(mt_groups *g, mt_comm *world, const mt_layout *l)
     };
     const int key[MT_GROUP_COUNT] = {c->tp, c->dp, c->pp, c->etp, c->ep, c->edp};
     for (int k = 0; k < MT_GROUP_COUNT; k++) {
-        int rc = mt_comm_split(world, color[k], key[k], &g->g[k]);
+        rc = mt_comm_split(world, color[k], key[k], &g->g[k]);
         if (rc < 0) {
             mt_groups_free(g);
             return mt_err_wrap(rc, "groups: building the %s group", NAMES[k]);

@@ -14,7 +14,7 @@
 #define MT_GROUPS_H
 
 #include "engine/parallel/comm.h"
-#include "engine/parallel/sharding.h"
+#include "engine/parallel/layout.h"
 
 typedef enum {
     MT_GROUP_TP = 0,
