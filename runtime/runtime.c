@@ -95,6 +95,14 @@ static void release(mt_job *j)
     free(j);
 }
 
+/* Every rank's rc agreed: this rank's failure, or `why` where only another
+ * rank failed (collective). */
+static int agreed(mt_runtime *rt, int rc, const char *why)
+{
+    int ok = mt_runtime_agree(rt, rc == MT_OK);
+    return rc == MT_OK && ok != 1 ? MT_ERR(MT_EGENERIC, "%s", why) : rc;
+}
+
 int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_job_opts *o)
 {
     *out = NULL;
@@ -111,11 +119,9 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
                     rt->size);
     if (rc == MT_OK) rc = make_backend(spec, o ? o->threads : 0, rt->rank, rt->size, &j->be);
     /* every rank reaches the group building (collective) or none does */
-    int ok = mt_runtime_agree(rt, rc == MT_OK);
-    if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
+    rc = agreed(rt, rc, "the job failed to start on another rank");
     if (rc == MT_OK) rc = make_groups(j);
-    ok = mt_runtime_agree(rt, rc == MT_OK);
-    if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
+    rc = agreed(rt, rc, "the job failed to start on another rank");
     /* the trainer joins its groups at creation: ZeRO-1 owners follow the dp
      * (edp) rank, and under expert parallelism the model holds only its
      * experts */
@@ -129,12 +135,9 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
         if (rc == MT_OK) j->trainer->rank = rt->rank; /* train.fault.rank */
     }
     if (rc == MT_OK) rc = mt_job_ckpt_open(&j->ckpt, &j->spec, rt->world);
-    ok = mt_runtime_agree(rt, rc == MT_OK);
-    if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EGENERIC, "the job failed to start on another rank");
+    rc = agreed(rt, rc, "the job failed to start on another rank");
     if (rc == MT_OK) rc = mt_job_ckpt_restore(j->ckpt, j->trainer);
-    ok = mt_runtime_agree(rt, rc == MT_OK);
-    if (rc == MT_OK && ok != 1)
-        rc = MT_ERR(MT_EGENERIC, "the job's initial state failed to load on another rank");
+    rc = agreed(rt, rc, "the job's initial state failed to load on another rank");
     if (rc < 0) {
         if (j) release(j);
         return rc;
