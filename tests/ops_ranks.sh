@@ -28,13 +28,17 @@ d="$bin/service/moetraind"
 ck="$bin/ckpt/moetrain-ckpt"
 BOUND_S=10
 RANDOM=20261126
+# long enough that a kill 0-3 s after the first step lands before the end on
+# a quiet machine too (40 steps took under 3 s there: most trials completed
+# instead of being killed, and too few resumed)
+STEPS=120
 export OMPI_MCA_orte_tmpdir_base="$tmp/ompi"
 mkdir -p "$OMPI_MCA_orte_tmpdir_base"
 "$bin/engine/moetrain-data" synth --output "$tmp/syn" --vocab 64 --tokens 200000 --seed 7 > /dev/null
 job=(--job "$src/deploy/examples/tiny-cpu.json" --threads 1 --set data.path="$tmp/syn"
      --set batch.seq_len=32 --set batch.micro_batch_size=2 --set batch.global_batch_size=4
      --set lr_schedule.warmup_steps=2 --set data.valid_interval=0 --set train.log_interval=1000
-     --set train.steps=40 --set checkpoint.interval=2 --set checkpoint.keep_last=0)
+     --set train.steps=$STEPS --set checkpoint.interval=2 --set checkpoint.keep_last=0)
 fail() { echo "FAIL: $*"; exit 1; }
 mpi() { mpirun --allow-run-as-root --oversubscribe -np 2 "$d" "${job[@]}" "$@"; }
 # mpi_bg LOG ARGS...: in the background, mpirun's pid in $mp
@@ -95,7 +99,7 @@ PY
 # the uninterrupted two-rank run
 mpi --set checkpoint.dir="$tmp/ref" --metrics-jsonl "$tmp/ref.jsonl" > "$tmp/ref.log" 2>&1 ||
     fail "uninterrupted run: $(tail -n 5 "$tmp/ref.log")"
-[ "$(wc -l < "$tmp/ref.jsonl")" = 40 ] || fail "the uninterrupted run did not log 40 steps"
+[ "$(wc -l < "$tmp/ref.jsonl")" = $STEPS ] || fail "the uninterrupted run did not log $STEPS steps"
 
 # 1. a hung rank: the watchdog ends every rank
 mpi_bg "$tmp/hang.log" --set checkpoint.dir="$tmp/hang" --set train.step_timeout_s=3 \
@@ -146,7 +150,8 @@ echo "kill -9 trials: every rank gone after: ${times[*]} s"
 mpi --set checkpoint.dir="$tmp/kill" --resume auto --metrics-jsonl "$tmp/kill.end.jsonl" \
     > "$tmp/kill.end.log" 2>&1 || fail "the final resumed run: $(tail -n 5 "$tmp/kill.end.log")"
 same_as_ref "$tmp/kill.end.jsonl" > /dev/null || fail "the final resumed run's losses differ"
-"$ck" diff --meta "$tmp/ref/step_00000040" "$tmp/kill/step_00000040" > /dev/null ||
+last=$(printf 'step_%08d' $STEPS)
+"$ck" diff --meta "$tmp/ref/$last" "$tmp/kill/$last" > /dev/null ||
     fail "the final checkpoint differs from the uninterrupted run's"
 left=$(find "$OMPI_MCA_orte_tmpdir_base" -mindepth 1 -maxdepth 1 | wc -l)
 [ "$left" = 0 ] || fail "$left OpenMPI session folder(s) left in $OMPI_MCA_orte_tmpdir_base"
