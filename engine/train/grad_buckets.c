@@ -73,6 +73,8 @@ int mt_grad_buckets_build(mt_grad_buckets *gb, const mt_model *m, const int *own
                           mt_comm *edp, int expert_split, const mt_jobspec *j)
 {
     memset(gb, 0, sizeof *gb);
+    gb->be = m->be;
+    gb->device = dp && mt_comm_mem_kind(dp) == MT_COMM_DEVICE;
     gb->wire = j->grad_reduce == MT_GRAD_BF16 ? MT_COMM_BF16 : MT_COMM_F32;
     const char *ov = getenv("MOETRAIN_GRAD_OVERLAP");
     gb->overlap = !(ov && strcmp(ov, "0") == 0);
@@ -171,6 +173,14 @@ void mt_grad_buckets_free(mt_grad_buckets *gb)
     memset(gb, 0, sizeof *gb);
 }
 
+/* Device groups: the host waits for every op issued on the groups. */
+static int sync_groups(mt_grad_buckets *gb)
+{
+    for (int k = 0; gb->device && k < gb->n; k++)
+        if (k == 0 || gb->b[k].group != gb->b[k - 1].group) MT_CHECK(mt_comm_sync(gb->b[k].group));
+    return MT_OK;
+}
+
 static int start(mt_grad_buckets *gb, mt_grad_bucket *b)
 {
     return mt_comm_reduce_owned_start(b->group, b->gsegs, b->n_params, gb->wire, &b->req);
@@ -193,6 +203,8 @@ int mt_grad_buckets_layer_done(void *arg, int layer)
         int done;
         MT_CHECK(mt_comm_test(gb->b[k].req, &done));
     }
+    if (gb->device && gb->next < gb->n && gb->b[gb->next].ready >= layer)
+        MT_CHECK(gb->be->sync(gb->be)); /* the layer's gradients are written */
     while (gb->next < gb->n && gb->b[gb->next].ready >= layer) {
         MT_CHECK(start(gb, &gb->b[gb->next]));
         gb->next++;
@@ -205,7 +217,7 @@ int mt_grad_buckets_finish(mt_grad_buckets *gb)
 {
     const double t0 = now_ms();
     gb->armed = 0;
-    int rc = MT_OK;
+    int rc = gb->device && gb->next < gb->n ? gb->be->sync(gb->be) : MT_OK;
     for (; gb->next < gb->n && rc == MT_OK; gb->next++) rc = start(gb, &gb->b[gb->next]);
     /* wait for all that started, even after a failure: their buffers */
     for (int k = 0; k < gb->n; k++) {
@@ -213,14 +225,17 @@ int mt_grad_buckets_finish(mt_grad_buckets *gb)
         gb->b[k].req = NULL;
         if (rc == MT_OK) rc = w;
     }
+    if (rc == MT_OK) rc = sync_groups(gb);
     gb->next = 0;
-    gb->wait_ms = now_ms() - t0;
+    gb->t_finish_ms = t0;
+    gb->t_done_ms = now_ms();
+    gb->wait_ms = gb->t_done_ms - t0;
     return rc;
 }
 
 int mt_grad_buckets_share(mt_grad_buckets *gb)
 {
-    int rc = MT_OK;
+    int rc = gb->device && gb->n > 0 ? gb->be->sync(gb->be) : MT_OK; /* the optimizer's writes */
     for (int k = 0; k < gb->n && rc == MT_OK; k++) {
         mt_grad_bucket *b = &gb->b[k];
         rc = mt_comm_gather_owned_start(b->group, b->wsegs, b->n_wsegs, &b->req);
@@ -230,6 +245,7 @@ int mt_grad_buckets_share(mt_grad_buckets *gb)
         gb->b[k].req = NULL;
         if (rc == MT_OK) rc = w;
     }
+    if (rc == MT_OK) rc = sync_groups(gb);
     return rc;
 }
 

@@ -52,7 +52,14 @@ typedef struct mt_grad_buckets {
     int armed;           /* layer_done starts buckets (the step's last micro-batch) */
     int overlap;         /* 0: every bucket starts in finish (MOETRAIN_GRAD_OVERLAP=0, for
                             measuring what the overlap hides) */
+    mt_backend *be;      /* the model's backend */
+    int device;          /* device groups: the backend's stream is not the comm's compute
+                            stream (ops.h does not expose it), so the host waits for the
+                            backend before an op reads what it wrote, and for the comm
+                            before the backend reads what an op wrote */
     double wait_ms;      /* the last finish: time spent waiting after the backward */
+    double t_finish_ms, t_done_ms; /* the last finish's start and end (CLOCK_MONOTONIC, ms:
+                                      comparable between the ranks of one host) */
     int started_early;   /* the last step: buckets started during the backward */
 } mt_grad_buckets;
 

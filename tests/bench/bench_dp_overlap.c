@@ -8,10 +8,13 @@
  * from the model's per-layer hook during the last micro-batch's backward)
  * and off (MOETRAIN_GRAD_OVERLAP=0's behaviour: every bucket starts after
  * the backward). Each step records, per rank, the time from the end of its
- * backward to the end of the reduction (grad_buckets wait_ms: the exposed
- * communication) and the step time. With the reduction all exposed when
- * off, the hidden fraction is 1 - exposed(on) / exposed(off), on the
- * slowest rank's means (the step waits for it).
+ * backward to the end of the reduction (grad_buckets wait_ms: includes
+ * waiting for a slower rank's backward) and, by CLOCK_MONOTONIC
+ * timestamps shared by the ranks of one host, the time from the end of the
+ * LAST rank's backward to the end of the slowest rank's reduction: the
+ * part of the communication no backward hid, free of the ranks' skew. With
+ * all of it exposed when off, the hidden fraction is 1 - exposed(on) /
+ * exposed(off).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <mpi.h>
@@ -67,7 +70,7 @@ int main(int argc, char **argv)
     if ((rc = mt_job_start(&job, rt, &j, &jo)) < 0) die("mt_job_start", rc);
     mt_grad_buckets *gb = job->trainer->gb;
     if (!gb) die("the job has no data-parallel group (run under mpirun -np 2 or more)", MT_EINVAL);
-    double sum[2][2] = {{0, 0}, {0, 0}}; /* [overlap][exposed ms, step ms] */
+    double sum[2][3] = {{0, 0, 0}, {0, 0, 0}}; /* [overlap][exposed ms, step ms, skew-free ms] */
     int cnt[2] = {0, 0};
     for (int s = 0; s < steps + 2; s++) {
         const int on = s % 2 == 0;
@@ -77,11 +80,19 @@ int main(int argc, char **argv)
         if (s < 2) continue;
         sum[on][0] += gb->wait_ms;
         sum[on][1] += m.step_ms;
+        /* the last backward of all ranks ends at max(t_finish); what is
+         * left after it (to the slowest rank's end) cannot hide behind any
+         * backward: the reduction's exposed part, without the ranks' skew */
+        double t[2] = {gb->t_finish_ms, gb->t_done_ms}, tmax[2];
+        if (mt_comm_all_reduce(rt->world, t, tmax, 2, MT_COMM_F64, MT_COMM_MAX) < 0)
+            die("all_reduce", MT_EGENERIC);
+        sum[on][2] += tmax[1] - tmax[0];
         cnt[on]++;
     }
-    double mean[4] = {sum[1][0] / cnt[1], sum[0][0] / cnt[0], sum[1][1] / cnt[1], sum[0][1] / cnt[0]};
-    double worst[4];
-    if (mt_comm_all_reduce(rt->world, mean, worst, 4, MT_COMM_F64, MT_COMM_MAX) < 0)
+    double mean[6] = {sum[1][0] / cnt[1], sum[0][0] / cnt[0], sum[1][1] / cnt[1],
+                      sum[0][1] / cnt[0], sum[1][2] / cnt[1], sum[0][2] / cnt[0]};
+    double worst[6];
+    if (mt_comm_all_reduce(rt->world, mean, worst, 6, MT_COMM_F64, MT_COMM_MAX) < 0)
         die("all_reduce", MT_EGENERIC);
     if (rt->rank == 0) {
         printf("%s at dp %d: %d buckets (parallel.bucket_mb %.3g, grad_reduce %s), %d steps each "
@@ -90,6 +101,9 @@ int main(int argc, char **argv)
         printf("reduction exposed after the backward (slowest rank's mean): overlap on %.2f ms, "
                "off %.2f ms; hidden %.0f %%\n", worst[0], worst[1],
                worst[1] > 0 ? 100.0 * (1.0 - worst[0] / worst[1]) : 0.0);
+        printf("reduction left after the last rank's backward (timestamps, mean): overlap on "
+               "%.2f ms, off %.2f ms; hidden %.0f %%\n", worst[4], worst[5],
+               worst[5] > 0 ? 100.0 * (1.0 - worst[4] / worst[5]) : 0.0);
         printf("step time (slowest rank's mean): overlap on %.1f ms, off %.1f ms\n", worst[2],
                worst[3]);
     }

@@ -56,6 +56,13 @@ int main(int argc, char **argv)
     }
     const int fp8 = j.precision.recipe == MT_RECIPE_FP8_BLOCKWISE;
     const double act = j.backend == MT_BACKEND_CUDA ? 2 : 4;
+    /* optimizer state per element: main copy (fp32 4, bf16 2, none 0) + m + v (bf16) */
+    const int per_el = (j.precision.main_params == MT_MAIN_FP32   ? 4
+                        : j.precision.main_params == MT_MAIN_BF16 ? 2
+                                                                  : 0) + 4;
+    const char *mp_name = j.precision.main_params == MT_MAIN_FP32   ? "fp32"
+                          : j.precision.main_params == MT_MAIN_BF16 ? "bf16"
+                                                                    : "none";
     double n_all = 0, copy_all = 0;
     double *copy = calloc((size_t)t.n + 1, sizeof *copy);
     int *owner = calloc((size_t)t.n + 1, sizeof *owner);
@@ -90,6 +97,7 @@ int main(int argc, char **argv)
             return 1;
         }
         double worst[4] = {0, 0, 0, 0}, mean[4] = {0, 0, 0, 0}; /* rs send, rs recv, ag send, ag recv */
+        double own_max = 0;
         for (int r = 0; r < Z; r++) {
             double own_n = 0, own_c = 0;
             for (int i = 0; i < t.n; i++)
@@ -97,6 +105,7 @@ int main(int argc, char **argv)
                     own_n += (double)mt_param_numel(&t.p[i]);
                     own_c += copy[i];
                 }
+            if (own_n > own_max) own_max = own_n;
             const double v[4] = {n_all - own_n, (Z - 1) * own_n, (Z - 1) * own_c, copy_all - own_c};
             for (int q = 0; q < 4; q++) {
                 if (v[q] > worst[q]) worst[q] = v[q];
@@ -109,6 +118,8 @@ int main(int argc, char **argv)
         printf("    | mean %7.1f / %8.1f      | mean %7.1f / %8.1f      | mean %7.1f / %8.1f      |\n",
                mb(4 * mean[0]), mb(4 * mean[1]), mb(2 * mean[0]), mb(2 * mean[1]), mb(mean[2]),
                mb(mean[3]));
+        printf("    | optimizer state per rank (main %s + bf16 m, v: %d bytes/element): max %.1f MB, "
+               "one rank %.1f MB\n", mp_name, per_el, mb(per_el * own_max), mb(per_el * n_all));
     }
     free(copy);
     free(owner);
