@@ -70,10 +70,11 @@ struct mt_comm_req {
     void (*free)(mt_comm_req *r);
 };
 
-/* The plan every backend shares for an owner op: what this rank sends to
- * and receives from each peer, as packed runs of the segment list (comm.c).
- * own[k] = segments owned by rank k in list order; total[k] = their
- * elements. */
+/* The packing every backend shares for an owner op (comm.c): the segments
+ * owned by rank o, in list order, form o's pack of total[o] elements;
+ * segment k sits at pos[k] in its owner's pack. Reduce: each rank sends
+ * owner o its contribution to o's pack; gather: each owner sends its pack
+ * to every rank. */
 typedef struct mt_comm_owned_plan {
     int n;            /* segments */
     int size;
