@@ -11,8 +11,10 @@
  *   1. per-step loss within 1e-3 relative and gradient norm within 1e-2 of
  *      one rank's (the order the GPU kernels accumulate the micro-batches
  *      in differs between one rank's 4 and two ranks' 2 + 2), and every
- *      main parameter this rank keeps within 3e-4 (10 % of one step's lr,
- *      the CPU test's fp8 bound);
+ *      main parameter this rank keeps within 1e-3 (a third of one step's
+ *      lr: the CPU's fp8 bound is 3e-4, the GPU's kernels add their own
+ *      accumulation order; a gradient reduced over one rank's half of the
+ *      batch only would move parameters by about lr);
  *   2. the ranks compute with bit-identical weights (the owners' gathered
  *      compute copies) and keep disjoint optimizer state adding up to one
  *      rank's (ZeRO-1).
@@ -121,7 +123,7 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
             worst = fmax(worst, fabs((double)a[t->opt->off[i] + k] - b[ref->opt->off[i] + k]));
         kept += n;
     }
-    CHECK(worst <= 3e-4, "%s: parameters differ from one rank's by up to %.3g", recipe, worst);
+    CHECK(worst <= 1e-3, "%s: parameters differ from one rank's by up to %.3g", recipe, worst);
     if (rt->rank == 0)
         printf("%s: largest main-parameter difference to one rank %.3g\n", recipe, worst);
     free(a);
