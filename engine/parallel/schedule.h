@@ -22,8 +22,12 @@
  *   - a RECV_ACT of (mb, c) comes before FWD (mb, c); a SEND_ACT of (mb, c)
  *     after it; a RECV_GRAD of (mb, c) before the backward of (mb, c)
  *     (BWD or BWD_IN); a SEND_GRAD of (mb, c) after it.
- *   - messages between one pair of stages are matched by (kind, mb, chunk),
- *     never by arrival order alone (a tag per (kind, mb, chunk) suffices).
+ *   - a send's chunk is its producer, a receive's chunk its consumer, so
+ *     SEND_ACT (mb, c) on stage(c) pairs with RECV_ACT (mb, c + 1) on
+ *     stage(c + 1), and SEND_GRAD (mb, c) on stage(c) with RECV_GRAD
+ *     (mb, c - 1) on stage(c - 1). Both ends of a message get the same
+ *     mt_sched_msg_tag; messages between two stages are matched by that tag,
+ *     never by arrival order alone.
  *
  * Backward split (DualPipeV, zero-bubble): BWD_IN computes the gradient of
  * the chunk's input (what the previous chunk waits for) and keeps what the
@@ -144,6 +148,13 @@ const char *mt_sched_op_name(mt_sched_op op);
  * are idle. Then the step time, each stage's idle fraction and peak
  * activations in flight, and the bubble. */
 int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, double unit);
+
+/* The message a send or receive carries, equal at both ends and distinct
+ * for every (kind, mb, chunk boundary) of a table with `n_chunks` chunks:
+ * 2 * (mb * n_chunks + boundary) + (gradient ? 1 : 0), boundary b being the
+ * edge between chunks b and b + 1. -1 for compute actions. Below 2^31 while
+ * n_mb * n_chunks < 2^30. */
+int mt_sched_msg_tag(const mt_sched_action *a, int n_chunks);
 
 /* The action as text, "F mb=3 chunk=5" or "send_act mb=3 chunk=5 peer=2". */
 void mt_sched_action_format(const mt_sched_action *a, char *buf, size_t cap);
