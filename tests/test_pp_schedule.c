@@ -445,17 +445,25 @@ static void test_dualpipev_bubble_is_below_1f1b_at_the_same_sizes(void **state)
      * (2F, 2B) against DualPipeV's two chunks of (F, B) per stage - the
      * fractions compare directly. */
     (void)state;
+    /* also with other backward / weight splits and a p2p latency */
+    const mt_sched_costs other[4] = {
+        {1, 3, 1.5, 1.5, 0}, {1, 2, 1.5, 0.5, 0}, {1, 1, 0.5, 0.5, 0}, {1, 2, 1, 1, 0.3}};
     mt_sched_costs c;
     mt_sched_costs_default(&c);
-    mt_sched_costs c2 = {2 * c.f, 2 * c.b, 2 * c.b_in, 2 * c.w, 0};
     for (int pp = 2; pp <= 8; pp++)
         for (int n = 2 * pp; n <= 4 * pp; n++) {
             mt_schedule v, o;
             build_ok(&v, pp, 2, MT_PP_DUALPIPEV, n);
             build_ok(&o, pp, 1, MT_PP_1F1B, n);
-            double bv = bubble_of(&v, &c), bo = bubble_of(&o, &c2);
-            if (!(bv < bo)) fprintf(stderr, "pp %d n %d: dualpipev %.4f 1f1b %.4f\n", pp, n, bv, bo);
-            assert_true(bv < bo);
+            for (int k = -1; k < 4; k++) {
+                const mt_sched_costs *ck = k < 0 ? &c : &other[k];
+                mt_sched_costs c2 = {2 * ck->f, 2 * ck->b, 2 * ck->b_in, 2 * ck->w, ck->p2p};
+                double bv = bubble_of(&v, ck), bo = bubble_of(&o, &c2);
+                if (!(bv < bo))
+                    fprintf(stderr, "pp %d n %d costs %d: dualpipev %.4f 1f1b %.4f\n", pp, n, k,
+                            bv, bo);
+                assert_true(bv < bo);
+            }
             /* at most (pp - 1) (F + B) idle per stage, at least (pp - 1) F
              * (the last stage waits for the first forward to arrive) */
             mt_sched_sim sim;
