@@ -435,7 +435,7 @@ static int run_stages(const mt_schedule *s, const mt_sched_costs *c, double **st
 
 int mt_schedule_check(const mt_schedule *s, char *err, size_t cap)
 {
-    char scratch[16];
+    char scratch[512]; /* err NULL: the message still reaches mt_errmsg() */
     if (!err || cap == 0) {
         err = scratch;
         cap = sizeof scratch;
