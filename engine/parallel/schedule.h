@@ -28,6 +28,13 @@
  *     (mb, c - 1) on stage(c - 1). Both ends of a message get the same
  *     mt_sched_msg_tag; messages between two stages are matched by that tag,
  *     never by arrival order alone.
+ * Receives are the only blocking points and each names its message, so
+ * whether a table finishes does not depend on timing (a Kahn network): the
+ * checker's one run proves it for every run. A send that can block until
+ * the peer receives (NCCL point-to-point, MPI_Ssend) breaks the model: the
+ * executor must post sends asynchronously (their own stream, or isend), or
+ * 1F1B itself deadlocks (stage 0 sending mb 1 while stage 1 sends mb 0's
+ * gradient).
  *
  * Backward split (DualPipeV, zero-bubble): BWD_IN computes the gradient of
  * the chunk's input (what the previous chunk waits for) and keeps what the
