@@ -78,8 +78,8 @@ static void test_every_generated_table_passes_the_checker(void **state)
             check_ok(&s);
             mt_schedule_free(&s);
             tables++;
-            for (int vpp = 2; vpp <= 4; vpp++)
-                if (n % pp == 0) {
+            for (int vpp = 1; vpp <= 4; vpp++)
+                if (n % pp == 0 || vpp == 1) {
                     build_ok(&s, pp, vpp, MT_PP_INTERLEAVED, n);
                     check_ok(&s);
                     mt_schedule_free(&s);
@@ -166,6 +166,15 @@ static void test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards(void **sta
     (void)state;
     mt_schedule s;
     build_ok(&s, 4, 1, MT_PP_1F1B, 8);
+    /* interleaved with one chunk per stage is the same table */
+    mt_schedule t;
+    build_ok(&t, 4, 1, MT_PP_INTERLEAVED, 8);
+    for (int st = 0; st < 4; st++) {
+        assert_int_equal(t.n_actions[st], s.n_actions[st]);
+        assert_memory_equal(t.actions[st], s.actions[st],
+                            (size_t)s.n_actions[st] * sizeof(mt_sched_action));
+    }
+    mt_schedule_free(&t);
     for (int st = 0; st < 4; st++) {
         int fwd = 0;
         for (int i = 0; i < s.n_actions[st] && s.actions[st][i].op != MT_SCHED_BWD; i++)

@@ -271,7 +271,7 @@ int mt_schedule_build(mt_schedule *s, const mt_layout *l, int n_mb)
     if (l->schedule == MT_PP_DUALPIPEV && l->vpp != 2)
         return MT_ERR(MT_EINVAL, "pipeline schedule dualpipev places 2 chunks per stage (a V), "
                       "not vpp %d", l->vpp);
-    if (l->pp > 1 && l->schedule == MT_PP_INTERLEAVED && n_mb % l->pp != 0)
+    if (l->pp > 1 && l->schedule == MT_PP_INTERLEAVED && l->vpp > 1 && n_mb % l->pp != 0)
         return MT_ERR(MT_EINVAL, "pipeline schedule interleaved needs the micro-batches (%d) to be "
                       "a multiple of pp %d", n_mb, l->pp);
     if (l->pp > 1 && l->schedule == MT_PP_DUALPIPEV && n_mb < 2 * l->pp)
@@ -295,7 +295,7 @@ int mt_schedule_build(mt_schedule *s, const mt_layout *l, int n_mb)
         b.stage = st;
         b.cap = 0;
         if (s->pp == 1) gen_one_stage(&b);
-        else if (s->kind == MT_PP_1F1B) gen_1f1b(&b, st);
+        else if (s->kind == MT_PP_1F1B || s->vpp == 1) gen_1f1b(&b, st); /* interleaved, 1 chunk */
         else if (s->kind == MT_PP_INTERLEAVED) gen_interleaved(&b, st);
         else gen_dualpipev(&b, st, wq);
     }

@@ -85,7 +85,8 @@ typedef struct mt_schedule {
 
 /* Builds the table of layout l's schedule (l->pp, l->vpp, l->schedule) for
  * n_mb micro-batches. pp = 1: F then B of every chunk per micro-batch (the
- * one-rank order). 1F1B needs vpp = 1; interleaved needs n_mb % pp == 0;
+ * one-rank order). 1F1B needs vpp = 1; interleaved needs n_mb % pp == 0
+ * (with vpp = 1 it is 1F1B's table, any n_mb);
  * DualPipeV needs vpp = 2 and n_mb >= 2 pp when pp > 1. Errors (MT_EINVAL)
  * name the numbers. On success *s owns memory for mt_schedule_free. */
 int mt_schedule_build(mt_schedule *s, const mt_layout *l, int n_mb);
