@@ -133,6 +133,36 @@ static void test_every_chunk_runs_every_micro_batch_once_forward_and_backward(vo
     mt_schedule_free(&s);
 }
 
+static void test_dualpipev_pairs_forward_and_backward_of_the_two_chunks_in_its_steady_phase(
+    void **state)
+{
+    /* phase 4: N - 2 pp + st + 1 rounds of F(a)&B(z), F(z)&B(a); phase 5:
+     * pp - st - 1 of B(z), F(z)&B(a) */
+    (void)state;
+    const int P = 4, N = 10;
+    mt_schedule s;
+    build_ok(&s, P, 2, MT_PP_DUALPIPEV, N);
+    for (int st = 0; st < P; st++) {
+        int pairs = 0;
+        for (int i = 0; i < s.n_actions[st]; i++) {
+            int j = mt_schedule_pair(&s, st, i);
+            if (j < 0) continue;
+            pairs++;
+            const mt_sched_action *f = &s.actions[st][i], *b = &s.actions[st][j];
+            assert_int_equal(f->op, MT_SCHED_FWD);
+            assert_int_equal(b->op, MT_SCHED_BWD);
+            assert_int_not_equal(f->chunk, b->chunk);
+            /* the forward runs a later micro-batch than the backward */
+            assert_true(f->mb > b->mb);
+        }
+        assert_int_equal(pairs, 2 * (N - 2 * P + st + 1) + (P - st - 1));
+    }
+    mt_schedule_free(&s);
+    build_ok(&s, P, 1, MT_PP_1F1B, N); /* no pairs outside DualPipeV */
+    for (int i = 0; i < s.n_actions[0]; i++) assert_int_equal(mt_schedule_pair(&s, 0, i), -1);
+    mt_schedule_free(&s);
+}
+
 static void test_one_stage_runs_forward_then_backward_per_micro_batch(void **state)
 {
     /* pp = 1: the trainer's order, F then B per micro-batch, no messages */
@@ -551,6 +581,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_generated_table_passes_the_checker),
         cmocka_unit_test(test_every_chunk_runs_every_micro_batch_once_forward_and_backward),
+        cmocka_unit_test(test_dualpipev_pairs_forward_and_backward_of_the_two_chunks_in_its_steady_phase),
         cmocka_unit_test(test_one_stage_runs_forward_then_backward_per_micro_batch),
         cmocka_unit_test(test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards),
         cmocka_unit_test(test_send_and_receive_of_one_message_share_its_tag),

@@ -310,6 +310,19 @@ int mt_schedule_build(mt_schedule *s, const mt_layout *l, int n_mb)
     return MT_OK;
 }
 
+int mt_schedule_pair(const mt_schedule *s, int stage, int i)
+{
+    if (s->kind != MT_PP_DUALPIPEV || s->pp < 2 || stage < 0 || stage >= s->pp || i < 0 ||
+        i >= s->n_actions[stage] || s->actions[stage][i].op != MT_SCHED_FWD)
+        return -1;
+    const mt_sched_action *a = s->actions[stage];
+    for (int j = i + 1; j < s->n_actions[stage]; j++) {
+        if (a[j].op >= MT_SCHED_SEND_ACT) continue; /* messages between the two */
+        return a[j].op == MT_SCHED_BWD && a[j].chunk != a[i].chunk ? j : -1;
+    }
+    return -1;
+}
+
 /* ---- names and tags --------------------------------------------------------------- */
 
 const char *mt_sched_op_name(mt_sched_op op)

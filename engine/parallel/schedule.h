@@ -144,6 +144,14 @@ int mt_schedule_predict(const mt_schedule *s, const mt_sched_costs *c, double *b
  * chunk's activations for one micro-batch. peak[pp]. */
 int mt_schedule_peak_in_flight(const mt_schedule *s, int *peak);
 
+/* DualPipeV's overlap pairs: when action i of `stage` is a forward that
+ * DualPipeV pairs with the backward of the stage's other chunk (its steady
+ * phase: F(a)&B(z), F(z)&B(a)), the index of that backward, else -1. An
+ * executor may run a pair's two computations concurrently, each hiding the
+ * other's communication; running them one after the other is also correct
+ * (the table's order). -1 for every action of other kinds. */
+int mt_schedule_pair(const mt_schedule *s, int stage, int i);
+
 /* Short names: "F", "B", "Bi", "W", "send_act", ... */
 const char *mt_sched_op_name(mt_sched_op op);
 
