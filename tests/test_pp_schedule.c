@@ -133,7 +133,7 @@ static void test_every_chunk_runs_every_micro_batch_once_forward_and_backward(vo
     mt_schedule_free(&s);
 }
 
-static void test_dualpipev_pairs_forward_and_backward_of_the_two_chunks_in_its_steady_phase(
+static void test_dualpipev_pairs_forward_and_backward_of_its_two_chunks_when_steady(
     void **state)
 {
     /* phase 4: N - 2 pp + st + 1 rounds of F(a)&B(z), F(z)&B(a); phase 5:
@@ -581,7 +581,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_generated_table_passes_the_checker),
         cmocka_unit_test(test_every_chunk_runs_every_micro_batch_once_forward_and_backward),
-        cmocka_unit_test(test_dualpipev_pairs_forward_and_backward_of_the_two_chunks_in_its_steady_phase),
+        cmocka_unit_test(test_dualpipev_pairs_forward_and_backward_of_its_two_chunks_when_steady),
         cmocka_unit_test(test_one_stage_runs_forward_then_backward_per_micro_batch),
         cmocka_unit_test(test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards),
         cmocka_unit_test(test_send_and_receive_of_one_message_share_its_tag),
