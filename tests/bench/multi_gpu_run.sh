@@ -50,7 +50,8 @@ losses() { sed -n 's/^{"step":\([0-9]*\),.*"loss":\([-0-9.e+]*\),"mtp_loss".*/\1
 max_rel() {
   join <(losses "$1") <(losses "$2") |
     awk '{d = $2 - $3; if (d < 0) d = -d; r = d / ($2 < 0 ? -$2 : $2); if (r > m) { m = r; s = $1 } }
-         END { if (NR == 0) print "no common steps"; else printf "%.2e (step %d of %d)\n", m, s, NR }'
+         END { if (NR == 0) print "no common steps"; else if (m == 0) printf "0 (all %d steps equal to the printed digits)\n", NR;
+               else printf "%.2e (step %d of %d)\n", m, s, NR }'
 }
 # Median of steps 3.. of a field ("step_ms", "tokens_per_s", "tflops").
 median() {
