@@ -9,7 +9,7 @@
 # BUNDLE: a deploy/bundle.sh bundle made with --with-mpi and the tests
 # (test_comm_gpu, bench_comm_gpu; the corpora data/synth-tiny and
 # data/synth-dsv3 are generated when missing);
-# OUT collects logs and metrics. STAGES (default info,comm,bench,eq,proxy):
+# OUT collects logs and metrics. STAGES (default info,comm,bench,eq,proxy,ckpt):
 #   info   nvidia-smi and the GPU topology
 #   comm   test_comm_gpu over NCCL on every GPU
 #   bench  bench_comm_gpu: all-reduce / reduce-scatter / all-gather /
@@ -23,11 +23,18 @@
 #          one GPU, then ep=N over N GPUs (dp=N for the dense part);
 #          median step time, tokens/s and model TFLOPS per GPU of steps
 #          3..N from the metrics stream.
+#   ckpt   the proxy at CKPT_LAYOUT (default ep=N) on N GPUs saves at steps 2
+#          and 4 into CKPT_DIR (default /tmp/mg-ckpt; async, every rank its
+#          own shard file); dd writes and reads a file of the checkpoint's
+#          size on the same disk (page cache dropped for the read when
+#          allowed); then the checkpoint continues for 2 steps on one GPU
+#          (PROXY1_SETS: settings that make the proxy fit one GPU) and on 2
+#          GPUs at CKPT_LAYOUT2 (default ep=2 when saved at ep=4, else dp=2).
 # Environment: NGPU (default: every GPU), NCCL_NVLS_ENABLE=0 always.
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 out="$2"
-stages="${3:-info,comm,bench,eq,proxy}"
+stages="${3:-info,comm,bench,eq,proxy,ckpt}"
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -134,4 +141,41 @@ if want proxy; then
       echo "ep=$ep rc=$?: $(grep -m1 -E ' E ' "$out/proxy-ep$ep.log" | cut -c1-200)"
     report "ep=$ep" "$ep" "$out/proxy-ep$ep.jsonl"
   done
+fi
+if want ckpt; then
+  layout="${CKPT_LAYOUT:-ep=$ngpu}"
+  dir="${CKPT_DIR:-/tmp/mg-ckpt}"
+  rm -rf "$dir"; mkdir -p "$dir"
+  sets=(); for kv in ${layout//,/ }; do sets+=(--set "parallel.$kv"); done
+  ck=(--job "$ex/dsv3-proxy.json" --set data.path="$bundle/data/synth-dsv3" --set data.valid_interval=0
+      --set checkpoint.dir="$dir" --set checkpoint.async=true)
+  echo "== ckpt: the proxy at $layout on $ngpu GPUs saves at steps 2 and 4 into $dir"
+  mpi "$ngpu" "$bin/moetraind" "${ck[@]}" "${sets[@]}" --set parallel.dp=0 --set train.steps=4 \
+    --set checkpoint.interval=2 --metrics-jsonl "$out/ckpt-save.jsonl" > "$out/ckpt-save.log" 2>&1
+  echo "rc=$?"; grep -E "committed|failed| E " "$out/ckpt-save.log" | cut -c1-240
+  grep -o '"step_ms":[0-9.]*' "$out/ckpt-save.jsonl" | tr '\n' ' '; echo "(step times: saves after steps 2 and 4)"
+  bytes=$(du -sb "$dir/step_00000004" 2>/dev/null | cut -f1)
+  if [ -n "$bytes" ]; then
+    ls -la "$dir/step_00000004" | head -n 12
+    mb=$(( bytes / 1048576 ))
+    t0=$(date +%s.%N); dd if=/dev/zero of="$dir/dd.bin" bs=1M count="$mb" conv=fsync status=none; t1=$(date +%s.%N)
+    echo "dd write $mb MiB: $(awk -v b="$bytes" -v a="$t0" -v c="$t1" 'BEGIN { printf "%.2f GB/s", b / (c - a) / 1e9 }')"
+    sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && dropped="page cache dropped" || dropped="page cache NOT dropped"
+    t0=$(date +%s.%N); dd if="$dir/dd.bin" of=/dev/null bs=1M status=none; t1=$(date +%s.%N)
+    echo "dd read: $(awk -v b="$bytes" -v a="$t0" -v c="$t1" 'BEGIN { printf "%.2f GB/s", b / (c - a) / 1e9 }') ($dropped)"
+    rm -f "$dir/dd.bin"
+  fi
+  echo "== ckpt: continue on one GPU ${PROXY1_SETS:-}"
+  sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
+  CUDA_VISIBLE_DEVICES=0 "$bin/moetraind" "${ck[@]}" ${PROXY1_SETS:-} --set train.steps=6 --resume auto \
+    --metrics-jsonl "$out/ckpt-1.jsonl" > "$out/ckpt-1.log" 2>&1
+  echo "rc=$?"; grep -E "restored|verified|continuing| E |step +[56]/" "$out/ckpt-1.log" | cut -c1-240
+  l2="${CKPT_LAYOUT2:-}"; [ -z "$l2" ] && { [ "$layout" = "ep=4" ] && l2="ep=2" || l2="dp=2"; }
+  sets=(); for kv in ${l2//,/ }; do sets+=(--set "parallel.$kv"); done
+  echo "== ckpt: continue on 2 GPUs at $l2"
+  sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
+  mpi 2 "$bin/moetraind" "${ck[@]}" "${sets[@]}" --set parallel.dp=0 --set train.steps=6 --resume auto \
+    --metrics-jsonl "$out/ckpt-2.jsonl" > "$out/ckpt-2.log" 2>&1
+  echo "rc=$?"; grep -E "restored|verified|continuing| E |step +[56]/" "$out/ckpt-2.log" | cut -c1-240
+  echo "losses after the resume (step loss): one GPU: $(losses "$out/ckpt-1.jsonl" | tr '\n' ' ') 2 GPUs: $(losses "$out/ckpt-2.jsonl" | tr '\n' ' ')"
 fi
