@@ -491,7 +491,8 @@ static int start_owned(mt_comm *c, const mt_comm_seg *segs, int n, int reduce, m
     MT_CHECK(check_segs(c, what, segs, n));
     if (c->size == 1 || total == 0) return MT_OK; /* nothing moves, nothing is rounded */
     const mt_comm_iface *f = c->iface;
-    int rc = reduce ? f->reduce_owned_start(c, segs, n, wire, req) : f->gather_owned_start(c, segs, n, req);
+    int rc = reduce ? f->reduce_owned_start(c, segs, n, wire, req)
+                    : f->gather_owned_start(c, segs, n, req);
     if (rc < 0) {
         *req = NULL;
         return mt_err_wrap(rc, CTX_FMT "%s", CTX_ARGS(c), what);

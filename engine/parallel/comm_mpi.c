@@ -496,7 +496,10 @@ static int mpi_req_complete(mpi_req *q, int test, int *done)
     return MT_OK;
 }
 
-static int mpi_req_test(mt_comm_req *r, int *done) { return mpi_req_complete((mpi_req *)r, 1, done); }
+static int mpi_req_test(mt_comm_req *r, int *done)
+{
+    return mpi_req_complete((mpi_req *)r, 1, done);
+}
 static int mpi_req_wait(mt_comm_req *r) { return mpi_req_complete((mpi_req *)r, 0, NULL); }
 
 static int mpi_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int reduce,
@@ -558,7 +561,8 @@ static int mpi_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int reduc
                 rc = post_recv(c, &q->rs, q->rows + (size_t)p * own * es, own * es, p, tag);
         } else {
             if (own > 0) rc = post_send(c, &q->rs, q->sendbuf, own, p, tag);
-            if (rc == MT_OK && tot[p] > 0) rc = post_recv(c, &q->rs, q->rows + q->off[p], tot[p], p, tag);
+            if (rc == MT_OK && tot[p] > 0)
+                rc = post_recv(c, &q->rs, q->rows + q->off[p], tot[p], p, tag);
         }
     }
     if (rc < 0) {

@@ -270,7 +270,8 @@ static int staged_req_wait(mt_comm_req *r)
     BEGIN(c);
     for (int k = 0; k < q->n && rc == MT_OK; k++) {
         const int mine = q->segs[k].owner == c->rank;
-        if (q->reduce == mine) rc = up(c, q->segs[k].buf, q->hsegs[k].buf, q->hsegs[k].count * (q->reduce ? 4 : 1));
+        const size_t bytes = q->hsegs[k].count * (q->reduce ? 4 : 1);
+        if (q->reduce == mine) rc = up(c, q->segs[k].buf, q->hsegs[k].buf, bytes);
     }
     /* the mirror is freed with the request: the copies up must be done */
     if (rc == MT_OK) rc = wait_down(c);
