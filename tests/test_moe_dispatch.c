@@ -25,7 +25,8 @@
  *      rank, bit-exact against the same sum computed plainly;
  *   3. the backward's dispatch (count = 0, the forward's plan) moves a new
  *      payload given in the source layout (xp) identically;
- *   4. the byte counters count only what left this rank.
+ *   4. the byte counters count only what left this rank;
+ *   5. the FP8 payload (dispatch_fp8, run_fp8_case).
  */
 #include <math.h>
 #include <mpi.h>
@@ -321,6 +322,128 @@ static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, in
     free(all);
 }
 
+/* 5. The FP8 payload: tokens of Dq values quantised once (quant_rows, one
+ * segment), dispatched as e4m3 rows with their scales; on arrival the e4m3
+ * rows and scales are bit for bit quant_rows of the plain local layout over
+ * the plan's local segments (the tiles are per row), the act rows their
+ * dequantised values, and only W = mt_fp8_wire_row_bytes(Dq) bytes per row
+ * left the rank. Dq: several 128-tiles, a partial last one; odd Dq (not
+ * a multiple of 4) pads the wire rows. */
+static void run_fp8_case(mt_comm *c, mt_backend *be, int pat, int align, int Dq)
+{
+    const int El = E / size_, KB = (Dq + 127) / 128;
+    char what[96];
+    snprintf(what, sizeof what, "fp8 payload, %s, align %d, hidden %d", PAT_NAME[pat], align, Dq);
+    routed *all = calloc((size_t)size_, sizeof *all);
+    if (!all) die("out of memory", MT_ENOMEM);
+    for (int r = 0; r < size_; r++) {
+        all[r].N = tokens_of(r, pat);
+        routes_of(r, pat, all[r].N, all[r].idx);
+    }
+    const int N = all[rank_].N;
+    if (be->kind == MT_BE_CPU) be->round_bf16 = 1;
+    mt_moe_dispatcher *d;
+    MUST(mt_moe_dispatch_a2a(&d, c, E, MT_COMM_BF16));
+    mt_moe_plan plan;
+    MUST(mt_moe_plan_init(&plan, size_, El, align));
+    plan.Rl_cap = mt_moe_local_rows_cap(d, 64, K, align);
+    const size_t act = mt_act_size(be), Rc = (size_t)plan.Rl_cap;
+    /* tokens: bf16 values of varied magnitude per 128-tile */
+    float *x = malloc(sizeof(float) * ((size_t)N * Dq + 1));
+    float *want = calloc(Rc * Dq, sizeof(float));
+    if (!x || !want) die("out of memory", MT_ENOMEM);
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < Dq; j++)
+            x[(size_t)n * Dq + j] = mt_bf16_round(x_of(rank_, n, j % D, 1) * (float)(1 + j / 128));
+    int rows[E];
+    int32_t *b_idx = be_raw(be, all[rank_].idx, sizeof(int32_t) * (size_t)N * K);
+    int32_t *b_slot = be_buf(be, sizeof(int32_t) * (size_t)(N * K + 1));
+    int32_t *b_src = be_buf(be, sizeof(int32_t) * (size_t)(N * K + 1));
+    int32_t *b_counts = be_buf(be, sizeof(int32_t) * E);
+    void *b_x = be_act(be, x, (size_t)N * Dq);
+    uint8_t *b_xq = be_buf(be, (size_t)N * Dq + 1);
+    float *b_xs = be_buf(be, 4 * ((size_t)N * KB + 1));
+    uint8_t *b_ql = be_buf(be, Rc * Dq), *b_rq = be_buf(be, Rc * Dq);
+    float *b_sl = be_buf(be, 4 * Rc * KB), *b_rs = be_buf(be, 4 * Rc * KB);
+    void *b_xl = be_buf(be, Rc * Dq * act), *b_want = be_buf(be, Rc * Dq * act);
+    MUST(be->moe_index(be, b_slot, b_src, b_counts, rows, b_idx, N, K, E, 1, N * K + 1));
+    int one[1] = {N};
+    if (N > 0) MUST(be->quant_rows(be, b_xq, b_xs, b_x, Dq, one, 1, Dq));
+    int64_t s0, r0, s1, r1;
+    mt_moe_a2a_bytes(d, &s0, &r0);
+    MUST(d->dispatch_fp8(d, be, &plan, b_ql, b_sl, b_xl, b_xq, b_xs, N, b_src, rows, Dq));
+    mt_moe_a2a_bytes(d, &s1, &r1);
+    /* the plain local layout, then quant_rows over the plan's segments */
+    int64_t at = 0, recv = 0;
+    for (int e = 0; e < El; e++)
+        for (int q = 0; q < size_; q++) {
+            int64_t got = 0;
+            for (int n = 0; n < all[q].N; n++)
+                for (int k = 0; k < K; k++)
+                    if (all[q].idx[n * K + k] == d->e_lo + e) {
+                        for (int j = 0; j < Dq; j++)
+                            want[at * Dq + j] =
+                                mt_bf16_round(x_of(q, n, j % D, 1) * (float)(1 + j / 128));
+                        at++;
+                        got++;
+                    }
+            if (q != rank_) recv += got;
+            for (; got % align; got++) at++; /* zero rows (calloc) */
+        }
+    CHECK(plan.Rl == at, "%s: Rl %d, want %lld", what, plan.Rl, (long long)at);
+    const int64_t Rl = plan.Rl < at ? plan.Rl : at;
+    to_act(be, b_want, want, (size_t)Rl * Dq);
+    if (Rl > 0) MUST(be->quant_rows(be, b_rq, b_rs, b_want, Dq, plan.local_rows, El, Dq));
+    uint8_t *ql = malloc((size_t)Rl * Dq + 1), *rq = malloc((size_t)Rl * Dq + 1);
+    float *sl = malloc(4 * ((size_t)Rl * KB + 1)), *rs = malloc(4 * ((size_t)Rl * KB + 1));
+    float *xl = malloc(4 * ((size_t)Rl * Dq + 1));
+    if (!ql || !rq || !sl || !rs || !xl) die("out of memory", MT_ENOMEM);
+    if (Rl > 0) {
+        MUST(be->download(be, ql, b_ql, (size_t)Rl * Dq));
+        MUST(be->download(be, rq, b_rq, (size_t)Rl * Dq));
+        MUST(be->download(be, sl, b_sl, 4 * (size_t)Rl * KB));
+        MUST(be->download(be, rs, b_rs, 4 * (size_t)Rl * KB));
+    }
+    from_act(be, xl, b_xl, (size_t)Rl * Dq);
+    CHECK(memcmp(ql, rq, (size_t)Rl * Dq) == 0, "%s: e4m3 rows differ from quant_rows of the "
+          "local layout", what);
+    CHECK(memcmp(sl, rs, 4 * (size_t)Rl * KB) == 0, "%s: scales differ from quant_rows' "
+          "per-segment layout", what);
+    int bad = 0;
+    int64_t r_g = 0;
+    for (int e = 0; e < El; e++) {
+        for (int64_t i = 0; i < plan.local_rows[e] && r_g + i < Rl; i++)
+            for (int j = 0; j < Dq; j++) {
+                const int64_t row = r_g + i;
+                const float sc = rs[KB * r_g + (int64_t)(j / 128) * plan.local_rows[e] + i];
+                const float v = mt_bf16_round(mt_e4m3_to_f32(rq[row * Dq + j]) * sc);
+                bad += memcmp(&v, &xl[row * Dq + j], 4) != 0;
+            }
+        r_g += plan.local_rows[e];
+    }
+    CHECK(bad == 0, "%s: %d act values differ from the dequantised e4m3 rows", what, bad);
+    const int64_t W = (int64_t)mt_fp8_wire_row_bytes(Dq), cnt = (int64_t)(size_ - 1) * El * 8;
+    int64_t R = 0;
+    for (int e = 0; e < E; e++) R += rows[e];
+    CHECK(s1 - s0 == (R - plan.sent[rank_]) * W + cnt && r1 - r0 == recv * W + cnt,
+          "%s: byte counters %lld sent, %lld received; want %lld, %lld", what,
+          (long long)(s1 - s0), (long long)(r1 - r0), (long long)((R - plan.sent[rank_]) * W + cnt),
+          (long long)(recv * W + cnt));
+    mt_moe_plan_free(&plan);
+    d->destroy(d);
+    void *bufs[] = {b_idx, b_slot, b_src, b_counts, b_x, b_xq, b_xs, b_ql, b_rq, b_sl, b_rs,
+                    b_xl, b_want};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) be->free(be, bufs[i]);
+    free(x);
+    free(want);
+    free(ql);
+    free(rq);
+    free(sl);
+    free(rs);
+    free(xl);
+    free(all);
+}
+
 /* Refusals that name what is wrong. */
 static void refusals(mt_comm *c)
 {
@@ -399,11 +522,15 @@ int main(int argc, char **argv)
         for (int wi = gpu ? 1 : 0; wi < 2; wi++)
             for (int align = 1; align <= 8; align += 7)
                 run_case(c, be, pat, wi ? MT_COMM_BF16 : MT_COMM_F32, align);
+    for (int pat = 0; pat < PAT_COUNT; pat++) {
+        run_fp8_case(c, be, pat, 8, 300);
+        run_fp8_case(c, be, pat, 128, 258);
+    }
     if (!gpu) refusals(c);
     int ok = mt_comm_agree(c, failures == 0);
     if (rank_ == 0)
-        printf("test_moe_dispatch: %d rank%s%s%s, %d route patterns x %d wire(s) x 2 paddings: "
-               "%s\n", size_, size_ == 1 ? "" : "s", gpu ? ", device buffers over " : "",
+        printf("test_moe_dispatch: %d rank%s%s%s, %d route patterns x (%d wire(s) x 2 paddings "
+               "+ the FP8 payload x 2 widths): %s\n", size_, size_ == 1 ? "" : "s", gpu ? ", device buffers over " : "",
                gpu ? gpu : "", PAT_COUNT, gpu ? 1 : 2,
                ok == 1 ? "equal to the plain reference" : "FAILED");
     mt_comm_destroy(c);

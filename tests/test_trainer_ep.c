@@ -23,11 +23,20 @@
  *      of the ~50k E4M3 weights after steps 1 and 2 at ep = 2); the next
  *      step's activations then re-round whole 1x128 gradient tiles, and
  *      Adam's normalised update turns that noise into up to one lr step on
- *      a few parameters. Bounds: 3e-3 (one step of lr = 3e-3) at most and
- *      3e-5 on average (measured at ep = 2: 1.4e-3 and 4.9e-6; fp32 2.2e-5
- *      and 1.8e-9);
+ *      a few parameters. And the FP8 payload: the expert rows travel as
+ *      e4m3 with their 1x128 scales, quantised once before the dispatch;
+ *      the forward's GEMMs see exactly the one rank's e4m3 rows (the tiles
+ *      are per row), but the weight gradient of gate/up reads the
+ *      dequantised rows (as DeepSeek-V3's backward reads its FP8 cache)
+ *      where one rank reads the bf16 ones: the gradients differ by the
+ *      e4m3 rounding of the input, and where a small gradient changes sign
+ *      Adam's normalised update moves the parameter by up to 2 lr per step.
+ *      Bounds: 2e-2 (STEPS x 2 lr, lr = 3e-3) at most and 3e-4 on average
+ *      (measured at ep = 2: 1.3e-2 and 1.3e-4; without the FP8 payload
+ *      1.4e-3 and 4.9e-6; fp32 2.2e-5 and 1.8e-9);
  *   2. the first step's forward is the one rank's bit for bit (rows do not
- *      change their values by travelling): the same per-micro-batch losses,
+ *      change their values by travelling; e4m3 rows quantised before the
+ *      dispatch are those quantised after): the same per-micro-batch losses,
  *      so the step's mean differs only by the order of its double sum
  *      (1e-12 relative), and the same expert loads (min / max / cv of every
  *      MoE layer);
@@ -327,7 +336,7 @@ int main(int argc, char **argv)
         run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 2e-3, 0, 0);
     } else {
         run_recipe(rt, argv[1], corpus, "fp32", ep, 1e-5, 3e-5, 3e-7);
-        run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 1e-3, 3e-3, 3e-5);
+        run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 1e-3, 2e-2, 3e-4);
     }
 
     int all_ok = mt_runtime_agree(rt, failures == 0);

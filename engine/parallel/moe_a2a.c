@@ -367,6 +367,59 @@ static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, in
     return MT_OK;
 }
 
+static int a2a_dispatch_fp8(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, uint8_t *ql,
+                            float *sl, void *xl_buf, const uint8_t *xq, const float *xs, int N,
+                            const int32_t *src, const int *rows, int D)
+{
+    a2a *x = impl_of(d);
+    const int P = x->P, El = d->E_local, KB = (D + 127) / 128;
+    MT_CHECK(check_backend(d, be));
+    if (!be->moe_pack_fp8 || !be->moe_unpack_fp8)
+        return MT_ERR(MT_ENOTSUP, "expert dispatch: the %s backend has no FP8 row packing",
+                      be->name);
+    MT_CHECK(exchange_counts(d, p, rows));
+    const size_t W = mt_fp8_wire_row_bytes(D); /* BYTE elements per row */
+    size_t s = 0, r = 0;
+    for (int q = 0; q < P; q++) {
+        int64_t in = 0;
+        for (int e = 0; e < El; e++) in += p->from[q * El + e];
+        x->sc[q] = (size_t)p->sent[q] * W;
+        x->sd[q] = s;
+        x->rc[q] = (size_t)in * W;
+        x->rd[q] = r;
+        s += x->sc[q];
+        r += x->rc[q];
+    }
+    MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s + 1));
+    MT_CHECK(be->moe_pack_fp8(be, x->bsend, xq, xs, src, N, p->R, D));
+    MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, r + 1));
+    MT_CHECK(exchange_begin(x));
+    MT_CHECK(mt_comm_all_to_all_v(x->c, x->bsend, x->sc, x->sd, x->brecv, x->rc, x->rd,
+                                  MT_COMM_BYTE));
+    MT_CHECK(exchange_end(x));
+    x->bytes_sent += (int64_t)(s - x->sc[x->me]);
+    x->bytes_recv += (int64_t)(r - x->rc[x->me]);
+    /* local row j: its wire row (-1: padding), and where its scales go in
+     * quant_rows' layout of the local segments: base KB r_g + (j - r_g),
+     * stride rows[g] */
+    MT_CHECK(map_grow(x, 3 * (int64_t)p->Rl));
+    segments(x, p);
+    int64_t at = 0;
+    for (int e = 0; e < El; e++)
+        for (int q = 0; q < P; q++) {
+            int64_t first = (int64_t)(x->rd[q] / W);
+            for (int e2 = 0; e2 < e; e2++) first += p->from[q * El + e2];
+            const int64_t n = p->from[q * El + e], tot = padded(n, p->align);
+            for (int64_t i = 0; i < tot; i++, at++) {
+                x->map[3 * at] = i < n ? (int32_t)(first + i) : -1;
+                x->map[3 * at + 1] = (int32_t)(KB * x->seg[e] + (at - x->seg[e]));
+                x->map[3 * at + 2] = p->local_rows[e];
+            }
+        }
+    MT_CHECK(map_upload(x, 3 * (int64_t)p->Rl));
+    return be->moe_unpack_fp8(be, ql, sl, xl_buf, x->brecv, x->bmap, p->Rl, D);
+}
+
 static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,
                        const void *yl, int D)
 {
@@ -462,6 +515,7 @@ int mt_moe_dispatch_a2a(mt_moe_dispatcher **out, mt_comm *ep, int E, mt_comm_dty
     d->E_local = E / P;
     d->e_lo = mt_comm_rank(ep) * d->E_local;
     d->dispatch = a2a_dispatch;
+    d->dispatch_fp8 = a2a_dispatch_fp8;
     d->combine = a2a_combine;
     d->destroy = a2a_destroy;
     x->c = ep;

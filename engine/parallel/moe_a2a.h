@@ -33,7 +33,14 @@
  *  - converting (CPU backend, act float, wire = MT_COMM_BF16, recipes bf16
  *    and fp8-blockwise whose act values are bf16 numbers): rows travel as
  *    bf16 - half the bytes, bit-exact - converted in the pack and unpack.
- * The FP8 payload (e4m3 + 1x128 scales) is not done yet.
+ * FP8 payload (dispatch_fp8, the forward's dispatch under the fp8 recipe):
+ * the layer quantises its tokens once (quant_rows, 1x128 tiles per row);
+ * each source row travels as its KB scales and D e4m3 bytes (about 1 byte
+ * per value: 7168 + 224 bytes per DeepSeek-V3 row against 14336 in bf16);
+ * the unpack (moe_unpack_fp8 by an index map) lays out the e4m3 rows and
+ * their scales as quant_rows of the local segments would (the expert
+ * GEMMs take them as they are) and the dequantised act rows for the
+ * weight gradient. Combine and the backward's exchanges stay act rows.
  *
  * Counts: the per-expert rows are on the host already (the layer's
  * moe_index brings them there: one small device-to-host copy per layer's
