@@ -421,6 +421,8 @@ static int cpu_moe_unpack_fp8(mt_backend *be, uint8_t *q, float *s, void *x, con
     const int KB = (D + 127) / 128;
     const size_t W = mt_fp8_wire_row_bytes(D);
     float *xf = x;
+    float val[256]; /* every e4m3 code's value: ldexpf per element is slow */
+    for (int i = 0; i < 256; i++) val[i] = mt_e4m3_to_f32((uint8_t)i);
 #pragma omp parallel for num_threads(cpu_team(be, (int64_t)M * D))
     for (int j = 0; j < M; j++) {
         const int32_t wr = info[3 * j], base = info[3 * j + 1], stride = info[3 * j + 2];
@@ -433,19 +435,13 @@ static int cpu_moe_unpack_fp8(mt_backend *be, uint8_t *q, float *s, void *x, con
             continue;
         }
         const uint8_t *row = wire + (size_t)wr * W;
-        float sc[64]; /* KB <= 64: D <= 8192 here; larger D take the slow path below */
+        memcpy(qj, row + 4 * KB, (size_t)D);
         for (int kb = 0; kb < KB; kb++) {
             float v;
             memcpy(&v, row + 4 * kb, 4);
             s[base + (int64_t)kb * stride] = v;
-            if (kb < 64) sc[kb] = v;
-        }
-        memcpy(qj, row + 4 * KB, (size_t)D);
-        for (int k = 0; k < D; k++) {
-            float v;
-            if (k / 128 < 64) v = sc[k / 128];
-            else memcpy(&v, row + 4 * (k / 128), 4);
-            xj[k] = cpu_act(be, mt_e4m3_to_f32(qj[k]) * v);
+            const int k1 = (kb + 1) * 128 < D ? (kb + 1) * 128 : D;
+            for (int k = kb * 128; k < k1; k++) xj[k] = cpu_act(be, val[qj[k]] * v);
         }
     }
     return MT_OK;

@@ -2,7 +2,7 @@
  * through MPI (engine/parallel/moe_a2a.h), at DeepSeek-V3 shapes by default.
  *
  *   mpirun -np P bench_moe_dispatch [--tokens N] [--hidden D] [--experts E]
- *       [--topk K] [--align A] [--wire bf16|f32] [--iters I] [--threads T]
+ *       [--topk K] [--align A] [--wire bf16|f32|fp8] [--iters I] [--threads T]
  *
  * Defaults: 4096 tokens per rank, hidden 7168, top-8 of 256 experts
  * (uniform random routes, distinct per token), align 128 (the FP8 GEMM's
@@ -15,6 +15,10 @@
  * the slowest rank's time (ms), and for the exchanges the bytes that left
  * each rank, as GB/s per rank; then the plain all_to_all_v of the same
  * payload from packed buffers (MPI's own ceiling here).
+ * --wire fp8: the FP8 payload of the fp8 recipe - the tokens quantised
+ * once (quant_rows, timed within dispatch), rows travel as e4m3 with their
+ * 1x128 scales (dispatch_fp8) and arrive as e4m3 rows + scales for the
+ * GEMMs and dequantised act rows; combine stays bf16.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <mpi.h>
@@ -72,6 +76,7 @@ int main(int argc, char **argv)
 {
     int N = 4096, D = 7168, E = 256, K = 8, align = 128, iters = 3, threads = 1;
     mt_comm_dtype wire = MT_COMM_BF16;
+    int fp8 = 0;
     for (int i = 1; i < argc; i++) {
         int has = i + 1 < argc;
         if (!strcmp(argv[i], "--tokens") && has) N = atoi(argv[++i]);
@@ -84,9 +89,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--wire") && has) {
             ++i;
             wire = !strcmp(argv[i], "f32") ? MT_COMM_F32 : MT_COMM_BF16;
+            fp8 = !strcmp(argv[i], "fp8");
         } else {
             fprintf(stderr, "usage: bench_moe_dispatch [--tokens N] [--hidden D] [--experts E] "
-                            "[--topk K] [--align A] [--wire bf16|f32] [--iters I] [--threads T]\n");
+                            "[--topk K] [--align A] [--wire bf16|f32|fp8] [--iters I] [--threads T]\n");
             return 2;
         }
     }
@@ -127,6 +133,11 @@ int main(int argc, char **argv)
     float *x = malloc(sizeof(float) * (size_t)N * D), *y = malloc(sizeof(float) * (size_t)N * D);
     float *xp = malloc(sizeof(float) * (size_t)R * D);   /* yp: combine's output */
     float *xl = malloc(sizeof(float) * (size_t)Rl * D);  /* local layout */
+    const int KB = (D + 127) / 128;
+    const size_t W = mt_fp8_wire_row_bytes(D);
+    uint8_t *xq = fp8 ? malloc((size_t)N * D) : NULL, *ql = fp8 ? malloc((size_t)Rl * D) : NULL;
+    float *xs = fp8 ? malloc(4 * (size_t)N * KB) : NULL, *sl = fp8 ? malloc(4 * (size_t)Rl * KB) : NULL;
+    if (fp8 && (!xq || !ql || !xs || !sl)) die("out of memory", MT_ENOMEM);
     if (!slot || !src || !counts || !rows || !w || !x || !y || !xp || !xl)
         die("out of memory (tokens x hidden too large for this machine?)", MT_ENOMEM);
     for (int64_t i = 0; i < (int64_t)N * D; i++)
@@ -137,7 +148,7 @@ int main(int argc, char **argv)
     MUST(mt_moe_plan_init(&plan, P, El, align));
     plan.Rl_cap = Rl;
 
-    double t[5] = {0}, best_a2a = 1e30;
+    double t[5] = {0}, best_a2a = 1e30, tquant = 0;
     int64_t s0 = 0, r0 = 0, s1, r1;
     for (int it = 0; it <= iters; it++) {
         double ts[5];
@@ -146,7 +157,15 @@ int main(int argc, char **argv)
         void *out;
         if (it == 1) mt_moe_a2a_bytes(d, &s0, &r0);
         /* the layer's forward: rows gathered from the tokens into the wire */
-        MUST(d->dispatch(d, be, &plan, 1, &out, xl, NULL, x, src, rows, D));
+        if (fp8) { /* quantised once, then e4m3 rows + scales travel */
+            int one[1] = {N};
+            const double tq0 = now_s();
+            MUST(be->quant_rows(be, xq, xs, x, D, one, 1, D));
+            if (it > 0) tquant += now_s() - tq0;
+            MUST(d->dispatch_fp8(d, be, &plan, ql, sl, xl, xq, xs, N, src, rows, D));
+        } else {
+            MUST(d->dispatch(d, be, &plan, 1, &out, xl, NULL, x, src, rows, D));
+        }
         MUST(mt_comm_barrier(c)); /* phases timed apart */
         ts[2] = now_s();
         MUST(d->combine(d, be, &plan, xp, xl, D));
@@ -163,16 +182,17 @@ int main(int argc, char **argv)
         for (int q = 0; q < P; q++) {
             int64_t in = 0;
             for (int e = 0; e < El; e++) in += plan.from[q * El + e];
-            sc[q] = (size_t)plan.sent[q] * D;
+            const size_t per = fp8 ? W : (size_t)D; /* elements per row */
+            sc[q] = (size_t)plan.sent[q] * per;
             sd[q] = so;
-            rc[q] = (size_t)in * D;
+            rc[q] = (size_t)in * per;
             rd[q] = ro;
             so += sc[q];
             ro += rc[q];
         }
         MUST(mt_comm_barrier(c));
         double ta = now_s();
-        MUST(mt_comm_all_to_all_v(c, xp, sc, sd, xl, rc, rd, wire));
+        MUST(mt_comm_all_to_all_v(c, xp, sc, sd, xl, rc, rd, fp8 ? MT_COMM_BYTE : wire));
         MUST(mt_comm_barrier(c));
         double tb = now_s() - ta;
         best_a2a = tb < best_a2a ? tb : best_a2a;
@@ -185,23 +205,29 @@ int main(int argc, char **argv)
     double tmax[4];
     for (int k = 0; k < 4; k++) t[k] /= iters;
     MUST(mt_comm_all_reduce(c, t, tmax, 4, MT_COMM_F64, MT_COMM_MAX));
-    double a2a_max;
+    double a2a_max, quant_max, tq = tquant / iters;
+    MUST(mt_comm_all_reduce(c, &tq, &quant_max, 1, MT_COMM_F64, MT_COMM_MAX));
     MUST(mt_comm_all_reduce(c, &best_a2a, &a2a_max, 1, MT_COMM_F64, MT_COMM_MAX));
     /* bytes that left this rank per exchange (dispatch = combine in volume
-     * when routes are balanced; counts included) */
-    const double per_x = (double)(s1 - s0) / iters / 2;
-    int64_t mine = (int64_t)per_x, most;
-    MUST(mt_comm_all_reduce(c, &mine, &most, 1, MT_COMM_I64, MT_COMM_MAX));
+     * when routes are balanced; counts included); the FP8 dispatch is
+     * smaller than the bf16 combine: dispatch's share by the row sizes */
+    const double per_it = (double)(s1 - s0) / iters;
+    const double fd = fp8 ? (double)W / (double)(W + 2 * (size_t)D) : 0.5;
+    int64_t mine[2] = {(int64_t)(per_it * fd), (int64_t)(per_it * (1 - fd))}, most2[2];
+    MUST(mt_comm_all_reduce(c, mine, most2, 2, MT_COMM_I64, MT_COMM_MAX));
+    const int64_t most = most2[0], most_c = most2[1];
     if (rank_ == 0) {
         printf("ranks %d, tokens/rank %d, hidden %d, top-%d of %d experts, align %d, %s wire, "
                "%d iterations, %d thread(s)/rank\n", P, N, D, K, E, align,
-               mt_comm_dtype_name(wire), iters, threads);
-        printf("off-rank payload per exchange per rank (max): %.1f MB\n", most / 1e6);
+               fp8 ? "fp8 (e4m3 + 1x128 scales)" : mt_comm_dtype_name(wire), iters, threads);
+        printf("off-rank payload per rank (max): dispatch %.1f MB, combine %.1f MB\n",
+               most / 1e6, most_c / 1e6);
+        if (fp8) printf("of the dispatch: quant_rows of the tokens %.1f ms\n", 1e3 * quant_max);
         printf("dispatch %.1f ms (%.2f GB/s/rank) | combine %.1f ms "
                "(%.2f GB/s/rank) | unpermute %.1f ms | dispatch+combine %.1f ms | bare "
-               "all_to_all_v %.1f ms (%.2f GB/s/rank)\n",
+               "all_to_all_v of the dispatch payload %.1f ms (%.2f GB/s/rank)\n",
                1e3 * tmax[1], most / tmax[1] / 1e9, 1e3 * tmax[2],
-               most / tmax[2] / 1e9, 1e3 * tmax[3], 1e3 * (tmax[1] + tmax[2]), 1e3 * a2a_max,
+               most_c / tmax[2] / 1e9, 1e3 * tmax[3], 1e3 * (tmax[1] + tmax[2]), 1e3 * a2a_max,
                most / a2a_max / 1e9);
     }
     mt_moe_plan_free(&plan);
@@ -217,6 +243,10 @@ int main(int argc, char **argv)
     free(y);
     free(xp);
     free(xl);
+    free(xq);
+    free(xs);
+    free(ql);
+    free(sl);
     mt_comm_destroy(c);
     MPI_Finalize();
     return 0;
