@@ -48,11 +48,12 @@
  *      naming what it needs (not silently built with every expert).
  * The reference trainer runs on each rank by itself (no communicator).
  *
- *   test_trainer_ep EXAMPLES_DIR EP cuda
+ *   test_trainer_ep EXAMPLES_DIR EP cuda|cuda:nccl
  *
  * The same job on the CUDA backend (label gpu; skipped without a GPU),
  * ranks sharing GPUs round-robin through the staged communicator (device
- * -> pinned host -> MPI), recipes bf16 and fp8-blockwise, against one rank
+ * -> pinned host -> MPI; cuda:nccl: NCCL, a GPU per rank, skipped with
+ * fewer), recipes bf16 and fp8-blockwise, against one rank
  * on the CUDA backend run first on the same GPU: properties 3 and 4, and
  * 1 for the losses and gradient norms only, relative 2e-3 (10x for the
  * balance loss and the norm, as above). The rows travel bit-exactly, but
@@ -97,11 +98,13 @@ static void die(const char *what, int rc)
 /* cuda: the job on the CUDA backend; ranks that share a GPU talk through
  * the staged backend (device -> pinned host -> MPI). */
 static int cuda_mode;
+static const char *cuda_comm = "staged"; /* or nccl: a GPU per rank */
 
 static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                      const char *recipe, int world, int ep)
 {
-    char path[1200], data[1200], rec[64], eps[32];
+    char path[1200], data[1200], rec[64], eps[32], comm[64];
+    snprintf(comm, sizeof comm, "parallel.comm=%s", cuda_comm);
     snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
     snprintf(data, sizeof data, "data.path=%s", corpus);
     snprintf(rec, sizeof rec, "precision.recipe=%s", recipe);
@@ -109,7 +112,7 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
     const char *sets[] = {data, rec, eps, "batch.seq_len=32", "batch.micro_batch_size=1",
                           "batch.global_batch_size=4", "train.steps=3",
                           "lr_schedule.warmup_steps=1", "data.valid_interval=0",
-                          "train.log_interval=1000", "backend=cuda", "parallel.comm=staged"};
+                          "train.log_interval=1000", "backend=cuda", comm};
     const int n_sets = (int)(sizeof sets / sizeof *sets) - (cuda_mode ? 0 : 2);
     int rc = mt_jobspec_load(j, path, sets, n_sets);
     if (rc == MT_OK) rc = mt_jobspec_admit(j, world);
@@ -142,7 +145,9 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
     mt_backend *be = NULL;
     mt_trainer *ref = NULL;
     if (cuda_mode) {
-        if ((rc = mt_backend_cuda_create_shared(&be, 0, rt->size)) < 0) die("cuda backend", rc);
+        const int ndev = mt_cuda_device_count(); /* the runtime's rule: rank % devices */
+        rc = mt_backend_cuda_create_shared(&be, rt->rank % ndev, (rt->size + ndev - 1) / ndev);
+        if (rc < 0) die("cuda backend", rc);
         if ((rc = mt_trainer_create(&ref, &j1, be)) < 0) die("reference trainer", rc);
         for (int s = 0; s < STEPS; s++)
             if ((rc = mt_trainer_step(ref, &ref_m[s])) < 0) die("reference step", rc);
@@ -290,7 +295,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: test_trainer_ep EXAMPLES_DIR EP [cuda]\n");
         return 2;
     }
-    cuda_mode = argc > 3 && !strcmp(argv[3], "cuda");
+    cuda_mode = argc > 3 && !strncmp(argv[3], "cuda", 4);
+    if (cuda_mode && !strcmp(argv[3], "cuda:nccl")) cuda_comm = "nccl";
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     mt_runtime *rt;
@@ -307,8 +313,11 @@ int main(int argc, char **argv)
         MPI_Finalize();
         return 77;
     }
-    if (cuda_mode && mt_cuda_device_count() < 1) {
-        if (rt->rank == 0) fprintf(stderr, "SKIP: no CUDA device\n");
+    const int ndev = cuda_mode ? mt_cuda_device_count() : 0;
+    if (cuda_mode && (ndev < 1 || (!strcmp(cuda_comm, "nccl") && ndev < rt->size))) {
+        if (rt->rank == 0)
+            fprintf(stderr, "SKIP: %d CUDA device(s) for %d ranks over %s\n", ndev, rt->size,
+                    cuda_comm);
         mt_runtime_destroy(rt);
         MPI_Finalize();
         return 77;
@@ -342,7 +351,9 @@ int main(int argc, char **argv)
     int all_ok = mt_runtime_agree(rt, failures == 0);
     if (rt->rank == 0)
         printf("test_trainer_ep: %d ranks, ep %d%s: %s\n", rt->size, ep,
-               cuda_mode ? ", backend cuda (staged)" : "",
+               cuda_mode ? (strcmp(cuda_comm, "nccl") ? ", backend cuda (staged)"
+                                                      : ", backend cuda (nccl)")
+                         : "",
                all_ok == 1 ? "equal to one rank" : "FAILED");
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
