@@ -49,7 +49,9 @@ if [ -n "$bundle" ]; then
   bundle="$(cd "$bundle" && pwd)"
   bench="$bundle/bin/bench_ckpt" synth="$bundle/bin/moetrain-data" examples="$bundle/deploy/examples"
   mpirun="$bundle/bin/mpirun"
-  [ -x "$bundle/mpi/install.sh" ] && [ ! -d /usr/lib/x86_64-linux-gnu/openmpi ] && "$bundle/mpi/install.sh"
+  # always: a host's own Open MPI (Ubuntu's on the lent hosts) at the same
+  # paths has other PMIx plugins, which the bundle's orted cannot load
+  if [ -x "$bundle/mpi/install.sh" ]; then "$bundle/mpi/install.sh"; fi
   export PATH="$bundle/libexec:$PATH" # a singleton MPI_Init starts orted
   commit="$(sed -n 's/^commit: //p' "$bundle/BUNDLE.txt" 2>/dev/null || echo unknown)"
 else
