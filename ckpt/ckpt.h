@@ -20,14 +20,19 @@
  *  - writing a shard is a pipeline: chunks filled, copied, Fletcher32-ed by
  *    a pool of worker threads, XXH64 in order by a hasher thread, handed to
  *    HDF5 in order by the caller, and pwritten by the workers (the shard's
- *    file driver, ckpt_vfd.c, leaves them the chunk writes); write-back
+ *    file driver, ckpt_vfd.c, leaves them the chunk writes), chunks of
+ *    1 MB and more with O_DIRECT where the file system takes it (else
+ *    through the page cache, said once in the log), write-back of the rest
  *    started every 64 MB, one fsync per file;
  *  - reading: chunk addresses from HDF5, the chunks pread and checked by the
- *    workers; whole small pieces are read ahead in file order.
+ *    workers; whole small pieces of the reader's own shard are read ahead
+ *    in file order.
  * Memory stays bounded (about 128 MB for a writer, 128 MB of read-ahead),
  * never the model. Environment: MT_CKPT_THREADS (workers; default the CPUs
- * clamped to [4, 16]), MT_CKPT_DIRECT=1 (shard chunks written with
- * O_DIRECT), and for comparisons MT_CKPT_SERIAL_WRITES=1 (HDF5's own
+ * divided among the host's ranks, clamped to [4, 16]), MT_CKPT_DIRECT=0
+ * (shard chunks through the page cache; 1 or unset: O_DIRECT),
+ * MT_CKPT_DIRECT_READ=0 / 1 (large chunks of the reader's own shard read
+ * with O_DIRECT; default off), and for comparisons MT_CKPT_SERIAL_WRITES=1 (HDF5's own
  * driver), MT_CKPT_NO_READAHEAD=1, MT_CKPT_WRITEBACK=0, MT_CKPT_NO_SIMD=1
  * (Fletcher32 without AVX2). An mt_ckpt is read by one thread at a time.
  */
