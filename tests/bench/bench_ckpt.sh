@@ -66,7 +66,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # and take the cores the checkpoint's I/O threads need (a fifth of a
 # restore's CPU time on the 2-core VM).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
-cores=$(nproc)
+cores=$(getconf _NPROCESSORS_ONLN) # not nproc: it follows OMP_NUM_THREADS
 mkdir -p "$dir"
 fs=$(df -T "$dir" | awk 'NR == 2 {print $2 " on " $1}')
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
