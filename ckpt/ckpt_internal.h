@@ -151,6 +151,7 @@ hid_t ck_file_row_type(void);
 /* A piece of the read-ahead (ckpt_read.c). */
 struct ck_pf {
     int state;                   /* none, running, ready */
+    int drop;                    /* skipped while running: freed when done */
     int rc;
     char *data;                  /* the piece's bytes, row-major */
     char msg[512];
@@ -180,13 +181,15 @@ struct mt_ckpt {
     size_t buf_cap;
     /* read-ahead of whole pieces (ckpt_read.c): the pieces after the one
      * read whole, in the order of their file, read and checked by the
-     * pool's workers into memory the next whole read takes; only in the
-     * reader's own shard when its rank is set */
+     * pool's workers into memory the next whole read takes; in another
+     * rank's shard (when the reader's rank is set) only pieces that are
+     * not optimizer state; pieces the reader skips are dropped */
     pthread_mutex_t pf_mu;
     pthread_cond_t pf_cv;
     int pf_on;                   /* mutex and condition initialised */
     struct ck_pf *pf;            /* [n_pieces] */
     int *pf_cursor;              /* [n_files] next piece to consider */
+    int *pf_low;                 /* [n_files] pieces below were taken or skipped */
     int64_t pf_held;             /* bytes of the entries, running or ready */
     int pf_running;
 };

@@ -186,11 +186,12 @@ static int read_index(mt_ckpt *ck)
     ck->file_base = calloc((size_t)nf + 1, sizeof *ck->file_base);
     ck->pf = calloc((size_t)np + 1, sizeof *ck->pf);
     ck->pf_cursor = calloc((size_t)nf + 1, sizeof *ck->pf_cursor);
+    ck->pf_low = calloc((size_t)nf + 1, sizeof *ck->pf_low);
     ck->hash_cap = 16;
     while (ck->hash_cap < 2 * nt) ck->hash_cap *= 2;
     ck->hash = calloc((size_t)ck->hash_cap, sizeof *ck->hash);
     if (!ck->tensors || !ck->pieces || !ck->piece_file || !ck->file_rank || !ck->file_bytes ||
-        !ck->file_h || !ck->file_fd || !ck->file_dfd || !ck->file_base || !ck->pf || !ck->pf_cursor || !ck->hash) {
+        !ck->file_h || !ck->file_fd || !ck->file_dfd || !ck->file_base || !ck->pf || !ck->pf_cursor || !ck->pf_low || !ck->hash) {
         rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
         goto out;
     }
@@ -848,6 +849,13 @@ static void pf_task(void *arg)
     e->rc = rc;
     if (rc < 0) snprintf(e->msg, sizeof e->msg, "%s", mt_errmsg());
     e->state = PF_READY;
+    if (e->drop) { /* the reader went past it */
+        free(e->data);
+        e->data = NULL;
+        e->drop = 0;
+        e->state = PF_NONE;
+        ck->pf_held -= ck->pieces[a->p].nbytes;
+    }
     ck->pf_running--;
     pthread_cond_broadcast(&ck->pf_cv);
     pthread_mutex_unlock(&ck->pf_mu);
@@ -869,11 +877,24 @@ static int pf_launch(mt_ckpt *ck, int q)
     a->ck = ck;
     a->p = q;
     e->state = PF_RUNNING;
+    e->drop = 0;
     e->rc = MT_OK;
     ck->pf_held += ck->pieces[q].nbytes;
     ck->pf_running++;
     ck_pool_submit(pf_task, a);
     return 0;
+}
+
+/* Whether piece q is for the read-ahead: small, and in the reader's own
+ * shard or not optimizer state (FORMAT.md: a parameter's optimizer state
+ * has one owner, who reads it; weights in another rank's shard may be
+ * replicas this rank holds too, written by the lowest replica). Every
+ * piece when the reader's rank is unset. */
+static int pf_wanted(const mt_ckpt *ck, int q)
+{
+    return ck->pieces[q].nbytes <= PF_PIECE_MAX &&
+           (ck->reader_rank < 0 || ck->file_rank[ck->piece_file[q]] == ck->reader_rank ||
+            strncmp(ck->pieces[q].tensor, "optimizer.", 10) != 0);
 }
 
 /* Tops up the read-ahead of file fi after piece `after` (pf_mu held). */
@@ -882,9 +903,7 @@ static void pf_more(mt_ckpt *ck, int fi, int after)
     int q = ck->pf_cursor[fi] > after + 1 ? ck->pf_cursor[fi] : after + 1;
     const int limit = ck_io_threads();
     for (; q < ck->n_pieces; q++) {
-        if (ck->piece_file[q] != fi || ck->pf[q].state != PF_NONE ||
-            ck->pieces[q].nbytes > PF_PIECE_MAX)
-            continue;
+        if (ck->piece_file[q] != fi || ck->pf[q].state != PF_NONE || !pf_wanted(ck, q)) continue;
         if (ck->pf_held + ck->pieces[q].nbytes > PF_BYTES || ck->pf_running >= limit) break;
         if (pf_launch(ck, q) < 0) break;
     }
@@ -895,12 +914,11 @@ static void pf_more(mt_ckpt *ck, int fi, int after)
  * or NULL with *rc set; 0 returned if p is not for the read-ahead. */
 static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
 {
-    if (ck->pieces[p].nbytes > PF_PIECE_MAX || getenv("MT_CKPT_NO_READAHEAD")) return 0;
-    /* another rank's shard: this rank reads only some of its pieces (the
-     * replicated weights among that rank's optimizer state), so reading
-     * ahead would fetch, check and hold pieces nobody here takes (issue
-     * 23: the 4-rank load) */
-    if (ck->reader_rank >= 0 && ck->file_rank[ck->piece_file[p]] != ck->reader_rank) return 0;
+    /* in another rank's shard this rank reads only some pieces (the
+     * replicated weights among that rank's optimizer state): reading its
+     * optimizer state ahead would fetch, check and hold pieces nobody here
+     * takes, and fill the read-ahead's budget (issue 23: the 4-rank load) */
+    if (!pf_wanted(ck, p) || getenv("MT_CKPT_NO_READAHEAD")) return 0;
     if (!ck->pf_on) {
         pthread_mutex_init(&ck->pf_mu, NULL);
         pthread_cond_init(&ck->pf_cv, NULL);
@@ -908,6 +926,7 @@ static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
     }
     struct ck_pf *e = &ck->pf[p];
     pthread_mutex_lock(&ck->pf_mu);
+    e->drop = 0; /* skipped before, wanted now */
     if (e->state == PF_NONE && pf_launch(ck, p) < 0) {
         pthread_mutex_unlock(&ck->pf_mu);
         return 0; /* no memory for it: read it directly */
@@ -924,7 +943,23 @@ static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
     e->data = NULL;
     e->state = PF_NONE;
     ck->pf_held -= ck->pieces[p].nbytes;
-    pf_more(ck, ck->piece_file[p], p);
+    /* pieces of this file before p read ahead and not taken: the reader
+     * went past them; their memory goes back to the read-ahead */
+    const int fi = ck->piece_file[p];
+    for (int q = ck->pf_low[fi]; q < p; q++) {
+        struct ck_pf *s = &ck->pf[q];
+        if (ck->piece_file[q] != fi || s->state == PF_NONE) continue;
+        if (s->state == PF_RUNNING) {
+            s->drop = 1;
+            continue;
+        }
+        free(s->data);
+        s->data = NULL;
+        s->state = PF_NONE;
+        ck->pf_held -= ck->pieces[q].nbytes;
+    }
+    if (p + 1 > ck->pf_low[fi]) ck->pf_low[fi] = p + 1;
+    pf_more(ck, fi, p);
     pthread_mutex_unlock(&ck->pf_mu);
     return 1;
 }
@@ -942,6 +977,8 @@ static void pf_stop(mt_ckpt *ck)
     for (int q = 0; ck->pf && q < ck->n_pieces; q++) free(ck->pf[q].data);
     free(ck->pf);
     free(ck->pf_cursor);
+    free(ck->pf_low);
+    ck->pf_low = NULL;
     ck->pf = NULL;
     ck->pf_cursor = NULL;
     ck->pf_on = 0;
