@@ -61,14 +61,28 @@ int mt_block_init(mt_block *b, mt_backend *be, const mt_model_config *cfg,
                   const mt_model_opts *o, int layer, int N, mt_moe_dispatcher *disp)
 {
     const size_t act = mt_act_size(be);
+    /* tensor parallelism: this rank's heads and FFN columns (the parameter
+     * table's parts, mt_params_tp_local) */
+    const int tp = o->tp ? o->tp->size : 1;
+    mt_model_config lc = *cfg;
+    lc.num_attention_heads /= tp;
     b->layer = layer;
     b->is_moe = mt_config_layer_is_moe(cfg, layer);
-    MT_CHECK(mt_mla_init(&b->attn, be, cfg, N, o->micro_batch, o->seq_len, o->recompute_mla_up));
+    MT_CHECK(mt_mla_init(&b->attn, be, &lc, N, o->micro_batch, o->seq_len, o->recompute_mla_up));
     MT_CHECK(be->alloc(be, (size_t)N * cfg->hidden_size * act, &b->mid));
     MT_CHECK(be->alloc(be, (size_t)N * cfg->hidden_size * act, &b->xn2));
     MT_CHECK(be->alloc(be, (size_t)N * 4, (void **)&b->rstd2));
-    if (b->is_moe) return mt_moe_init(&b->moe, be, cfg, o, N, disp);
-    return mt_ffn_init(&b->ffn, be, N, cfg->hidden_size, cfg->intermediate_size,
+    if (b->is_moe) {
+        MT_CHECK(mt_moe_init(&b->moe, be, cfg, o, N, disp));
+        if (tp > 1 && b->moe.has_shared) { /* the shared experts' columns of this rank */
+            mt_ffn_free(&b->moe.shared, be);
+            MT_CHECK(mt_ffn_init(&b->moe.shared, be, N, cfg->hidden_size,
+                                 cfg->moe_intermediate_size * cfg->n_shared_experts / tp,
+                                 o->recompute_moe_act));
+        }
+        return MT_OK;
+    }
+    return mt_ffn_init(&b->ffn, be, N, cfg->hidden_size, cfg->intermediate_size / tp,
                        o->recompute_moe_act);
 }
 

@@ -1,6 +1,9 @@
 /* layer_head.c - final RMSNorm, output head and cross-entropy (main model and
  * each MTP module's shared_head), with the loss gradient fused into the
  * softmax: after the forward the logits buffer holds dL/dlogits.
+ * Tensor parallelism: the head holds vocabulary rows [v_lo, v_lo + V) and
+ * the logits are those columns (mt_tp_xent); the hidden state's gradient
+ * is summed over the tp group.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +42,7 @@ int mt_head_loss(const mt_ctx *c, mt_head *h, void *logits, const int32_t *tgt, 
 {
     mt_backend *be = c->be;
     const int N = c->N;
-    MT_CHECK(be->xent(be, h->loss, logits, tgt, N, V, MT_IGNORE, grad_scale));
+    MT_CHECK(mt_tp_xent(c, h->loss, logits, tgt, N, V, h->v_lo, grad_scale));
     MT_CHECK(be->download(be, host_loss, h->loss, (size_t)N * 4));
     /* Fixed order in double: the same sum on every backend and layout. */
     double s = 0;
@@ -72,6 +75,8 @@ int mt_head_bwd(const mt_ctx *c, mt_head *h, void *dx, int accumulate, const voi
     MT_WS(dhn, c->ws, (size_t)N * D * mt_act_size(be));
     MT_CHECK(be->gemm(be, dhn, 0, D, logits, V, 0, h->head->w, D, 1, N, D, V, 1.0f, 0));
     MT_CHECK(be->gemm(be, h->head->grad, 1, D, logits, V, 1, h->hn, D, 1, V, D, N, 1.0f, 1));
+    /* vocabulary-parallel: each rank's dhn is its columns' share */
+    MT_CHECK(mt_tp_sum(c, dhn, (int64_t)N * D));
     MT_CHECK(be->rmsnorm_bwd(be, dx, D, accumulate, h->norm->grad, dhn, D, x, D, h->norm->w,
                              h->rstd, N, D));
     mt_ws_release(c->ws, mark);

@@ -10,6 +10,12 @@
  *   y   = o_proj(attention(q, k, v))                [N, D]
  * With recompute_mla_up the up-projection outputs (q, kv -> k, v) are not
  * kept; backward recomputes them from the saved compressed vectors.
+ * Tensor parallelism: H is this rank's heads (q_b / q_proj and kv_b
+ * column-parallel, o_proj row-parallel); y is summed over the tp group, and
+ * in backward the gradients entering the column-parallel projections'
+ * inputs (d qan, d kvn with the shared rope key's) are summed there, so
+ * everything below (q_a, kv_a, their norms, the input norm) computes the
+ * same gradient on every tp rank without a reduction of its own.
  */
 #include <string.h>
 
@@ -128,6 +134,7 @@ int mt_mla_fwd(const mt_ctx *c, mt_mla *a, void *y, const void *x)
     MT_CHECK(be->attn_fwd(be, a->o_attn, a->lse, q, k, v, c->B, c->T, H, dqk, a->Dv,
                           c->attn_scale));
     MT_CHECK(mt_linear_fwd(c, a->o, y, D, a->o_attn, H * a->Dv, N));
+    MT_CHECK(mt_tp_sum(c, y, (int64_t)N * D)); /* row-parallel o_proj: partial sums */
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }
@@ -166,9 +173,20 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
     /* keys and values back to kv_b's output and the shared rope key */
     char *dkpe = (char *)d_kva + (size_t)KL * act;
     MT_CHECK(be->mla_kv_bwd(be, dkv, dkpe, KL + R, dk, dv, N, H, Dn, R, Dv));
-    MT_CHECK(be->rope(be, dkpe, N, c->T, 1, KL + R, R, 0, R, c->rope_cos, c->rope_sin,
-                      c->rope_interleave, 1));
-    MT_CHECK(mt_linear_bwd(c, a->kv_b, d_kvn, KL, 0, dkv, H * (Dn + Dv), a->kvn, KL, N));
+    if (mt_tp_on(c)) {
+        /* this rank's heads give partial sums of the compressed kv's and the
+         * shared rope key's gradients: kv_b's input gradient goes beside
+         * the rope key's in d_kva, summed over the group at once */
+        MT_CHECK(mt_linear_bwd(c, a->kv_b, d_kva, KL + R, 0, dkv, H * (Dn + Dv), a->kvn, KL, N));
+        MT_CHECK(mt_tp_sum(c, d_kva, (int64_t)N * (KL + R)));
+        MT_CHECK(be->copy2d(be, d_kvn, KL, d_kva, KL + R, N, KL, 0));
+        MT_CHECK(be->rope(be, dkpe, N, c->T, 1, KL + R, R, 0, R, c->rope_cos, c->rope_sin,
+                          c->rope_interleave, 1));
+    } else {
+        MT_CHECK(be->rope(be, dkpe, N, c->T, 1, KL + R, R, 0, R, c->rope_cos, c->rope_sin,
+                          c->rope_interleave, 1));
+        MT_CHECK(mt_linear_bwd(c, a->kv_b, d_kvn, KL, 0, dkv, H * (Dn + Dv), a->kvn, KL, N));
+    }
     MT_CHECK(be->rmsnorm_bwd(be, d_kva, KL + R, 0, a->kv_a_norm->grad, d_kvn, KL, a->kva, KL + R,
                              a->kv_a_norm->w, a->rstd_kv, N, KL));
     /* queries */
@@ -179,6 +197,7 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
         MT_WS(d_qan, c->ws, n * QL * act);
         MT_WS(d_qa, c->ws, n * QL * act);
         MT_CHECK(mt_linear_bwd(c, a->q_b, d_qan, QL, 0, dq, H * dqk, a->qan, QL, N));
+        MT_CHECK(mt_tp_sum(c, d_qan, (int64_t)N * QL)); /* column-parallel q_b's entry */
         MT_CHECK(be->rmsnorm_bwd(be, d_qa, QL, 0, a->q_a_norm->grad, d_qan, QL, a->qa, QL,
                                  a->q_a_norm->w, a->rstd_q, N, QL));
         /* dxn = d_kva kv_a + d_qa q_a, one quantisation of xn for both weight gradients */
@@ -186,7 +205,15 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
                                 N));
     } else {
         MT_CHECK(mt_linear_bwd(c, a->kv_a, dxn, D, 0, d_kva, KL + R, a->xn, D, N));
-        MT_CHECK(mt_linear_bwd(c, a->q, dxn, D, 1, dq, H * dqk, a->xn, D, N));
+        if (mt_tp_on(c)) { /* column-parallel q_proj: its share summed before it joins */
+            void *dxq;
+            MT_WS(dxq, c->ws, n * D * act);
+            MT_CHECK(mt_linear_bwd(c, a->q, dxq, D, 0, dq, H * dqk, a->xn, D, N));
+            MT_CHECK(mt_tp_sum(c, dxq, (int64_t)N * D));
+            MT_CHECK(be->add(be, dxn, dxn, dxq, (int64_t)N * D));
+        } else {
+            MT_CHECK(mt_linear_bwd(c, a->q, dxn, D, 1, dq, H * dqk, a->xn, D, N));
+        }
     }
     MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad, dxn, D, x, D, a->in_norm->w,
                              a->rstd_in, N, D));

@@ -45,6 +45,7 @@ int mt_mtp_fwd(const mt_ctx *c, mt_mtp *p, const mt_param *embed, const void *h,
     const int N = c->N, D = (int)embed->d.cols;
     char *cat_h = (char *)p->cat + (size_t)D * mt_act_size(be);
     MT_CHECK(be->embedding_fwd(be, p->emb, embed->w, p->ids, N, D));
+    MT_CHECK(mt_tp_sum(c, p->emb, (int64_t)N * D)); /* vocabulary-parallel: one rank's row */
     MT_CHECK(be->rmsnorm_fwd(be, p->cat, 2 * D, p->rstd_e, p->emb, D, p->enorm->w, N, D,
                              c->rms_eps));
     MT_CHECK(be->rmsnorm_fwd(be, cat_h, 2 * D, p->rstd_h, h, D, p->hnorm->w, N, D, c->rms_eps));

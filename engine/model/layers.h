@@ -22,6 +22,17 @@ static inline void mt_ws_release(mt_ws *ws, size_t mark) { ws->top = mark; }
         if (!(ptr)) return MT_ENOMEM;                                          \
     } while (0)
 
+/* ---- tp.c: tensor-parallel pieces (no-ops / the plain op without tp) ---- */
+/* Is the context tensor-parallel (a tp group of more than one rank)? */
+static inline int mt_tp_on(const mt_ctx *c) { return c->tp && c->tp->size > 1; }
+/* x act [n] summed over the tp group, in place (the end of a region). */
+int mt_tp_sum(const mt_ctx *c, void *x, int64_t n);
+/* Cross-entropy of logits [N, V] (this rank's vocabulary columns [v_lo, v_lo
+ * + V)) in place, as be->xent: vocabulary-parallel under tp (statistics
+ * gathered over the group, no full row anywhere). */
+int mt_tp_xent(const mt_ctx *c, float *loss, void *logits, const int32_t *tgt, int N, int V,
+               int v_lo, float grad_scale);
+
 /* ---- linear.c: y = x W^T in the recipe's precision ---- */
 int mt_linear_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x, int ldx,
                   int M);

@@ -11,6 +11,7 @@
 #include "engine/train/lr_schedule.h"
 #include "engine/train/spike.h"
 #include "engine/train/trainer_ep.h"
+#include "engine/train/trainer_tp.h"
 #include "kernels/op_profile.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
@@ -109,8 +110,9 @@ static int own_params(mt_trainer *t, mt_comm *edp)
     for (int i = 0; rc == MT_OK && i < m->table.n; i++) {
         const int gi = m->global_param ? m->global_param[i] : i;
         t->owner[i] = all[gi];
-        /* with ep 1 the edp group is the dp group */
-        const int me = m->params[i].d.expert >= 0 && t->job.parallel.ep > 1 ? edp_rank : t->dp_rank;
+        /* with ep 1 and tp 1 the edp group is the dp group */
+        const int me = m->params[i].d.expert >= 0 && (t->job.parallel.ep > 1 || t->tp_size > 1)
+                           ? edp_rank : t->dp_rank;
         t->keep[i] = t->owner[i] >= 0 && t->owner[i] == me;
     }
     free(all);
@@ -128,12 +130,15 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
                       "mt_jobspec_admit resolves the layout for the ranks", job->name, l->dp);
     MT_CHECK(mt_jobspec_check_runnable(l));
     mt_comm *dp = g ? g->dp : NULL, *ep = g ? g->ep : NULL, *edp = g ? g->edp : NULL;
+    mt_comm *tp = g ? g->tp : NULL;
     if (l->ep > 1 && !ep)
         return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d needs the expert-parallel group "
                       "(mt_trainer_create_in; the runtime builds it from the layout)", l->ep);
     MT_CHECK(check_group("data-parallel", dp, l->dp, be));
     MT_CHECK(check_group("expert-parallel", ep, l->ep, be));
-    if (l->ep > 1) MT_CHECK(check_group("expert-data-parallel", edp, mt_layout_edp(l), be));
+    if (l->ep > 1 || l->tp > 1)
+        MT_CHECK(check_group("expert-data-parallel", edp, mt_layout_edp(l), be));
+    MT_CHECK(check_group("tensor-parallel", tp, l->tp, be));
     mt_trainer *t = calloc(1, sizeof *t);
     if (!t) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
     int rc = MT_OK;
@@ -152,6 +157,10 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     mt_model_opts mo;
     mt_trainer_model_opts(&mo, job);
     if (l->ep > 1) MT_GOTO(mt_trainer_ep_init(t, ep, edp, &mo), fail);
+    if (l->tp > 1) {
+        MT_GOTO(mt_trainer_tp_init(t, tp, &mo), fail);
+        t->edp = edp; /* the routed experts' ZeRO-1 group (trainer.h) */
+    }
     MT_GOTO(mt_model_create(&t->model, &job->model, &mo, be), fail);
     MT_GOTO(mt_trainer_ep_bind(t), fail);
     /* ZeRO-1: this rank keeps the optimizer state of the parameters it owns
@@ -205,6 +214,7 @@ void mt_trainer_destroy(mt_trainer *t)
     mt_optimizer_destroy(t->opt);
     mt_model_destroy(t->model);
     mt_trainer_ep_free(t); /* the dispatcher after the model that uses it */
+    mt_trainer_tp_free(t);
     if (t->valid) mt_samples_close(t->valid);
     if (t->train) mt_samples_close(t->train);
     if (t->data) mt_indexed_close(t->data);
@@ -350,7 +360,7 @@ static int share_updates(mt_trainer *t)
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];
         const int root = t->owner[i];
-        mt_comm *g = p->d.expert >= 0 && t->ep_size > 1 ? t->edp : t->dp;
+        mt_comm *g = p->d.expert >= 0 && (t->ep_size > 1 || t->tp_size > 1) ? t->edp : t->dp;
         if (root < 0 || !p->grad || !g) continue;
         const size_t n = (size_t)mt_param_numel(&p->d);
         if (p->q) {
@@ -438,6 +448,8 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     double sumsq;
     if (t->ep_size > 1)
         MT_CHECK(mt_trainer_ep_grad_sumsq(t, &sumsq));
+    else if (t->tp_size > 1)
+        MT_CHECK(mt_trainer_tp_grad_sumsq(t, &sumsq));
     else
         MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
     double norm = sqrt(sumsq);
@@ -496,7 +508,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         double scale = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
         double tu = profile ? now_s() : 0;
         MT_CHECK(mt_optimizer_update(t->opt, m, lr, scale));
-        if (t->dp || (t->ep_size > 1 && t->edp)) MT_CHECK(share_updates(t));
+        if (t->dp || t->edp) MT_CHECK(share_updates(t));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
             tp[1] = now_s() - tu;
@@ -525,7 +537,8 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     if (!t->dp) mt.compute_ms = mt.step_ms; /* nothing to wait for: the whole step is its own */
     const double tokens = (double)n_mb * B * j->batch.seq_len; /* all ranks */
     mt.tokens_per_s = tokens / dt;
-    mt.tflops = t->flops_per_token * tokens / dt / 1e12 / t->dp_size; /* per rank */
+    mt.tflops = t->flops_per_token * tokens / dt / 1e12 / t->dp_size /
+                (t->tp_size > 1 ? t->tp_size : 1); /* per rank */
     mt.mfu = t->peak_tflops > 0 ? mt.tflops / t->peak_tflops : NAN;
     mt.samples = t->consumed_samples;
     mt.tokens = t->consumed_samples * j->batch.seq_len;

@@ -24,9 +24,19 @@
  * sums; expert loads I64 sums over dp (each token is routed once, on its
  * own rank), hence the router bias update; the sequence-wise balance loss
  * is per sequence, so local. The norm is the same on every rank, so the
- * clip and the NaN/Inf skip agree everywhere. Tensor and pipeline
- * parallelism are not in the trainer yet: a layout that needs them is
- * refused.
+ * clip and the NaN/Inf skip agree everywhere.
+ *
+ * Tensor parallelism (parallel.tp = TP > 1, ep = 1): the model holds this
+ * rank's part of every split parameter (heads, FFN columns, vocabulary;
+ * engine/model/tp.h) and the replicated ones whole; the TP ranks of a dp
+ * group read the same data. The replicated parameters' gradients are the
+ * same on every tp rank by construction (each region's entry gradient is
+ * summed over tp, bit-identically everywhere), so gradients are summed
+ * over dp only; the norm adds the split parts over tp to the replicated
+ * part. Routed experts are replicated over tp too (etp = 1, every tp rank
+ * runs them on its copy of the tokens); their ZeRO-1 owner is an edp rank
+ * (the sharding map's folding: edp = tp + TP * dp), which broadcasts its
+ * update over the edp group. Pipeline parallelism and etp > 1 are refused.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
@@ -106,6 +116,10 @@ typedef struct mt_trainer {
     int ep_size;
     mt_comm *ep, *edp;            /* expert-parallel and expert-data-parallel groups, not owned */
     mt_moe_dispatcher *disp;      /* the model's dispatcher (owned) */
+    /* tensor parallelism (tp_size > 1) */
+    int tp_size;
+    mt_comm *tpc;                 /* tensor-parallel group, not owned */
+    struct mt_tp *tp;             /* the model's tp table over it (owned) */
     int n_gseg;
     struct mt_grad_seg *gseg;     /* [n_gseg] runs of dense / expert gradients in buf_grad */
     float *sumsq_dev;             /* f32 [1] backend scratch */
@@ -138,6 +152,7 @@ void mt_trainer_destroy(mt_trainer *t);
  * CUDA (expert parallelism: CPU backend with host groups for now). */
 typedef struct mt_trainer_groups {
     mt_comm *dp, *ep, *edp;
+    mt_comm *tp;                  /* tensor-parallel group (size parallel.tp) */
 } mt_trainer_groups;
 
 /* The same as a member of its groups (g NULL: one rank). The model is built

@@ -1,0 +1,63 @@
+/* trainer_tp.c - see trainer_tp.h. */
+#include "engine/train/trainer_tp.h"
+
+#include "base/mt_status.h"
+#include "engine/parallel/tp_comm.h"
+
+int mt_trainer_tp_init(mt_trainer *t, mt_comm *tp, mt_model_opts *mo)
+{
+    const mt_jobspec *j = &t->job;
+    if (!tp || mt_comm_size(tp) != j->parallel.tp)
+        return MT_ERR(MT_EINVAL, "trainer: parallel.tp %d needs the tensor-parallel group of as "
+                      "many ranks (it has %d)", j->parallel.tp, tp ? mt_comm_size(tp) : 0);
+    MT_CHECK(mt_tp_over_comm(&t->tp, tp, t->be, j->parallel.sequence_parallel));
+    t->tpc = tp;
+    t->tp_size = j->parallel.tp;
+    mo->tp = t->tp;
+    return MT_OK;
+}
+
+void mt_trainer_tp_free(mt_trainer *t)
+{
+    if (t->tp) t->tp->destroy(t->tp);
+    t->tp = NULL;
+}
+
+/* A parameter split over tp: its part is smaller than the full tensor. */
+static int is_split(const mt_param_desc *d)
+{
+    return d->rows != d->full_rows || d->cols != d->full_cols;
+}
+
+int mt_trainer_tp_grad_sumsq(mt_trainer *t, double *sumsq)
+{
+    mt_model *m = t->model;
+    mt_backend *be = t->be;
+    double part[2] = {0, 0}; /* replicated, split */
+    /* runs of parameters of one kind, contiguous in buf_grad */
+    int64_t lo = -1, n = 0;
+    int kind = 0;
+    for (int i = 0; i <= m->table.n; i++) {
+        const mt_param *p = i < m->table.n ? &m->params[i] : NULL;
+        if (p && !p->grad) continue;
+        const int k = p ? is_split(&p->d) : -1;
+        if (p && lo >= 0 && k == kind && lo + n == p->index) {
+            n += mt_param_numel(&p->d);
+            continue;
+        }
+        if (lo >= 0 && n > 0) {
+            float v;
+            MT_CHECK(be->sumsq(be, t->opt->sumsq, m->buf_grad + lo, n));
+            MT_CHECK(be->download(be, &v, t->opt->sumsq, 4));
+            part[kind] += v;
+        }
+        if (!p) break;
+        lo = p->index;
+        n = mt_param_numel(&p->d);
+        kind = k;
+    }
+    MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->tpc), &part[1], &part[1], 1, MT_COMM_F64,
+                                MT_COMM_SUM));
+    *sumsq = part[0] + part[1];
+    return MT_OK;
+}

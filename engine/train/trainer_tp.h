@@ -1,0 +1,17 @@
+/* trainer_tp.h - the trainer's tensor-parallel pieces (engine/train
+ * internal; trainer.h describes the rules). */
+#ifndef MT_TRAINER_TP_H
+#define MT_TRAINER_TP_H
+
+#include "engine/train/trainer.h"
+
+/* Before the model is built: the model's tp table over the tp group into mo. */
+int mt_trainer_tp_init(mt_trainer *t, mt_comm *tp, mt_model_opts *mo);
+/* After the model is destroyed. */
+void mt_trainer_tp_free(mt_trainer *t);
+/* The global sum of squares of the gradients: the split parameters' parts
+ * summed over the tp group, the replicated ones (the same on every tp rank)
+ * counted once (collective over tp). */
+int mt_trainer_tp_grad_sumsq(mt_trainer *t, double *sumsq);
+
+#endif
