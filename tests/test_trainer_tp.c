@@ -30,6 +30,9 @@
  *      reduction of their gradients of their own (trainer.h);
  *   4. ZeRO-1: the ranks keep disjoint parts of the optimizer state that add
  *      up to the one rank's (split parameters' parts counted per tp rank).
+ * With "sp" the same bounds hold (measured the same to two digits: the
+ * gathers and reduce-scatters move or sum the same values as the
+ * all-reduces; the norms' gradients are summed over tp by the trainer).
  * The reference trainer runs on each rank by itself (no communicator).
  */
 #include <math.h>
@@ -157,6 +160,8 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
           "shared experts' width %d", m->blocks[1].moe.shared.F);
     CHECK(m->V_local == c->vocab_size / 2 && m->v_lo == tpr * c->vocab_size / 2,
           "vocabulary rows [%d, %d)", m->v_lo, m->v_lo + m->V_local);
+    CHECK(t->tp->sp == sp && t->tp->size == 2, "tp %d, sequence parallel %d", t->tp->size,
+          t->tp->sp);
     CHECK(m->blocks[0].attn.q_a->d.rows == c->q_lora_rank && m->blocks[1].moe.router->d.rows ==
           c->n_routed_experts, "replicated parameters are whole");
 

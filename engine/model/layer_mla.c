@@ -16,6 +16,10 @@
  * inputs (d qan, d kvn with the shared rope key's) are summed there, so
  * everything below (q_a, kv_a, their norms, the input norm) computes the
  * same gradient on every tp rank without a reduction of its own.
+ * Sequence parallelism: x, y, dx, dy are this rank's rows; the input norm
+ * runs on them and its output is gathered (a->xn holds every row), y is
+ * reduce-scattered, dy gathered; the input norm's gradient is then this
+ * rank's rows' share (the trainer sums it over tp).
  */
 #include <string.h>
 
@@ -115,7 +119,18 @@ int mt_mla_fwd(const mt_ctx *c, mt_mla *a, void *y, const void *x)
     if (!v) MT_WS(v, c->ws, (size_t)N * H * a->Dv * act);
     MT_WS(kv, c->ws, (size_t)N * H * (a->Dn + a->Dv) * act);
 
-    MT_CHECK(be->rmsnorm_fwd(be, a->xn, D, a->rstd_in, x, D, a->in_norm->w, N, D, c->rms_eps));
+    if (mt_tp_sp(c)) {
+        /* sequence parallelism: the norm on this rank's rows, then every
+         * row for the region (x and y hold this rank's rows) */
+        void *xl;
+        MT_WS(xl, c->ws, (size_t)mt_tp_rows(c) * D * act);
+        MT_CHECK(be->rmsnorm_fwd(be, xl, D, a->rstd_in, x, D, a->in_norm->w, mt_tp_rows(c), D,
+                                 c->rms_eps));
+        MT_CHECK(mt_tp_gather_rows(c, xl, a->xn, D));
+    } else {
+        MT_CHECK(be->rmsnorm_fwd(be, a->xn, D, a->rstd_in, x, D, a->in_norm->w, N, D,
+                                 c->rms_eps));
+    }
     if (a->QL > 0) {
         /* q_a and kv_a read the same xn: one quantisation for both */
         MT_CHECK(mt_linear_fwd2(c, a->q_a, a->qa, a->QL, a->kv_a, a->kva, KL + R, a->xn, D, N));
@@ -133,8 +148,15 @@ int mt_mla_fwd(const mt_ctx *c, mt_mla *a, void *y, const void *x)
     MT_CHECK(mla_keys_values(c, a, k, v, kv));
     MT_CHECK(be->attn_fwd(be, a->o_attn, a->lse, q, k, v, c->B, c->T, H, dqk, a->Dv,
                           c->attn_scale));
-    MT_CHECK(mt_linear_fwd(c, a->o, y, D, a->o_attn, H * a->Dv, N));
-    MT_CHECK(mt_tp_sum(c, y, (int64_t)N * D)); /* row-parallel o_proj: partial sums */
+    if (mt_tp_sp(c)) { /* row-parallel o_proj: this rank's rows of the sum */
+        void *yf;
+        MT_WS(yf, c->ws, (size_t)N * D * act);
+        MT_CHECK(mt_linear_fwd(c, a->o, yf, D, a->o_attn, H * a->Dv, N));
+        MT_CHECK(mt_tp_scatter_rows(c, yf, y, D));
+    } else {
+        MT_CHECK(mt_linear_fwd(c, a->o, y, D, a->o_attn, H * a->Dv, N));
+        MT_CHECK(mt_tp_sum(c, y, (int64_t)N * D)); /* row-parallel o_proj: partial sums */
+    }
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }
@@ -148,6 +170,12 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
     size_t mark = mt_ws_mark(c->ws);
     void *q = a->qh, *k = a->k, *v = a->v;
     void *d_o, *dq, *dk, *dv, *dkv, *d_kva, *d_kvn, *dxn;
+    if (mt_tp_sp(c)) { /* every row of the output gradient for the region */
+        void *dyf;
+        MT_WS(dyf, c->ws, n * D * act);
+        MT_CHECK(mt_tp_gather_rows(c, dy, dyf, D));
+        dy = dyf;
+    }
     if (!q) {
         /* recompute_mla_up: rebuild what the forward did not keep */
         void *kv;
@@ -215,8 +243,11 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
             MT_CHECK(mt_linear_bwd(c, a->q, dxn, D, 1, dq, H * dqk, a->xn, D, N));
         }
     }
-    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad, dxn, D, x, D, a->in_norm->w,
-                             a->rstd_in, N, D));
+    /* sequence parallelism: dxn is the same on every rank (summed at the
+     * column-parallel entries); this rank's rows go through its norm */
+    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad,
+                             (char *)dxn + (size_t)mt_tp_row0(c) * D * act, D, x, D,
+                             a->in_norm->w, a->rstd_in, mt_tp_rows(c), D));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

@@ -338,6 +338,12 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
                         cfg->num_attention_heads, cfg->intermediate_size, (long long)sh);
             goto fail;
         }
+        if (opts->tp->sp && (opts->micro_batch * opts->seq_len) % tp) {
+            rc = MT_ERR(MT_EINVAL, "model: sequence parallelism splits the %d x %d tokens of a "
+                        "micro-batch over tp %d: they do not divide", opts->micro_batch,
+                        opts->seq_len, tp);
+            goto fail;
+        }
         mt_params_tp_local(&m->table, tp, opts->tp->rank);
     }
     {
@@ -501,8 +507,15 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
     local_ids(m, m->host_i32, N);
     MT_CHECK(be->upload(be, m->ids, m->host_i32, (size_t)N * 4));
     MT_CHECK(be->upload(be, m->tgt, m->host_tgt, (size_t)N * 4));
-    MT_CHECK(be->embedding_fwd(be, m->h[0], m->embed->w, m->ids, N, D));
-    MT_CHECK(mt_tp_sum(c, m->h[0], (int64_t)N * D)); /* vocabulary-parallel: one rank's row */
+    /* vocabulary-parallel: one rank's row each, summed (sequence parallelism:
+     * this rank's rows of the sum; dh serves as the full partial) */
+    if (mt_tp_sp(c)) {
+        MT_CHECK(be->embedding_fwd(be, m->dh, m->embed->w, m->ids, N, D));
+        MT_CHECK(mt_tp_scatter_rows(c, m->dh, m->h[0], D));
+    } else {
+        MT_CHECK(be->embedding_fwd(be, m->h[0], m->embed->w, m->ids, N, D));
+        MT_CHECK(mt_tp_sum(c, m->h[0], (int64_t)N * D));
+    }
     for (int l = 0; l < L; l++)
         MT_CHECK(mt_block_fwd(c, &m->blocks[l], m->h[l + 1], m->h[l], alpha, aux_gs));
     double sum;
@@ -554,7 +567,12 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
     for (int l = L - 1; l >= 0; l--)
         MT_CHECK(mt_block_bwd(c, &m->blocks[l], m->dh, m->dh, m->h[l]));
     mt_op_profile_mark(be, "bwd.embed");
-    MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->dh, m->ids, N, D));
+    if (mt_tp_sp(c)) { /* every row's gradient for the tokens' rows (h[0] is free now) */
+        MT_CHECK(mt_tp_gather_rows(c, m->dh, m->h[0], D));
+        MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->h[0], m->ids, N, D));
+    } else {
+        MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->dh, m->ids, N, D));
+    }
     (void)nd_bytes;
     return MT_OK;
 }

@@ -90,6 +90,8 @@ typedef struct mt_mla {
 typedef struct mt_ffn {
     mt_param *gate, *up, *down;
     int D, F;
+    int no_sum;      /* tensor parallelism: y and dxn stay partial sums for the caller
+                        (sequence parallelism reduce-scatters them) */
     void *gu;        /* [N, 2F] gate and up outputs */
     void *h;         /* [N, F] SwiGLU output (NULL with recompute) */
 } mt_ffn;

@@ -423,6 +423,8 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         ls[2] += st.aux_loss / n_mb;
     }
     t->consumed_samples += (int64_t)n_mb * B;
+    if (t->tp_size > 1 && j->parallel.sequence_parallel) /* before the norm and the dp sums */
+        MT_CHECK(mt_trainer_tp_reduce_sp_grads(t));
     /* This rank's own work, before it waits for the others in the gradient
      * reduction: the one time that names a straggler (the step times of
      * all ranks end together; with ep > 1 the expert dispatch inside the

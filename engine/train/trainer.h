@@ -37,6 +37,9 @@
  * runs them on its copy of the tokens); their ZeRO-1 owner is an edp rank
  * (the sharding map's folding: edp = tp + TP * dp), which broadcasts its
  * update over the edp group. Pipeline parallelism and etp > 1 are refused.
+ * With parallel.sequence_parallel the norms outside the regions (and MTP's
+ * eh_proj) see only this rank's rows: their gradients are summed over tp
+ * after the micro-batches (trainer_tp.c); everything else as above.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or

@@ -23,6 +23,25 @@ void mt_trainer_tp_free(mt_trainer *t)
     t->tp = NULL;
 }
 
+int mt_trainer_tp_reduce_sp_grads(mt_trainer *t)
+{
+    mt_model *m = t->model;
+    for (int i = 0; i < m->table.n; i++) {
+        mt_param *p = &m->params[i];
+        switch (p->d.role) {
+        case MT_PR_INPUT_NORM: case MT_PR_POST_ATTN_NORM: case MT_PR_FINAL_NORM:
+        case MT_PR_MTP_ENORM: case MT_PR_MTP_HNORM: case MT_PR_MTP_EH: case MT_PR_MTP_NORM:
+            MT_CHECK(mt_comm_all_reduce(t->tpc, p->grad, p->grad,
+                                        (size_t)mt_param_numel(&p->d), MT_COMM_F32,
+                                        MT_COMM_SUM));
+            break;
+        default:
+            break;
+        }
+    }
+    return MT_OK;
+}
+
 /* A parameter split over tp: its part is smaller than the full tensor. */
 static int is_split(const mt_param_desc *d)
 {

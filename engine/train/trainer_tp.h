@@ -7,6 +7,10 @@
 
 /* Before the model is built: the model's tp table over the tp group into mo. */
 int mt_trainer_tp_init(mt_trainer *t, mt_comm *tp, mt_model_opts *mo);
+/* Sequence parallelism: the parameters applied to sequence-split rows (the
+ * norms outside the regions, MTP's eh_proj) hold this rank's rows' share
+ * of their gradient: summed over tp (collective). */
+int mt_trainer_tp_reduce_sp_grads(mt_trainer *t);
 /* After the model is destroyed. */
 void mt_trainer_tp_free(mt_trainer *t);
 /* The global sum of squares of the gradients: the split parameters' parts
