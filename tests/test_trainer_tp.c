@@ -30,6 +30,8 @@
  *      reduction of their gradients of their own (trainer.h);
  *   4. ZeRO-1: the ranks keep disjoint parts of the optimizer state that add
  *      up to the one rank's (split parameters' parts counted per tp rank).
+ *   5. a trainer for a tp > 1 job without the tensor-parallel group is
+ *      refused, naming it (not silently built with whole parameters).
  * With "sp" the same bounds hold (measured the same to two digits: the
  * gathers and reduce-scatters move or sum the same values as the
  * all-reduces; the norms' gradients are summed over tp by the trainer).
@@ -232,6 +234,16 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
                "within %.3g (mean %.3g), main copies within %.3g; %zu replicated elements "
                "identical on all ranks\n", recipe, sp ? " sp" : "", rt->size / 2, worst_loss, wp,
                mean, wm, n_rep);
+    /* 5. */
+    mt_trainer *bad = NULL;
+    mt_trainer_groups g = {.dp = NULL, .edp = NULL, .tp = NULL};
+    mt_jobspec one_rank = jt;
+    one_rank.parallel.dp = 1;
+    rc = mt_trainer_create_in(&bad, &one_rank, be, &g);
+    CHECK(rc < 0 && strstr(mt_errmsg(), "tensor-parallel"), "%s: a tp = 2 trainer without its "
+          "group: rc %d (%s)", recipe, rc, rc < 0 ? mt_errmsg() : "built");
+    mt_trainer_destroy(bad);
+    mt_err_clear();
     mt_trainer_destroy(ref);
     be->destroy(be);
     if ((rc = mt_job_end(job)) < 0) die("mt_job_end", rc);

@@ -134,6 +134,9 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     if (l->ep > 1 && !ep)
         return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d needs the expert-parallel group "
                       "(mt_trainer_create_in; the runtime builds it from the layout)", l->ep);
+    if (l->tp > 1 && !tp)
+        return MT_ERR(MT_EINVAL, "trainer: parallel.tp %d needs the tensor-parallel group "
+                      "(mt_trainer_create_in; the runtime builds it from the layout)", l->tp);
     MT_CHECK(check_group("data-parallel", dp, l->dp, be));
     MT_CHECK(check_group("expert-parallel", ep, l->ep, be));
     if (l->ep > 1 || l->tp > 1)
