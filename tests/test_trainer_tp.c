@@ -1,9 +1,10 @@
 /* test_trainer_tp.c - tensor parallelism is one rank, spread out.
  *
- *   test_trainer_tp EXAMPLES_DIR [sp]
+ *   test_trainer_tp EXAMPLES_DIR [sp|ep2]
  *
  * Run under mpirun with N = 2 or 4 ranks: tp = 2, dp = N / 2 (with "sp":
- * parallel.sequence_parallel on). The tiny example's model (4 heads, dense
+ * parallel.sequence_parallel on; with "ep2": ep = 2 folded over the tp x dp
+ * ranks, each rank holding 4 of the 8 routed experts; etp = 1). The tiny example's model (4 heads, dense
  * FFN 256, one shared expert of 64, vocabulary 64, MTP depth 1, 8 routed
  * experts replicated over tp) runs through the runtime; each rank holds half
  * of every split parameter. Properties, for the fp32 recipe (the only
@@ -86,10 +87,12 @@ static const char *const fp8_model[] = {
     "model.n_shared_experts=2"};
 #define N_FP8_MODEL ((int)(sizeof fp8_model / sizeof *fp8_model))
 
+static int ep_;
+
 static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                      const char *recipe, int tp, int sp, int world)
 {
-    char path[1200], data[1200], rec[64], tps[32], sps[64];
+    char path[1200], data[1200], rec[64], tps[32], sps[64], eps[32];
     snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
     snprintf(data, sizeof data, "data.path=%s", corpus);
     snprintf(rec, sizeof rec, "precision.recipe=%s", recipe);
@@ -100,6 +103,8 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                             "lr_schedule.warmup_steps=1", "data.valid_interval=0",
                             "train.log_interval=1000"};
     int n = 11;
+    snprintf(eps, sizeof eps, "parallel.ep=%d", tp > 1 ? ep_ : 1);
+    sets[n++] = eps;
     if (strcmp(recipe, "fp8-blockwise") == 0)
         for (int i = 0; i < N_FP8_MODEL; i++) sets[n++] = fp8_model[i];
     int rc = mt_jobspec_load(j, path, sets, n);
@@ -115,11 +120,12 @@ static double parts_diff(mt_trainer *t, mt_trainer *ref, double *mean)
     double worst = 0, sum = 0;
     int64_t cnt = 0;
     for (int i = 0; i < m->table.n; i++) {
-        const mt_param_desc *d = &m->params[i].d, *rd = &r->params[i].d;
+        const int g = m->global_param[i]; /* the one rank holds every expert */
+        const mt_param_desc *d = &m->params[i].d, *rd = &r->params[g].d;
         if (strcmp(d->name, rd->name) != 0) die("parameter order", MT_EINVAL);
         float *a = malloc((size_t)mt_param_numel(d) * 4), *b = malloc((size_t)mt_param_numel(rd) * 4);
         if (!a || !b) die("out of memory", MT_ENOMEM);
-        if (mt_model_get_param(m, i, a) < 0 || mt_model_get_param(r, i, b) < 0)
+        if (mt_model_get_param(m, i, a) < 0 || mt_model_get_param(r, g, b) < 0)
             die("get_param", MT_EGENERIC);
         for (int64_t y = 0; y < d->rows; y++)
             for (int64_t x = 0; x < d->cols; x++) {
@@ -144,12 +150,13 @@ static double main_diff(const mt_trainer *t, const mt_trainer *ref, int64_t *kep
     *kept = 0;
     for (int i = 0; i < t->model->table.n; i++) {
         if (t->opt->off[i] < 0) continue;
+        const int g = t->model->global_param[i];
         const mt_param_desc *d = &t->model->params[i].d;
-        const int64_t rc = ref->model->params[i].d.cols;
+        const int64_t rc = ref->model->params[g].d.cols;
         for (int64_t y = 0; y < d->rows; y++)
             for (int64_t x = 0; x < d->cols; x++)
                 worst = fmax(worst, fabs((double)a[t->opt->off[i] + y * d->cols + x] -
-                                         b[ref->opt->off[i] + (d->off[0] + y) * rc + d->off[1] + x]));
+                                         b[ref->opt->off[g] + (d->off[0] + y) * rc + d->off[1] + x]));
         *kept += mt_param_numel(d);
     }
     return worst;
@@ -184,6 +191,8 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
           "vocabulary rows [%d, %d)", m->v_lo, m->v_lo + m->V_local);
     CHECK(t->tp->sp == sp && t->tp->size == 2, "tp %d, sequence parallel %d", t->tp->size,
           t->tp->sp);
+    CHECK(m->blocks[1].moe.E_local == c->n_routed_experts / ep_, "%d local experts with ep %d",
+          m->blocks[1].moe.E_local, ep_);
     CHECK(m->blocks[0].attn.q_a->d.rows == c->q_lora_rank && m->blocks[1].moe.router->d.rows ==
           c->n_routed_experts, "replicated parameters are whole");
 
@@ -235,6 +244,7 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
     for (int i = 0; i < m->table.n; i++) {
         const mt_param_desc *d = &m->params[i].d;
         if (d->rows != d->full_rows || d->cols != d->full_cols) continue;
+        if (d->expert >= 0 && ep_ > 1) continue; /* each ep rank holds other experts */
         const size_t n = (size_t)mt_param_numel(d);
         float *a = malloc(n * 4), *hi = malloc(n * 4), *lo = malloc(n * 4);
         if (!a || !hi || !lo || mt_model_get_param(t->model, i, a) < 0) die("get_param", MT_ENOMEM);
@@ -250,15 +260,17 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
     CHECK(differ == 0, "%s: %zu of %zu replicated parameter elements differ between ranks",
           recipe, differ, n_rep);
     if (rt->rank == 0)
-        printf("%s%s: tp 2 x dp %d vs one rank: losses within %.3g (relative), parameter parts "
+        printf("%s%s%s: tp 2 x dp %d vs one rank: losses within %.3g (relative), parameter parts "
                "within %.3g (mean %.3g), main copies within %.3g; %zu replicated elements "
-               "identical on all ranks\n", recipe, sp ? " sp" : "", rt->size / 2, worst_loss, wp,
+               "identical on all ranks\n", recipe, sp ? " sp" : "", ep_ > 1 ? " ep 2" : "",
+               rt->size / 2, worst_loss, wp,
                mean, wm, n_rep);
     /* 5. */
     mt_trainer *bad = NULL;
     mt_trainer_groups g = {.dp = NULL, .edp = NULL, .tp = NULL};
     mt_jobspec one_rank = jt;
     one_rank.parallel.dp = 1;
+    one_rank.parallel.ep = 1;
     rc = mt_trainer_create_in(&bad, &one_rank, be, &g);
     CHECK(rc < 0 && strstr(mt_errmsg(), "tensor-parallel"), "%s: a tp = 2 trainer without its "
           "group: rc %d (%s)", recipe, rc, rc < 0 ? mt_errmsg() : "built");
@@ -276,6 +288,7 @@ int main(int argc, char **argv)
         return 2;
     }
     const int sp = argc > 2 && strcmp(argv[2], "sp") == 0;
+    ep_ = argc > 2 && strcmp(argv[2], "ep2") == 0 ? 2 : 1;
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     mt_runtime *rt;
@@ -296,13 +309,13 @@ int main(int argc, char **argv)
 
     run_recipe(rt, argv[1], corpus, "fp32", sp, 1e-5, 1e-4, 1e-7);
     run_recipe(rt, argv[1], corpus, "bf16", sp, 1e-3, 2e-2, 5e-4);
-    if (rt->size == 2) /* the wider model: 2 ranks only (dp adds nothing new to fp8 here) */
+    if (rt->size == 2 && ep_ == 1) /* the wider model: 2 ranks (dp, ep add nothing new here) */
         run_recipe(rt, argv[1], corpus, "fp8-blockwise", sp, 2e-3, 3e-2, 2e-3);
 
     int all_ok = mt_runtime_agree(rt, failures == 0);
     if (rt->rank == 0)
-        printf("test_trainer_tp: %d ranks%s: %s\n", rt->size, sp ? " (sequence parallel)" : "",
-               all_ok == 1 ? "equal to one rank" : "FAILED");
+        printf("test_trainer_tp: %d ranks%s%s: %s\n", rt->size, sp ? " (sequence parallel)" : "",
+               ep_ > 1 ? " (ep 2)" : "", all_ok == 1 ? "equal to one rank" : "FAILED");
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
     if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", tmp);

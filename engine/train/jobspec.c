@@ -287,9 +287,6 @@ int mt_jobspec_check_runnable(const mt_layout *l)
     if (l->sequence_parallel && l->tp < 2)
         return MT_ERR(MT_EINVAL, "parallel.sequence_parallel needs parallel.tp > 1 (it is %d)",
                       l->tp);
-    if (l->tp > 1 && l->ep > 1)
-        return MT_ERR(MT_ENOTSUP, "parallel.tp %d with parallel.ep %d: tensor parallelism runs "
-                      "with ep = 1 so far (routed experts replicated over tp)", l->tp, l->ep);
     return MT_OK;
 }
 

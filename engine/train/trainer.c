@@ -426,8 +426,8 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         ls[2] += st.aux_loss / n_mb;
     }
     t->consumed_samples += (int64_t)n_mb * B;
-    if (t->tp_size > 1 && j->parallel.sequence_parallel) /* before the norm and the dp sums */
-        MT_CHECK(mt_trainer_tp_reduce_sp_grads(t));
+    if (t->tp_size > 1) /* before the norm and the dp sums */
+        MT_CHECK(mt_trainer_tp_grads(t));
     /* This rank's own work, before it waits for the others in the gradient
      * reduction: the one time that names a straggler (the step times of
      * all ranks end together; with ep > 1 the expert dispatch inside the
@@ -451,10 +451,10 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     const double loss = ls[0], mtp = ls[1], aux = ls[2];
     mt_op_profile_mark(t->be, "optim");
     double sumsq;
-    if (t->ep_size > 1)
-        MT_CHECK(mt_trainer_ep_grad_sumsq(t, &sumsq));
-    else if (t->tp_size > 1)
+    if (t->tp_size > 1)
         MT_CHECK(mt_trainer_tp_grad_sumsq(t, &sumsq));
+    else if (t->ep_size > 1)
+        MT_CHECK(mt_trainer_ep_grad_sumsq(t, &sumsq));
     else
         MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
     double norm = sqrt(sumsq);

@@ -26,7 +26,7 @@
  * is per sequence, so local. The norm is the same on every rank, so the
  * clip and the NaN/Inf skip agree everywhere.
  *
- * Tensor parallelism (parallel.tp = TP > 1, ep = 1): the model holds this
+ * Tensor parallelism (parallel.tp = TP > 1): the model holds this
  * rank's part of every split parameter (heads, FFN columns, vocabulary;
  * engine/model/tp.h) and the replicated ones whole; the TP ranks of a dp
  * group read the same data. The replicated parameters' gradients are the
@@ -36,7 +36,13 @@
  * part. Routed experts are replicated over tp too (etp = 1, every tp rank
  * runs them on its copy of the tokens); their ZeRO-1 owner is an edp rank
  * (the sharding map's folding: edp = tp + TP * dp), which broadcasts its
- * update over the edp group. Pipeline parallelism and etp > 1 are refused.
+ * update over the edp group. With ep > 1 (etp = 1) the ep group folds over
+ * tp x dp ranks: every tp rank dispatches its (the same) tokens, so each
+ * expert sees every token TP times and its gradient is divided by TP after
+ * the micro-batches; the rest is expert parallelism as above (a correct but
+ * TP-fold redundant expert pass: splitting the tokens over tp before the
+ * dispatch, as sequence parallelism would allow, is left to do). Pipeline
+ * parallelism and etp > 1 are refused.
  * With parallel.sequence_parallel the norms outside the regions (and MTP's
  * eh_proj) see only this rank's rows: their gradients are summed over tp
  * after the micro-batches (trainer_tp.c); everything else as above.

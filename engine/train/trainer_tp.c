@@ -23,11 +23,18 @@ void mt_trainer_tp_free(mt_trainer *t)
     t->tp = NULL;
 }
 
-int mt_trainer_tp_reduce_sp_grads(mt_trainer *t)
+int mt_trainer_tp_grads(mt_trainer *t)
 {
     mt_model *m = t->model;
+    const int sp = t->job.parallel.sequence_parallel;
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];
+        if (p->grad && p->d.expert >= 0 && t->ep_size > 1) {
+            MT_CHECK(t->be->scale_f32(t->be, p->grad, mt_param_numel(&p->d),
+                                      1.0f / (float)t->tp_size));
+            continue;
+        }
+        if (!sp) continue;
         switch (p->d.role) {
         case MT_PR_INPUT_NORM: case MT_PR_POST_ATTN_NORM: case MT_PR_FINAL_NORM:
         case MT_PR_MTP_ENORM: case MT_PR_MTP_HNORM: case MT_PR_MTP_EH: case MT_PR_MTP_NORM:
@@ -52,14 +59,14 @@ int mt_trainer_tp_grad_sumsq(mt_trainer *t, double *sumsq)
 {
     mt_model *m = t->model;
     mt_backend *be = t->be;
-    double part[2] = {0, 0}; /* replicated, split */
+    double part[3] = {0, 0, 0}; /* replicated, split, routed experts under ep */
     /* runs of parameters of one kind, contiguous in buf_grad */
     int64_t lo = -1, n = 0;
     int kind = 0;
     for (int i = 0; i <= m->table.n; i++) {
         const mt_param *p = i < m->table.n ? &m->params[i] : NULL;
         if (p && !p->grad) continue;
-        const int k = p ? is_split(&p->d) : -1;
+        const int k = !p ? -1 : p->d.expert >= 0 && t->ep_size > 1 ? 2 : is_split(&p->d);
         if (p && lo >= 0 && k == kind && lo + n == p->index) {
             n += mt_param_numel(&p->d);
             continue;
@@ -77,6 +84,10 @@ int mt_trainer_tp_grad_sumsq(mt_trainer *t, double *sumsq)
     }
     MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->tpc), &part[1], &part[1], 1, MT_COMM_F64,
                                 MT_COMM_SUM));
-    *sumsq = part[0] + part[1];
+    /* every ep rank holds other experts; their edp replicas hold the same */
+    if (t->ep_size > 1)
+        MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->ep), &part[2], &part[2], 1, MT_COMM_F64,
+                                    MT_COMM_SUM));
+    *sumsq = part[0] + part[1] + part[2];
     return MT_OK;
 }
