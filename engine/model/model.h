@@ -195,6 +195,16 @@ typedef struct mt_model_opts {
      * replicated ones whole. Not owned; it must outlive the model. NULL:
      * one rank. */
     mt_tp *tp;
+    /* Optional: called in every backward once a layer's parameter
+     * gradients are final for the micro-batch, with the layer's index (the
+     * param table's: decoder layers 0..L-1, MTP modules L..), in the order
+     * the backward finishes them (MTP modules last to first, then the
+     * decoder layers last to first), and a last time with -1 after the
+     * embedding's backward (then every gradient is final). The data
+     * parallel trainer starts its gradient reductions here. A negative
+     * return ends the step with that status. */
+    int (*on_layer_grads)(void *arg, int layer);
+    void *on_layer_grads_arg;
 } mt_model_opts;
 
 /* Losses of one micro-batch (host). */

@@ -3,49 +3,74 @@
  * Data parallelism: with a dp communicator (mt_trainer_create_in) each of the
  * DP ranks reads its contiguous share of the step's global batch (rank d:
  * samples [consumed + d * A * B, consumed + (d + 1) * A * B), A = global /
- * (B * DP) micro-batches of B sequences), scales its gradients by 1 / (A *
- * DP) and the gradients are summed over the group, so every rank holds the
- * gradient of the whole global batch, as one rank would. Losses and expert
- * loads are summed likewise. ZeRO-1: each parameter's optimizer state lives
- * on one rank of its group (mt_zero_owners: dense parameters over dp,
- * routed experts over edp); the owner updates it and broadcasts its new
- * compute copies, so every rank computes with the same weights.
+ * (B * DP) micro-batches of B sequences) and scales its gradients by 1 / (A *
+ * DP). ZeRO-1: each parameter's optimizer state lives on one rank of its
+ * group (mt_zero_owners: dense parameters over dp, routed experts over
+ * edp). The gradients are reduced INTO THE OWNERS only (a reduce-scatter
+ * whose blocks are whole parameters), in buckets started from inside the
+ * last micro-batch's backward as each layer's gradients become final
+ * (grad_buckets.h; parallel.bucket_mb, wire type parallel.grad_reduce fp32
+ * or bf16), and waited for before the optimizer: afterwards each rank holds
+ * the summed gradient of what it owns, the owner updates it and the new
+ * compute copies are all-gathered bucket by bucket from the owners, so
+ * every rank computes with the same weights.
  *
  * Expert parallelism (parallel.ep = EP > 1): the model holds only this
  * rank's n_routed_experts / EP experts and its MoE layers send tokens to
  * the experts' owners over the ep group (engine/parallel/moe_a2a.h).
- * Gradients: dense parameters are summed over the dp group as above;
+ * Gradients: dense parameters are reduced over the dp group as above;
  * expert parameters over the edp group (the ranks holding the same
  * experts; each owner already summed the contributions of every ep rank's
- * tokens). The gradient norm adds the dense part (the same everywhere) to
- * the expert parts summed over the ep group.
+ * tokens), in buckets of their own.
  *
- * Reductions: gradients F32 sums (rank order on host backends); losses F64
- * sums; expert loads I64 sums over dp (each token is routed once, on its
- * own rank), hence the router bias update; the sequence-wise balance loss
- * is per sequence, so local. The norm is the same on every rank, so the
- * clip and the NaN/Inf skip agree everywhere.
- *
- * Tensor parallelism (parallel.tp = TP > 1): the model holds this
- * rank's part of every split parameter (heads, FFN columns, vocabulary;
+ * Tensor parallelism (parallel.tp = TP > 1): the model holds this rank's
+ * part of every split parameter (heads, FFN columns, vocabulary;
  * engine/model/tp.h) and the replicated ones whole; the TP ranks of a dp
  * group read the same data. The replicated parameters' gradients are the
  * same on every tp rank by construction (each region's entry gradient is
- * summed over tp, bit-identically everywhere), so gradients are summed
- * over dp only; the norm adds the split parts over tp to the replicated
- * part. Routed experts are replicated over tp too (etp = 1, every tp rank
- * runs them on its copy of the tokens); their ZeRO-1 owner is an edp rank
- * (the sharding map's folding: edp = tp + TP * dp), which broadcasts its
- * update over the edp group. With ep > 1 (etp = 1) the ep group folds over
- * tp x dp ranks: every tp rank dispatches its (the same) tokens, so each
- * expert sees every token TP times and its gradient is divided by TP after
- * the micro-batches; the rest is expert parallelism as above (a correct but
- * TP-fold redundant expert pass: splitting the tokens over tp before the
- * dispatch, as sequence parallelism would allow, is left to do). Pipeline
- * parallelism and etp > 1 are refused.
- * With parallel.sequence_parallel the norms outside the regions (and MTP's
- * eh_proj) see only this rank's rows: their gradients are summed over tp
- * after the micro-batches (trainer_tp.c); everything else as above.
+ * summed over tp, bit-identically everywhere), so dense (split and
+ * replicated) parameters are reduced over the dp group of their tp rank
+ * only, each tp rank's ZeRO-1 owners within it. Routed experts are
+ * replicated over tp too (etp = 1, every tp rank runs them on its copy of
+ * the tokens): their owner is an edp rank (the sharding map's folding:
+ * with ep = 1, edp = tp + TP * dp), their buckets reduce over edp and
+ * gather the owner's compute copies over edp. With ep > 1 (etp = 1) the ep
+ * group folds over the tp x dp ranks and every tp rank dispatches its (the
+ * same) tokens (a correct but TP-fold redundant expert pass: splitting the
+ * tokens over tp before the dispatch, as sequence parallelism would allow,
+ * is left to do). Either way each token reaches an expert's gradient TP
+ * times in the edp sum (ep = 1: the tp ranks' equal copies; ep > 1: inside
+ * each holder's gradient), so every routed expert's gradient is divided by
+ * TP before it is reduced. With parallel.sequence_parallel the norms
+ * outside the regions (and MTP's eh_proj) see only this rank's rows: their
+ * gradients are summed over tp. Both fixes happen in the last
+ * micro-batch's backward as each layer's gradients become final, before
+ * the layer's buckets start (the model's on_layer_grads hook runs
+ * trainer_tp.c's fixes, then the buckets'); what is left, after it.
+ * Pipeline parallelism and etp > 1 are refused.
+ *
+ * Reductions (which one each global quantity uses):
+ *  - gradients: F32 sums at the owner in rank order x_0 + x_1 + ... on
+ *    every backend (comm.h reduce_owned), each contribution rounded to
+ *    BF16 first under grad_reduce bf16; with fp32 the owner's sum is the
+ *    one an all-reduce would give, bit for bit; under sequence parallelism
+ *    the sequence-split norms are first summed over tp (F32 all-reduce);
+ *  - gradient norm (clipping, NaN/Inf skip): each rank's sum of squares of
+ *    the gradients it owns and counts (f32 per run of adjacent parameters,
+ *    added in f64), one F64 scalar summed over dp in rank order, then over
+ *    tp, rounded to f32 as one rank's norm is. Every parameter of the
+ *    global model is counted exactly once: a dense parameter by one dp
+ *    rank of its tp rank's group, of which a split one's parts by every tp
+ *    rank (the parts differ) and a replicated one by tp rank 0's group
+ *    only (the tp ranks hold the same); each routed expert by one rank of
+ *    its edp group, the ep ranks holding different experts (edp x ep is
+ *    the world). The same value on every rank, so the clip and the skip
+ *    agree everywhere;
+ *  - losses (LM, MTP, aux): F64 sums over dp of the ranks' shares (the tp
+ *    ranks compute the same);
+ *  - expert loads: I64 sums over dp (each token is routed once, on its own
+ *    rank; the tp ranks route the same), hence the router bias update; the
+ *    sequence-wise balance loss is per sequence, so local.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
@@ -120,18 +145,19 @@ typedef struct mt_trainer {
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
     int *owner;                   /* [params]: ZeRO-1 owner's dp (experts: edp) rank, -1 none */
+    struct mt_grad_buckets *gb;   /* gradient buckets (grad_buckets.h); NULL without a dp group */
     unsigned char *keep;          /* [params]: this rank keeps the optimizer state */
     /* expert parallelism (ep_size > 1) */
     int ep_size;
     mt_comm *ep, *edp;            /* expert-parallel and expert-data-parallel groups, not owned */
     mt_moe_dispatcher *disp;      /* the model's dispatcher (owned) */
-    /* tensor parallelism (tp_size > 1) */
+    /* tensor parallelism (tp_size > 1; trainer_tp.h) */
     int tp_size;
     mt_comm *tpc;                 /* tensor-parallel group, not owned */
     struct mt_tp *tp;             /* the model's tp table over it (owned) */
-    int n_gseg;
-    struct mt_grad_seg *gseg;     /* [n_gseg] runs of dense / expert gradients in buf_grad */
-    float *sumsq_dev;             /* f32 [1] backend scratch */
+    int *tp_fix, n_tp_fix;        /* params whose gradients tp fixes, in backward order */
+    int tp_fix_next, tp_armed;    /* first not fixed this step; the backward fixes them */
+    unsigned char *in_norm;       /* [params]: this rank adds it to the norm (NULL: keep) */
     /* operations (issue 20) */
     int rank;                     /* world rank, for train.fault.rank (set by the runtime) */
     mt_spike_detector spike;

@@ -1,8 +1,12 @@
 /* trainer_tp.c - see trainer_tp.h. */
 #include "engine/train/trainer_tp.h"
 
+#include <limits.h>
+#include <stdlib.h>
+
 #include "base/mt_status.h"
 #include "engine/parallel/tp_comm.h"
+#include "engine/train/grad_buckets.h"
 
 int mt_trainer_tp_init(mt_trainer *t, mt_comm *tp, mt_model_opts *mo)
 {
@@ -14,38 +18,8 @@ int mt_trainer_tp_init(mt_trainer *t, mt_comm *tp, mt_model_opts *mo)
     t->tpc = tp;
     t->tp_size = j->parallel.tp;
     mo->tp = t->tp;
-    return MT_OK;
-}
-
-void mt_trainer_tp_free(mt_trainer *t)
-{
-    if (t->tp) t->tp->destroy(t->tp);
-    t->tp = NULL;
-}
-
-int mt_trainer_tp_grads(mt_trainer *t)
-{
-    mt_model *m = t->model;
-    const int sp = t->job.parallel.sequence_parallel;
-    for (int i = 0; i < m->table.n; i++) {
-        mt_param *p = &m->params[i];
-        if (p->grad && p->d.expert >= 0 && t->ep_size > 1) {
-            MT_CHECK(t->be->scale_f32(t->be, p->grad, mt_param_numel(&p->d),
-                                      1.0f / (float)t->tp_size));
-            continue;
-        }
-        if (!sp) continue;
-        switch (p->d.role) {
-        case MT_PR_INPUT_NORM: case MT_PR_POST_ATTN_NORM: case MT_PR_FINAL_NORM:
-        case MT_PR_MTP_ENORM: case MT_PR_MTP_HNORM: case MT_PR_MTP_EH: case MT_PR_MTP_NORM:
-            MT_CHECK(mt_comm_all_reduce(t->tpc, p->grad, p->grad,
-                                        (size_t)mt_param_numel(&p->d), MT_COMM_F32,
-                                        MT_COMM_SUM));
-            break;
-        default:
-            break;
-        }
-    }
+    mo->on_layer_grads = mt_trainer_tp_layer_done;
+    mo->on_layer_grads_arg = t;
     return MT_OK;
 }
 
@@ -55,39 +29,107 @@ static int is_split(const mt_param_desc *d)
     return d->rows != d->full_rows || d->cols != d->full_cols;
 }
 
-int mt_trainer_tp_grad_sumsq(mt_trainer *t, double *sumsq)
+/* Applied to sequence-split rows under sequence parallelism. */
+static int sp_role(mt_param_role r)
+{
+    switch (r) {
+    case MT_PR_INPUT_NORM: case MT_PR_POST_ATTN_NORM: case MT_PR_FINAL_NORM:
+    case MT_PR_MTP_ENORM: case MT_PR_MTP_HNORM: case MT_PR_MTP_EH: case MT_PR_MTP_NORM:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* The layer after whose backward a parameter's gradient is final (the
+ * gradient buckets' key: -1, the end of the backward, for the embedding,
+ * final norm and head). */
+static int ready_key(const mt_param *p) { return p->d.layer >= 0 ? p->d.layer : -1; }
+
+static const mt_model *sort_model;
+static int by_backward(const void *a, const void *b)
+{
+    const int i = *(const int *)a, k = *(const int *)b;
+    const int ki = ready_key(&sort_model->params[i]), kk = ready_key(&sort_model->params[k]);
+    if (ki != kk) return ki > kk ? -1 : 1;
+    return i < k ? -1 : i > k; /* table order: the same on every tp rank */
+}
+
+int mt_trainer_tp_bind(mt_trainer *t)
+{
+    if (t->tp_size <= 1) return MT_OK;
+    const mt_model *m = t->model;
+    const int np = m->table.n, sp = t->job.parallel.sequence_parallel;
+    t->tp_fix = malloc((size_t)(np > 0 ? np : 1) * sizeof *t->tp_fix);
+    t->in_norm = malloc((size_t)(np > 0 ? np : 1));
+    if (!t->tp_fix || !t->in_norm) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
+    t->n_tp_fix = 0;
+    for (int i = 0; i < np; i++) {
+        const mt_param *p = &m->params[i];
+        if (p->grad && (p->d.expert >= 0 || (sp && sp_role(p->d.role))))
+            t->tp_fix[t->n_tp_fix++] = i;
+        /* the norm: each routed expert is owned once in the world (edp x
+         * ep), each split part once in its dp group, each replicated
+         * parameter once in the dp group of every tp rank: tp rank 0's */
+        t->in_norm[i] = t->keep[i] && (p->d.expert >= 0 || is_split(&p->d) || t->tp->rank == 0);
+    }
+    sort_model = m;
+    qsort(t->tp_fix, (size_t)t->n_tp_fix, sizeof *t->tp_fix, by_backward);
+    return MT_OK;
+}
+
+void mt_trainer_tp_free(mt_trainer *t)
+{
+    if (t->tp) t->tp->destroy(t->tp);
+    free(t->tp_fix);
+    free(t->in_norm);
+    t->tp = NULL;
+    t->tp_fix = NULL;
+    t->in_norm = NULL;
+}
+
+void mt_trainer_tp_arm(mt_trainer *t, int on)
+{
+    t->tp_armed = on;
+    t->tp_fix_next = 0;
+}
+
+/* The fixes of the parameters final after layer `layer` not done yet. */
+static int fix_upto(mt_trainer *t, int layer)
 {
     mt_model *m = t->model;
     mt_backend *be = t->be;
-    double part[3] = {0, 0, 0}; /* replicated, split, routed experts under ep */
-    /* runs of parameters of one kind, contiguous in buf_grad */
-    int64_t lo = -1, n = 0;
-    int kind = 0;
-    for (int i = 0; i <= m->table.n; i++) {
-        const mt_param *p = i < m->table.n ? &m->params[i] : NULL;
-        if (p && !p->grad) continue;
-        const int k = !p ? -1 : p->d.expert >= 0 && t->ep_size > 1 ? 2 : is_split(&p->d);
-        if (p && lo >= 0 && k == kind && lo + n == p->index) {
-            n += mt_param_numel(&p->d);
+    const int device = mt_comm_mem_kind(t->tpc) == MT_COMM_DEVICE;
+    int summed = 0;
+    while (t->tp_fix_next < t->n_tp_fix &&
+           ready_key(&m->params[t->tp_fix[t->tp_fix_next]]) >= layer) {
+        mt_param *p = &m->params[t->tp_fix[t->tp_fix_next++]];
+        const int64_t n = mt_param_numel(&p->d);
+        if (p->d.expert >= 0) {
+            MT_CHECK(be->scale_f32(be, p->grad, n, 1.0f / (float)t->tp_size));
             continue;
         }
-        if (lo >= 0 && n > 0) {
-            float v;
-            MT_CHECK(be->sumsq(be, t->opt->sumsq, m->buf_grad + lo, n));
-            MT_CHECK(be->download(be, &v, t->opt->sumsq, 4));
-            part[kind] += v;
-        }
-        if (!p) break;
-        lo = p->index;
-        n = mt_param_numel(&p->d);
-        kind = k;
-    }
-    MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->tpc), &part[1], &part[1], 1, MT_COMM_F64,
-                                MT_COMM_SUM));
-    /* every ep rank holds other experts; their edp replicas hold the same */
-    if (t->ep_size > 1)
-        MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->ep), &part[2], &part[2], 1, MT_COMM_F64,
+        /* device groups: the group's stream is not the backend's (ops.h
+         * does not expose it), so the host orders them, as the buckets do */
+        if (device && !summed) MT_CHECK(be->sync(be));
+        MT_CHECK(mt_comm_all_reduce(t->tpc, p->grad, p->grad, (size_t)n, MT_COMM_F32,
                                     MT_COMM_SUM));
-    *sumsq = part[0] + part[1] + part[2];
+        summed = 1;
+    }
+    if (device && summed) MT_CHECK(mt_comm_sync(t->tpc));
     return MT_OK;
+}
+
+int mt_trainer_tp_layer_done(void *arg, int layer)
+{
+    mt_trainer *t = arg;
+    if (t->tp_armed) MT_CHECK(fix_upto(t, layer));
+    return t->gb ? mt_grad_buckets_layer_done(t->gb, layer) : MT_OK;
+}
+
+int mt_trainer_tp_grads(mt_trainer *t)
+{
+    int rc = fix_upto(t, INT_MIN);
+    mt_trainer_tp_arm(t, 0);
+    return rc;
 }
