@@ -43,6 +43,12 @@
  * With "sp" the same bounds hold (measured the same to two digits: the
  * gathers and reduce-scatters move or sum the same values as the
  * all-reduces; the norms' gradients are summed over tp by the trainer).
+ * "sp" and "ep2" run with parallel.bucket_mb = 0: each layer's gradients
+ * are reduced into their owners (dp; routed experts over edp) as soon as
+ * the last micro-batch's backward has finished the layer, so the trainer's
+ * tp fixes of that layer (the sequence-split norms summed over tp, the
+ * experts divided by tp) must come first; with 4 ranks a fix made after
+ * the reduction gives a wrong gradient and fails property 1.
  * The reference trainer runs on each rank by itself (no communicator).
  */
 #include <math.h>
@@ -105,6 +111,9 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
     int n = 11;
     snprintf(eps, sizeof eps, "parallel.ep=%d", tp > 1 ? ep_ : 1);
     sets[n++] = eps;
+    /* sp, ep2: one gradient bucket per layer, started from inside the
+     * backward, so a layer's tp fixes must precede its bucket (trainer.h) */
+    if (tp > 1 && (sp || ep_ > 1)) sets[n++] = "parallel.bucket_mb=0";
     if (strcmp(recipe, "fp8-blockwise") == 0)
         for (int i = 0; i < N_FP8_MODEL; i++) sets[n++] = fp8_model[i];
     int rc = mt_jobspec_load(j, path, sets, n);
