@@ -145,7 +145,8 @@ typedef struct mt_trainer {
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
     int *owner;                   /* [params]: ZeRO-1 owner's dp (experts: edp) rank, -1 none */
-    struct mt_grad_buckets *gb;   /* gradient buckets (grad_buckets.h); NULL without a dp group */
+    struct mt_grad_buckets *gb;   /* gradient buckets (grad_buckets.h); NULL on one rank (no
+                                     dp group, nor under ep or tp an edp group) */
     unsigned char *keep;          /* [params]: this rank keeps the optimizer state */
     /* expert parallelism (ep_size > 1) */
     int ep_size;
