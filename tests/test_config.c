@@ -473,10 +473,23 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
     assert_int_equal(mt_jobspec_grad_accum(&j), 8 / (1 * 4));
     /* a layout that fits the ranks and the model but that the trainer does
      * not run yet is refused too, naming the field */
+    const char *bf16_pp2[] = {"parallel.pp=2", "precision.recipe=bf16"};
+    const char *pp_err[] = {"parallel.pp: 2: the trainer runs data, tensor and expert "
+                            "parallelism only", NULL};
+    expect_admission(4, bf16_pp2, 2, pp_err, NULL);
+    /* tensor parallelism runs (bf16: the tiny model's splits are not FP8 blocks) */
     const char *bf16_tp2[] = {"parallel.tp=2", "precision.recipe=bf16"};
-    const char *tp_err[] = {"parallel.tp: 2: the trainer runs data and expert parallelism only",
-                            NULL};
-    expect_admission(4, bf16_tp2, 2, tp_err, NULL);
+    expect_admission(4, bf16_tp2, 2, NULL, &j);
+    assert_int_equal(j.parallel.dp, 2);
+    /* ... with ep folded over the tp x dp ranks */
+    const char *tp2_ep2[] = {"parallel.tp=2", "parallel.ep=2", "precision.recipe=bf16",
+                             "batch.micro_batch_size=1"};
+    expect_admission(4, tp2_ep2, 4, NULL, &j);
+    assert_int_equal(mt_layout_edp(&j.parallel), 2);
+    /* expert tensor parallelism is not run yet */
+    const char *etp2[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16"};
+    const char *etp_err[] = {"parallel.etp: 2:", NULL};
+    expect_admission(4, etp2, 3, etp_err, NULL);
     /* the batch must divide over the derived dp: 8 sequences, mbs 4, dp 4 */
     const char *dp4_err[] = {"batch.global_batch_size: 8 is not divisible by "
                              "batch.micro_batch_size 4 x data-parallel size 4", NULL};

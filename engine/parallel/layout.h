@@ -30,6 +30,10 @@ typedef struct mt_layout {
     int tp, pp, vpp, ep, etp; /* >= 1 */
     int dp;                   /* >= 1 once resolved; 0: world / (tp * pp) */
     mt_pp_schedule schedule;  /* DualPipeV also places chunks in a V (vpp = 2) */
+    /* Sequence parallelism with tp > 1 (parallel.sequence_parallel): how
+     * activations move between the tensor-parallel regions, not where
+     * weights live: it is not part of mt_layout_format / parse. */
+    int sequence_parallel;
 } mt_layout;
 
 /* A rank's position in every process group of the layout. */

@@ -43,6 +43,8 @@ static const mt_field job_fields[] = {
     I("parallel.ep", parallel.ep, "1", 1, 4096, "expert parallel size"),
     I("parallel.etp", parallel.etp, "1", 1, 1024, "expert tensor parallel size"),
     I("parallel.dp", parallel.dp, "0", 0, 1 << 20, "data parallel size; 0: world/(tp*pp)"),
+    B("parallel.sequence_parallel", parallel.sequence_parallel, "false",
+      "tensor parallelism: split activations along the sequence between tp regions"),
     E("parallel.schedule", parallel.schedule, "1f1b", mt_pp_schedule_names, "pipeline schedule"),
     E("parallel.comm", comm, "auto", comm_names,
       "collectives: auto (cpu: mpi; cuda: nccl, or staged when ranks share a GPU), mpi "
@@ -135,7 +137,7 @@ static const mt_field job_fields[] = {
     I("train.fault.rank", train.fault.rank, "-1", -1, 1 << 20, "rank with the fault; -1: all"),
 };
 #define N_JOB_FIELDS ((int)(sizeof job_fields / sizeof job_fields[0]))
-_Static_assert(N_JOB_FIELDS == 63, "job spec field table changed: update docs and tests");
+_Static_assert(N_JOB_FIELDS == 64, "job spec field table changed: update docs and tests");
 
 static int is_abs(const char *p) { return p[0] == '/'; }
 
@@ -282,13 +284,17 @@ static int check_layout(const mt_jobspec *j)
 
 int mt_jobspec_check_runnable(const mt_layout *l)
 {
-    static const char *const name[3] = {"tp", "pp", "etp"};
-    const int v[3] = {l->tp, l->pp, l->etp};
-    for (int i = 0; i < 3; i++)
+    static const char *const name[2] = {"pp", "etp"};
+    const int v[2] = {l->pp, l->etp};
+    for (int i = 0; i < 2; i++)
         if (v[i] != 1)
-            return MT_ERR(MT_ENOTSUP, "parallel.%s: %d: the trainer runs data and expert "
-                          "parallelism only so far (tensor and pipeline parallelism are not "
-                          "implemented); use tp = pp = etp = 1", name[i], v[i]);
+            return MT_ERR(MT_ENOTSUP, "parallel.%s: %d: the trainer runs data, tensor and "
+                          "expert parallelism only so far (pipeline parallelism and expert "
+                          "tensor parallelism are not implemented); use pp = etp = 1", name[i],
+                          v[i]);
+    if (l->sequence_parallel && l->tp < 2)
+        return MT_ERR(MT_EINVAL, "parallel.sequence_parallel needs parallel.tp > 1 (it is %d)",
+                      l->tp);
     return MT_OK;
 }
 

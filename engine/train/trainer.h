@@ -23,24 +23,54 @@
  * experts; each owner already summed the contributions of every ep rank's
  * tokens), in buckets of their own.
  *
+ * Tensor parallelism (parallel.tp = TP > 1): the model holds this rank's
+ * part of every split parameter (heads, FFN columns, vocabulary;
+ * engine/model/tp.h) and the replicated ones whole; the TP ranks of a dp
+ * group read the same data. The replicated parameters' gradients are the
+ * same on every tp rank by construction (each region's entry gradient is
+ * summed over tp, bit-identically everywhere), so dense (split and
+ * replicated) parameters are reduced over the dp group of their tp rank
+ * only, each tp rank's ZeRO-1 owners within it. Routed experts are
+ * replicated over tp too (etp = 1, every tp rank runs them on its copy of
+ * the tokens): their owner is an edp rank (the sharding map's folding:
+ * with ep = 1, edp = tp + TP * dp), their buckets reduce over edp and
+ * gather the owner's compute copies over edp. With ep > 1 (etp = 1) the ep
+ * group folds over the tp x dp ranks and every tp rank dispatches its (the
+ * same) tokens (a correct but TP-fold redundant expert pass: splitting the
+ * tokens over tp before the dispatch, as sequence parallelism would allow,
+ * is left to do). Either way each token reaches an expert's gradient TP
+ * times in the edp sum (ep = 1: the tp ranks' equal copies; ep > 1: inside
+ * each holder's gradient), so every routed expert's gradient is divided by
+ * TP before it is reduced. With parallel.sequence_parallel the norms
+ * outside the regions (and MTP's eh_proj) see only this rank's rows: their
+ * gradients are summed over tp. Both fixes happen in the last
+ * micro-batch's backward as each layer's gradients become final, before
+ * the layer's buckets start (the model's on_layer_grads hook runs
+ * trainer_tp.c's fixes, then the buckets'); what is left, after it.
+ * Pipeline parallelism and etp > 1 are refused.
+ *
  * Reductions (which one each global quantity uses):
  *  - gradients: F32 sums at the owner in rank order x_0 + x_1 + ... on
  *    every backend (comm.h reduce_owned), each contribution rounded to
  *    BF16 first under grad_reduce bf16; with fp32 the owner's sum is the
- *    one an all-reduce would give, bit for bit;
+ *    one an all-reduce would give, bit for bit; under sequence parallelism
+ *    the sequence-split norms are first summed over tp (F32 all-reduce);
  *  - gradient norm (clipping, NaN/Inf skip): each rank's sum of squares of
- *    the gradients it owns (f32 per run of adjacent parameters, added in
- *    f64), one F64 scalar summed over dp in rank order, rounded to f32 as
- *    one rank's norm is. Over dp (the world when ep > 1) every parameter
- *    is owned exactly once: dense by one dp rank, each expert by one rank
- *    of its edp group, the ep ranks holding different experts. The same
- *    value on every rank, so the clip and the skip agree everywhere;
- *  - losses (LM, MTP, aux): F64 sums over dp of the ranks' shares;
+ *    the gradients it owns and counts (f32 per run of adjacent parameters,
+ *    added in f64), one F64 scalar summed over dp in rank order, then over
+ *    tp, rounded to f32 as one rank's norm is. Every parameter of the
+ *    global model is counted exactly once: a dense parameter by one dp
+ *    rank of its tp rank's group, of which a split one's parts by every tp
+ *    rank (the parts differ) and a replicated one by tp rank 0's group
+ *    only (the tp ranks hold the same); each routed expert by one rank of
+ *    its edp group, the ep ranks holding different experts (edp x ep is
+ *    the world). The same value on every rank, so the clip and the skip
+ *    agree everywhere;
+ *  - losses (LM, MTP, aux): F64 sums over dp of the ranks' shares (the tp
+ *    ranks compute the same);
  *  - expert loads: I64 sums over dp (each token is routed once, on its own
- *    rank), hence the router bias update; the sequence-wise balance loss
- *    is per sequence, so local.
- * Tensor and pipeline parallelism are not in the trainer yet: a layout
- * that needs them is refused.
+ *    rank; the tp ranks route the same), hence the router bias update; the
+ *    sequence-wise balance loss is per sequence, so local.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
@@ -115,12 +145,20 @@ typedef struct mt_trainer {
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
     int *owner;                   /* [params]: ZeRO-1 owner's dp (experts: edp) rank, -1 none */
-    struct mt_grad_buckets *gb;   /* gradient buckets (grad_buckets.h); NULL without a dp group */
+    struct mt_grad_buckets *gb;   /* gradient buckets (grad_buckets.h); NULL on one rank (no
+                                     dp group, nor under ep or tp an edp group) */
     unsigned char *keep;          /* [params]: this rank keeps the optimizer state */
     /* expert parallelism (ep_size > 1) */
     int ep_size;
     mt_comm *ep, *edp;            /* expert-parallel and expert-data-parallel groups, not owned */
     mt_moe_dispatcher *disp;      /* the model's dispatcher (owned) */
+    /* tensor parallelism (tp_size > 1; trainer_tp.h) */
+    int tp_size;
+    mt_comm *tpc;                 /* tensor-parallel group, not owned */
+    struct mt_tp *tp;             /* the model's tp table over it (owned) */
+    int *tp_fix, n_tp_fix;        /* params whose gradients tp fixes, in backward order */
+    int tp_fix_next, tp_armed;    /* first not fixed this step; the backward fixes them */
+    unsigned char *in_norm;       /* [params]: this rank adds it to the norm (NULL: keep) */
     /* operations (issue 20) */
     int rank;                     /* world rank, for train.fault.rank (set by the runtime) */
     mt_spike_detector spike;
@@ -150,6 +188,7 @@ void mt_trainer_destroy(mt_trainer *t);
  * CUDA (expert parallelism: CPU backend with host groups for now). */
 typedef struct mt_trainer_groups {
     mt_comm *dp, *ep, *edp;
+    mt_comm *tp;                  /* tensor-parallel group (size parallel.tp) */
 } mt_trainer_groups;
 
 /* The same as a member of its groups (g NULL: one rank). The model is built
