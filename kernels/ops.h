@@ -93,6 +93,15 @@ struct mt_backend {
     int (*copy)(mt_backend *be, void *dst, const void *src, size_t bytes);
     int (*zero)(mt_backend *be, void *p, size_t bytes);
     int (*sync)(mt_backend *be);
+    /* The compute stream: every op of this backend is enqueued on it, in
+     * call order (CUDA: a cudaStream_t of the backend's device, created
+     * non-blocking, so the legacy default stream does NOT order against
+     * it; fan-outs inside an op join back before the op returns). Work
+     * that other code enqueues on it runs after the backend's earlier ops
+     * and before its later ones; e.g. mt_comm_set_stream(c, be->stream(be))
+     * orders a device communicator's ops with the backend's kernels
+     * without host waits. NULL on the CPU backend (ops complete on return). */
+    void *(*stream)(mt_backend *be);
     /* Bytes the backend holds now and at most so far (arena use on CUDA). */
     void (*mem_stats)(mt_backend *be, size_t *in_use, size_t *peak);
     void (*destroy)(mt_backend *be);

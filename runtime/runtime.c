@@ -82,6 +82,17 @@ static int make_groups(mt_job *j)
     }
     MT_CHECK(mt_groups_build(&j->groups, world, &j->spec.parallel));
     j->have_groups = 1;
+    /* Device groups order their ops on the backend's compute stream: an op
+     * starts after the kernels enqueued before it, and the kernels after
+     * it wait for it (device-side events, comm.h), so gradient buckets and
+     * expert exchanges need no host waits. MT_COMM_HOST_SYNC=1 leaves them
+     * on the default stream: their users then fence on the host. */
+    if (j->be->kind != MT_BE_CPU && !mt_comm_host_sync_forced()) {
+        void *s = j->be->stream(j->be);
+        MT_CHECK(mt_comm_set_stream(j->dev_world, s));
+        for (int k = 0; k < MT_GROUP_COUNT; k++)
+            if (j->groups.g[k]) MT_CHECK(mt_comm_set_stream(j->groups.g[k], s));
+    }
     return MT_OK;
 }
 

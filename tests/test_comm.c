@@ -27,7 +27,8 @@
  * mpi and staged repeat everything with 20-byte messages, so every
  * transfer is cut into many pieces (the path of counts above INT_MAX).
  * Device memory (--mem device, GPU build): buffers live on the GPU,
- * checked after download; also an overlapped op on a side stream.
+ * checked after download; also an overlapped op on a side stream, and ops
+ * ordered on a non-blocking compute stream with no host wait.
  * Exit: 0 all passed, 1 a check failed (on any rank), 77 skipped (no GPU,
  * or fewer GPUs than ranks for nccl).
  */
@@ -881,6 +882,61 @@ static void t_overlap(mt_comm *c, uint64_t seed)
     cudaStreamDestroy(s);
     free(h), free(want);
 }
+
+/* The runtime's pattern (gradient buckets, expert dispatch): the compute
+ * stream is a non-blocking stream (as the CUDA backend's) set by
+ * mt_comm_set_stream, no overlap, and the host waits only for the compute
+ * stream, never for the communicator:
+ *  - an all_reduce whose input the compute stream writes late (behind
+ *    slow device copies) reads it, and the compute stream's copy of the
+ *    result right after the call sees the sum: ordered both ways by
+ *    device-side events alone;
+ *  - a reduce_owned started before more compute-stream work and completed
+ *    by mt_comm_wait: the compute stream's copy after the wait sees the
+ *    owner's sum (the other ranks' buffers as they were). */
+static void t_stream_ordered(mt_comm *c, uint64_t seed)
+{
+    const int n = mt_comm_size(c), me = mt_comm_rank(c);
+    const size_t count = 4099, b = count * 4, big = (size_t)32 << 20;
+    float *h = malloc(b), *want = malloc(b), *got = malloc(b);
+    gen(h, MT_COMM_F32, count, seed, me, 0, 1);
+    for (size_t i = 0; i < count; i++) ref_one(&want[i], MT_COMM_F32, MT_COMM_SUM, seed, n, i, 1);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    float *d = buf_alloc(b), *src = buf_alloc(b);
+    char *slow = buf_alloc(2 * big);
+    buf_put(src, h, b);
+    MUST(mt_comm_set_stream(c, s));
+    for (int part = 0; part < 2; part++) {
+        cudaMemsetAsync(d, 0, b, s);
+        for (int k = 0; k < 8; k++) cudaMemcpyAsync(slow + big, slow, big, cudaMemcpyDeviceToDevice, s);
+        cudaMemcpyAsync(d, src, b, cudaMemcpyDeviceToDevice, s); /* the input, late */
+        int rc;
+        const char *what = part == 0 ? "all_reduce" : "reduce_owned";
+        if (part == 0) {
+            rc = mt_comm_all_reduce(c, d, d, count, MT_COMM_F32, MT_COMM_SUM);
+        } else {
+            mt_comm_seg seg = {d, count, n - 1};
+            mt_comm_req *r = NULL;
+            rc = mt_comm_reduce_owned_start(c, &seg, 1, MT_COMM_F32, &r);
+            for (int k = 0; rc == 0 && k < 8; k++)
+                cudaMemcpyAsync(slow + big, slow, big, cudaMemcpyDeviceToDevice, s);
+            if (rc == 0) rc = mt_comm_wait(r);
+        }
+        memset(got, 0, b);
+        if (rc == 0) cudaMemcpyAsync(got, d, b, cudaMemcpyDeviceToHost, s);
+        cudaError_t e = cudaStreamSynchronize(s);
+        const float *expect = part == 1 && me != n - 1 ? h : want;
+        if (rc == 0 && e == cudaSuccess && memcmp(got, expect, b) == 0) n_pass++;
+        else FAIL("%s ordered on a non-blocking compute stream, no host wait: %s", what,
+                  rc ? mt_errmsg() : e != cudaSuccess ? cudaGetErrorString(e) : "wrong data");
+    }
+    MUST(mt_comm_sync(c));
+    MUST(mt_comm_set_stream(c, NULL));
+    buf_free(d), buf_free(src), buf_free(slow);
+    cudaStreamDestroy(s);
+    free(h), free(want), free(got);
+}
 #endif
 
 int main(int argc, char **argv)
@@ -969,6 +1025,7 @@ int main(int argc, char **argv)
         t_agree_and_errors(C);
 #ifdef TEST_COMM_GPU
         if (MEM_DEVICE && !pass) t_overlap(C, seed + 7);
+        if (MEM_DEVICE && !pass) t_stream_ordered(C, seed + 8);
 #endif
         mt_comm_destroy(C);
         C = NULL;

@@ -26,7 +26,10 @@
  *   3. the backward's dispatch (count = 0, the forward's plan) moves a new
  *      payload given in the source layout (xp) identically;
  *   4. the byte counters count only what left this rank;
- *   5. the FP8 payload (dispatch_fp8, run_fp8_case).
+ *   5. the FP8 payload (dispatch_fp8, run_fp8_case);
+ *   6. --gpu: the dispatcher ordered the ep group's device ops on the
+ *      backend's stream (no host waits around exchanges; the properties
+ *      above hold by device-side events alone), unless MT_COMM_HOST_SYNC=1.
  */
 #include <math.h>
 #include <mpi.h>
@@ -527,6 +530,10 @@ int main(int argc, char **argv)
         run_fp8_case(c, be, pat, 128, 258);
     }
     if (!gpu) refusals(c);
+    else /* 6. */
+        CHECK(mt_comm_stream(c) == (mt_comm_host_sync_forced() ? NULL : be->stream(be)),
+              "the ep group's compute stream is %p, the backend's %p (MT_COMM_HOST_SYNC=1: %d)",
+              mt_comm_stream(c), be->stream(be), mt_comm_host_sync_forced());
     int ok = mt_comm_agree(c, failures == 0);
     if (rank_ == 0)
         printf("test_moe_dispatch: %d rank%s%s%s, %d route patterns x (%d wire(s) x 2 paddings "

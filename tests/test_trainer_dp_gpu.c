@@ -17,7 +17,10 @@
  *      batch only would move parameters by about lr);
  *   2. the ranks compute with bit-identical weights (the owners' gathered
  *      compute copies) and keep disjoint optimizer state adding up to one
- *      rank's (ZeRO-1).
+ *      rank's (ZeRO-1);
+ *   3. the gradient buckets are ordered on the backend's stream, no host
+ *      fences, unless MT_COMM_HOST_SYNC=1 (then they are, and 1-2 hold
+ *      the same).
  * Exit 77 (ctest: skipped), printing "skipped", without a CUDA device or
  * not on exactly 2 ranks; never passes without having run.
  */
@@ -130,6 +133,11 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
     CHECK(t->gb && t->gb->n > 1 && t->gb->started_early == t->gb->n,
           "%s: %d of %d buckets started during the backward", recipe,
           t->gb ? t->gb->started_early : -1, t->gb ? t->gb->n : -1);
+    /* 3. the buckets are ordered on the backend's stream (no host fences)
+     * unless MT_COMM_HOST_SYNC=1 asks for them */
+    CHECK(t->gb && t->gb->host_wait == mt_comm_host_sync_forced(), "%s: buckets host-fenced %d, "
+          "MT_COMM_HOST_SYNC=1 %d (the runtime sets the backend's stream on device groups)",
+          recipe, t->gb ? t->gb->host_wait : -1, mt_comm_host_sync_forced());
     /* 1. main parameters this rank keeps */
     float *a = master_host(t);
     double worst = 0;

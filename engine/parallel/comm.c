@@ -5,6 +5,7 @@
  * backends (comm_local.c, comm_mpi.c, comm_staged.c, comm_nccl.c) hold
  * those calls.
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -413,6 +414,21 @@ int mt_comm_set_stream(mt_comm *c, void *stream)
     if (c->iface->join && c->overlap) MT_CHECK(c->iface->join(c));
     c->stream = stream;
     return MT_OK;
+}
+
+void *mt_comm_stream(const mt_comm *c) { return c->mem == MT_COMM_DEVICE ? c->stream : NULL; }
+
+int mt_comm_host_sync_forced(void)
+{
+    /* -1 unread; a race between two first calls reads the same value */
+    static _Atomic int forced = -1;
+    int v = atomic_load(&forced);
+    if (v < 0) {
+        const char *e = getenv("MT_COMM_HOST_SYNC");
+        v = e && strcmp(e, "1") == 0;
+        atomic_store(&forced, v);
+    }
+    return v;
 }
 
 int mt_comm_set_overlap(mt_comm *c, int on)

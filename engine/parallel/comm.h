@@ -254,13 +254,30 @@ int mt_comm_wait(mt_comm_req *r);
 
 /* ---- device stream ordering (no-ops on host communicators) ------------------------ */
 
-/* The compute stream (a cudaStream_t) ops are ordered after and joined to. */
+/* The compute stream (a cudaStream_t) ops are ordered after and joined to.
+ * The runtime sets the op backend's stream (kernels/ops.h be->stream) on
+ * every device group of a job, so collectives are ordered with the
+ * backend's kernels by device-side events, without host waits. */
 int mt_comm_set_stream(mt_comm *c, void *stream);
+/* The compute stream set last (NULL: the legacy default stream; always
+ * NULL on host communicators). Callers compare it with their backend's
+ * stream: when it differs, nothing orders the op with that backend's
+ * kernels and the host must wait (be->sync before, mt_comm_sync after). */
+void *mt_comm_stream(const mt_comm *c);
 /* on = 1: ops no longer make the compute stream wait; see mt_comm_join. */
 int mt_comm_set_overlap(mt_comm *c, int on);
 /* The compute stream waits (device-side) for every op issued so far. */
 int mt_comm_join(mt_comm *c);
 /* The host waits for every op issued so far. */
 int mt_comm_sync(mt_comm *c);
+
+/* The diagnosis switch back to host-synchronised device communication:
+ * 1 when the environment had MT_COMM_HOST_SYNC=1 at the first call (read
+ * once per process). Then no caller sets a backend's stream on a device
+ * communicator (they stay on the legacy default stream) and every device
+ * op is fenced on the host as before streams were shared: be->sync before
+ * it, mt_comm_sync after (gradient buckets, expert dispatch). For
+ * comparing the two on a device; results are the same either way. */
+int mt_comm_host_sync_forced(void);
 
 #endif

@@ -22,6 +22,8 @@ typedef struct a2a {
      * in the backend's memory; permutations are the backend's moe_permute
      * gathers by an index map. */
     mt_backend *be;               /* the backend of the first exchange (one per dispatcher) */
+    int host_wait;                /* a device ep group not ordered on be's stream: fence on
+                                     the host around each exchange */
     int direct;
     void *bsend, *brecv;          /* backend wire buffers */
     size_t bsend_cap, brecv_cap;  /* their bytes */
@@ -115,20 +117,36 @@ static int check_backend(const mt_moe_dispatcher *d, mt_backend *be)
         return MT_ERR(MT_EINVAL, "expert dispatch: a %s wire for the %s backend's %d-byte "
                       "activations", mt_comm_dtype_name(x->wire), be->name, be->act_bytes);
     }
+    if (!x->be && dev) {
+        /* the ep group's ops on the backend's stream (the runtime sets it
+         * already; direct users of a dispatcher get it here): an exchange
+         * starts after the kernels that packed its rows and the kernels
+         * after it wait for it, without host waits. MT_COMM_HOST_SYNC=1:
+         * left alone, and the host fences each exchange (comm.h). */
+        void *stream = be->stream(be);
+        if (!mt_comm_host_sync_forced() && stream)
+            MT_CHECK(mt_comm_set_stream(x->c, stream));
+        x->host_wait = mt_comm_host_sync_forced() || !stream || mt_comm_stream(x->c) != stream;
+    }
     x->be = be;
     return MT_OK;
 }
 
-/* A device communicator's op starts after the work on its compute stream,
- * which is not the backend's (the backend keeps its stream to itself): the
- * host waits for the backend's work before the exchange and for the
- * exchange before the backend reads its result. No-ops on the CPU. */
-static int exchange_begin(a2a *x)
-{
-    return mt_comm_mem_kind(x->c) == MT_COMM_DEVICE ? x->be->sync(x->be) : MT_OK;
-}
+/* Ordering of an exchange of backend buffers over a device ep group.
+ * Stream-ordered (the group's compute stream is the backend's, the
+ * default): the all_to_all_v records an event on the backend's stream
+ * after the pack (moe_permute / moe_pack_fp8, or the layer's kernels that
+ * wrote xp) and its side stream waits for it; it is not overlapped, so the
+ * backend's stream waits for its completion before the unpack, the index
+ * map's upload or the layer's kernels after a combine touch the receive
+ * buffer, and before any later kernel (the next pack, an arena block
+ * reused after bgrow) writes the send buffer. Nothing here reads wire
+ * buffers on the host (the counts travel on the host already), so no host
+ * wait is needed. Host-fenced (x->host_wait): the host waits for the
+ * backend before and for the group after. No-ops on the CPU. */
+static int exchange_begin(a2a *x) { return x->host_wait ? x->be->sync(x->be) : MT_OK; }
 
-static int exchange_end(a2a *x) { return mt_comm_sync(x->c); }
+static int exchange_end(a2a *x) { return x->host_wait ? mt_comm_sync(x->c) : MT_OK; }
 
 /* A backend buffer of at least `bytes` (its contents are not kept). */
 static int bgrow(a2a *x, void **buf, size_t *cap, size_t bytes)

@@ -45,9 +45,14 @@
  * Counts: the per-expert rows are on the host already (the layer's
  * moe_index brings them there: one small device-to-host copy per layer's
  * forward, E int32); they are exchanged over mt_comm_host(ep) (MPI).
- * Device ordering: the backend's stream is its own, so an exchange waits
- * on the host for the backend's work before it and for the communicator
- * after it (be->sync, mt_comm_sync); no compute overlaps an exchange yet.
+ * Device ordering: the ep group's compute stream is the backend's (the
+ * runtime sets it; the dispatcher does too, at its first exchange, for
+ * direct users): an exchange starts after the kernels that packed its rows
+ * and the kernels after it wait for it, by device-side events; the host
+ * does not wait. The counts still need the host (the layer's moe_index
+ * downloads them, waiting for the backend). No compute overlaps an
+ * exchange yet. MT_COMM_HOST_SYNC=1 (comm.h): the host waits for the
+ * backend before each exchange and for the group after it, as before.
  *
  * Memory: the ep group's communicator holds the backend's memory kind
  * (host for CPU, device for CUDA; a mix is refused at the first exchange).

@@ -69,13 +69,30 @@ static int bucket_close(mt_grad_buckets *gb, mt_grad_bucket *open, int cap)
     return MT_OK;
 }
 
+/* A device group is ordered with the backend's kernels when its compute
+ * stream is the backend's (the runtime sets it, kernels/ops.h be->stream);
+ * otherwise (a group on the default stream, MT_COMM_HOST_SYNC=1) the host
+ * fences every op. */
+static int stream_ordered(mt_backend *be, mt_comm *g)
+{
+    if (!g || mt_comm_mem_kind(g) != MT_COMM_DEVICE) return 1;
+    void *s = be->stream(be);
+    return !mt_comm_host_sync_forced() && s && mt_comm_stream(g) == s;
+}
+
+static int needs_host_wait(mt_backend *be, mt_comm *dp, mt_comm *edp)
+{
+    mt_comm *any = dp ? dp : edp; /* tp with dp 1: edp only */
+    const int device = any && mt_comm_mem_kind(any) == MT_COMM_DEVICE;
+    return device && !(stream_ordered(be, dp) && stream_ordered(be, edp));
+}
+
 int mt_grad_buckets_build(mt_grad_buckets *gb, const mt_model *m, const int *owner, mt_comm *dp,
                           mt_comm *edp, int expert_split, const mt_jobspec *j)
 {
     memset(gb, 0, sizeof *gb);
     gb->be = m->be;
-    mt_comm *any = dp ? dp : expert_split ? edp : NULL; /* tp with dp 1: edp only */
-    gb->device = any && mt_comm_mem_kind(any) == MT_COMM_DEVICE;
+    gb->host_wait = needs_host_wait(m->be, dp, expert_split ? edp : NULL);
     gb->wire = j->grad_reduce == MT_GRAD_BF16 ? MT_COMM_BF16 : MT_COMM_F32;
     const char *ov = getenv("MOETRAIN_GRAD_OVERLAP");
     gb->overlap = !(ov && strcmp(ov, "0") == 0);
@@ -174,10 +191,11 @@ void mt_grad_buckets_free(mt_grad_buckets *gb)
     memset(gb, 0, sizeof *gb);
 }
 
-/* Device groups: the host waits for every op issued on the groups. */
+/* Host-fenced device groups: the host waits for every op issued on the
+ * groups. */
 static int sync_groups(mt_grad_buckets *gb)
 {
-    for (int k = 0; gb->device && k < gb->n; k++)
+    for (int k = 0; gb->host_wait && k < gb->n; k++)
         if (k == 0 || gb->b[k].group != gb->b[k - 1].group) MT_CHECK(mt_comm_sync(gb->b[k].group));
     return MT_OK;
 }
@@ -204,8 +222,16 @@ int mt_grad_buckets_layer_done(void *arg, int layer)
         int done;
         MT_CHECK(mt_comm_test(gb->b[k].req, &done));
     }
-    if (gb->device && gb->next < gb->n && gb->b[gb->next].ready >= layer)
-        MT_CHECK(gb->be->sync(gb->be)); /* the layer's gradients are written */
+    /* The layer's gradients must be written before a bucket reads them.
+     * Stream-ordered groups: the start records an event on the backend's
+     * stream after the layer's backward kernels (enqueued before this
+     * hook) and the comm's side stream waits for it; the backend's later
+     * kernels (the earlier layers' backward) do not wait for the bucket
+     * (an owner op joins only in mt_comm_wait, at finish) and touch none
+     * of its gradients (they are final). Host-fenced groups: the host
+     * waits for the backend. */
+    if (gb->host_wait && gb->next < gb->n && gb->b[gb->next].ready >= layer)
+        MT_CHECK(gb->be->sync(gb->be));
     while (gb->next < gb->n && gb->b[gb->next].ready >= layer) {
         MT_CHECK(start(gb, &gb->b[gb->next]));
         gb->next++;
@@ -218,9 +244,17 @@ int mt_grad_buckets_finish(mt_grad_buckets *gb)
 {
     const double t0 = now_ms();
     gb->armed = 0;
-    int rc = gb->device && gb->next < gb->n ? gb->be->sync(gb->be) : MT_OK;
+    /* stream-ordered: the starts below come after the whole backward on
+     * the backend's stream (see layer_done); host-fenced: wait for it */
+    int rc = gb->host_wait && gb->next < gb->n ? gb->be->sync(gb->be) : MT_OK;
     for (; gb->next < gb->n && rc == MT_OK; gb->next++) rc = start(gb, &gb->b[gb->next]);
-    /* wait for all that started, even after a failure: their buffers */
+    /* wait for all that started, even after a failure: their buffers.
+     * Stream-ordered: each wait makes the backend's stream wait (device
+     * side) for the group's ops so far, so the optimizer's kernels (and
+     * the norm's sumsq, whose download the host waits for) read the
+     * summed gradients; the host does not wait here, the reduction's time
+     * shows in the first download after it. Host-fenced: the host waits
+     * for the groups (sync_groups). */
     for (int k = 0; k < gb->n; k++) {
         int w = mt_comm_wait(gb->b[k].req);
         gb->b[k].req = NULL;
@@ -236,7 +270,14 @@ int mt_grad_buckets_finish(mt_grad_buckets *gb)
 
 int mt_grad_buckets_share(mt_grad_buckets *gb)
 {
-    int rc = gb->device && gb->n > 0 ? gb->be->sync(gb->be) : MT_OK; /* the optimizer's writes */
+    /* The gathers read the owners' new compute copies, which the
+     * optimizer's kernels write. Stream-ordered: each start waits (side
+     * stream, device-side event) for the backend's stream so far, the
+     * optimizer included, and each wait makes the backend's stream wait
+     * for the gathered copies before the next step's forward reads them
+     * (the step's end sync covers the host). Host-fenced: the host waits
+     * for the optimizer here and for the groups after. */
+    int rc = gb->host_wait && gb->n > 0 ? gb->be->sync(gb->be) : MT_OK;
     for (int k = 0; k < gb->n && rc == MT_OK; k++) {
         mt_grad_bucket *b = &gb->b[k];
         rc = mt_comm_gather_owned_start(b->group, b->wsegs, b->n_wsegs, &b->req);

@@ -26,6 +26,16 @@
  * dense buckets differ between the tp ranks, whose dp groups differ, and
  * the expert buckets, over edp across the tp ranks, do not: experts are
  * not split).
+ *
+ * Device groups (CUDA) are ordered with the backend's kernels on the
+ * device when their compute stream is the backend's (the runtime sets it:
+ * mt_comm_set_stream(g, be->stream(be))): a bucket starts after the
+ * kernels that wrote its gradients, runs on the group's side stream beside
+ * the rest of the backward, and the optimizer's kernels wait for it
+ * (mt_comm_wait joins the backend's stream); the host waits only where it
+ * reads a result (the norm's download). Otherwise (MT_COMM_HOST_SYNC=1,
+ * or groups left on the default stream) the host fences each op:
+ * be->sync before, mt_comm_sync after.
  */
 #ifndef MT_GRAD_BUCKETS_H
 #define MT_GRAD_BUCKETS_H
@@ -57,11 +67,14 @@ typedef struct mt_grad_buckets {
     int overlap;         /* 0: every bucket starts in finish (MOETRAIN_GRAD_OVERLAP=0, for
                             measuring what the overlap hides) */
     mt_backend *be;      /* the model's backend */
-    int device;          /* device groups: the backend's stream is not the comm's compute
-                            stream (ops.h does not expose it), so the host waits for the
-                            backend before an op reads what it wrote, and for the comm
-                            before the backend reads what an op wrote */
-    double wait_ms;      /* the last finish: time spent waiting after the backward */
+    int host_wait;       /* device groups whose compute stream is not the backend's
+                            (be->stream; MT_COMM_HOST_SYNC=1, comm.h): the host waits for
+                            the backend before an op reads what it wrote, and for the comm
+                            before the backend reads what an op wrote. 0: ordered on the
+                            device by the groups' stream (or host groups) */
+    double wait_ms;      /* the last finish: time spent waiting after the backward (on
+                            stream-ordered device groups only the host's part: the device
+                            waits later, in the first download after the reduction) */
     double t_finish_ms, t_done_ms; /* the last finish's start and end (CLOCK_MONOTONIC, ms:
                                       comparable between the ranks of one host) */
     int started_early;   /* the last step: buckets started during the backward */

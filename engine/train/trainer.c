@@ -423,7 +423,9 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
      * reduction: the one time that names a straggler (the step times of
      * all ranks end together; with ep > 1 the expert dispatch inside the
      * forward waits for the expert group too). A device backend has to
-     * finish the work to be timed; the reduction would wait for it anyway. */
+     * finish the work to be timed: this waits for the backend's stream
+     * only (timing, not ordering: buckets started during the backward go
+     * on running on the groups' streams, grad_buckets.h). */
     if (t->dp) MT_CHECK(t->be->sync(t->be));
     mt.compute_ms = (now_s() - t0) * 1e3;
     if (t->gb) {

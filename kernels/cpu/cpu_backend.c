@@ -101,6 +101,13 @@ static int cpu_sync(mt_backend *be)
     return MT_OK;
 }
 
+/* No stream: every op has completed when it returns. */
+static void *cpu_stream(mt_backend *be)
+{
+    (void)be;
+    return NULL;
+}
+
 static void cpu_mem_stats(mt_backend *be, size_t *in_use, size_t *peak)
 {
     cpu_impl *c = cpu_of(be);
@@ -234,6 +241,7 @@ int mt_backend_cpu_create(mt_backend **out, int threads)
     be->copy = cpu_copy;
     be->zero = cpu_zero;
     be->sync = cpu_sync;
+    be->stream = cpu_stream;
     be->mem_stats = cpu_mem_stats;
     be->destroy = cpu_destroy;
     be->act_from_f32 = cpu_act_from_f32;

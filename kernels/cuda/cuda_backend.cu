@@ -155,6 +155,8 @@ static int cuda_sync(mt_backend *be)
     return MT_OK;
 }
 
+static void *cuda_stream_of(mt_backend *be) { return (void *)cuda_stream(be); }
+
 /* ---- elementwise -------------------------------------------------------------- */
 
 __global__ void k_f32_to_bf16(bf16 *dst, const float *src, int64_t n)
@@ -246,6 +248,7 @@ void cuda_install_backend(mt_backend *be)
     be->copy = cuda_copy;
     be->zero = cuda_zero;
     be->sync = cuda_sync;
+    be->stream = cuda_stream_of;
     be->mem_stats = cuda_mem_stats;
     be->act_from_f32 = cuda_act_from_f32;
     be->act_to_f32 = cuda_act_to_f32;
