@@ -124,8 +124,8 @@ int mt_block_bwd(const mt_ctx *c, mt_block *b, void *dx, const void *dout, const
         MT_CHECK(mt_ffn_bwd(c, &b->ffn, dxn2, 0, dout, b->xn2));
     /* d mid = dout + norm'(dxn2), built in dx (the residual passes through) */
     if (dx != dout) MT_CHECK(be->copy(be, dx, dout, bytes));
-    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, b->post_norm->grad, dxn2, D, b->mid, D, b->post_norm->w,
-                             b->rstd2, N, D));
+    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, b->post_norm->grad, c->grad_type, dxn2, D, b->mid, D,
+                             b->post_norm->w, b->rstd2, N, D));
     /* d x = d mid + mla'(d mid): mla_bwd reads dy before it accumulates into dx */
     mt_op_profile_mark(be, "bwd.attn");
     MT_CHECK(mt_mla_bwd(c, &b->attn, dx, dx, x));

@@ -169,8 +169,8 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
     MT_CHECK(be->rope(be, dkpe, N, c->T, 1, KL + R, R, 0, R, c->rope_cos, c->rope_sin,
                       c->rope_interleave, 1));
     MT_CHECK(mt_linear_bwd(c, a->kv_b, d_kvn, KL, 0, dkv, H * (Dn + Dv), a->kvn, KL, N));
-    MT_CHECK(be->rmsnorm_bwd(be, d_kva, KL + R, 0, a->kv_a_norm->grad, d_kvn, KL, a->kva, KL + R,
-                             a->kv_a_norm->w, a->rstd_kv, N, KL));
+    MT_CHECK(be->rmsnorm_bwd(be, d_kva, KL + R, 0, a->kv_a_norm->grad, c->grad_type, d_kvn, KL,
+                             a->kva, KL + R, a->kv_a_norm->w, a->rstd_kv, N, KL));
     /* queries */
     MT_CHECK(be->rope(be, dq, N, c->T, H, H * dqk, dqk, Dn, R, c->rope_cos, c->rope_sin,
                       c->rope_interleave, 1));
@@ -179,8 +179,8 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
         MT_WS(d_qan, c->ws, n * QL * act);
         MT_WS(d_qa, c->ws, n * QL * act);
         MT_CHECK(mt_linear_bwd(c, a->q_b, d_qan, QL, 0, dq, H * dqk, a->qan, QL, N));
-        MT_CHECK(be->rmsnorm_bwd(be, d_qa, QL, 0, a->q_a_norm->grad, d_qan, QL, a->qa, QL,
-                                 a->q_a_norm->w, a->rstd_q, N, QL));
+        MT_CHECK(be->rmsnorm_bwd(be, d_qa, QL, 0, a->q_a_norm->grad, c->grad_type, d_qan, QL,
+                                 a->qa, QL, a->q_a_norm->w, a->rstd_q, N, QL));
         /* dxn = d_kva kv_a + d_qa q_a, one quantisation of xn for both weight gradients */
         MT_CHECK(mt_linear_bwd2(c, a->kv_a, d_kva, KL + R, a->q_a, d_qa, QL, dxn, D, 0, a->xn, D,
                                 N));
@@ -188,8 +188,8 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
         MT_CHECK(mt_linear_bwd(c, a->kv_a, dxn, D, 0, d_kva, KL + R, a->xn, D, N));
         MT_CHECK(mt_linear_bwd(c, a->q, dxn, D, 1, dq, H * dqk, a->xn, D, N));
     }
-    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad, dxn, D, x, D, a->in_norm->w,
-                             a->rstd_in, N, D));
+    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad, c->grad_type, dxn, D, x, D,
+                             a->in_norm->w, a->rstd_in, N, D));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

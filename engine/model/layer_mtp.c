@@ -65,11 +65,12 @@ int mt_mtp_bwd(const mt_ctx *c, mt_mtp *p, mt_param *embed, void *dh, const void
     MT_WS(demb, c->ws, (size_t)N * D * act);
     MT_CHECK(mt_block_bwd(c, &p->block, dhin, dhout, p->hin));
     MT_CHECK(mt_linear_bwd(c, p->eh, dcat, 2 * D, 0, dhin, D, p->cat, 2 * D, N));
-    MT_CHECK(be->rmsnorm_bwd(be, demb, D, 0, p->enorm->grad, dcat, 2 * D, p->emb, D, p->enorm->w,
-                             p->rstd_e, N, D));
-    MT_CHECK(be->embedding_bwd(be, embed->grad, demb, p->ids, N, D));
-    MT_CHECK(be->rmsnorm_bwd(be, dh, D, 1, p->hnorm->grad, (char *)dcat + (size_t)D * act, 2 * D,
-                             h, D, p->hnorm->w, p->rstd_h, N, D));
+    MT_CHECK(be->rmsnorm_bwd(be, demb, D, 0, p->enorm->grad, c->grad_type, dcat, 2 * D, p->emb, D,
+                             p->enorm->w, p->rstd_e, N, D));
+    MT_CHECK(be->embedding_bwd(be, embed->grad, c->grad_type, demb, p->ids, N, D));
+    MT_CHECK(be->rmsnorm_bwd(be, dh, D, 1, p->hnorm->grad, c->grad_type,
+                             (char *)dcat + (size_t)D * act, 2 * D, h, D, p->hnorm->w, p->rstd_h, N,
+                             D));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

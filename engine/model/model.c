@@ -91,10 +91,12 @@ static int params_alloc(mt_model *m)
     MT_CHECK(be->alloc(be, (size_t)(n_s > 0 ? n_s : 1) * 4, (void **)&m->buf_s));
     MT_CHECK(be->alloc(be, (size_t)(n_s > 0 ? n_s : 1) * 4, (void **)&m->buf_st));
     MT_CHECK(be->alloc(be, (size_t)(n_f32 > 0 ? n_f32 : 1) * 4, (void **)&m->buf_f32));
-    MT_CHECK(be->alloc(be, (size_t)(n_grad > 0 ? n_grad : 1) * 4, (void **)&m->buf_grad));
+    m->grad_type = m->opts.grads_bf16 ? MT_C_BF16 : MT_C_F32;
+    const size_t ge = mt_model_grad_size(m);
+    MT_CHECK(be->alloc(be, (size_t)(n_grad > 0 ? n_grad : 1) * ge, &m->buf_grad));
     m->n_grad = n_grad;
     m->param_bytes = (size_t)n_act * act + 2 * (size_t)n_q + 8 * (size_t)n_s + 4 * (size_t)n_f32 +
-                     4 * (size_t)n_grad;
+                     ge * (size_t)n_grad;
     int64_t o_act = 0, o_q = 0, o_s = 0, o_f32 = 0, o_grad = 0;
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];
@@ -117,7 +119,7 @@ static int params_alloc(mt_model *m)
             p->w = (char *)m->buf_act + (size_t)o_act * act;
             o_act += n;
         }
-        p->grad = m->buf_grad + o_grad;
+        p->grad = (char *)m->buf_grad + (size_t)o_grad * ge;
         o_grad += n;
     }
     return MT_OK;
@@ -209,7 +211,7 @@ int mt_model_init_random(mt_model *m, uint64_t seed)
 
 int mt_model_zero_grads(mt_model *m)
 {
-    return m->be->zero(m->be, m->buf_grad, (size_t)m->n_grad * 4);
+    return m->be->zero(m->be, m->buf_grad, (size_t)m->n_grad * mt_model_grad_size(m));
 }
 
 /* ---- build ------------------------------------------------------------------ */
@@ -335,6 +337,7 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
     c->rope_interleave = cfg->rope_interleave;
     c->recompute_mla_up = opts->recompute_mla_up;
     c->recompute_moe_act = opts->recompute_moe_act;
+    c->grad_type = opts->grads_bf16 ? MT_C_BF16 : MT_C_F32;
     c->rms_eps = (float)cfg->rms_norm_eps;
     {
         float *ct = malloc((size_t)T * (R / 2) * 4), *st = malloc((size_t)T * (R / 2) * 4);
@@ -513,7 +516,7 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
     for (int l = L - 1; l >= 0; l--)
         MT_CHECK(mt_block_bwd(c, &m->blocks[l], m->dh, m->dh, m->h[l]));
     mt_op_profile_mark(be, "bwd.embed");
-    MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->dh, m->ids, N, D));
+    MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->grad_type, m->dh, m->ids, N, D));
     (void)nd_bytes;
     return MT_OK;
 }

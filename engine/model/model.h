@@ -36,7 +36,8 @@ typedef struct mt_param {
     uint8_t *qt;        /* e4m3 [cols, rows]: transposed copy for the data gradient */
     float *st;          /* BLK128 scales of qt [ceil(cols/128), ceil(rows/128)] */
     float *wf;          /* f32 [cols] (router bias: used as is), or NULL */
-    float *grad;        /* f32 [rows, cols] gradient accumulator; NULL for the router bias */
+    void *grad;         /* [rows, cols] gradient accumulator of the model's grad_type (f32,
+                         * or bf16 bits); NULL for the router bias */
 } mt_param;
 
 /* A bump allocator over one backend buffer for a layer's transient values. */
@@ -58,6 +59,7 @@ typedef struct mt_ctx {
     int rope_interleave;
     int recompute_mla_up;
     int recompute_moe_act;
+    int grad_type;             /* parameter gradients: MT_C_F32 or MT_C_BF16 */
     float rms_eps;
 } mt_ctx;
 
@@ -173,6 +175,7 @@ typedef struct mt_model_opts {
     int seq_len;            /* T */
     int recompute_mla_up;
     int recompute_moe_act;
+    int grads_bf16;         /* gradient accumulators in bf16 (precision.grads), else f32 */
     double mtp_weight;      /* lambda */
     double aux_alpha;       /* alpha */
     int expert_align;       /* expert segment padding; 0: 128 for fp8, 1 otherwise */
@@ -232,8 +235,10 @@ typedef struct mt_model {
     /* flat buffers (backend memory) */
     void *buf_act;
     uint8_t *buf_q, *buf_qt;
-    float *buf_s, *buf_st, *buf_f32, *buf_grad;
+    float *buf_s, *buf_st, *buf_f32;
+    void *buf_grad;         /* every gradient, of type grad_type */
     int64_t n_grad;         /* elements of buf_grad */
+    int grad_type;          /* MT_C_F32 or MT_C_BF16 (opts.grads_bf16): ops.h's mt_c_type */
     size_t param_bytes;     /* backend bytes of compute copies and gradients */
 } mt_model;
 
@@ -261,6 +266,15 @@ int mt_model_set_param_dev(mt_model *m, int i, const float *dev);
 int mt_model_get_param(mt_model *m, int i, float *host);
 
 int mt_model_zero_grads(mt_model *m);
+
+/* Bytes of one gradient element (4, or 2 for bf16): with mt_param.index
+ * (element offset) the accessor for code that walks the flat gradient
+ * buffer (norm, reductions): parameter i's gradient is at
+ * buf_grad + index * mt_model_grad_size(m). */
+static inline size_t mt_model_grad_size(const mt_model *m)
+{
+    return m->grad_type == MT_C_BF16 ? 2 : 4;
+}
 
 /* One micro-batch: tokens host int32 [B, T + 1] (inputs and shifted
  * targets). Forward, loss and, if `backward`, gradients accumulated with

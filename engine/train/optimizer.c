@@ -134,7 +134,7 @@ int mt_optimizer_grad_sumsq(mt_optimizer *o, mt_model *m, double *sumsq)
 {
     mt_backend *be = o->be;
     float v;
-    MT_CHECK(be->sumsq(be, o->sumsq, m->buf_grad, m->n_grad));
+    MT_CHECK(be->sumsq(be, o->sumsq, m->buf_grad, m->grad_type == MT_C_BF16, m->n_grad));
     MT_CHECK(be->download(be, &v, o->sumsq, 4));
     *sumsq = v;
     return MT_OK;
@@ -172,6 +172,7 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
         .bc1 = (float)(1.0 - pow(o->cfg.beta1, t)),
         .bc2 = (float)(1.0 - pow(o->cfg.beta2, t)),
         .grad_scale = (float)grad_scale,
+        .grad_bf16 = m->grad_type == MT_C_BF16,
     };
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];

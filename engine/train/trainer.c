@@ -43,6 +43,7 @@ void mt_trainer_model_opts(mt_model_opts *o, const mt_jobspec *j)
     o->seq_len = j->batch.seq_len;
     o->recompute_mla_up = j->precision.recompute_mla_up;
     o->recompute_moe_act = j->precision.recompute_moe_act;
+    o->grads_bf16 = j->precision.grads == 1;
     o->mtp_weight = j->loss.mtp_weight;
     o->aux_alpha = j->loss.aux_alpha;
     o->expert_align = 0;
@@ -177,7 +178,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     be->mem_stats(be, &in_use, &peak);
     const size_t wb = t->model->param_bytes, ob = mt_optimizer_state_bytes(t->opt);
     MT_LOGI("job %s: %d layers (+%d MTP), %lld parameters, %s recipe, main params %s, "
-            "%d micro-batch(es) of %d x %d per step, %.1f MB on %s (weights and gradients "
+            "gradients %s, %d micro-batch(es) of %d x %d per step, %.1f MB on %s (weights and gradients "
             "%.1f MB, optimizer state %.1f MB (ZeRO-1: %lld of %lld parameter elements, dp "
             "rank %d of %d), activations and workspace %.1f MB)",
             job->name, job->model.num_hidden_layers, job->model.num_nextn_predict_layers,
@@ -188,7 +189,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
             job->precision.main_params == MT_MAIN_FP32   ? "fp32"
             : job->precision.main_params == MT_MAIN_BF16 ? "bf16"
                                                          : "none",
-            t->accum, job->batch.micro_batch_size, job->batch.seq_len, in_use / 1e6, be->name,
+            t->model->grad_type == MT_C_BF16 ? "bf16" : "fp32", t->accum, job->batch.micro_batch_size, job->batch.seq_len, in_use / 1e6, be->name,
             wb / 1e6, ob / 1e6, (long long)t->opt->n_state, (long long)t->model->n_grad,
             t->dp_rank, t->dp_size, (double)(in_use - wb - ob) / 1e6);
     *out = t;
@@ -426,7 +427,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
             MT_CHECK(mt_trainer_ep_reduce_grads(t));
         else
             MT_CHECK(mt_comm_all_reduce(t->dp, m->buf_grad, m->buf_grad, (size_t)m->n_grad,
-                                        MT_COMM_F32, MT_COMM_SUM));
+                                        mt_trainer_grad_dtype(m), MT_COMM_SUM));
         MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), ls, ls, 3, MT_COMM_F64, MT_COMM_SUM));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));

@@ -66,12 +66,14 @@ void mt_trainer_ep_free(mt_trainer *t)
 
 int mt_trainer_ep_reduce_grads(mt_trainer *t)
 {
-    float *g = t->model->buf_grad;
+    char *g = t->model->buf_grad;
+    const size_t ge = mt_model_grad_size(t->model);
     for (int s = 0; s < t->n_gseg; s++) {
         const mt_grad_seg *sg = &t->gseg[s];
         mt_comm *c = sg->expert ? t->edp : t->dp;
         if (!c || mt_comm_size(c) == 1) continue;
-        MT_CHECK(mt_comm_all_reduce(c, g + sg->lo, g + sg->lo, (size_t)sg->n, MT_COMM_F32,
+        void *gs = g + (size_t)sg->lo * ge;
+        MT_CHECK(mt_comm_all_reduce(c, gs, gs, (size_t)sg->n, mt_trainer_grad_dtype(t->model),
                                     MT_COMM_SUM));
     }
     return MT_OK;
@@ -80,12 +82,14 @@ int mt_trainer_ep_reduce_grads(mt_trainer *t)
 int mt_trainer_ep_grad_sumsq(mt_trainer *t, double *sumsq)
 {
     mt_backend *be = t->be;
-    const float *g = t->model->buf_grad;
+    const char *g = t->model->buf_grad;
+    const size_t ge = mt_model_grad_size(t->model);
+    const int gbf = t->model->grad_type == MT_C_BF16;
     double part[2] = {0, 0}; /* dense, expert */
     for (int s = 0; s < t->n_gseg; s++) {
         const mt_grad_seg *sg = &t->gseg[s];
         float v;
-        MT_CHECK(be->sumsq(be, t->sumsq_dev, g + sg->lo, sg->n));
+        MT_CHECK(be->sumsq(be, t->sumsq_dev, g + (size_t)sg->lo * ge, gbf, sg->n));
         MT_CHECK(be->download(be, &v, t->sumsq_dev, 4));
         part[sg->expert] += v;
     }
