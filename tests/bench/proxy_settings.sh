@@ -2,8 +2,11 @@
 # tests/bench/proxy_settings.sh - the DSV3 proxy (deploy/examples/dsv3-proxy.json)
 # under several memory settings, one process each, on one GPU.
 #
-#   proxy_settings.sh BUNDLE OUT STEPS 'NAME=--set a=b --set c=d' ...
+#   proxy_settings.sh BUNDLE OUT STEPS 'NAME=[VAR=value ...] --set a=b --set c=d' ...
 #
+# (leading VAR=value words of a setting go to its environment, e.g.
+# MOETRAIN_OP_PROFILE=4 for the per-op profile, which lands in its log;
+# PROXY_TIMEOUT, default 240 s, bounds each run)
 # BUNDLE is a deploy/bundle.sh bundle (with tests/bench/device_run.sh's
 # layout); each setting runs moetraind for STEPS steps over a 2 M-token
 # synthetic corpus (made once, vocab 2048, seed 1, as RESULTS.md's proxy
@@ -27,18 +30,8 @@ export PATH="$bundle/libexec:$PATH"
 data=/tmp/synth-dsv3
 [ -e "$data.bin" ] || "$bundle/bin/moetrain-data" synth --output "$data" --vocab 2048 \
   --tokens 2000000 --seed 1 > /dev/null || exit 3
-for spec in "$@"; do
-  name="${spec%%=*}"
-  args="${spec#*=}"
-  t0=$SECONDS
-  # shellcheck disable=SC2086  # args is a list of --set options
-  timeout 300 "$bundle/bin/moetraind" --job "$bundle/deploy/examples/dsv3-proxy.json" \
-    --set data.path="$data" --set train.steps="$steps" $args \
-    --metrics-jsonl "$out/$name.jsonl" > "$out/$name.log" 2>&1
-  echo "== $name rc=$? ($((SECONDS - t0)) s): $args"
-  grep -E "job dsv3|out of memory|ENOMEM|error" "$out/$name.log" | head -3
-done
-python3 - "$out" "$@" <<'EOF'
+summary() { # the table of the given settings, from their jsonl files
+  python3 - "$out" "$@" <<'EOF'
 import json, os, statistics, sys
 out = sys.argv[1]
 print("| setting | steps | step (median) | tokens/s | model TFLOPS/GPU | peak arena | losses of steps 1..5 | grad norm 1, 2 |")
@@ -67,3 +60,21 @@ for spec in sys.argv[2:]:
     print(f"| {name} | {len(rows)} | {ms:.1f} ms | {mid['tokens_per_s']:.0f} | "
           f"{mid['tflops']:.1f} | {peak:.1f} GB | {losses} | {gn} |")
 EOF
+}
+for spec in "$@"; do
+  name="${spec%%=*}"
+  envs=()
+  sets=()
+  for w in ${spec#*=}; do
+    if [ ${#sets[@]} -eq 0 ] && [[ "$w" != --* ]] && [[ "$w" == *=* ]]; then envs+=("$w"); else sets+=("$w"); fi
+  done
+  t0=$SECONDS
+  env "${envs[@]}" timeout "${PROXY_TIMEOUT:-240}" "$bundle/bin/moetraind" \
+    --job "$bundle/deploy/examples/dsv3-proxy.json" --set data.path="$data" \
+    --set train.steps="$steps" "${sets[@]}" --metrics-jsonl "$out/$name.jsonl" > "$out/$name.log" 2>&1
+  echo "== $name rc=$? ($((SECONDS - t0)) s): ${spec#*=}"
+  grep -E "job dsv3|out of memory|ENOMEM| E " "$out/$name.log" | head -3
+  summary "$spec" | tail -1
+done
+echo "== proxy settings, $steps steps each"
+summary "$@"
