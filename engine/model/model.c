@@ -138,23 +138,71 @@ int mt_model_set_param_dev(mt_model *m, int i, const float *dev)
     return be->act_from_f32(be, p->w, dev, mt_param_numel(&p->d));
 }
 
-/* A device f32 scratch large enough for the largest parameter. */
-static int param_scratch(mt_model *m, float **out)
+static int64_t param_stage = MT_PARAM_STAGE;
+
+void mt_param_stage_set(int64_t elems) { param_stage = elems > 0 ? elems : MT_PARAM_STAGE; }
+
+int64_t mt_param_stage_rows(const mt_param_desc *d)
+{
+    if (mt_param_numel(d) <= param_stage) return d->rows;
+    int64_t r = param_stage / d->cols / 128 * 128;
+    return r < 128 ? 128 : r;
+}
+
+int64_t mt_params_stage_elems(const mt_param_table *t)
 {
     int64_t mx = 1;
-    for (int i = 0; i < m->table.n; i++)
-        if (mt_param_numel(&m->table.p[i]) > mx) mx = mt_param_numel(&m->table.p[i]);
-    return m->be->alloc(m->be, (size_t)mx * 4, (void **)out);
+    for (int i = 0; i < t->n; i++) {
+        const int64_t r = mt_param_stage_rows(&t->p[i]);
+        const int64_t e = (r < t->p[i].rows ? r : t->p[i].rows) * t->p[i].cols;
+        if (e > mx) mx = e;
+    }
+    return mx;
+}
+
+/* Slab [r0, r0 + nr) of parameter p from / to the f32 values at dev. FP8:
+ * the slab's 128x128 blocks (r0 is a multiple of 128), whose scales start at
+ * block row r0 / 128; the transpose is the caller's. */
+static int slab_set(mt_backend *be, mt_param *p, int64_t r0, int nr, const float *dev)
+{
+    const int cols = (int)p->d.cols;
+    if (p->wf) return be->copy(be, p->wf + r0 * cols, dev, (size_t)nr * cols * 4);
+    if (p->q) {
+        const int64_t KB = (cols + 127) / 128;
+        return be->quant_blocks(be, p->q + r0 * cols, p->s + r0 / 128 * KB, dev, nr, cols);
+    }
+    return be->act_from_f32(be, (char *)p->w + (size_t)(r0 * cols) * mt_act_size(be), dev,
+                            (int64_t)nr * cols);
+}
+
+static int slab_get(mt_backend *be, const mt_param *p, int64_t r0, int nr, float *dev)
+{
+    const int cols = (int)p->d.cols;
+    if (p->q) {
+        const int64_t KB = (cols + 127) / 128;
+        return be->dequant_blocks(be, dev, p->q + r0 * cols, p->s + r0 / 128 * KB, nr, cols);
+    }
+    return be->act_to_f32(be, dev, (const char *)p->w + (size_t)(r0 * cols) * mt_act_size(be),
+                          (int64_t)nr * cols);
 }
 
 int mt_model_set_param(mt_model *m, int i, const float *host)
 {
     if (i < 0 || i >= m->table.n) return MT_ERR(MT_EINVAL, "set_param: index %d out of range", i);
+    mt_backend *be = m->be;
+    mt_param *p = &m->params[i];
+    const int64_t rows = p->d.rows, cols = p->d.cols, sr = mt_param_stage_rows(&p->d);
     float *tmp;
-    MT_CHECK(param_scratch(m, &tmp));
-    int rc = m->be->upload(m->be, tmp, host, (size_t)mt_param_numel(&m->params[i].d) * 4);
-    if (rc == MT_OK) rc = mt_model_set_param_dev(m, i, tmp);
-    m->be->free(m->be, tmp);
+    MT_CHECK(be->alloc(be, (size_t)((sr < rows ? sr : rows) * cols) * 4, (void **)&tmp));
+    int rc = MT_OK;
+    for (int64_t r0 = 0; r0 < rows && rc == MT_OK; r0 += sr) {
+        const int nr = (int)(rows - r0 < sr ? rows - r0 : sr);
+        rc = be->upload(be, tmp, host + r0 * cols, (size_t)(nr * cols) * 4);
+        if (rc == MT_OK) rc = slab_set(be, p, r0, nr, tmp);
+    }
+    if (rc == MT_OK && p->q)
+        rc = be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)rows, (int)cols);
+    be->free(be, tmp);
     return rc;
 }
 
@@ -163,13 +211,16 @@ int mt_model_get_param(mt_model *m, int i, float *host)
     if (i < 0 || i >= m->table.n) return MT_ERR(MT_EINVAL, "get_param: index %d out of range", i);
     mt_backend *be = m->be;
     mt_param *p = &m->params[i];
-    const int64_t n = mt_param_numel(&p->d);
-    if (p->wf) return be->download(be, host, p->wf, (size_t)n * 4);
+    const int64_t rows = p->d.rows, cols = p->d.cols, sr = mt_param_stage_rows(&p->d);
+    if (p->wf) return be->download(be, host, p->wf, (size_t)(rows * cols) * 4);
     float *tmp;
-    MT_CHECK(param_scratch(m, &tmp));
-    int rc = p->q ? be->dequant_blocks(be, tmp, p->q, p->s, (int)p->d.rows, (int)p->d.cols)
-                  : be->act_to_f32(be, tmp, p->w, n);
-    if (rc == MT_OK) rc = be->download(be, host, tmp, (size_t)n * 4);
+    MT_CHECK(be->alloc(be, (size_t)((sr < rows ? sr : rows) * cols) * 4, (void **)&tmp));
+    int rc = MT_OK;
+    for (int64_t r0 = 0; r0 < rows && rc == MT_OK; r0 += sr) {
+        const int nr = (int)(rows - r0 < sr ? rows - r0 : sr);
+        rc = slab_get(be, p, r0, nr, tmp);
+        if (rc == MT_OK) rc = be->download(be, host + r0 * cols, tmp, (size_t)(nr * cols) * 4);
+    }
     be->free(be, tmp);
     return rc;
 }

@@ -257,8 +257,22 @@ float mt_model_init_value(const mt_param_desc *d, double std, uint64_t seed, int
  * them: normal(0, initializer_range) for matrices, 1 for norms, 0 for biases. */
 int mt_model_init_random(mt_model *m, uint64_t seed);
 
+/* Parameters go between host f32 values and their compute copies through a
+ * device f32 scratch in slabs of rows (the DSV3 embedding alone is 3.7 GB
+ * as f32; an 80 GB H100 has no room for that twice): all rows when the
+ * tensor has at most MT_PARAM_STAGE elements, else whole 128-row blocks
+ * (FP8 block scales stay whole) of at most that many elements, at least
+ * one block. mt_param_stage_rows gives a tensor's slab, mt_params_stage_elems
+ * the scratch elements that serve every tensor of a table. */
+#define MT_PARAM_STAGE ((int64_t)32 << 20)
+int64_t mt_param_stage_rows(const mt_param_desc *d);
+int64_t mt_params_stage_elems(const mt_param_table *t);
+/* Tests: a smaller slab size (elements; 0: MT_PARAM_STAGE) so that the tiny
+ * models' tensors take the slab paths. Set before creating models. */
+void mt_param_stage_set(int64_t elems);
+
 /* Sets parameter i from host f32 values [rows, cols] (builds its compute
- * copies: FP8 blocks and transpose, or act). */
+ * copies: FP8 blocks and transpose, or act), slab by slab. */
 int mt_model_set_param(mt_model *m, int i, const float *host);
 /* The same from an f32 buffer in backend memory (the optimizer's master). */
 int mt_model_set_param_dev(mt_model *m, int i, const float *dev);

@@ -43,13 +43,16 @@ for st in "$@"; do
     fit) bash "$here/proxy_settings.sh" "$b" $logs/fit "${STEPS:-10}" \
            "p4-bf16g-none=$P4" "p4-bf16g-none-rc=$P4 $RC" \
            "p3-fp32g-none=$P3" "p3-bf16g-none=$P3 --set precision.grads=bf16" ;;
-    nofit) PROXY_TIMEOUT=120 bash "$here/proxy_settings.sh" "$b" $logs/nofit 3 \
-           "p4-fp32g-none=--set precision.main_params=none" \
-           "p4-bf16g-bf16main=--set precision.main_params=bf16 --set precision.grads=bf16" ;;
+    nofit) PROXY_TIMEOUT=150 bash "$here/proxy_settings.sh" "$b" $logs/nofit 3 \
+           "p4-fp32g-none=--set precision.main_params=none --set lr_schedule.warmup_steps=1" ;;
     prof) bash "$here/proxy_settings.sh" "$b" $logs/prof 6 \
-           "p3-fp32g-prof=MOETRAIN_OP_PROFILE=3 $P3" \
-           "p3-bf16g-prof=MOETRAIN_OP_PROFILE=3 $P3 --set precision.grads=bf16"
-         for f in $logs/prof/*.log; do echo "== $f"; grep -E "gemm_fp8|optim|sumsq|zero|adamw|step " "$f" | head -30; done ;;
+           "p3-fp32g-prof=MOETRAIN_OP_PROFILE=3 $P3 --set lr_schedule.warmup_steps=2" \
+           "p3-bf16g-prof=MOETRAIN_OP_PROFILE=3 $P3 --set lr_schedule.warmup_steps=2 --set precision.grads=bf16"
+         for f in $logs/prof/*.log; do
+           echo "== $f"
+           grep -E "op profile: step|by phase|by op: +(gemm|adamw|sumsq|zero|quant|xent|attn)" "$f" | cut -c 30- | head -30
+           grep -E "top: .*gemm_fp8 .*wgrad G=" "$f" | cut -c 30-
+         done ;;
   esac
   tar -czf "$out/logs.tgz" -C $logs .
 done
