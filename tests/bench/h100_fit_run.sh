@@ -9,7 +9,9 @@
 # proxy_settings.sh. Stages: info, ops, model, fit (the settings that
 # fit an 80 GB H100 and the fp32-gradient baseline of a 3-layer proxy that
 # fits too), nofit (the settings expected not to fit), prof (per-op
-# profiles of the 3-layer proxy, fp32 against bf16 gradients). Logs go to
+# profiles of the 3-layer proxy, fp32 against bf16 gradients), full (the
+# 4-layer proxy with fp32 and bf16 gradients, main copy fp32 and none: for
+# a 141 GB H200). Logs go to
 # $OUT (one tarball; the tables are printed).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -43,6 +45,9 @@ for st in "$@"; do
     fit) bash "$here/proxy_settings.sh" "$b" $logs/fit "${STEPS:-10}" \
            "p4-bf16g-none=$P4" "p4-bf16g-none-rc=$P4 $RC" \
            "p3-fp32g-none=$P3" "p3-bf16g-none=$P3 --set precision.grads=bf16" ;;
+    full) bash "$here/proxy_settings.sh" "$b" $logs/full "${STEPS:-10}" \
+           "p4-fp32g-fp32main=" "p4-bf16g-fp32main=--set precision.grads=bf16" \
+           "p4-fp32g-none=--set precision.main_params=none" "p4-bf16g-none=$P4" ;;
     nofit) PROXY_TIMEOUT=150 bash "$here/proxy_settings.sh" "$b" $logs/nofit 3 \
            "p4-fp32g-none=--set precision.main_params=none --set lr_schedule.warmup_steps=1" ;;
     prof) bash "$here/proxy_settings.sh" "$b" $logs/prof 6 \
