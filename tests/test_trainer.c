@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <math.h>
+#include <string.h>
 
 #include "engine/model/layers.h"
 #include "engine/train/lr_schedule.h"
@@ -137,6 +138,23 @@ static void test_bf16_grads_track_fp32_grads(void **state)
         assert_true(l[v][0] - l[v][39] >= 0.8 * (l[0][0] - l[0][39]));
     }
     for (int v = 0; v < 3; v++) free(l[v]);
+}
+
+/* bf16 accumulators and data parallelism: refused at admission, naming
+ * the field (the owned reduction sums into f32 buffers so far). */
+static void test_bf16_grads_with_data_parallelism_are_refused(void **state)
+{
+    (void)state;
+    char path[1200], data[1200];
+    snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
+    snprintf(data, sizeof data, "data.path=%s", corpus);
+    const char *sets[] = {data, "precision.grads=bf16"};
+    mt_jobspec j;
+    assert_int_equal(mt_jobspec_load(&j, path, sets, 2), MT_OK);
+    assert_int_equal(mt_jobspec_admit(&j, 2), MT_EINVAL);
+    assert_non_null(strstr(mt_errmsg(), "precision.grads"));
+    assert_int_equal(mt_jobspec_load(&j, path, sets, 2), MT_OK);
+    assert_int_equal(mt_jobspec_admit(&j, 1), MT_OK);
 }
 
 /* All parameters' compute copies, as host f32 (malloc'd, in table order). */
@@ -440,6 +458,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_every_main_params_mode_trains),
         cmocka_unit_test(test_bf16_grads_track_fp32_grads),
         cmocka_unit_test(test_slab_staging_matches_whole_tensors),
+        cmocka_unit_test(test_bf16_grads_with_data_parallelism_are_refused),
         cmocka_unit_test(test_aux_loss_free_bias_reduces_imbalance_and_gamma_zero_does_not),
         cmocka_unit_test(test_non_finite_steps_are_skipped_then_fail_the_job),
         cmocka_unit_test(test_non_finite_streak_asks_for_a_rollback),

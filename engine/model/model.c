@@ -492,6 +492,12 @@ static int download_logits(mt_model *m, float *out, int64_t n)
     return rc;
 }
 
+/* The backward is done with layer `layer`'s gradients (mt_model_opts). */
+static int layer_grads_final(mt_model *m, int layer)
+{
+    return m->opts.on_layer_grads ? m->opts.on_layer_grads(m->opts.on_layer_grads_arg, layer) : MT_OK;
+}
+
 /* The one forward of training, validation and scoring; `so` (scoring
  * outputs) may be NULL. */
 static int model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
@@ -563,11 +569,15 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
         void *dprev = k == 0 ? m->dh : m->dmtp[k - 1];
         const void *hprev = k == 0 ? m->h[L] : m->mtp[k - 1].hout;
         MT_CHECK(mt_mtp_bwd(c, p, m->embed, dprev, m->dmtp[k], hprev));
+        MT_CHECK(layer_grads_final(m, p->block.layer));
     }
-    for (int l = L - 1; l >= 0; l--)
+    for (int l = L - 1; l >= 0; l--) {
         MT_CHECK(mt_block_bwd(c, &m->blocks[l], m->dh, m->dh, m->h[l]));
+        MT_CHECK(layer_grads_final(m, m->blocks[l].layer));
+    }
     mt_op_profile_mark(be, "bwd.embed");
     MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->grad_type, m->dh, m->ids, N, D));
+    MT_CHECK(layer_grads_final(m, -1));
     (void)nd_bytes;
     return MT_OK;
 }

@@ -121,6 +121,9 @@ typedef struct mt_moe {
                           when rows travel (the dispatcher gathers them from xn) */
     void *xl_buf;      /* [Rl_cap, D] rows received for the local experts; NULL on one rank */
     void *xl;          /* rows of the local experts (local layout): xp itself on one rank */
+    int fp8_wire;      /* rows travel as e4m3 + scales (fp8 recipe, ep > 1: dispatch_fp8) */
+    uint8_t *xl_q;     /* [Rl_cap, D] e4m3 of the local rows (fp8_wire) */
+    float *xl_s;       /* their VEC128 scales, quant_rows' per-segment layout (fp8_wire) */
     int aux_on;        /* dscores holds this micro-batch's balance-loss gradient */
     void *gup;         /* [Rl_cap, 2F] */
     void *hp;          /* [Rl_cap, F] (NULL with recompute) */
@@ -184,6 +187,16 @@ typedef struct mt_model_opts {
      * only its experts [e_lo, e_lo + E_local). Not owned; it must outlive
      * the model. NULL: the identity, every expert local. */
     mt_moe_dispatcher *dispatcher;
+    /* Optional: called in every backward once a layer's parameter
+     * gradients are final for the micro-batch, with the layer's index (the
+     * param table's: decoder layers 0..L-1, MTP modules L..), in the order
+     * the backward finishes them (MTP modules last to first, then the
+     * decoder layers last to first), and a last time with -1 after the
+     * embedding's backward (then every gradient is final). The data
+     * parallel trainer starts its gradient reductions here. A negative
+     * return ends the step with that status. */
+    int (*on_layer_grads)(void *arg, int layer);
+    void *on_layer_grads_arg;
 } mt_model_opts;
 
 /* Losses of one micro-batch (host). */
