@@ -162,14 +162,6 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
  * loss weights (the trainer's and evaluation's model). */
 void mt_trainer_model_opts(mt_model_opts *o, const mt_jobspec *j);
 
-/* The wire type of the model's gradients in collectives (precision.grads):
- * MT_COMM_F32, or MT_COMM_BF16 for bf16 accumulators (then a reduction sums
- * in f32 and rounds each result to bf16, as engine/parallel/comm.h says). */
-static inline mt_comm_dtype mt_trainer_grad_dtype(const mt_model *m)
-{
-    return m->grad_type == MT_C_BF16 ? MT_COMM_BF16 : MT_COMM_F32;
-}
-
 /* Registers a sink; the trainer closes it on destroy. */
 int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s);
 
