@@ -15,6 +15,13 @@
  *    statistics, router scores, losses); "i32" are int32; "e4m3" are FP8
  *    E4M3 bytes. All of these live in the backend's memory (device memory
  *    on CUDA) unless marked "host".
+ *  - Gradient accumulators are "f32" or "bf16" (precision.grads): bf16 bits
+ *    (uint16) on every backend, so a gradient buffer has one layout
+ *    everywhere. An op that adds into a bf16 accumulator computes its
+ *    contribution in fp32, adds it to the accumulator's value in fp32 and
+ *    rounds the sum to the nearest bf16 (even) once per call: what cuBLASLt
+ *    does with a bf16 C/D, beta = 1 and fp32 compute. Ops taking a
+ *    gradient name its type with an mt_c_type (MT_C_F32 or MT_C_BF16).
  *  - Reductions are deterministic: results do not depend on thread count or
  *    launch configuration (no floating-point atomics).
  *
@@ -54,6 +61,11 @@ typedef enum { MT_BE_CPU = 0, MT_BE_CUDA = 1 } mt_be_kind;
 
 typedef enum { MT_SCORE_SIGMOID = 0, MT_SCORE_SOFTMAX = 1 } mt_score_fn;
 
+/* Element type of a GEMM output C or of a gradient accumulator:
+ * act (the backend's activation type), f32, or bf16 bits on every backend
+ * (CPU included; on CUDA the same as act). */
+typedef enum { MT_C_ACT = 0, MT_C_F32 = 1, MT_C_BF16 = 2 } mt_c_type;
+
 /* Router settings (DeepSeekMoE, DESIGN.md). */
 typedef struct mt_router_cfg {
     int n_experts;        /* E */
@@ -73,6 +85,7 @@ typedef struct mt_adamw_hp {
     float weight_decay;  /* decoupled: p -= lr * wd * p */
     float bc1, bc2;      /* bias corrections 1 - beta1^t, 1 - beta2^t */
     float grad_scale;    /* gradient multiplier (global-norm clipping) */
+    int grad_bf16;       /* the gradient is bf16 bits (precision.grads bf16), else f32 */
 } mt_adamw_hp;
 
 typedef struct mt_backend mt_backend;
@@ -121,8 +134,10 @@ struct mt_backend {
     /* ---- GEMM --------------------------------------------------------- */
     /* C[M, N] = alpha * sum_k A(m, k) * B(n, k)  (+ C if accumulate), fp32
      * accumulation. A(m, k) = A[m * lda + k], or A[k * lda + m] if ta;
-     * B(n, k) = B[n * ldb + k], or B[k * ldb + n] if tb. A, B act. C act
-     * (c_f32 = 0) or f32 (c_f32 = 1) with row stride ldc.
+     * B(n, k) = B[n * ldb + k], or B[k * ldb + n] if tb. A, B act. C of
+     * type c_f32 (an mt_c_type: act, f32 or bf16 bits) with row stride ldc;
+     * a bf16 C is rounded once per call after adding (the data conventions'
+     * gradient rule).
      *   y = x W^T: ta 0 tb 0;  dx = dy W: tb 1;  dW = dy^T x: ta 1 tb 1. */
     int (*gemm)(mt_backend *be, void *C, int c_f32, int ldc, const void *A, int lda, int ta,
                 const void *B, int ldb, int tb, int M, int N, int K, float alpha,
@@ -177,8 +192,10 @@ struct mt_backend {
      * x [M, D] (ldx), y [M, D] (ldy) act, w [D] act, rstd [M] f32 out. */
     int (*rmsnorm_fwd)(mt_backend *be, void *y, int ldy, float *rstd, const void *x, int ldx,
                        const void *w, int M, int D, float eps);
-    /* dx (= or += if accumulate) and dw [D] f32 (+=). */
-    int (*rmsnorm_bwd)(mt_backend *be, void *dx, int lddx, int accumulate, float *dw,
+    /* dx (= or += if accumulate) and dw [D] (+=) of type dw_type (MT_C_F32
+     * or MT_C_BF16): dw = dw + sum over rows (the sum in double, stored
+     * through float, then rounded to bf16 when dw is bf16). */
+    int (*rmsnorm_bwd)(mt_backend *be, void *dx, int lddx, int accumulate, void *dw, int dw_type,
                        const void *dy, int lddy, const void *x, int ldx, const void *w,
                        const float *rstd, int M, int D);
     /* h [M, F] = silu(gu[:, :F]) * gu[:, F:], gu [M, 2F] act. */
@@ -189,10 +206,13 @@ struct mt_backend {
      * zero row (a vocabulary-parallel embedding's tokens of other ranks). */
     int (*embedding_fwd)(mt_backend *be, void *y, const void *table, const int32_t *ids, int M,
                          int D);
-    /* dtable [V, D] f32 += scatter of dy [M, D] by ids; rows with ids[m] < 0
-     * are skipped. */
-    int (*embedding_bwd)(mt_backend *be, float *dtable, const void *dy, const int32_t *ids,
-                         int M, int D);
+    /* dtable [V, D] += scatter of dy [M, D] by ids; dtable of type dt_type
+     * (MT_C_F32 or MT_C_BF16); rows with ids[m] < 0 are skipped (another
+     * rank's part of a vocabulary-parallel table). Row v's additions are
+     * made in fp32 in increasing m, starting from dtable's value; a bf16 row
+     * is rounded once at the end. */
+    int (*embedding_bwd)(mt_backend *be, void *dtable, int dt_type, const void *dy,
+                         const int32_t *ids, int M, int D);
 
     /* ---- attention ---------------------------------------------------- */
     /* In-place rotary embedding of R dims of H heads of N = B * T tokens:
@@ -311,24 +331,26 @@ struct mt_backend {
                             float grad_scale);
 
     /* ---- optimizer ---------------------------------------------------- */
-    /* out f32[1] = sum of squares of g [n] f32 (deterministic). */
-    int (*sumsq)(mt_backend *be, float *out, const float *g, int64_t n);
+    /* out f32[1] = sum of squares of g [n] f32, or bf16 bits when g_bf16
+     * (deterministic). */
+    int (*sumsq)(mt_backend *be, float *out, const void *g, int g_bf16, int64_t n);
     /* x f32 [n] *= a. */
     int (*scale_f32)(mt_backend *be, float *x, int64_t n, float a);
     /* AdamW on n elements, every step in fp32:
      *   g = grad * grad_scale; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2
      *   p -= lr * (m / bc1 / (sqrt(v / bc2) + eps) + wd * p)
      * m, v are bf16 bits (round to nearest even on store); p is f32, or bf16
-     * bits when p_bf16 (round to nearest even). */
+     * bits when p_bf16 (round to nearest even). grad is f32, or bf16 bits
+     * when hp->grad_bf16. */
     int (*adamw)(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                 const float *grad, int64_t n, const mt_adamw_hp *hp);
+                 const void *grad, int64_t n, const mt_adamw_hp *hp);
     /* AdamW of an FP8 weight's main copy fused with its re-quantisation:
      * p [N, K] (f32, or bf16 bits when p_bf16), m, v, grad as adamw; then
      * q, s = quant_blocks(p) and qt, st = transpose_blocks(q, s), all from
      * the updated p (bf16: its rounded value). Bit-identical to those three
      * ops in sequence; one pass over memory instead of three on the GPU. */
     int (*adamw_fp8)(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                     const float *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
+                     const void *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
                      float *s, uint8_t *qt, float *st);
     /* Stochastic rounding (the main_params "none" mode, where the compute
      * copy is the only copy of a weight). The random bits of element i are
@@ -385,6 +407,12 @@ static inline size_t mt_fp8_wire_row_bytes(int D)
 
 /* Bytes of one act element. */
 static inline size_t mt_act_size(const mt_backend *be) { return (size_t)be->act_bytes; }
+
+/* Bytes of one element of a C / gradient of type t on backend be. */
+static inline size_t mt_c_size(const mt_backend *be, int t)
+{
+    return t == MT_C_F32 ? 4 : t == MT_C_BF16 ? 2 : mt_act_size(be);
+}
 
 #ifdef __cplusplus
 }

@@ -223,18 +223,16 @@ static void pos_text(char *buf, size_t cap, int64_t i, int64_t cols)
 }
 
 /* act (bf16) output; see the header for a, b, rel. */
-static int check_act(const char *op, const char *shape, const char *out, const tb *b, int64_t cols,
-                     double a, double bmax, double rel)
+static int check_act_host(const char *op, const char *shape, const char *out, const float *c,
+                          const float *g, int64_t n, int64_t cols, double a, double bmax,
+                          double rel)
 {
-    float *c = ref_floats(b->n), *g = ref_floats(b->n);
-    tb_get(b, 0, c);
-    tb_get(b, 1, g);
     double mx = 0, se = 0, sc = 0, worst = 0, worst_d = 0;
     int64_t bad = -1, ndiff = 0, nbad = 0, wi = -1;
-    for (int64_t i = 0; i < b->n; i++)
+    for (int64_t i = 0; i < n; i++)
         if (isfinite(c[i])) mx = fmax(mx, fabs(c[i]));
     const double umax = ref_bf16_ulp(mx);
-    for (int64_t i = 0; i < b->n; i++) {
+    for (int64_t i = 0; i < n; i++) {
         double d = fabs((double)g[i] - (double)c[i]);
         int same = (isnan(c[i]) && isnan(g[i])) || c[i] == g[i];
         if (!same) ndiff++;
@@ -256,7 +254,7 @@ static int check_act(const char *op, const char *shape, const char *out, const t
     int len = snprintf(msg, sizeof msg,
                        "rel %.2e max_abs %.2e (%.2f ulp@max %.3g) differ %lld/%lld tol %g ulp_own+%g "
                        "ulp_max rel<=%.0e",
-                       r, worst_d, worst, mx, (long long)ndiff, (long long)b->n, a, bmax, rel);
+                       r, worst_d, worst, mx, (long long)ndiff, (long long)n, a, bmax, rel);
     if (!ok) {
         int64_t at = bad >= 0 ? bad : wi;
         if (at >= 0) {
@@ -266,6 +264,16 @@ static int check_act(const char *op, const char *shape, const char *out, const t
         }
     }
     verdict(ok, op, shape, out, msg);
+    return ok;
+}
+
+static int check_act(const char *op, const char *shape, const char *out, const tb *b, int64_t cols,
+                     double a, double bmax, double rel)
+{
+    float *c = ref_floats(b->n), *g = ref_floats(b->n);
+    tb_get(b, 0, c);
+    tb_get(b, 1, g);
+    int ok = check_act_host(op, shape, out, c, g, b->n, cols, a, bmax, rel);
     free(c);
     free(g);
     return ok;
@@ -313,6 +321,52 @@ static int check_f32(const char *op, const char *shape, const char *out, const t
     free(c);
     free(g);
     return ok;
+}
+
+/* A bf16 gradient accumulator (T_U16 bits on both backends), compared as
+ * act values with the same a, b, rel rule. */
+static int check_bf16(const char *op, const char *shape, const char *out, const tb *b,
+                      int64_t cols, double a, double bmax, double rel)
+{
+    uint16_t *ch = ref_alloc(2 * (size_t)b->n), *gh = ref_alloc(2 * (size_t)b->n);
+    tb_get(b, 0, ch);
+    tb_get(b, 1, gh);
+    float *c = ref_floats(b->n), *g = ref_floats(b->n);
+    for (int64_t i = 0; i < b->n; i++) c[i] = mt_bf16_to_f32(ch[i]), g[i] = mt_bf16_to_f32(gh[i]);
+    int ok = check_act_host(op, shape, out, c, g, b->n, cols, a, bmax, rel);
+    free(ch), free(gh), free(c), free(g);
+    return ok;
+}
+
+/* Random bf16 bits (precision.grads bf16 accumulators): normal(0, sigma). */
+static tb bf16_rand(int64_t n, uint64_t seed, float sigma)
+{
+    float *h = rnd_f32(n, seed, sigma);
+    uint16_t *u = ref_alloc(2 * (size_t)(n > 0 ? n : 1));
+    for (int64_t i = 0; i < n; i++) u[i] = mt_bf16_from_f32(h[i]);
+    tb b = tb_from(T_U16, n, u);
+    free(h), free(u);
+    return b;
+}
+
+/* A C buffer of mt_c_type t with random values. */
+static tb c_rand(int t, int64_t n, uint64_t seed)
+{
+    return t == MT_C_F32 ? f32_rand(n, seed, 1.0f) : t == MT_C_BF16 ? bf16_rand(n, seed, 1.0f)
+                                                                    : act_rand(n, seed, 1.0f);
+}
+
+static const char *c_name(int t) { return t == MT_C_F32 ? "f32" : t == MT_C_BF16 ? "bf16" : "act"; }
+
+/* Checks a GEMM output of type t: f32 with rtol, act and bf16 with the act rule. */
+static void check_c(const char *op, const char *sh, int t, const tb *C, int64_t cols, double rtol)
+{
+    if (t == MT_C_F32)
+        check_f32(op, sh, "C", C, cols, rtol);
+    else if (t == MT_C_BF16)
+        check_bf16(op, sh, "C", C, cols, 1, 4, 1e-2);
+    else
+        check_act(op, sh, "C", C, cols, 1, 4, 1e-2);
 }
 
 /* Bit-exact comparison of raw host arrays of n elements of `es` bytes
@@ -435,19 +489,14 @@ static void test_gemm_one(int M, int N, int K, int ta, int tb_, int c_f32, int a
     const int lda = (ta ? M : K) + pad, ldb = (tb_ ? N : K) + pad, ldc = N + pad;
     const int64_t na = (int64_t)(ta ? K : M) * lda, nb = (int64_t)(tb_ ? K : N) * ldb;
     tb A = act_rand(na, 10 + M, 1.0f), B = act_rand(nb, 20 + N, 1.0f);
-    tb C = c_f32 ? f32_rand((int64_t)M * ldc, 30, 1.0f) : act_rand((int64_t)M * ldc, 30, 1.0f);
+    tb C = c_rand(c_f32, (int64_t)M * ldc, 30);
     char sh[128];
     snprintf(sh, sizeof sh, "M%d N%d K%d ta%d tb%d %s acc%d a%.2g ld+%d", M, N, K, ta, tb_,
-             c_f32 ? "f32" : "act", acc, alpha, pad);
+             c_name(c_f32), acc, alpha, pad);
     int ok;
     BOTH(ok, "gemm", sh,
          be->gemm(be, C.p[s], c_f32, ldc, A.p[s], lda, ta, B.p[s], ldb, tb_, M, N, K, alpha, acc));
-    if (ok) {
-        if (c_f32)
-            check_f32("gemm", sh, "C", &C, ldc, 1e-4);
-        else
-            check_act("gemm", sh, "C", &C, ldc, 1, 4, 1e-2);
-    }
+    if (ok) check_c("gemm", sh, c_f32, &C, ldc, 1e-4);
     tb_free(&A), tb_free(&B), tb_free(&C);
 }
 
@@ -468,6 +517,11 @@ static void test_gemm(void)
     test_gemm_one(256, 384, 128, 0, 0, 0, 0, 1.0f, 0);
     test_gemm_one(256, 128, 384, 0, 1, 0, 1, 1.0f, 0);
     test_gemm_one(384, 128, 256, 1, 1, 1, 1, 1.0f, 0);
+    /* bf16 gradient accumulators (precision.grads bf16): dW += dy^T x into
+     * bf16 bits, on cuBLASLt (aligned) and the fallback kernel (odd) */
+    test_gemm_one(384, 128, 256, 1, 1, MT_C_BF16, 1, 1.0f, 0);
+    test_gemm_one(37, 53, 71, 1, 1, MT_C_BF16, 1, 1.0f, 3);
+    test_gemm_one(300, 200, 130, 1, 1, MT_C_BF16, 0, 1.0f, 0);
 }
 
 static void test_gemm_grouped(void)
@@ -501,22 +555,16 @@ static void test_gemm_grouped(void)
                 tb_free(&A), tb_free(&B), tb_free(&C);
             }
     /* reduce 1: C_g[N, K] = sum_i A[r_g + i, :N]^T B[r_g + i, :K] */
-    for (int c_f32 = 0; c_f32 < 2; c_f32++) {
+    for (int c_f32 = 0; c_f32 < 3; c_f32++) {
         const int lda = N + 4, ldb = K + 2, ldc = K + 1;
         const int64_t cstride = (int64_t)N * ldc + 7;
         tb A = act_rand((int64_t)M * lda, 43, 1.0f), B = act_rand((int64_t)M * ldb, 44, 1.0f);
-        tb C = c_f32 ? f32_rand(cstride * G, 45, 1.0f) : act_rand(cstride * G, 45, 1.0f);
-        snprintf(sh, sizeof sh, "red1 rows{37,0,130,5} N%d K%d %s acc1", N, K,
-                 c_f32 ? "f32" : "act");
+        tb C = c_rand(c_f32, cstride * G, 45);
+        snprintf(sh, sizeof sh, "red1 rows{37,0,130,5} N%d K%d %s acc1", N, K, c_name(c_f32));
         BOTH(ok, "gemm_grouped", sh,
              be->gemm_grouped(be, 1, C.p[s], c_f32, ldc, cstride, A.p[s], lda, 0, B.p[s], ldb, 0,
                               0, rows, G, N, K, 1.0f, 1));
-        if (ok) {
-            if (c_f32)
-                check_f32("gemm_grouped", sh, "C", &C, ldc, 1e-4);
-            else
-                check_act("gemm_grouped", sh, "C", &C, ldc, 1, 4, 1e-2);
-        }
+        if (ok) check_c("gemm_grouped", sh, c_f32, &C, ldc, 1e-4);
         tb_free(&A), tb_free(&B), tb_free(&C);
     }
 }
@@ -772,22 +820,17 @@ static void test_gemm_fp8_reduce(const int *rows, int G, int N, int K, int c_f32
     char sh[128], rs[64] = "";
     int l = 0;
     for (int g = 0; g < G && l < 50; g++) l += snprintf(rs + l, sizeof rs - (size_t)l, "%s%d", g ? "," : "", rows[g]);
-    snprintf(sh, sizeof sh, "red1 rows{%s} N%d K%d ldc%d %s acc%d", rs, N, K, ldc, c_f32 ? "f32" : "act", acc);
+    snprintf(sh, sizeof sh, "red1 rows{%s} N%d K%d ldc%d %s acc%d", rs, N, K, ldc, c_name(c_f32), acc);
     float *dy = rnd_act((int64_t)M * N, 80 + G, 1.0f), *x = rnd_act((int64_t)M * K, 81 + G, 1.0f);
     tb qa, sa, qb, sb;
     quant_both(dy, M, N, rows, G, 1, &qa, &sa);
     quant_both(x, M, K, rows, G, 1, &qb, &sb);
-    tb C = c_f32 ? f32_rand(cstride * G, 82, 1.0f) : act_rand(cstride * G, 82, 1.0f);
+    tb C = c_rand(c_f32, cstride * G, 82);
     int ok;
     BOTH(ok, "gemm_fp8", sh,
          be->gemm_fp8(be, 1, C.p[s], c_f32, ldc, cstride, qa.p[s], sa.p[s], qb.p[s], sb.p[s], 0, 0,
                       rows, G, N, K, acc));
-    if (ok) {
-        if (c_f32)
-            check_f32("gemm_fp8", sh, "C", &C, ldc, 5e-3);
-        else
-            check_act("gemm_fp8", sh, "C", &C, ldc, 1, 4, 1e-2);
-    }
+    if (ok) check_c("gemm_fp8", sh, c_f32, &C, ldc, 5e-3);
     tb_free(&qa), tb_free(&sa), tb_free(&qb), tb_free(&sb), tb_free(&C);
     free(dy), free(x);
 }
@@ -815,6 +858,12 @@ static void test_gemm_fp8(void)
     test_gemm_fp8_reduce(r2, 1, 256, 128, 1, 0, 0);
     test_gemm_fp8_reduce(r5, 4, 256, 384, 1, 1, 0);
     test_gemm_fp8_reduce(r6, 1, 384, 256, 0, 1, 0);
+    /* bf16 gradient accumulators: the expert weight gradient dW_g += into
+     * bf16 (direct order: cuBLASLt's D in place, beta 1), and misaligned */
+    test_gemm_fp8_reduce(r5, 4, 256, 384, MT_C_BF16, 1, 0);
+    test_gemm_fp8_reduce(r6, 1, 384, 256, MT_C_BF16, 1, 0);
+    test_gemm_fp8_reduce(r3, 4, 128, 384, MT_C_BF16, 1, 1);
+    test_gemm_fp8_reduce(r2, 1, 256, 128, MT_C_BF16, 0, 0);
     /* aligned C, K >= 4096: swapped order */
     test_gemm_fp8_rows(r6, 1, 256, 4096, 0, 0, 0);
     test_gemm_fp8_rows(r5, 4, 128, 4224, 0, 1, 8);
@@ -847,12 +896,24 @@ static void test_rmsnorm(int M, int D, int pad)
         tb dy = act_rand((int64_t)M * ld, 93, 1.0f), dx = act_rand((int64_t)M * ld, 94, 1.0f);
         tb dw = f32_rand(D, 95, 1.0f);
         BOTH(ok, "rmsnorm_bwd", s2,
-             be->rmsnorm_bwd(be, dx.p[s], ld, acc, dw.p[s], dy.p[s], ld, x.p[s], ld, w.p[s],
+             be->rmsnorm_bwd(be, dx.p[s], ld, acc, dw.p[s], MT_C_F32, dy.p[s], ld, x.p[s], ld, w.p[s],
                              rstd.p[s], M, D));
         if (ok) {
             check_act("rmsnorm_bwd", s2, "dx", &dx, ld, 1, 0, 1e-2);
             check_f32("rmsnorm_bwd", s2, "dw", &dw, 0, 1e-5);
         }
+        tb_free(&dy), tb_free(&dx), tb_free(&dw);
+    }
+    {   /* a bf16 dw (precision.grads bf16): the same double sums, rounded
+         * through float to bf16: one rounding boundary apart at most */
+        char s2[112];
+        snprintf(s2, sizeof s2, "%s dw bf16", sh);
+        tb dy = act_rand((int64_t)M * ld, 93, 1.0f), dx = act_rand((int64_t)M * ld, 94, 1.0f);
+        tb dw = bf16_rand(D, 96, 1.0f);
+        BOTH(ok, "rmsnorm_bwd", s2,
+             be->rmsnorm_bwd(be, dx.p[s], ld, 1, dw.p[s], MT_C_BF16, dy.p[s], ld, x.p[s], ld,
+                             w.p[s], rstd.p[s], M, D));
+        if (ok) check_bf16("rmsnorm_bwd", s2, "dw", &dw, 0, 1, 0, 1e-2);
         tb_free(&dy), tb_free(&dx), tb_free(&dw);
     }
     tb_free(&x), tb_free(&w), tb_free(&y), tb_free(&rstd);
@@ -886,9 +947,16 @@ static void test_embedding(int V, int D, int M)
     BOTH(ok, "embedding_fwd", sh, be->embedding_fwd(be, y.p[s], table.p[s], id.p[s], M, D));
     if (ok) check_exact("embedding_fwd", sh, "y", &y, D);
     tb dy = act_rand((int64_t)M * D, 112, 1.0f), dt = f32_rand((int64_t)V * D, 113, 0.1f);
-    BOTH(ok, "embedding_bwd", sh, be->embedding_bwd(be, dt.p[s], dy.p[s], id.p[s], M, D));
+    BOTH(ok, "embedding_bwd", sh, be->embedding_bwd(be, dt.p[s], MT_C_F32, dy.p[s], id.p[s], M, D));
     if (ok) check_exact("embedding_bwd", sh, "dtable", &dt, D); /* same f32 adds in row order */
-    tb_free(&id), tb_free(&table), tb_free(&y), tb_free(&dy), tb_free(&dt);
+    /* bf16 table: the same f32 adds from the row's value, rounded once */
+    tb dtb = bf16_rand((int64_t)V * D, 114, 0.1f);
+    char s2[80];
+    snprintf(s2, sizeof s2, "%s bf16", sh);
+    BOTH(ok, "embedding_bwd", s2,
+         be->embedding_bwd(be, dtb.p[s], MT_C_BF16, dy.p[s], id.p[s], M, D));
+    if (ok) check_exact("embedding_bwd", s2, "dtable", &dtb, D);
+    tb_free(&id), tb_free(&table), tb_free(&y), tb_free(&dy), tb_free(&dt), tb_free(&dtb);
     free(ids);
 }
 
@@ -1265,7 +1333,7 @@ static tb main_copy_rand(int64_t n, uint64_t seed, int bf16)
 /* AdamW hyper-parameters of step `step` (bias corrections for it). */
 static mt_adamw_hp adamw_hp_at(int step)
 {
-    mt_adamw_hp hp = {3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0, 0, 0.7f};
+    mt_adamw_hp hp = {3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0, 0, 0.7f, 0};
     hp.bc1 = 1.0f - powf(0.9f, (float)step);
     hp.bc2 = 1.0f - powf(0.95f, (float)step);
     return hp;
@@ -1280,32 +1348,40 @@ static void test_optimizer(void)
         snprintf(sh, sizeof sh, "n=%lld", (long long)n);
         tb g = f32_rand(n, 190 + i, 1e-2f), out = tb_new(T_F32, 1);
         int ok;
-        BOTH(ok, "sumsq", sh, be->sumsq(be, out.p[s], g.p[s], n));
+        BOTH(ok, "sumsq", sh, be->sumsq(be, out.p[s], g.p[s], 0, n));
         if (ok) check_f32("sumsq", sh, "out", &out, 0, 1e-6);
         BOTH(ok, "scale_f32", sh, be->scale_f32(be, g.p[s], n, -0.37f));
         if (ok) check_exact("scale_f32", sh, "x", &g, 0);
-        tb_free(&g), tb_free(&out);
+        tb gb = bf16_rand(n, 195 + i, 1e-2f); /* bf16 gradients: the same double sums */
+        char s2[80];
+        snprintf(s2, sizeof s2, "%s bf16", sh);
+        BOTH(ok, "sumsq", s2, be->sumsq(be, out.p[s], gb.p[s], 1, n));
+        if (ok) check_f32("sumsq", s2, "out", &out, 0, 1e-6);
+        tb_free(&g), tb_free(&out), tb_free(&gb);
     }
     {
         tb out = tb_new(T_F32, 1);
         const float one = 1.0f;
         tb_put(&out, &one);
         int ok;
-        BOTH(ok, "sumsq", "n=0", be->sumsq(be, out.p[s], NULL, 0));
+        BOTH(ok, "sumsq", "n=0", be->sumsq(be, out.p[s], NULL, 0, 0));
         if (ok) check_exact("sumsq", "n=0", "out", &out, 0);
         tb_free(&out);
     }
     /* AdamW: three steps, f32 and bf16 master, outputs fed back */
     const int64_t n = 300007;
-    for (int pb = 0; pb < 2; pb++) {
-        char sh[64];
-        snprintf(sh, sizeof sh, "n=%lld %s master, 3 steps", (long long)n, pb ? "bf16" : "f32");
+    for (int pg = 0; pg < 4; pg++) {
+        const int pb = pg & 1, gbf = pg >> 1; /* bf16 master; bf16 gradients */
+        char sh[80];
+        snprintf(sh, sizeof sh, "n=%lld %s master%s, 3 steps", (long long)n, pb ? "bf16" : "f32",
+                 gbf ? " bf16 grads" : "");
         tb p = main_copy_rand(n, 200, pb);
         tb m = tb_new(T_U16, n), v = tb_new(T_U16, n);
         int ok = 1;
         for (int step = 1; step <= 3 && ok; step++) {
             mt_adamw_hp hp = adamw_hp_at(step);
-            tb g = f32_rand(n, 210 + step, 1e-3f);
+            hp.grad_bf16 = gbf;
+            tb g = gbf ? bf16_rand(n, 210 + step, 1e-3f) : f32_rand(n, 210 + step, 1e-3f);
             BOTH(ok, "adamw", sh, be->adamw(be, p.p[s], pb, m.p[s], v.p[s], g.p[s], n, &hp));
             tb_free(&g);
         }
@@ -1321,18 +1397,21 @@ static void test_optimizer(void)
     {
         const int shp[][2] = {{128, 128}, {200, 300}, {7, 130}, {384, 1000}};
         for (size_t i = 0; i < sizeof shp / sizeof shp[0]; i++)
-            for (int pb = 0; pb < 2; pb++) {
+            for (int pg = 0; pg < 4; pg++) {
+                const int pb = pg & 1, gbf = pg >> 1; /* bf16 master; bf16 gradients */
                 const int N = shp[i][0], K = shp[i][1];
                 const int64_t n = (int64_t)N * K, nsc = (int64_t)mt_ceil_div(N, 128) * mt_ceil_div(K, 128);
                 char sh[96];
-                snprintf(sh, sizeof sh, "%dx%d %s master, 2 steps", N, K, pb ? "bf16" : "f32");
+                snprintf(sh, sizeof sh, "%dx%d %s master%s, 2 steps", N, K, pb ? "bf16" : "f32",
+                         gbf ? " bf16 grads" : "");
                 tb p = main_copy_rand(n, 230 + i, pb);
                 tb m = tb_new(T_U16, n), v = tb_new(T_U16, n), q = tb_new(T_U8, n), qt = tb_new(T_U8, n);
                 tb sc = tb_new(T_F32, nsc), st = tb_new(T_F32, nsc);
                 int ok = 1;
                 for (int step = 1; step <= 2 && ok; step++) {
                     mt_adamw_hp hp = adamw_hp_at(step);
-                    tb g = f32_rand(n, 240 + step, 1e-3f);
+                    hp.grad_bf16 = gbf;
+                    tb g = gbf ? bf16_rand(n, 240 + step, 1e-3f) : f32_rand(n, 240 + step, 1e-3f);
                     BOTH(ok, "adamw_fp8", sh, be->adamw_fp8(be, p.p[s], pb, m.p[s], v.p[s], g.p[s], N, K,
                                                             &hp, q.p[s], sc.p[s], qt.p[s], st.p[s]));
                     tb_free(&g);
@@ -1416,8 +1495,8 @@ static void test_determinism(void)
         tb x = act_rand((int64_t)M * D, 300, 1.0f), w = act_rand(D, 301, 1.0f), dy = act_rand((int64_t)M * D, 302, 1.0f);
         tb rs = f32_rand(M, 303, 1.0f), dx = tb_new(T_ACT, (int64_t)M * D);
         tb dw1 = tb_new(T_F32, D), dw2 = tb_new(T_F32, D);
-        GPU_OK(g->rmsnorm_bwd(g, dx.p[1], D, 0, dw1.p[1], dy.p[1], D, x.p[1], D, w.p[1], rs.p[1], M, D));
-        GPU_OK(g->rmsnorm_bwd(g, dx.p[1], D, 0, dw2.p[1], dy.p[1], D, x.p[1], D, w.p[1], rs.p[1], M, D));
+        GPU_OK(g->rmsnorm_bwd(g, dx.p[1], D, 0, dw1.p[1], MT_C_F32, dy.p[1], D, x.p[1], D, w.p[1], rs.p[1], M, D));
+        GPU_OK(g->rmsnorm_bwd(g, dx.p[1], D, 0, dw2.p[1], MT_C_F32, dy.p[1], D, x.p[1], D, w.p[1], rs.p[1], M, D));
         det_check("rmsnorm_bwd", "M4096 D1024", "dw", dw1.p[1], dw2.p[1], 4 * (size_t)D);
         tb_free(&x), tb_free(&w), tb_free(&dy), tb_free(&rs), tb_free(&dx), tb_free(&dw1), tb_free(&dw2);
     }
@@ -1428,8 +1507,8 @@ static void test_determinism(void)
         ref_fill_ids(ids, M, 310, 37);
         tb id = tb_from(T_I32, M, ids), dy = act_rand((int64_t)M * D, 311, 1.0f);
         tb t1 = tb_new(T_F32, (int64_t)V * D), t2 = tb_new(T_F32, (int64_t)V * D);
-        GPU_OK(g->embedding_bwd(g, t1.p[1], dy.p[1], id.p[1], M, D));
-        GPU_OK(g->embedding_bwd(g, t2.p[1], dy.p[1], id.p[1], M, D));
+        GPU_OK(g->embedding_bwd(g, t1.p[1], MT_C_F32, dy.p[1], id.p[1], M, D));
+        GPU_OK(g->embedding_bwd(g, t2.p[1], MT_C_F32, dy.p[1], id.p[1], M, D));
         det_check("embedding_bwd", "V1000 D256 M8192 (37 ids)", "dtable", t1.p[1], t2.p[1], 4 * (size_t)V * D);
         tb_free(&id), tb_free(&dy), tb_free(&t1), tb_free(&t2);
         free(ids);
@@ -1438,8 +1517,8 @@ static void test_determinism(void)
     {
         const int64_t n = 40000001;
         tb x = f32_rand(n, 320, 1.0f), o1 = tb_new(T_F32, 1), o2 = tb_new(T_F32, 1);
-        GPU_OK(g->sumsq(g, o1.p[1], x.p[1], n));
-        GPU_OK(g->sumsq(g, o2.p[1], x.p[1], n));
+        GPU_OK(g->sumsq(g, o1.p[1], x.p[1], 0, n));
+        GPU_OK(g->sumsq(g, o2.p[1], x.p[1], 0, n));
         det_check("sumsq", "n=40000001", "out", o1.p[1], o2.p[1], 4);
         tb_free(&x), tb_free(&o1), tb_free(&o2);
     }

@@ -138,9 +138,9 @@ static void test_reductions_are_thread_count_invariant(void **state)
         mt_backend *b = bes[i];
         dt[i] = ref_floats(V * D), dx[i] = ref_floats(M * D), dw[i] = ref_floats(D);
         ss[i] = ref_floats(1);
-        REF_OK(b->embedding_bwd(b, dt[i], dy, ids, M, D));
-        REF_OK(b->rmsnorm_bwd(b, dx[i], D, 0, dw[i], dy, D, x, D, w, rstd, M, D));
-        REF_OK(b->sumsq(b, ss[i], g, n));
+        REF_OK(b->embedding_bwd(b, dt[i], MT_C_F32, dy, ids, M, D));
+        REF_OK(b->rmsnorm_bwd(b, dx[i], D, 0, dw[i], MT_C_F32, dy, D, x, D, w, rstd, M, D));
+        REF_OK(b->sumsq(b, ss[i], g, 0, n));
     }
     assert_all_equal("embedding_bwd", dt, sizeof(float) * V * D);
     assert_all_equal("rmsnorm_bwd dx", dx, sizeof(float) * M * D);

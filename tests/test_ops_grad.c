@@ -187,7 +187,7 @@ static void test_rmsnorm_grads_match_fd(void **state)
     norm_loss(&c);
     const int lddx = 12;
     float *dx = ref_floats(c.M * lddx), *dw = ref_floats(c.D), *dxx = ref_floats(c.M * c.ldx);
-    REF_OK(be->rmsnorm_bwd(be, dx, lddx, 0, dw, c.R, c.ldy, c.x, c.ldx, c.w, c.rstd, c.M, c.D));
+    REF_OK(be->rmsnorm_bwd(be, dx, lddx, 0, dw, MT_C_F32, c.R, c.ldy, c.x, c.ldx, c.w, c.rstd, c.M, c.D));
     for (int m = 0; m < c.M; m++) memcpy(dxx + m * c.ldx, dx + m * lddx, sizeof(float) * c.D);
     assert_true(ref_fd_check("rmsnorm dx", c.x, c.M * c.ldx, dxx, norm_loss, &c, 1e-2, 2e-3,
                              1e-4, 0));
@@ -195,7 +195,7 @@ static void test_rmsnorm_grads_match_fd(void **state)
 
     /* accumulate: dx += v (the same v), dw += the same sums again */
     float *dx2 = ref_dup(dx, c.M * lddx), *dw2 = ref_dup(dw, c.D);
-    REF_OK(be->rmsnorm_bwd(be, dx2, lddx, 1, dw2, c.R, c.ldy, c.x, c.ldx, c.w, c.rstd, c.M, c.D));
+    REF_OK(be->rmsnorm_bwd(be, dx2, lddx, 1, dw2, MT_C_F32, c.R, c.ldy, c.x, c.ldx, c.w, c.rstd, c.M, c.D));
     for (int m = 0; m < c.M; m++)
         for (int k = 0; k < c.D; k++) assert_true(dx2[m * lddx + k] == dx[m * lddx + k] * 2.0f);
     for (int k = 0; k < c.D; k++) assert_float_equal(dw2[k], 2 * dw[k], 1e-6 * fabs(dw[k]) + 1e-12);
@@ -259,7 +259,7 @@ static void test_embedding_grad_matches_fd(void **state)
     ref_fill_uniform(c.table, V * D, 51, -1, 1);
     ref_fill_uniform(c.R, M * D, 52, -1, 1);
     float *dt = ref_floats(V * D);
-    REF_OK(be->embedding_bwd(be, dt, c.R, ids, M, D));
+    REF_OK(be->embedding_bwd(be, dt, MT_C_F32, c.R, ids, M, D));
     assert_true(ref_fd_check("embedding dtable", c.table, V * D, dt, emb_loss, &c, 0.25, 1e-4,
                              1e-5, 0));
     free(c.table), free(c.y), free(c.R), free(dt);

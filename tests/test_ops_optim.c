@@ -99,10 +99,10 @@ static void test_sumsq_and_scale(void **state)
     ref_fill_normal(g, n, 521, 3.0f);
     h = ref_dup(g, n);
     float out = -1;
-    REF_OK(be->sumsq(be, &out, g, n));
+    REF_OK(be->sumsq(be, &out, g, 0, n));
     double ref = ref_dot(g, g, n);
     assert_float_equal(out, ref, 1e-6 * ref);
-    REF_OK(be->sumsq(be, &out, g, 0));
+    REF_OK(be->sumsq(be, &out, g, 0, 0));
     assert_true(out == 0.0f);
     REF_OK(be->scale_f32(be, g, n, -0.37f));
     for (int64_t i = 0; i < n; i++) assert_true(g[i] == h[i] * -0.37f);

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <math.h>
+#include <string.h>
 
 #include "engine/model/layers.h"
 #include "engine/train/lr_schedule.h"
@@ -102,6 +103,136 @@ static void test_every_main_params_mode_trains(void **state)
         assert_true(end < first - 0.08);
         free(l);
     }
+}
+
+/* precision.grads=bf16 (alone and with main_params none, the setting that
+ * fits the DSV3 proxy on one H100): the first step's loss is the fp32
+ * run's bit for bit (same weights, the forward does not see the
+ * gradients), later losses stay within 2 % of it, and the job trains. */
+static void test_bf16_grads_track_fp32_grads(void **state)
+{
+    (void)state;
+    const char *common[] = {"train.steps=40", "optimizer.lr=3e-3", "batch.global_batch_size=8",
+                            "batch.micro_batch_size=4"};
+    const char *variants[3][2] = {{"precision.grads=fp32", "precision.main_params=fp32"},
+                                  {"precision.grads=bf16", "precision.main_params=fp32"},
+                                  {"precision.grads=bf16", "precision.main_params=none"}};
+    double *l[3];
+    for (int v = 0; v < 3; v++) {
+        mt_jobspec j;
+        const char *extra[] = {common[0], common[1], common[2], common[3], variants[v][0],
+                               variants[v][1]};
+        tiny_job(&j, extra, 6);
+        assert_int_equal(j.precision.grads, v > 0);
+        l[v] = run_losses(&j, NULL);
+    }
+    for (int v = 1; v < 3; v++) {
+        double worst = 0;
+        for (int s = 0; s < 40; s++) worst = fmax(worst, fabs(l[v][s] - l[0][s]) / l[0][s]);
+        printf("%s %s: loss %.4f -> %.4f (fp32 grads %.4f -> %.4f), worst step diff %.2e\n",
+               variants[v][0], variants[v][1], l[v][0], l[v][39], l[0][0], l[0][39], worst);
+        assert_true(l[v][0] == l[0][0]);
+        assert_true(worst < 2e-2);
+        /* it learns as much as the fp32 run (which drops ~0.06 nats here) */
+        assert_true(l[0][39] < l[0][0] - 0.03);
+        assert_true(l[v][0] - l[v][39] >= 0.8 * (l[0][0] - l[0][39]));
+    }
+    for (int v = 0; v < 3; v++) free(l[v]);
+}
+
+/* bf16 accumulators and data parallelism: refused at admission, naming
+ * the field (the owned reduction sums into f32 buffers so far). */
+static void test_bf16_grads_with_data_parallelism_are_refused(void **state)
+{
+    (void)state;
+    char path[1200], data[1200];
+    snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
+    snprintf(data, sizeof data, "data.path=%s", corpus);
+    const char *sets[] = {data, "precision.grads=bf16"};
+    mt_jobspec j;
+    assert_int_equal(mt_jobspec_load(&j, path, sets, 2), MT_OK);
+    assert_int_equal(mt_jobspec_admit(&j, 2), MT_EINVAL);
+    assert_non_null(strstr(mt_errmsg(), "precision.grads"));
+    assert_int_equal(mt_jobspec_load(&j, path, sets, 2), MT_OK);
+    assert_int_equal(mt_jobspec_admit(&j, 1), MT_OK);
+}
+
+/* All parameters' compute copies, as host f32 (malloc'd, in table order). */
+static float *all_params(mt_model *m)
+{
+    float *w = malloc(sizeof(float) * (size_t)mt_params_numel(&m->table));
+    assert_non_null(w);
+    int64_t off = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        assert_int_equal(mt_model_get_param(m, i, w + off), MT_OK);
+        off += mt_param_numel(&m->table.p[i]);
+    }
+    return w;
+}
+
+/* Staging through slabs of 128 rows (mt_param_stage_set; the default slab
+ * only splits tensors of more than 32 M elements, the DSV3 embedding and
+ * head): the initial compute copies are bit-identical to whole-tensor
+ * staging, so is the first loss, and after two main_params=none updates
+ * (bf16 gradients) each trained tensor is within stochastic rounding of the
+ * whole-tensor run (router biases follow the expert load instead): only the slabs' random bits differ, while a wrong
+ * offset into the moments or gradients would move a tensor by O(1). */
+static void test_slab_staging_matches_whole_tensors(void **state)
+{
+    (void)state;
+    const char *extra[] = {"precision.main_params=none", "precision.grads=bf16",
+                           "train.steps=2", "optimizer.lr=3e-3"};
+    mt_jobspec j;
+    tiny_job(&j, extra, 4);
+    float *w0[2], *w1[2];
+    double loss[2];
+    int sliced = 0;
+    for (int v = 0; v < 2; v++) {
+        mt_param_stage_set(v ? 4096 : 0);
+        mt_trainer *t;
+        assert_int_equal(mt_trainer_create(&t, &j, be), MT_OK);
+        mt_model *m = t->model;
+        w0[v] = all_params(m);
+        mt_step_metrics sm;
+        assert_int_equal(mt_trainer_step(t, &sm), MT_OK);
+        loss[v] = sm.loss;
+        assert_int_equal(mt_trainer_step(t, &sm), MT_OK);
+        w1[v] = all_params(m);
+        if (v)
+            for (int i = 0; i < m->table.n; i++)
+                sliced += mt_param_stage_rows(&m->table.p[i]) < m->table.p[i].rows;
+        mt_trainer_destroy(t);
+    }
+    mt_param_stage_set(0);
+    mt_param_table tab;
+    assert_int_equal(mt_params_build(&tab, &j.model, 0, -1), MT_OK);
+    const int64_t n = mt_params_numel(&tab);
+    assert_memory_equal(w0[0], w0[1], sizeof(float) * (size_t)n);
+    assert_true(loss[0] == loss[1]);
+    assert_true(sliced > 0);
+    double worst = 0;
+    int64_t off = 0;
+    for (int i = 0; i < tab.n; i++) {
+        const int64_t k = mt_param_numel(&tab.p[i]);
+        if (tab.p[i].kind == MT_PK_ROUTER_BIAS) { /* set by the load, not the optimizer */
+            off += k;
+            continue;
+        }
+        double se = 0, sw = 0;
+        for (int64_t e = off; e < off + k; e++) {
+            se += ((double)w1[1][e] - w1[0][e]) * ((double)w1[1][e] - w1[0][e]);
+            sw += (double)w1[0][e] * w1[0][e];
+        }
+        const double rel = sw > 0 ? sqrt(se / sw) : sqrt(se);
+        if (rel > worst) worst = rel;
+        if (rel > 0.15) fprintf(stderr, "BAD %s: %.3e\n", tab.p[i].name, rel);
+        assert_true(rel <= 0.15);
+        off += k;
+    }
+    printf("slab staging: %d tensors in slabs; worst relative difference after 2 steps %.2e\n",
+           sliced, worst);
+    mt_params_free(&tab);
+    for (int v = 0; v < 2; v++) free(w0[v]), free(w1[v]);
 }
 
 /* Skews layer 1's router towards experts 0 and 1: their gate rows get a
@@ -325,6 +456,9 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_same_job_twice_gives_bit_identical_losses),
         cmocka_unit_test(test_every_main_params_mode_trains),
+        cmocka_unit_test(test_bf16_grads_track_fp32_grads),
+        cmocka_unit_test(test_slab_staging_matches_whole_tensors),
+        cmocka_unit_test(test_bf16_grads_with_data_parallelism_are_refused),
         cmocka_unit_test(test_aux_loss_free_bias_reduces_imbalance_and_gamma_zero_does_not),
         cmocka_unit_test(test_non_finite_steps_are_skipped_then_fail_the_job),
         cmocka_unit_test(test_non_finite_streak_asks_for_a_rollback),

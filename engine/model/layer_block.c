@@ -177,7 +177,7 @@ int mt_block_bwd(const mt_ctx *c, mt_block *b, void *dx, const void *dout, const
     }
     /* d mid = dout + norm'(dxn2), built in dx (the residual passes through) */
     if (dx != dout) MT_CHECK(be->copy(be, dx, dout, bytes_l));
-    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, b->post_norm->grad, dl, D, b->mid, D, b->post_norm->w,
+    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, b->post_norm->grad, c->grad_type, dl, D, b->mid, D, b->post_norm->w,
                              b->rstd2, Nl, D));
     /* d x = d mid + mla'(d mid): mla_bwd reads dy before it accumulates into dx */
     mt_op_profile_mark(be, "bwd.attn");

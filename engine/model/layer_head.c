@@ -84,7 +84,7 @@ int mt_head_bwd(const mt_ctx *c, mt_head *h, void *dx, int accumulate, const voi
     void *dhn;
     MT_WS(dhn, c->ws, (size_t)N * D * mt_act_size(be));
     MT_CHECK(be->gemm(be, dhn, 0, D, logits, V, 0, h->head->w, D, 1, N, D, V, 1.0f, 0));
-    MT_CHECK(be->gemm(be, h->head->grad, 1, D, logits, V, 1, h->hn, D, 1, V, D, N, 1.0f, 1));
+    MT_CHECK(be->gemm(be, h->head->grad, c->grad_type, D, logits, V, 1, h->hn, D, 1, V, D, N, 1.0f, 1));
     /* vocabulary-parallel: each rank's dhn is its columns' share (sequence
      * parallelism: this rank's rows of the sum) */
     if (mt_tp_sp(c)) {
@@ -95,7 +95,7 @@ int mt_head_bwd(const mt_ctx *c, mt_head *h, void *dx, int accumulate, const voi
     } else {
         MT_CHECK(mt_tp_sum(c, dhn, (int64_t)N * D));
     }
-    MT_CHECK(be->rmsnorm_bwd(be, dx, D, accumulate, h->norm->grad, dhn, D, x, D, h->norm->w,
+    MT_CHECK(be->rmsnorm_bwd(be, dx, D, accumulate, h->norm->grad, c->grad_type, dhn, D, x, D, h->norm->w,
                              h->rstd, mt_tp_rows(c), D));
     mt_ws_release(c->ws, mark);
     return MT_OK;

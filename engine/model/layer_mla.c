@@ -215,7 +215,7 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
                           c->rope_interleave, 1));
         MT_CHECK(mt_linear_bwd(c, a->kv_b, d_kvn, KL, 0, dkv, H * (Dn + Dv), a->kvn, KL, N));
     }
-    MT_CHECK(be->rmsnorm_bwd(be, d_kva, KL + R, 0, a->kv_a_norm->grad, d_kvn, KL, a->kva, KL + R,
+    MT_CHECK(be->rmsnorm_bwd(be, d_kva, KL + R, 0, a->kv_a_norm->grad, c->grad_type, d_kvn, KL, a->kva, KL + R,
                              a->kv_a_norm->w, a->rstd_kv, N, KL));
     /* queries */
     MT_CHECK(be->rope(be, dq, N, c->T, H, H * dqk, dqk, Dn, R, c->rope_cos, c->rope_sin,
@@ -226,7 +226,7 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
         MT_WS(d_qa, c->ws, n * QL * act);
         MT_CHECK(mt_linear_bwd(c, a->q_b, d_qan, QL, 0, dq, H * dqk, a->qan, QL, N));
         MT_CHECK(mt_tp_sum(c, d_qan, (int64_t)N * QL)); /* column-parallel q_b's entry */
-        MT_CHECK(be->rmsnorm_bwd(be, d_qa, QL, 0, a->q_a_norm->grad, d_qan, QL, a->qa, QL,
+        MT_CHECK(be->rmsnorm_bwd(be, d_qa, QL, 0, a->q_a_norm->grad, c->grad_type, d_qan, QL, a->qa, QL,
                                  a->q_a_norm->w, a->rstd_q, N, QL));
         /* dxn = d_kva kv_a + d_qa q_a, one quantisation of xn for both weight gradients */
         MT_CHECK(mt_linear_bwd2(c, a->kv_a, d_kva, KL + R, a->q_a, d_qa, QL, dxn, D, 0, a->xn, D,
@@ -245,7 +245,7 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
     }
     /* sequence parallelism: dxn is the same on every rank (summed at the
      * column-parallel entries); this rank's rows go through its norm */
-    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad,
+    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad, c->grad_type,
                              (char *)dxn + (size_t)mt_tp_row0(c) * D * act, D, x, D,
                              a->in_norm->w, a->rstd_in, mt_tp_rows(c), D));
     mt_ws_release(c->ws, mark);

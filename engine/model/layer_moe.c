@@ -269,7 +269,8 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
                             &m->rc));
     MT_CHECK(be->act_from_f32(be, dlog_act, dlogits, (int64_t)N * E));
     MT_CHECK(be->gemm(be, dxn, 0, D, dlog_act, E, 0, m->router->w, D, 1, N, D, E, 1.0f, 1));
-    MT_CHECK(be->gemm(be, m->router->grad, 1, D, dlog_act, E, 1, xn, D, 1, E, D, N, 1.0f, 1));
+    MT_CHECK(be->gemm(be, m->router->grad, c->grad_type, D, dlog_act, E, 1, xn, D, 1, E, D, N,
+                      1.0f, 1));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

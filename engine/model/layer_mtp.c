@@ -79,14 +79,14 @@ int mt_mtp_bwd(const mt_ctx *c, mt_mtp *p, mt_param *embed, void *dh, const void
     demb_full = demb;
     MT_CHECK(mt_block_bwd(c, &p->block, dhin, dhout, p->hin));
     MT_CHECK(mt_linear_bwd(c, p->eh, dcat, 2 * D, 0, dhin, D, p->cat, 2 * D, Nl));
-    MT_CHECK(be->rmsnorm_bwd(be, demb, D, 0, p->enorm->grad, dcat, 2 * D, p->emb, D, p->enorm->w,
+    MT_CHECK(be->rmsnorm_bwd(be, demb, D, 0, p->enorm->grad, c->grad_type, dcat, 2 * D, p->emb, D, p->enorm->w,
                              p->rstd_e, Nl, D));
     if (mt_tp_sp(c)) { /* the embedding's gradient needs every row's token */
         MT_WS(demb_full, c->ws, (size_t)N * D * act);
         MT_CHECK(mt_tp_gather_rows(c, demb, demb_full, D));
     }
-    MT_CHECK(be->embedding_bwd(be, embed->grad, demb_full, p->ids, N, D));
-    MT_CHECK(be->rmsnorm_bwd(be, dh, D, 1, p->hnorm->grad, (char *)dcat + (size_t)D * act, 2 * D,
+    MT_CHECK(be->embedding_bwd(be, embed->grad, c->grad_type, demb_full, p->ids, N, D));
+    MT_CHECK(be->rmsnorm_bwd(be, dh, D, 1, p->hnorm->grad, c->grad_type, (char *)dcat + (size_t)D * act, 2 * D,
                              h, D, p->hnorm->w, p->rstd_h, Nl, D));
     mt_ws_release(c->ws, mark);
     return MT_OK;

@@ -169,12 +169,12 @@ static int lin_wgrad(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
                 lin_set one = {1, {l->w[i]}, {l->y[i]}, {l->ldy[i]}, l->rows, l->G, l->grouped};
                 MT_CHECK(lin_wgrad(c, &one, x, ldx));
             } else if (l->grouped) {
-                MT_CHECK(be->gemm_grouped(be, 1, w->grad, 1, K, expert_stride(w), l->y[i],
-                                          l->ldy[i], 0, x, ldx, 0, 0, l->rows, l->G, N, K, 1.0f,
-                                          1));
+                MT_CHECK(be->gemm_grouped(be, 1, w->grad, c->grad_type, K, expert_stride(w),
+                                          l->y[i], l->ldy[i], 0, x, ldx, 0, 0, l->rows, l->G, N,
+                                          K, 1.0f, 1));
             } else {
-                MT_CHECK(be->gemm(be, w->grad, 1, K, l->y[i], l->ldy[i], 1, x, ldx, 1, N, K,
-                                  (int)M, 1.0f, 1));
+                MT_CHECK(be->gemm(be, w->grad, c->grad_type, K, l->y[i], l->ldy[i], 1, x, ldx, 1,
+                                  N, K, (int)M, 1.0f, 1));
             }
         }
         return MT_OK;
@@ -198,8 +198,9 @@ static int lin_wgrad(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
         }
         rc = be->quant_cols_t(be, dyt, dyts, l->y[i], l->ldy[i], l->rows, l->G, N);
         if (rc == MT_OK)
-            rc = be->gemm_fp8(be, 1, w->grad, 1, K, l->grouped ? expert_stride(w) : 0, dyt, dyts,
-                              xt, xts, 0, 0, l->rows, l->G, N, K, 1);
+            rc = be->gemm_fp8(be, 1, w->grad, c->grad_type, K,
+                              l->grouped ? expert_stride(w) : 0, dyt, dyts, xt, xts, 0, 0, l->rows,
+                              l->G, N, K, 1);
         mt_ws_release(c->ws, mark_i);
     }
     mt_ws_release(c->ws, mark);

@@ -91,10 +91,12 @@ static int params_alloc(mt_model *m)
     MT_CHECK(be->alloc(be, (size_t)(n_s > 0 ? n_s : 1) * 4, (void **)&m->buf_s));
     MT_CHECK(be->alloc(be, (size_t)(n_s > 0 ? n_s : 1) * 4, (void **)&m->buf_st));
     MT_CHECK(be->alloc(be, (size_t)(n_f32 > 0 ? n_f32 : 1) * 4, (void **)&m->buf_f32));
-    MT_CHECK(be->alloc(be, (size_t)(n_grad > 0 ? n_grad : 1) * 4, (void **)&m->buf_grad));
+    m->grad_type = m->opts.grads_bf16 ? MT_C_BF16 : MT_C_F32;
+    const size_t ge = mt_model_grad_size(m);
+    MT_CHECK(be->alloc(be, (size_t)(n_grad > 0 ? n_grad : 1) * ge, &m->buf_grad));
     m->n_grad = n_grad;
     m->param_bytes = (size_t)n_act * act + 2 * (size_t)n_q + 8 * (size_t)n_s + 4 * (size_t)n_f32 +
-                     4 * (size_t)n_grad;
+                     ge * (size_t)n_grad;
     int64_t o_act = 0, o_q = 0, o_s = 0, o_f32 = 0, o_grad = 0;
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];
@@ -117,7 +119,7 @@ static int params_alloc(mt_model *m)
             p->w = (char *)m->buf_act + (size_t)o_act * act;
             o_act += n;
         }
-        p->grad = m->buf_grad + o_grad;
+        p->grad = (char *)m->buf_grad + (size_t)o_grad * ge;
         o_grad += n;
     }
     return MT_OK;
@@ -136,23 +138,71 @@ int mt_model_set_param_dev(mt_model *m, int i, const float *dev)
     return be->act_from_f32(be, p->w, dev, mt_param_numel(&p->d));
 }
 
-/* A device f32 scratch large enough for the largest parameter. */
-static int param_scratch(mt_model *m, float **out)
+static int64_t param_stage = MT_PARAM_STAGE;
+
+void mt_param_stage_set(int64_t elems) { param_stage = elems > 0 ? elems : MT_PARAM_STAGE; }
+
+int64_t mt_param_stage_rows(const mt_param_desc *d)
+{
+    if (mt_param_numel(d) <= param_stage) return d->rows;
+    int64_t r = param_stage / d->cols / 128 * 128;
+    return r < 128 ? 128 : r;
+}
+
+int64_t mt_params_stage_elems(const mt_param_table *t)
 {
     int64_t mx = 1;
-    for (int i = 0; i < m->table.n; i++)
-        if (mt_param_numel(&m->table.p[i]) > mx) mx = mt_param_numel(&m->table.p[i]);
-    return m->be->alloc(m->be, (size_t)mx * 4, (void **)out);
+    for (int i = 0; i < t->n; i++) {
+        const int64_t r = mt_param_stage_rows(&t->p[i]);
+        const int64_t e = (r < t->p[i].rows ? r : t->p[i].rows) * t->p[i].cols;
+        if (e > mx) mx = e;
+    }
+    return mx;
+}
+
+/* Slab [r0, r0 + nr) of parameter p from / to the f32 values at dev. FP8:
+ * the slab's 128x128 blocks (r0 is a multiple of 128), whose scales start at
+ * block row r0 / 128; the transpose is the caller's. */
+static int slab_set(mt_backend *be, mt_param *p, int64_t r0, int nr, const float *dev)
+{
+    const int cols = (int)p->d.cols;
+    if (p->wf) return be->copy(be, p->wf + r0 * cols, dev, (size_t)nr * cols * 4);
+    if (p->q) {
+        const int64_t KB = (cols + 127) / 128;
+        return be->quant_blocks(be, p->q + r0 * cols, p->s + r0 / 128 * KB, dev, nr, cols);
+    }
+    return be->act_from_f32(be, (char *)p->w + (size_t)(r0 * cols) * mt_act_size(be), dev,
+                            (int64_t)nr * cols);
+}
+
+static int slab_get(mt_backend *be, const mt_param *p, int64_t r0, int nr, float *dev)
+{
+    const int cols = (int)p->d.cols;
+    if (p->q) {
+        const int64_t KB = (cols + 127) / 128;
+        return be->dequant_blocks(be, dev, p->q + r0 * cols, p->s + r0 / 128 * KB, nr, cols);
+    }
+    return be->act_to_f32(be, dev, (const char *)p->w + (size_t)(r0 * cols) * mt_act_size(be),
+                          (int64_t)nr * cols);
 }
 
 int mt_model_set_param(mt_model *m, int i, const float *host)
 {
     if (i < 0 || i >= m->table.n) return MT_ERR(MT_EINVAL, "set_param: index %d out of range", i);
+    mt_backend *be = m->be;
+    mt_param *p = &m->params[i];
+    const int64_t rows = p->d.rows, cols = p->d.cols, sr = mt_param_stage_rows(&p->d);
     float *tmp;
-    MT_CHECK(param_scratch(m, &tmp));
-    int rc = m->be->upload(m->be, tmp, host, (size_t)mt_param_numel(&m->params[i].d) * 4);
-    if (rc == MT_OK) rc = mt_model_set_param_dev(m, i, tmp);
-    m->be->free(m->be, tmp);
+    MT_CHECK(be->alloc(be, (size_t)((sr < rows ? sr : rows) * cols) * 4, (void **)&tmp));
+    int rc = MT_OK;
+    for (int64_t r0 = 0; r0 < rows && rc == MT_OK; r0 += sr) {
+        const int nr = (int)(rows - r0 < sr ? rows - r0 : sr);
+        rc = be->upload(be, tmp, host + r0 * cols, (size_t)(nr * cols) * 4);
+        if (rc == MT_OK) rc = slab_set(be, p, r0, nr, tmp);
+    }
+    if (rc == MT_OK && p->q)
+        rc = be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)rows, (int)cols);
+    be->free(be, tmp);
     return rc;
 }
 
@@ -161,13 +211,16 @@ int mt_model_get_param(mt_model *m, int i, float *host)
     if (i < 0 || i >= m->table.n) return MT_ERR(MT_EINVAL, "get_param: index %d out of range", i);
     mt_backend *be = m->be;
     mt_param *p = &m->params[i];
-    const int64_t n = mt_param_numel(&p->d);
-    if (p->wf) return be->download(be, host, p->wf, (size_t)n * 4);
+    const int64_t rows = p->d.rows, cols = p->d.cols, sr = mt_param_stage_rows(&p->d);
+    if (p->wf) return be->download(be, host, p->wf, (size_t)(rows * cols) * 4);
     float *tmp;
-    MT_CHECK(param_scratch(m, &tmp));
-    int rc = p->q ? be->dequant_blocks(be, tmp, p->q, p->s, (int)p->d.rows, (int)p->d.cols)
-                  : be->act_to_f32(be, tmp, p->w, n);
-    if (rc == MT_OK) rc = be->download(be, host, tmp, (size_t)n * 4);
+    MT_CHECK(be->alloc(be, (size_t)((sr < rows ? sr : rows) * cols) * 4, (void **)&tmp));
+    int rc = MT_OK;
+    for (int64_t r0 = 0; r0 < rows && rc == MT_OK; r0 += sr) {
+        const int nr = (int)(rows - r0 < sr ? rows - r0 : sr);
+        rc = slab_get(be, p, r0, nr, tmp);
+        if (rc == MT_OK) rc = be->download(be, host + r0 * cols, tmp, (size_t)(nr * cols) * 4);
+    }
     be->free(be, tmp);
     return rc;
 }
@@ -213,7 +266,7 @@ int mt_model_init_random(mt_model *m, uint64_t seed)
 
 int mt_model_zero_grads(mt_model *m)
 {
-    return m->be->zero(m->be, m->buf_grad, (size_t)m->n_grad * 4);
+    return m->be->zero(m->be, m->buf_grad, (size_t)m->n_grad * mt_model_grad_size(m));
 }
 
 /* ---- build ------------------------------------------------------------------ */
@@ -364,6 +417,7 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
     c->rope_interleave = cfg->rope_interleave;
     c->recompute_mla_up = opts->recompute_mla_up;
     c->recompute_moe_act = opts->recompute_moe_act;
+    c->grad_type = opts->grads_bf16 ? MT_C_BF16 : MT_C_F32;
     c->rms_eps = (float)cfg->rms_norm_eps;
     c->tp = opts->tp;
     {
@@ -578,9 +632,9 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
     mt_op_profile_mark(be, "bwd.embed");
     if (mt_tp_sp(c)) { /* every row's gradient for the tokens' rows (h[0] is free now) */
         MT_CHECK(mt_tp_gather_rows(c, m->dh, m->h[0], D));
-        MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->h[0], m->ids, N, D));
+        MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->grad_type, m->h[0], m->ids, N, D));
     } else {
-        MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->dh, m->ids, N, D));
+        MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->grad_type, m->dh, m->ids, N, D));
     }
     MT_CHECK(layer_grads_final(m, -1));
     (void)nd_bytes;

@@ -37,7 +37,8 @@ typedef struct mt_param {
     uint8_t *qt;        /* e4m3 [cols, rows]: transposed copy for the data gradient */
     float *st;          /* BLK128 scales of qt [ceil(cols/128), ceil(rows/128)] */
     float *wf;          /* f32 [cols] (router bias: used as is), or NULL */
-    float *grad;        /* f32 [rows, cols] gradient accumulator; NULL for the router bias */
+    void *grad;         /* [rows, cols] gradient accumulator of the model's grad_type (f32,
+                         * or bf16 bits); NULL for the router bias */
 } mt_param;
 
 /* A bump allocator over one backend buffer for a layer's transient values. */
@@ -59,6 +60,7 @@ typedef struct mt_ctx {
     int rope_interleave;
     int recompute_mla_up;
     int recompute_moe_act;
+    int grad_type;             /* parameter gradients: MT_C_F32 or MT_C_BF16 */
     float rms_eps;
     /* Tensor parallelism (engine/model/tp.h), NULL on one rank: MLA heads,
      * FFN columns and the vocabulary are this rank's part; every region
@@ -184,6 +186,7 @@ typedef struct mt_model_opts {
     int seq_len;            /* T */
     int recompute_mla_up;
     int recompute_moe_act;
+    int grads_bf16;         /* gradient accumulators in bf16 (precision.grads), else f32 */
     double mtp_weight;      /* lambda */
     double aux_alpha;       /* alpha */
     int expert_align;       /* expert segment padding; 0: 128 for fp8, 1 otherwise */
@@ -260,8 +263,10 @@ typedef struct mt_model {
     /* flat buffers (backend memory) */
     void *buf_act;
     uint8_t *buf_q, *buf_qt;
-    float *buf_s, *buf_st, *buf_f32, *buf_grad;
+    float *buf_s, *buf_st, *buf_f32;
+    void *buf_grad;         /* every gradient, of type grad_type */
     int64_t n_grad;         /* elements of buf_grad */
+    int grad_type;          /* MT_C_F32 or MT_C_BF16 (opts.grads_bf16): ops.h's mt_c_type */
     size_t param_bytes;     /* backend bytes of compute copies and gradients */
 } mt_model;
 
@@ -281,8 +286,22 @@ float mt_model_init_value(const mt_param_desc *d, double std, uint64_t seed, int
  * them: normal(0, initializer_range) for matrices, 1 for norms, 0 for biases. */
 int mt_model_init_random(mt_model *m, uint64_t seed);
 
+/* Parameters go between host f32 values and their compute copies through a
+ * device f32 scratch in slabs of rows (the DSV3 embedding alone is 3.7 GB
+ * as f32; an 80 GB H100 has no room for that twice): all rows when the
+ * tensor has at most MT_PARAM_STAGE elements, else whole 128-row blocks
+ * (FP8 block scales stay whole) of at most that many elements, at least
+ * one block. mt_param_stage_rows gives a tensor's slab, mt_params_stage_elems
+ * the scratch elements that serve every tensor of a table. */
+#define MT_PARAM_STAGE ((int64_t)32 << 20)
+int64_t mt_param_stage_rows(const mt_param_desc *d);
+int64_t mt_params_stage_elems(const mt_param_table *t);
+/* Tests: a smaller slab size (elements; 0: MT_PARAM_STAGE) so that the tiny
+ * models' tensors take the slab paths. Set before creating models. */
+void mt_param_stage_set(int64_t elems);
+
 /* Sets parameter i from host f32 values [rows, cols] (builds its compute
- * copies: FP8 blocks and transpose, or act). */
+ * copies: FP8 blocks and transpose, or act), slab by slab. */
 int mt_model_set_param(mt_model *m, int i, const float *host);
 /* The same from an f32 buffer in backend memory (the optimizer's master). */
 int mt_model_set_param_dev(mt_model *m, int i, const float *dev);
@@ -290,6 +309,15 @@ int mt_model_set_param_dev(mt_model *m, int i, const float *dev);
 int mt_model_get_param(mt_model *m, int i, float *host);
 
 int mt_model_zero_grads(mt_model *m);
+
+/* Bytes of one gradient element (4, or 2 for bf16): with mt_param.index
+ * (element offset) the accessor for code that walks the flat gradient
+ * buffer (norm, reductions): parameter i's gradient is at
+ * buf_grad + index * mt_model_grad_size(m). */
+static inline size_t mt_model_grad_size(const mt_model *m)
+{
+    return m->grad_type == MT_C_BF16 ? 2 : 4;
+}
 
 /* One micro-batch: tokens host int32 [B, T + 1] (inputs and shifted
  * targets). Forward, loss and, if `backward`, gradients accumulated with

@@ -130,7 +130,7 @@ int mt_grad_buckets_build(mt_grad_buckets *gb, const mt_model *m, const int *own
         const int i = order[o];
         const mt_param *p = &m->params[i];
         const int g = expert_split && p->d.expert >= 0;
-        const size_t bytes = (size_t)mt_param_numel(&p->d) * 4;
+        const size_t bytes = (size_t)mt_param_numel(&p->d) * mt_model_grad_size(m);
         const int key = ready_key(p);
         mt_grad_bucket *b = &open[g];
         const int full = cap_bytes > 0 ? b->grad_bytes > 0 && b->grad_bytes + bytes > cap_bytes
@@ -306,7 +306,9 @@ int mt_grad_owned_sumsq(mt_backend *be, const mt_model *m, const unsigned char *
         }
         if (n > 0) { /* the run [lo, lo + n) of buf_grad is done */
             float v;
-            MT_CHECK(be->sumsq(be, scratch, m->buf_grad + lo, n));
+            MT_CHECK(be->sumsq(be, scratch,
+                               (const char *)m->buf_grad + (size_t)lo * mt_model_grad_size(m),
+                               m->grad_type == MT_C_BF16, n));
             MT_CHECK(be->download(be, &v, scratch, 4));
             s += v;
         }

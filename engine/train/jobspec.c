@@ -17,6 +17,7 @@ static const char *const comm_names[] = {"auto", "local", "mpi", "staged", "nccl
 _Static_assert(MT_COMM_BACKEND_COUNT == 5, "comm_names follows mt_comm_backend");
 static const char *const recipe_names[] = {"fp8-blockwise", "bf16", "fp32", NULL};
 static const char *const main_names[] = {"fp32", "bf16", "none", NULL};
+static const char *const grads_names[] = {"fp32", "bf16", NULL};
 static const char *const decay_names[] = {"cosine", "linear", "wsd", "constant", NULL};
 static const char *const init_names[] = {"random", "checkpoint", "hf", NULL};
 static const char *const resume_names[] = {"never", "auto", NULL};
@@ -60,6 +61,8 @@ static const mt_field job_fields[] = {
       "linear-layer precision"),
     E("precision.main_params", precision.main_params, "fp32", main_names,
       "optimizer's high-precision weight copy"),
+    E("precision.grads", precision.grads, "fp32", grads_names,
+      "gradient accumulators: fp32, or bf16 (half the memory; each accumulation rounded to bf16)"),
     B("precision.recompute_mla_up", precision.recompute_mla_up, "false",
       "recompute MLA up-projections in backward"),
     B("precision.recompute_moe_act", precision.recompute_moe_act, "false",
@@ -137,7 +140,7 @@ static const mt_field job_fields[] = {
     I("train.fault.rank", train.fault.rank, "-1", -1, 1 << 20, "rank with the fault; -1: all"),
 };
 #define N_JOB_FIELDS ((int)(sizeof job_fields / sizeof job_fields[0]))
-_Static_assert(N_JOB_FIELDS == 64, "job spec field table changed: update docs and tests");
+_Static_assert(N_JOB_FIELDS == 65, "job spec field table changed: update docs and tests");
 
 static int is_abs(const char *p) { return p[0] == '/'; }
 
@@ -304,6 +307,13 @@ int mt_jobspec_admit(mt_jobspec *j, int world)
     MT_CHECK(check_layout(j));
     /* not runnable is invalid input here: refused before anything runs */
     if (mt_jobspec_check_runnable(&j->parallel) < 0) return MT_EINVAL;
+    /* bf16 accumulators can be reduced over data parallelism once the owned
+     * reduction (mt_comm_reduce_owned_start) takes bf16 buffers; it sums
+     * into f32 buffers so far */
+    if (j->precision.grads == 1 && j->parallel.dp > 1)
+        return BAD("precision.grads", "bf16 runs on one data-parallel rank only so far "
+                   "(parallel.dp = %d; the gradient reduction takes f32 buffers): use fp32",
+                   j->parallel.dp);
     return check_batch(j, j->parallel.dp);
 }
 

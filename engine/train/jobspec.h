@@ -35,6 +35,7 @@ typedef struct mt_precision {
     mt_main_params main_params;
     int recompute_mla_up;   /* recompute q_b / kv_b outputs in backward */
     int recompute_moe_act;  /* recompute expert SwiGLU outputs in backward */
+    int grads;              /* gradient accumulators: 0 fp32, 1 bf16 (rounded after each add) */
 } mt_precision;
 
 typedef struct mt_optimizer_cfg {

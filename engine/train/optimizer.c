@@ -39,9 +39,13 @@ int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j,
         if (kept) o->n_state += mt_param_numel(&p->d);
     }
     const size_t n = (size_t)(o->n_state > 0 ? o->n_state : 1);
+    /* the f32 scratch: a bf16 main copy is widened whole for the compute
+     * copies; fp32 and none stage slabs (model.h: MT_PARAM_STAGE) */
     int64_t mx = 1;
     for (int i = 0; i < m->table.n; i++)
         if (mt_param_numel(&m->table.p[i]) > mx) mx = mt_param_numel(&m->table.p[i]);
+    if (o->main != MT_MAIN_BF16) mx = mt_params_stage_elems(&m->table);
+    o->tmp_n = mx;
     int rc = MT_OK;
     if (o->main != MT_MAIN_NONE) MT_GOTO(be->alloc(be, n * master_elem(o->main), &o->master), fail);
     MT_GOTO(be->alloc(be, n * 2, (void **)&o->m), fail);
@@ -83,28 +87,27 @@ int mt_optimizer_set_param(mt_optimizer *o, mt_model *m, int i, const float *hos
     mt_param *p = &m->params[i];
     if (!o->master || !in_shard(o, i)) return mt_model_set_param(m, i, host);
     const int64_t n = mt_param_numel(&p->d);
-    MT_CHECK(be->upload(be, o->tmp, host, (size_t)n * 4));
     if (o->main == MT_MAIN_FP32) {
-        MT_CHECK(be->copy(be, master_of(o, i), o->tmp, (size_t)n * 4));
-    } else {
-        /* bf16 main copy: round once, and compute from the rounded value */
-        uint16_t *h = malloc((size_t)n * 2);
-        float *f = malloc((size_t)n * 4);
-        if (!h || !f) {
-            free(h);
-            free(f);
-            return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
-        }
-        for (int64_t k = 0; k < n; k++) {
-            h[k] = mt_bf16_from_f32(host[k]);
-            f[k] = mt_bf16_to_f32(h[k]);
-        }
-        int rc = be->upload(be, master_of(o, i), h, (size_t)n * 2);
-        if (rc == MT_OK) rc = be->upload(be, o->tmp, f, (size_t)n * 4);
+        MT_CHECK(be->upload(be, master_of(o, i), host, (size_t)n * 4));
+        return mt_model_set_param_dev(m, i, master_of(o, i));
+    }
+    /* bf16 main copy: round once, and compute from the rounded value */
+    uint16_t *h = malloc((size_t)n * 2);
+    float *f = malloc((size_t)n * 4);
+    if (!h || !f) {
         free(h);
         free(f);
-        MT_CHECK(rc);
+        return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
     }
+    for (int64_t k = 0; k < n; k++) {
+        h[k] = mt_bf16_from_f32(host[k]);
+        f[k] = mt_bf16_to_f32(h[k]);
+    }
+    int rc = be->upload(be, master_of(o, i), h, (size_t)n * 2);
+    if (rc == MT_OK) rc = be->upload(be, o->tmp, f, (size_t)n * 4);
+    free(h);
+    free(f);
+    MT_CHECK(rc);
     return mt_model_set_param_dev(m, i, o->tmp);
 }
 
@@ -134,30 +137,46 @@ int mt_optimizer_grad_sumsq(mt_optimizer *o, mt_model *m, double *sumsq)
 {
     mt_backend *be = o->be;
     float v;
-    MT_CHECK(be->sumsq(be, o->sumsq, m->buf_grad, m->n_grad));
+    MT_CHECK(be->sumsq(be, o->sumsq, m->buf_grad, m->grad_type == MT_C_BF16, m->n_grad));
     MT_CHECK(be->download(be, &v, o->sumsq, 4));
     *sumsq = v;
     return MT_OK;
 }
 
-/* none: the compute copy is the weight. Dequantise, update, round back. */
+/* none: the compute copy is the weight. Dequantise, update, round back,
+ * slab by slab (mt_param_stage_rows: FP8 slabs are whole 128-row blocks).
+ * The stochastic rounding's seed is the parameter's for a tensor of one
+ * slab, and mt_hash_u64(that seed, slab + 1) for each slab of a larger one
+ * (the ops number their elements from the slab's start). */
 static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_hp *hp)
 {
     mt_backend *be = o->be;
     mt_param *p = &m->params[i];
-    const int64_t n = mt_param_numel(&p->d), off = o->off[i];
-    const int rows = (int)p->d.rows, cols = (int)p->d.cols;
+    const int64_t rows = p->d.rows, cols = p->d.cols, off = o->off[i];
+    const int64_t sr = mt_param_stage_rows(&p->d), KB = (cols + 127) / 128;
+    const size_t ge = mt_model_grad_size(m), act = mt_act_size(be);
     const uint64_t seed = mt_hash_u64(o->seed, (uint64_t)o->step * 1000003u + (uint64_t)i);
-    if (p->q)
-        MT_CHECK(be->dequant_blocks(be, o->tmp, p->q, p->s, rows, cols));
-    else
-        MT_CHECK(be->act_to_f32(be, o->tmp, p->w, n));
-    MT_CHECK(be->adamw(be, o->tmp, 0, o->m + off, o->v + off, p->grad, n, hp));
-    if (p->q) {
-        MT_CHECK(be->quant_blocks_sr(be, p->q, p->s, o->tmp, rows, cols, seed));
-        return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, rows, cols);
+    for (int64_t r0 = 0; r0 < rows; r0 += sr) {
+        const int nr = (int)(rows - r0 < sr ? rows - r0 : sr);
+        const int64_t e0 = r0 * cols, n = (int64_t)nr * cols;
+        const uint64_t sd = sr >= rows ? seed : mt_hash_u64(seed, (uint64_t)(r0 / sr) + 1);
+        uint8_t *q = p->q ? p->q + e0 : NULL;
+        float *s = p->q ? p->s + r0 / 128 * KB : NULL;
+        void *w = p->q ? NULL : (char *)p->w + (size_t)e0 * act;
+        if (q)
+            MT_CHECK(be->dequant_blocks(be, o->tmp, q, s, nr, (int)cols));
+        else
+            MT_CHECK(be->act_to_f32(be, o->tmp, w, n));
+        MT_CHECK(be->adamw(be, o->tmp, 0, o->m + off + e0, o->v + off + e0,
+                           (const char *)p->grad + (size_t)e0 * ge, n, hp));
+        if (q)
+            MT_CHECK(be->quant_blocks_sr(be, q, s, o->tmp, nr, (int)cols, sd));
+        else
+            MT_CHECK(be->act_from_f32_sr(be, w, o->tmp, n, sd));
     }
-    return be->act_from_f32_sr(be, p->w, o->tmp, n, seed);
+    if (p->q)
+        return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)rows, (int)cols);
+    return MT_OK;
 }
 
 int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_scale)
@@ -172,6 +191,7 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
         .bc1 = (float)(1.0 - pow(o->cfg.beta1, t)),
         .bc2 = (float)(1.0 - pow(o->cfg.beta2, t)),
         .grad_scale = (float)grad_scale,
+        .grad_bf16 = m->grad_type == MT_C_BF16,
     };
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];

@@ -32,7 +32,8 @@ typedef struct mt_optimizer {
     int64_t n_state;    /* elements of state kept here */
     void *master;       /* f32 or bf16 bits [n_state]; NULL for none */
     uint16_t *m, *v;    /* bf16 bits [n_state] */
-    float *tmp;         /* f32 [largest parameter]: dequantised weights, bf16 master as f32 */
+    float *tmp;         /* f32 [tmp_n]: dequantised weights (slab by slab), bf16 master as f32 */
+    int64_t tmp_n;      /* bf16 main: the largest parameter; else mt_params_stage_elems */
     float *sumsq;       /* f32 [1] */
     int64_t step;       /* updates applied so far */
     uint64_t seed;      /* stochastic rounding stream */

@@ -429,8 +429,8 @@ static int read_whole(const mt_tensor_reader *r, mt_tensor_desc *d)
 
 /* Parameter i's compute copy from the reader: FP8 bytes and scales exactly
  * as stored (the transpose rebuilt), router bias f32, other weights through
- * f32 (exact for bf16 values) into act. dev_tmp: device f32 scratch of the
- * largest parameter; host / hs: host scratch of its values / block scales. */
+ * f32 (exact for bf16 values) into act. dev_tmp: device f32 scratch of
+ * tmp_n elements; host / hs: host scratch of its values / block scales. */
 /* Where a restore reads a tensor the backend keeps at dev: dev itself when
  * the backend's memory is host memory (CPU: no upload copy), else the host
  * staging buffer. */
@@ -446,7 +446,7 @@ static int upload_unless(mt_backend *be, void *dev, const void *src, size_t n)
 }
 
 static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host, float *hs,
-                      float *dev_tmp)
+                      float *dev_tmp, int64_t tmp_n)
 {
     mt_backend *be = m->be;
     mt_param *p = &m->params[i];
@@ -472,8 +472,13 @@ static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host,
     }
     param_desc(&d, pd, pd->name, MT_DT_F32, host);
     MT_CHECK(read_whole(r, &d));
-    MT_CHECK(be->upload(be, dev_tmp, host, (size_t)n * 4));
-    return be->act_from_f32(be, p->w, dev_tmp, n);
+    /* through the scratch in pieces of tmp_n elements (element-wise) */
+    for (int64_t k = 0; k < n; k += tmp_n) {
+        const int64_t c = n - k < tmp_n ? n - k : tmp_n;
+        MT_CHECK(be->upload(be, dev_tmp, (const float *)host + k, (size_t)c * 4));
+        MT_CHECK(be->act_from_f32(be, (char *)p->w + (size_t)k * mt_act_size(be), dev_tmp, c));
+    }
+    return MT_OK;
 }
 
 static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const scalars *sc,
@@ -486,7 +491,7 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     const mt_param_desc *pd = &p->d;
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
-    MT_CHECK(load_param(m, r, i, host, hs, o->tmp));
+    MT_CHECK(load_param(m, r, i, host, hs, o->tmp, o->tmp_n));
     if (o->off[i] < 0) return MT_OK; /* another rank keeps its state (ZeRO-1) */
     const int64_t off = o->off[i];
     const size_t mb = o->main == MT_MAIN_FP32 ? 4 : 2;
@@ -553,10 +558,11 @@ int mt_train_state_load_weights(mt_model *m, const mt_tensor_reader *r,
     void *host = malloc((size_t)mx * 4);
     float *hs = malloc((size_t)mxs * 4);
     float *dev = NULL;
-    int rc = host && hs ? m->be->alloc(m->be, (size_t)mx * 4, (void **)&dev)
+    const int64_t dn = mt_params_stage_elems(&m->table);
+    int rc = host && hs ? m->be->alloc(m->be, (size_t)dn * 4, (void **)&dev)
                         : MT_ERR(MT_ENOMEM, "loading weights: out of memory");
     for (int i = 0; i < m->table.n && rc == MT_OK; i++) {
-        rc = load_param(m, r, i, host, hs, dev);
+        rc = load_param(m, r, i, host, hs, dev, dn);
         if (progress) progress(ctx, i + 1, m->table.n);
     }
     if (rc == MT_OK) rc = m->be->sync(m->be);

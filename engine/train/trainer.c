@@ -45,6 +45,7 @@ void mt_trainer_model_opts(mt_model_opts *o, const mt_jobspec *j)
     o->seq_len = j->batch.seq_len;
     o->recompute_mla_up = j->precision.recompute_mla_up;
     o->recompute_moe_act = j->precision.recompute_moe_act;
+    o->grads_bf16 = j->precision.grads == 1;
     o->mtp_weight = j->loss.mtp_weight;
     o->aux_alpha = j->loss.aux_alpha;
     o->expert_align = 0;
@@ -203,7 +204,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     be->mem_stats(be, &in_use, &peak);
     const size_t wb = t->model->param_bytes, ob = mt_optimizer_state_bytes(t->opt);
     MT_LOGI("job %s: %d layers (+%d MTP), %lld parameters, %s recipe, main params %s, "
-            "%d micro-batch(es) of %d x %d per step, %.1f MB on %s (weights and gradients "
+            "gradients %s, %d micro-batch(es) of %d x %d per step, %.1f MB on %s (weights and gradients "
             "%.1f MB, optimizer state %.1f MB (ZeRO-1: %lld of %lld parameter elements, dp "
             "rank %d of %d), activations and workspace %.1f MB)",
             job->name, job->model.num_hidden_layers, job->model.num_nextn_predict_layers,
@@ -214,7 +215,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
             job->precision.main_params == MT_MAIN_FP32   ? "fp32"
             : job->precision.main_params == MT_MAIN_BF16 ? "bf16"
                                                          : "none",
-            t->accum, job->batch.micro_batch_size, job->batch.seq_len, in_use / 1e6, be->name,
+            t->model->grad_type == MT_C_BF16 ? "bf16" : "fp32", t->accum, job->batch.micro_batch_size, job->batch.seq_len, in_use / 1e6, be->name,
             wb / 1e6, ob / 1e6, (long long)t->opt->n_state, (long long)t->model->n_grad,
             t->dp_rank, t->dp_size, (double)(in_use - wb - ob) / 1e6);
     *out = t;

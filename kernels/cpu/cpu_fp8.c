@@ -257,7 +257,8 @@ static int cpu_dequant_blocks(mt_backend *be, float *w, const uint8_t *q, const 
 
 /* Per-segment problems of the forward / data-gradient FP8 GEMM:
  * C[r_g + i, :] = A_g B_g^T with VEC128 A scales and BLK128 B scales. */
-static void fp8_probs_rows(cpu_gemm_prob *pr, void *C, int c_f32, int ldc, const uint8_t *A,
+static void fp8_probs_rows(cpu_gemm_prob *pr, void *C, int c_f32, size_t ce, int ldc,
+                           const uint8_t *A,
                            const float *sa, const uint8_t *B, const float *sb, int64_t b_stride,
                            int64_t sb_stride, const int *rows, int G, int N, int K,
                            int accumulate)
@@ -269,7 +270,8 @@ static void fp8_probs_rows(cpu_gemm_prob *pr, void *C, int c_f32, int ldc, const
             .M = rows[g], .N = N, .K = K,
             .A8 = A + r * K, .a_rs = K, .a_cs = 1,
             .B8 = B + g * b_stride, .b_rs = K, .b_cs = 1,
-            .C = (float *)C + r * ldc, .c_f32 = c_f32, .ldc = ldc, .accumulate = accumulate,
+            .C = (char *)C + (size_t)(r * ldc) * ce, .c_f32 = c_f32, .ldc = ldc,
+            .accumulate = accumulate,
             .sa = sa + KB * r, .sa_ks = rows[g],
             .sb = sb + g * sb_stride, .sb_ks = 1, .sb_ndiv = MT_QTILE, .sb_ns = KB,
         };
@@ -278,7 +280,8 @@ static void fp8_probs_rows(cpu_gemm_prob *pr, void *C, int c_f32, int ldc, const
 
 /* Per-segment problems of the weight-gradient FP8 GEMM: both operands come
  * from quant_cols_t (A: [N, rows[g]], B: [K, rows[g]], VEC128 scales). */
-static void fp8_probs_reduce(cpu_gemm_prob *pr, void *C, int c_f32, int ldc, int64_t c_stride,
+static void fp8_probs_reduce(cpu_gemm_prob *pr, void *C, int c_f32, size_t ce, int ldc,
+                             int64_t c_stride,
                              const uint8_t *A, const float *sa, const uint8_t *B,
                              const float *sb, const int *rows, int G, int N, int K,
                              int accumulate)
@@ -289,7 +292,7 @@ static void fp8_probs_reduce(cpu_gemm_prob *pr, void *C, int c_f32, int ldc, int
             .M = N, .N = K, .K = rows[g],
             .A8 = A + N * r, .a_rs = rows[g], .a_cs = 1,
             .B8 = B + K * r, .b_rs = rows[g], .b_cs = 1,
-            .C = (float *)C + g * c_stride, .c_f32 = c_f32, .ldc = ldc,
+            .C = (char *)C + (size_t)(g * c_stride) * ce, .c_f32 = c_f32, .ldc = ldc,
             .accumulate = accumulate,
             .sa = sa + N * tb, .sa_ks = N,
             .sb = sb + K * tb, .sb_ks = K, .sb_ndiv = 1, .sb_ns = 1,
@@ -315,9 +318,11 @@ static int cpu_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc,
     cpu_gemm_prob *pr = calloc((size_t)G, sizeof *pr);
     if (!pr) return MT_ERR(MT_ENOMEM, "gemm_fp8: out of memory");
     if (reduce)
-        fp8_probs_reduce(pr, C, c_f32, ldc, c_stride, A, sa, B, sb, rows, G, N, K, accumulate);
+        fp8_probs_reduce(pr, C, c_f32, mt_c_size(be, c_f32), ldc, c_stride, A, sa, B, sb, rows,
+                         G, N, K, accumulate);
     else
-        fp8_probs_rows(pr, C, c_f32, ldc, A, sa, B, sb, b_stride, sb_stride, rows, G, N, K,
+        fp8_probs_rows(pr, C, c_f32, mt_c_size(be, c_f32), ldc, A, sa, B, sb, b_stride,
+                       sb_stride, rows, G, N, K,
                        accumulate);
     int rc = cpu_gemm_run(be, "gemm_fp8", pr, G);
     free(pr);

@@ -137,7 +137,18 @@ typedef struct gemm_bufs {
 static void store_tile(const mt_backend *be, const cpu_gemm_prob *p, int m0, int mb, int n0,
                        int nb, const float *acc, int ldacc)
 {
-    int fp8 = p->A8 != NULL, round = !p->c_f32 && be->round_bf16;
+    int fp8 = p->A8 != NULL, round = p->c_f32 == MT_C_ACT && be->round_bf16;
+    if (p->c_f32 == MT_C_BF16) { /* bf16 bits: add in fp32, round once */
+        for (int i = 0; i < mb; i++) {
+            const float *ar = acc + (int64_t)i * ldacc;
+            uint16_t *c = (uint16_t *)p->C + (int64_t)(m0 + i) * p->ldc + n0;
+            for (int j = 0; j < nb; j++) {
+                float v = fp8 ? ar[j] : p->alpha * ar[j];
+                c[j] = mt_bf16_from_f32(p->accumulate ? mt_bf16_to_f32(c[j]) + v : v);
+            }
+        }
+        return;
+    }
     for (int i = 0; i < mb; i++) {
         const float *ar = acc + (int64_t)i * ldacc;
         float *c = (float *)p->C + (int64_t)(m0 + i) * p->ldc + n0;
@@ -312,7 +323,8 @@ static int cpu_gemm_grouped(mt_backend *be, int reduce, void *C, int c_f32, int 
     cpu_gemm_prob *pr = calloc((size_t)G, sizeof *pr);
     if (!pr) return MT_ERR(MT_ENOMEM, "gemm_grouped: out of memory");
     const float *a = A, *b = B;
-    float *c = C;
+    char *c = C;
+    const size_t ce = mt_c_size(be, c_f32); /* bytes of a C element */
     int64_t r = 0;
     if (!reduce) {
         /* C[r_g + i, :N] = A(r_g + i, :K) op(B_g) */
@@ -327,7 +339,8 @@ static int cpu_gemm_grouped(mt_backend *be, int reduce, void *C, int c_f32, int 
                 .M = rows[g], .N = N, .K = K,
                 .A = ta ? a + r : a + r * lda, .a_rs = ta ? 1 : lda, .a_cs = ta ? lda : 1,
                 .B = b + g * b_stride, .b_rs = tb ? 1 : ldb, .b_cs = tb ? ldb : 1,
-                .C = c + r * ldc, .c_f32 = c_f32, .ldc = ldc, .accumulate = accumulate,
+                .C = c + (size_t)(r * ldc) * ce, .c_f32 = c_f32, .ldc = ldc,
+                .accumulate = accumulate,
                 .alpha = alpha,
             };
         }
@@ -343,7 +356,8 @@ static int cpu_gemm_grouped(mt_backend *be, int reduce, void *C, int c_f32, int 
                 .M = N, .N = K, .K = rows[g],
                 .A = a + r * lda, .a_rs = 1, .a_cs = lda,
                 .B = b + r * ldb, .b_rs = 1, .b_cs = ldb,
-                .C = c + g * c_stride, .c_f32 = c_f32, .ldc = ldc, .accumulate = accumulate,
+                .C = c + (size_t)(g * c_stride) * ce, .c_f32 = c_f32, .ldc = ldc,
+                .accumulate = accumulate,
                 .alpha = alpha,
             };
         }

@@ -85,7 +85,7 @@ typedef struct cpu_gemm_prob {
     const float *A, *B;         /* float operands, or NULL */
     const uint8_t *A8, *B8;     /* e4m3 operands (gemm_fp8), or NULL */
     int64_t a_rs, a_cs, b_rs, b_cs;
-    void *C;                    /* act (c_f32 = 0) or f32 */
+    void *C;                    /* of type c_f32 (mt_c_type: act, f32, bf16 bits) */
     int c_f32, ldc, accumulate;
     float alpha;                /* float GEMM only */
     /* FP8 scales per 128-wide K tile kb:

@@ -44,8 +44,8 @@ static void rmsnorm_bwd_row(const mt_backend *be, float *dx, int accumulate, con
     }
 }
 
-static int cpu_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, float *dw,
-                           const void *dy, int lddy, const void *x, int ldx, const void *w,
+static int cpu_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, void *dw,
+                           int dw_type, const void *dy, int lddy, const void *x, int ldx, const void *w,
                            const float *rstd, int M, int D)
 {
     CPU_REQUIRE(M >= 0 && D >= 1, "rmsnorm_bwd: M=%d D=%d", M, D);
@@ -53,6 +53,7 @@ static int cpu_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, f
                 lddx, lddy, ldx, D);
     if (M == 0) return MT_OK;
     CPU_REQUIRE(dx && dw && dy && x && w && rstd, "rmsnorm_bwd: NULL pointer");
+    CPU_REQUIRE(dw_type == MT_C_F32 || dw_type == MT_C_BF16, "rmsnorm_bwd: dw_type=%d", dw_type);
     float *dxf = dx;
     const float *dyf = dy, *xf = x, *wf = w;
     int nt = cpu_team(be, (int64_t)M * D);
@@ -71,7 +72,14 @@ static int cpu_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, f
             double r = rstd[m];
             for (int j = 0; j < n; j++) acc[j] += (double)dyr[j] * xr[j] * r;
         }
-        for (int j = 0; j < n; j++) dw[k0 + j] = (float)((double)dw[k0 + j] + acc[j]);
+        if (dw_type == MT_C_BF16) {
+            uint16_t *d = (uint16_t *)dw + k0;
+            for (int j = 0; j < n; j++)
+                d[j] = mt_bf16_from_f32((float)((double)mt_bf16_to_f32(d[j]) + acc[j]));
+        } else {
+            float *d = (float *)dw + k0;
+            for (int j = 0; j < n; j++) d[j] = (float)((double)d[j] + acc[j]);
+        }
     }
     return MT_OK;
 }
@@ -142,20 +150,62 @@ static int cpu_embedding_fwd(mt_backend *be, void *y, const void *table, const i
 
 /* dtable[ids[m]] += dy[m], summed over m in order for every element:
  * threads split the columns, never the tokens. */
-static int cpu_embedding_bwd(mt_backend *be, float *dtable, const void *dy, const int32_t *ids,
-                             int M, int D)
+/* Orders rows by (id, row): the rows of one id in increasing m. */
+static int cmp_id_row(const void *a, const void *b)
+{
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* bf16 table: each id's rows are summed in fp32 in increasing m starting
+ * from the row's value, and the sum is rounded once (ops.h). */
+static int embedding_bwd_bf16(mt_backend *be, uint16_t *dtable, const float *dyf,
+                              const int32_t *ids, int M, int D)
+{
+    int64_t *key = malloc(sizeof *key * (size_t)M);
+    if (!key) return MT_ERR(MT_ENOMEM, "embedding_bwd: out of memory (%d ids)", M);
+    int nk = 0; /* rows of other ranks' vocabulary parts (ids < 0) are skipped */
+    for (int m = 0; m < M; m++)
+        if (ids[m] >= 0) key[nk++] = (int64_t)ids[m] << 32 | (int64_t)m;
+    M = nk;
+    qsort(key, (size_t)M, sizeof *key, cmp_id_row);
+    int chunks = mt_ceil_div(D, COL_CHUNK);
+#pragma omp parallel for num_threads(cpu_team(be, (int64_t)M * D))
+    for (int ch = 0; ch < chunks; ch++) {
+        int k0 = ch * COL_CHUNK, n = D - k0 < COL_CHUNK ? D - k0 : COL_CHUNK;
+        float acc[COL_CHUNK];
+        for (int i = 0; i < M;) {
+            const int64_t id = key[i] >> 32;
+            uint16_t *dst = dtable + id * D + k0;
+            for (int j = 0; j < n; j++) acc[j] = mt_bf16_to_f32(dst[j]);
+            for (; i < M && key[i] >> 32 == id; i++) {
+                const float *src = dyf + (key[i] & 0xffffffff) * D + k0;
+                for (int j = 0; j < n; j++) acc[j] += src[j];
+            }
+            for (int j = 0; j < n; j++) dst[j] = mt_bf16_from_f32(acc[j]);
+        }
+    }
+    free(key);
+    return MT_OK;
+}
+
+static int cpu_embedding_bwd(mt_backend *be, void *dtable, int dt_type, const void *dy,
+                             const int32_t *ids, int M, int D)
 {
     CPU_REQUIRE(M >= 0 && D >= 1, "embedding_bwd: M=%d D=%d", M, D);
     if (M == 0) return MT_OK;
     CPU_REQUIRE(dtable && dy && ids, "embedding_bwd: NULL pointer");
+    CPU_REQUIRE(dt_type == MT_C_F32 || dt_type == MT_C_BF16, "embedding_bwd: dt_type=%d",
+                dt_type);
     const float *dyf = dy;
+    if (dt_type == MT_C_BF16) return embedding_bwd_bf16(be, dtable, dyf, ids, M, D);
     int chunks = mt_ceil_div(D, COL_CHUNK);
 #pragma omp parallel for num_threads(cpu_team(be, (int64_t)M * D))
     for (int ch = 0; ch < chunks; ch++) {
         int k0 = ch * COL_CHUNK, n = D - k0 < COL_CHUNK ? D - k0 : COL_CHUNK;
         for (int m = 0; m < M; m++) {
             if (ids[m] < 0) continue; /* another rank's part of the vocabulary */
-            float *dst = dtable + (int64_t)ids[m] * D + k0;
+            float *dst = (float *)dtable + (int64_t)ids[m] * D + k0;
             const float *src = dyf + (int64_t)m * D + k0;
             for (int j = 0; j < n; j++) dst[j] += src[j];
         }

@@ -8,7 +8,7 @@
  * then the chunk sums in order: the result does not depend on threads. */
 #define SUMSQ_CHUNK 65536
 
-static int cpu_sumsq(mt_backend *be, float *out, const float *g, int64_t n)
+static int cpu_sumsq(mt_backend *be, float *out, const void *g, int g_bf16, int64_t n)
 {
     CPU_REQUIRE(n >= 0, "sumsq: n=%lld is negative", (long long)n);
     CPU_REQUIRE(out != NULL && (n == 0 || g != NULL), "sumsq: NULL pointer");
@@ -18,7 +18,18 @@ static int cpu_sumsq(mt_backend *be, float *out, const float *g, int64_t n)
 #pragma omp parallel for num_threads(cpu_team(be, n))
     for (int64_t c = 0; c < chunks; c++) {
         int64_t i0 = c * SUMSQ_CHUNK, len = n - i0 < SUMSQ_CHUNK ? n - i0 : SUMSQ_CHUNK;
-        part[c] = cpu_dot_f64(g + i0, g + i0, len);
+        if (g_bf16) {
+            const uint16_t *gb = (const uint16_t *)g + i0;
+            double acc = 0;
+            for (int64_t i = 0; i < len; i++) {
+                const double x = mt_bf16_to_f32(gb[i]);
+                acc += x * x;
+            }
+            part[c] = acc;
+        } else {
+            const float *gf = (const float *)g + i0;
+            part[c] = cpu_dot_f64(gf, gf, len);
+        }
     }
     double s = 0;
     for (int64_t c = 0; c < chunks; c++) s += part[c];
@@ -51,8 +62,14 @@ static inline float adamw_one(const mt_adamw_hp *hp, float p, uint16_t *m, uint1
     return p - hp->lr * upd;
 }
 
+/* Gradient element i (f32, or bf16 bits when hp->grad_bf16). */
+static inline float grad_at(const mt_adamw_hp *hp, const void *grad, int64_t i)
+{
+    return hp->grad_bf16 ? mt_bf16_to_f32(((const uint16_t *)grad)[i]) : ((const float *)grad)[i];
+}
+
 static int cpu_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                     const float *grad, int64_t n, const mt_adamw_hp *hp)
+                     const void *grad, int64_t n, const mt_adamw_hp *hp)
 {
     CPU_REQUIRE(n >= 0, "adamw: n=%lld is negative", (long long)n);
     CPU_REQUIRE(hp != NULL, "adamw: hp is NULL");
@@ -64,18 +81,20 @@ static int cpu_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t 
         uint16_t *pb = p;
 #pragma omp parallel for num_threads(cpu_team(be, n))
         for (int64_t i = 0; i < n; i++)
-            pb[i] = mt_bf16_from_f32(adamw_one(hp, mt_bf16_to_f32(pb[i]), m + i, v + i, grad[i]));
+            pb[i] = mt_bf16_from_f32(adamw_one(hp, mt_bf16_to_f32(pb[i]), m + i, v + i,
+                                             grad_at(hp, grad, i)));
     } else {
         float *pf = p;
 #pragma omp parallel for num_threads(cpu_team(be, n))
-        for (int64_t i = 0; i < n; i++) pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad[i]);
+        for (int64_t i = 0; i < n; i++)
+            pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad_at(hp, grad, i));
     }
     return MT_OK;
 }
 
 /* The reference: the three ops in sequence (ops.h defines the fused op so). */
 static int cpu_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                         const float *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
+                         const void *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
                          float *s, uint8_t *qt, float *st)
 {
     CPU_REQUIRE(N >= 1 && K >= 1, "adamw_fp8: N=%d K=%d", N, K);

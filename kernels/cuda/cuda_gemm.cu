@@ -12,7 +12,8 @@
  *    block scales are expanded to per-row scales (the same value for the
  *    128 rows of a block: the products are unchanged); weight-gradient
  *    operands are 1x128 already. D is our C in place, bf16 or fp32, with
- *    beta = 1 to accumulate.
+ *    beta = 1 to accumulate (a bf16 gradient accumulator, precision.grads
+ *    bf16, is such a C: cuBLASLt adds in fp32 and rounds D once).
  *  - swapped: our activations (1x128) as its A against our BLK128x128
  *    weights as its B; the column-major result is C^T, written in fp32 to
  *    scratch and transposed into C by a kernel.
@@ -431,6 +432,7 @@ static int cuda_gemm(mt_backend *be, void *C, int c_f32, int ldc, const void *A,
 {
     CUDA_REQUIRE(M >= 0 && N >= 0 && K >= 0, "gemm: negative size M=%d N=%d K=%d", M, N, K);
     CUDA_REQUIRE(C && (K == 0 || (A && B)), "gemm: NULL operand");
+    c_f32 = c_f32 == MT_C_F32; /* a bf16 C is the act type here */
     cuda_impl *c = cuda_of(be);
     return run_bf16(be, c->stream, c->lt_ws[0], C, c_f32, ldc, A, lda, ta, B, ldb, tb, M, N, K,
                     alpha, accumulate);
@@ -497,6 +499,7 @@ static int cuda_gemm_grouped(mt_backend *be, int reduce, void *C, int c_f32, int
     int total;
     MT_CHECK(mt_segments_total("gemm_grouped", rows, G, &total));
     CUDA_REQUIRE(C && A && B, "gemm_grouped: NULL operand");
+    c_f32 = c_f32 == MT_C_F32; /* a bf16 C is the act type here */
     const size_t ce = c_f32 ? 4 : 2;
     fanout f;
     MT_CHECK(fan_begin(be, G, 0, &f));
@@ -557,6 +560,7 @@ static int cuda_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc
     int total;
     MT_CHECK(mt_segments_total("gemm_fp8", rows, G, &total));
     CUDA_REQUIRE(C && A && sa && B && sb, "gemm_fp8: NULL operand");
+    c_f32 = c_f32 == MT_C_F32; /* a bf16 C is the act type here */
     cuda_impl *c = cuda_of(be);
     const size_t ce = c_f32 ? 4 : 2;
     const int KB = (K + 127) / 128;

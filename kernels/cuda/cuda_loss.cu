@@ -243,14 +243,16 @@ static int cuda_xent_part_finish(mt_backend *be, float *loss, void *logits, cons
 
 /* part[p] = sum of g[i]^2 (double) over i in [p * len, min(n, (p + 1) len)). */
 __global__ void __launch_bounds__(SUMSQ_THREADS)
-sumsq_part_kernel(double *__restrict__ part, const float *__restrict__ g, int64_t n, int64_t len)
+sumsq_part_kernel(double *__restrict__ part, const void *__restrict__ g, int g_bf16, int64_t n,
+                  int64_t len)
 {
     __shared__ double sh[32];
     const int64_t i0 = (int64_t)blockIdx.x * len;
     const int64_t i1 = min(n, i0 + len);
     double acc = 0.0;
     for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
-        double v = (double)g[i];
+        double v = g_bf16 ? (double)__bfloat162float(((const bf16 *)g)[i])
+                          : (double)((const float *)g)[i];
         acc += v * v;
     }
     acc = cu_block_sum(acc, sh);
@@ -268,7 +270,7 @@ sumsq_final_kernel(float *__restrict__ out, const double *__restrict__ part, int
     if (threadIdx.x == 0) out[0] = (float)acc;
 }
 
-static int cuda_sumsq(mt_backend *be, float *out, const float *g, int64_t n)
+static int cuda_sumsq(mt_backend *be, float *out, const void *g, int g_bf16, int64_t n)
 {
     CUDA_REQUIRE(n >= 0, "sumsq: n=%lld is negative", (long long)n);
     CUDA_REQUIRE(out != NULL && (n == 0 || g != NULL), "sumsq: NULL pointer");
@@ -283,7 +285,7 @@ static int cuda_sumsq(mt_backend *be, float *out, const float *g, int64_t n)
     P = (n + len - 1) / len;
     double *part = (double *)cuda_scratch(be, sizeof(double) * (size_t)P);
     if (!part) return mt_err_wrap(MT_ENOMEM, "sumsq: %lld partial sums", (long long)P);
-    sumsq_part_kernel<<<(unsigned)P, SUMSQ_THREADS, 0, st>>>(part, g, n, len);
+    sumsq_part_kernel<<<(unsigned)P, SUMSQ_THREADS, 0, st>>>(part, g, g_bf16, n, len);
     CUDA_LAUNCH_CHECK("sumsq");
     sumsq_final_kernel<<<1, 1024, 0, st>>>(out, part, (int)P);
     CUDA_LAUNCH_CHECK("sumsq");
@@ -339,6 +341,25 @@ __device__ __forceinline__ float adamw_val(const mt_adamw_hp &hp, float p, uint1
     return __fsub_rn(p, __fmul_rn(hp.lr, upd));
 }
 
+/* Gradient element i: f32, or bf16 bits when hp.grad_bf16. */
+__device__ __forceinline__ float grad_at(const mt_adamw_hp &hp, const void *g, int64_t i)
+{
+    return hp.grad_bf16 ? loss_bf16_val(((const uint16_t *)g)[i]) : ((const float *)g)[i];
+}
+
+/* Four gradient elements from one 16-byte (f32) or 8-byte (bf16) load. */
+__device__ __forceinline__ void grad_at4(const mt_adamw_hp &hp, const void *g, int64_t i, float *x)
+{
+    if (hp.grad_bf16) {
+        const uint2 w = *(const uint2 *)((const uint16_t *)g + i);
+        x[0] = loss_bf16_val((uint16_t)w.x), x[1] = loss_bf16_val((uint16_t)(w.x >> 16));
+        x[2] = loss_bf16_val((uint16_t)w.y), x[3] = loss_bf16_val((uint16_t)(w.y >> 16));
+    } else {
+        const float4 w = *(const float4 *)((const float *)g + i);
+        x[0] = w.x, x[1] = w.y, x[2] = w.z, x[3] = w.w;
+    }
+}
+
 __device__ __forceinline__ float adamw_one(const mt_adamw_hp &hp, float p, uint16_t *m,
                                            uint16_t *v, float grad)
 {
@@ -349,12 +370,11 @@ __device__ __forceinline__ float adamw_one(const mt_adamw_hp &hp, float p, uint1
  * element arithmetic is adamw_one's, so results are bit-identical. */
 __device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, void *p, int p_bf16,
                                            uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                                           const float *__restrict__ grad, int64_t i)
+                                           const void *__restrict__ grad, int64_t i)
 {
     float pv[4], gv[4];
     uint16_t mv[4], vv[4];
-    const float4 g4 = *(const float4 *)(grad + i);
-    gv[0] = g4.x, gv[1] = g4.y, gv[2] = g4.z, gv[3] = g4.w;
+    grad_at4(hp, grad, i, gv);
     const uint2 m2 = *(const uint2 *)(m + i), v2 = *(const uint2 *)(v + i);
     mv[0] = (uint16_t)m2.x, mv[1] = (uint16_t)(m2.x >> 16), mv[2] = (uint16_t)m2.y, mv[3] = (uint16_t)(m2.y >> 16);
     vv[0] = (uint16_t)v2.x, vv[1] = (uint16_t)(v2.x >> 16), vv[2] = (uint16_t)v2.y, vv[3] = (uint16_t)(v2.y >> 16);
@@ -384,7 +404,7 @@ __device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, void *p, int p
 /* Groups of 4 elements with 16-byte loads when every array is aligned for
  * it (vec), else one element per thread. */
 __global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                             const float *__restrict__ grad, int64_t n, mt_adamw_hp hp, int vec)
+                             const void *__restrict__ grad, int64_t n, mt_adamw_hp hp, int vec)
 {
     if (vec) {
         for (int64_t i4 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i4 < n / 4;
@@ -395,10 +415,11 @@ __global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint
         if (i < n) {
             if (p_bf16) {
                 uint16_t *pb = (uint16_t *)p;
-                pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i, grad[i]));
+                pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i,
+                                                      grad_at(hp, grad, i)));
             } else {
                 float *pf = (float *)p;
-                pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad[i]);
+                pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad_at(hp, grad, i));
             }
         }
         return;
@@ -407,16 +428,17 @@ __global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint
          i += (int64_t)gridDim.x * blockDim.x) {
         if (p_bf16) {
             uint16_t *pb = (uint16_t *)p;
-            pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i, grad[i]));
+            pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i,
+                                                      grad_at(hp, grad, i)));
         } else {
             float *pf = (float *)p;
-            pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad[i]);
+            pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad_at(hp, grad, i));
         }
     }
 }
 
 static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                      const float *grad, int64_t n, const mt_adamw_hp *hp)
+                      const void *grad, int64_t n, const mt_adamw_hp *hp)
 {
     CUDA_REQUIRE(n >= 0, "adamw: n=%lld is negative", (long long)n);
     CUDA_REQUIRE(hp != NULL, "adamw: hp is NULL");
@@ -425,7 +447,7 @@ static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t
     CUDA_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw: bias corrections bc1=%g bc2=%g must be > 0",
                  hp->bc1, hp->bc2);
     const int vec = ((uintptr_t)p % (p_bf16 ? 8 : 16)) == 0 && (uintptr_t)m % 8 == 0 &&
-                    (uintptr_t)v % 8 == 0 && (uintptr_t)grad % 16 == 0;
+                    (uintptr_t)v % 8 == 0 && (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0;
     adamw_kernel<<<cuda_grid(vec ? (n + 3) / 4 : n, 256), 256, 0, cuda_stream(be)>>>(
         p, p_bf16, m, v, grad, n, *hp, vec);
     CUDA_LAUNCH_CHECK("adamw");
@@ -468,7 +490,7 @@ __device__ __forceinline__ uint2 aq_pack_u16x4(const uint16_t *h)
 
 __device__ __forceinline__ void adamw_fp8_full_block(
     void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-    const float *__restrict__ grad, int N, int K, int NB, int KB, int nb, int kb,
+    const void *__restrict__ grad, int N, int K, int NB, int KB, int nb, int kb,
     const mt_adamw_hp &hp,
     uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
     float *__restrict__ st, uint8_t (*tile)[MT_QTILE + 4], float *sh)
@@ -490,8 +512,7 @@ __device__ __forceinline__ void adamw_fp8_full_block(
                 const float4 w = *(const float4 *)(pf + i);
                 pv[jj][0] = w.x, pv[jj][1] = w.y, pv[jj][2] = w.z, pv[jj][3] = w.w;
             }
-            const float4 g = *(const float4 *)(grad + i);
-            gv[jj][0] = g.x, gv[jj][1] = g.y, gv[jj][2] = g.z, gv[jj][3] = g.w;
+            grad_at4(hp, grad, i, gv[jj]);
             mv[jj] = *(const uint2 *)(m + i);
             vv[jj] = *(const uint2 *)(v + i);
         }
@@ -556,7 +577,7 @@ __device__ __forceinline__ void adamw_fp8_full_block(
 
 __global__ void __launch_bounds__(256)
 adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                 const float *__restrict__ grad, int N, int K, int NB, int KB, mt_adamw_hp hp,
+                 const void *__restrict__ grad, int N, int K, int NB, int KB, mt_adamw_hp hp,
                  uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
                  float *__restrict__ st, int vec)
 {
@@ -588,7 +609,7 @@ adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__rest
                 pv[jj] = p_bf16 ? loss_bf16_val(pb[i]) : pf[i];
                 mv[jj] = m[i];
                 vv[jj] = v[i];
-                gv[jj] = grad[i];
+                gv[jj] = grad_at(hp, grad, i);
             }
 #pragma unroll
             for (int jj = 0; jj < AQ_CHUNK; jj++) {
@@ -627,7 +648,7 @@ adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__rest
 }
 
 static int cuda_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                          const float *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
+                          const void *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
                           float *s, uint8_t *qt, float *st)
 {
     CUDA_REQUIRE(N >= 1 && K >= 1, "adamw_fp8: N=%d K=%d", N, K);
@@ -639,8 +660,8 @@ static int cuda_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint
     /* 16-byte accesses need K % 4 == 0 (row starts), N % 4 == 0 (qt rows)
      * and aligned arrays */
     const int vec = K % 4 == 0 && N % 4 == 0 && (uintptr_t)p % (p_bf16 ? 8 : 16) == 0 &&
-                    (uintptr_t)grad % 16 == 0 && (uintptr_t)m % 8 == 0 && (uintptr_t)v % 8 == 0 &&
-                    (uintptr_t)q % 4 == 0 && (uintptr_t)qt % 4 == 0;
+                    (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0 && (uintptr_t)m % 8 == 0 &&
+                    (uintptr_t)v % 8 == 0 && (uintptr_t)q % 4 == 0 && (uintptr_t)qt % 4 == 0;
     adamw_fp8_kernel<<<(unsigned)((int64_t)NB * KB), 256, 0, cuda_stream(be)>>>(
         p, p_bf16, m, v, grad, N, K, NB, KB, *hp, q, s, qt, st, vec);
     CUDA_LAUNCH_CHECK("adamw_fp8");

@@ -20,7 +20,8 @@
  *   embedding_bwd      stable radix sort of (id, row) pairs (CUB, scratch),
  *                      then one block per distinct id adding its rows into
  *                      dtable in increasing row order: the CPU's order, so
- *                      the f32 sums are bit-identical
+ *                      the f32 sums are bit-identical (a bf16 dtable: the
+ *                      same f32 sum from the row's value, rounded once)
  */
 #include <cub/device/device_radix_sort.cuh>
 
@@ -105,15 +106,22 @@ rmsnorm_bwd_dw_part_kernel(double *__restrict__ part, const bf16 *__restrict__ d
     part[(int64_t)rc * D + k] = acc;
 }
 
-/* dw[k] = dw[k] + sum_rc part[rc, k] (chunks in order). */
-__global__ void rmsnorm_bwd_dw_sum_kernel(float *__restrict__ dw, const double *__restrict__ part,
-                                          int RC, int D)
+/* dw[k] = dw[k] + sum_rc part[rc, k] (chunks in order); a bf16 dw gets
+ * the float sum rounded to bf16, as the CPU. */
+__global__ void rmsnorm_bwd_dw_sum_kernel(void *__restrict__ dw, int dw_bf16,
+                                          const double *__restrict__ part, int RC, int D)
 {
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= D) return;
     double acc = 0.0;
     for (int rc = 0; rc < RC; rc++) acc += part[(int64_t)rc * D + k];
-    dw[k] = (float)((double)dw[k] + acc);
+    if (dw_bf16) {
+        bf16 *d = (bf16 *)dw;
+        d[k] = __float2bfloat16_rn((float)((double)__bfloat162float(d[k]) + acc));
+    } else {
+        float *d = (float *)dw;
+        d[k] = (float)((double)d[k] + acc);
+    }
 }
 
 /* Row chunks of the dw reduction: at most 64 (bounds the scratch to
@@ -121,8 +129,8 @@ __global__ void rmsnorm_bwd_dw_sum_kernel(float *__restrict__ dw, const double *
 #define DW_MAX_CHUNKS 64
 #define DW_MIN_ROWS 32
 
-static int cuda_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, float *dw,
-                            const void *dy, int lddy, const void *x, int ldx, const void *w,
+static int cuda_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, void *dw,
+                            int dw_type, const void *dy, int lddy, const void *x, int ldx, const void *w,
                             const float *rstd, int M, int D)
 {
     CUDA_REQUIRE(M >= 0 && D >= 1, "rmsnorm_bwd: M=%d D=%d", M, D);
@@ -130,6 +138,7 @@ static int cuda_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, 
                  "rmsnorm_bwd: lddx=%d lddy=%d ldx=%d < D=%d", lddx, lddy, ldx, D);
     if (M == 0) return MT_OK;
     CUDA_REQUIRE(dx && dw && dy && x && w && rstd, "rmsnorm_bwd: NULL pointer");
+    CUDA_REQUIRE(dw_type == MT_C_F32 || dw_type == MT_C_BF16, "rmsnorm_bwd: dw_type=%d", dw_type);
     cudaStream_t st = cuda_stream(be);
     int rows_per = mt_ceil_div(M, DW_MAX_CHUNKS);
     if (rows_per < DW_MIN_ROWS) rows_per = DW_MIN_ROWS;
@@ -146,8 +155,8 @@ static int cuda_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, 
                                                               (const bf16 *)x, ldx, rstd, M, D,
                                                               rows_per);
     CUDA_LAUNCH_CHECK("rmsnorm_bwd");
-    rmsnorm_bwd_dw_sum_kernel<<<mt_ceil_div(D, NORM_THREADS), NORM_THREADS, 0, st>>>(dw, part, RC,
-                                                                                     D);
+    rmsnorm_bwd_dw_sum_kernel<<<mt_ceil_div(D, NORM_THREADS), NORM_THREADS, 0, st>>>(
+        dw, dw_type == MT_C_BF16, part, RC, D);
     CUDA_LAUNCH_CHECK("rmsnorm_bwd");
     return MT_OK;
 }
@@ -333,7 +342,8 @@ __global__ void iota_kernel(int32_t *v, int n)
 /* Block j handles sorted position j if it starts a run of equal ids: for
  * each column, dtable[id, k] += dy[m, k] for the run's rows m in increasing
  * order (the sort is stable), one float add at a time as the CPU. */
-__global__ void embedding_bwd_kernel(float *__restrict__ dtable, const bf16 *__restrict__ dy,
+__global__ void embedding_bwd_kernel(void *__restrict__ dtable, int dt_bf16,
+                                     const bf16 *__restrict__ dy,
                                      const int32_t *__restrict__ key, const int32_t *__restrict__ row,
                                      int M, int D)
 {
@@ -342,20 +352,25 @@ __global__ void embedding_bwd_kernel(float *__restrict__ dtable, const bf16 *__r
     if (id < 0 || (j > 0 && key[j - 1] == id)) return;
     int end = j + 1;
     while (end < M && key[end] == id) end++;
-    float *dst = dtable + (int64_t)id * D;
     for (int k = threadIdx.x; k < D; k += blockDim.x) {
-        float acc = dst[k];
+        const int64_t e = (int64_t)id * D + k;
+        float acc = dt_bf16 ? __bfloat162float(((bf16 *)dtable)[e]) : ((float *)dtable)[e];
         for (int i = j; i < end; i++) acc += cuda_ld(dy, (int64_t)row[i] * D + k);
-        dst[k] = acc;
+        if (dt_bf16)
+            ((bf16 *)dtable)[e] = __float2bfloat16_rn(acc); /* one rounding per call */
+        else
+            ((float *)dtable)[e] = acc;
     }
 }
 
-static int cuda_embedding_bwd(mt_backend *be, float *dtable, const void *dy, const int32_t *ids,
-                              int M, int D)
+static int cuda_embedding_bwd(mt_backend *be, void *dtable, int dt_type, const void *dy,
+                              const int32_t *ids, int M, int D)
 {
     CUDA_REQUIRE(M >= 0 && D >= 1, "embedding_bwd: M=%d D=%d", M, D);
     if (M == 0) return MT_OK;
     CUDA_REQUIRE(dtable && dy && ids, "embedding_bwd: NULL pointer");
+    CUDA_REQUIRE(dt_type == MT_C_F32 || dt_type == MT_C_BF16, "embedding_bwd: dt_type=%d",
+                 dt_type);
     cudaStream_t st = cuda_stream(be);
     size_t temp = 0;
     MT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs((void *)NULL, temp, (const int32_t *)NULL,
@@ -373,7 +388,8 @@ static int cuda_embedding_bwd(mt_backend *be, float *dtable, const void *dy, con
     CUDA_LAUNCH_CHECK("embedding_bwd");
     MT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(tmp, temp, ids, key, (const int32_t *)row_in,
                                                   row, M, 0, 32, st));
-    embedding_bwd_kernel<<<M, 128, 0, st>>>(dtable, (const bf16 *)dy, key, row, M, D);
+    embedding_bwd_kernel<<<M, 128, 0, st>>>(dtable, dt_type == MT_C_BF16, (const bf16 *)dy, key,
+                                            row, M, D);
     CUDA_LAUNCH_CHECK("embedding_bwd");
     return MT_OK;
 }

@@ -227,7 +227,8 @@ PROF(gemm,
       int ldb, int tb, int M, int N, int K, float alpha, int acc),
      (be, C, c_f32, ldc, A, lda, ta, B, ldb, tb, M, N, K, alpha, acc),
      kind = W_BF16; w = 2.0 * M * N * K;
-     SHAPE("M=%d N=%d K=%d t%d%d%s%s", M, N, K, ta, tb, c_f32 ? " f32" : "", acc ? " +=" : ""))
+     SHAPE("M=%d N=%d K=%d t%d%d%s%s", M, N, K, ta, tb,
+           c_f32 == MT_C_F32 ? " f32" : c_f32 == MT_C_BF16 ? " bf16" : "", acc ? " +=" : ""))
 PROF(gemm_grouped,
      (mt_backend *be, int reduce, void *C, int c_f32, int ldc, int64_t c_stride, const void *A,
       int lda, int ta, const void *B, int ldb, int tb, int64_t b_stride, const int *rows, int G,
@@ -263,9 +264,9 @@ PROF(rmsnorm_fwd,
       int D, float eps),
      (be, y, ldy, rstd, x, ldx, wt, M, D, eps), kind = W_BYTES; w = 4.0 * M * D; SHAPE("%dx%d", M, D))
 PROF(rmsnorm_bwd,
-     (mt_backend *be, void *dx, int lddx, int acc, float *dw, const void *dy, int lddy,
-      const void *x, int ldx, const void *wt, const float *rstd, int M, int D),
-     (be, dx, lddx, acc, dw, dy, lddy, x, ldx, wt, rstd, M, D),
+     (mt_backend *be, void *dx, int lddx, int acc, void *dw, int dw_type, const void *dy,
+      int lddy, const void *x, int ldx, const void *wt, const float *rstd, int M, int D),
+     (be, dx, lddx, acc, dw, dw_type, dy, lddy, x, ldx, wt, rstd, M, D),
      kind = W_BYTES; w = 2.0 * M * D * (3 + acc); SHAPE("%dx%d%s", M, D, acc ? " +=" : ""))
 PROF(swiglu_fwd, (mt_backend *be, void *h, const void *gu, int M, int F), (be, h, gu, M, F),
      kind = W_BYTES; w = 6.0 * M * F; SHAPE("%dx%d", M, F))
@@ -273,8 +274,9 @@ PROF(swiglu_bwd, (mt_backend *be, void *dgu, const void *dh, const void *gu, int
      (be, dgu, dh, gu, M, F), kind = W_BYTES; w = 10.0 * M * F; SHAPE("%dx%d", M, F))
 PROF(embedding_fwd, (mt_backend *be, void *y, const void *table, const int32_t *ids, int M, int D),
      (be, y, table, ids, M, D), kind = W_BYTES; w = 4.0 * M * D; SHAPE("%dx%d", M, D))
-PROF(embedding_bwd, (mt_backend *be, float *dt, const void *dy, const int32_t *ids, int M, int D),
-     (be, dt, dy, ids, M, D), kind = W_BYTES; w = 10.0 * M * D; SHAPE("%dx%d", M, D))
+PROF(embedding_bwd,
+     (mt_backend *be, void *dt, int dt_type, const void *dy, const int32_t *ids, int M, int D),
+     (be, dt, dt_type, dy, ids, M, D), kind = W_BYTES; w = 10.0 * M * D; SHAPE("%dx%d", M, D))
 PROF(rope,
      (mt_backend *be, void *x, int N, int T, int H, int ld, int hs, int off, int R,
       const float *cos_t, const float *sin_t, int interleave, int inverse),
@@ -343,19 +345,21 @@ PROF(xent,
      (mt_backend *be, float *loss, void *logits, const int32_t *tgt, int M, int V, int ignore,
       float gs),
      (be, loss, logits, tgt, M, V, ignore, gs), kind = W_BYTES; w = 4.0 * M * V; SHAPE("%dx%d", M, V))
-PROF(sumsq, (mt_backend *be, float *out, const float *g, int64_t n), (be, out, g, n),
-     kind = W_BYTES; w = 4.0 * n)
+PROF(sumsq, (mt_backend *be, float *out, const void *g, int g_bf16, int64_t n),
+     (be, out, g, g_bf16, n), kind = W_BYTES; w = (g_bf16 ? 2.0 : 4.0) * n)
 PROF(scale_f32, (mt_backend *be, float *x, int64_t n, float a), (be, x, n, a),
      kind = W_BYTES; w = 8.0 * n)
 PROF(adamw,
-     (mt_backend *be, void *pp, int p_bf16, uint16_t *m, uint16_t *v, const float *grad, int64_t n,
+     (mt_backend *be, void *pp, int p_bf16, uint16_t *m, uint16_t *v, const void *grad, int64_t n,
       const mt_adamw_hp *hp),
-     (be, pp, p_bf16, m, v, grad, n, hp), kind = W_BYTES; w = (p_bf16 ? 16.0 : 20.0) * n)
+     (be, pp, p_bf16, m, v, grad, n, hp), kind = W_BYTES;
+     w = ((p_bf16 ? 16.0 : 20.0) - (hp->grad_bf16 ? 2.0 : 0.0)) * n)
 PROF(adamw_fp8,
-     (mt_backend *be, void *pp, int p_bf16, uint16_t *m, uint16_t *v, const float *grad, int N,
+     (mt_backend *be, void *pp, int p_bf16, uint16_t *m, uint16_t *v, const void *grad, int N,
       int K, const mt_adamw_hp *hp, uint8_t *q, float *s, uint8_t *qt, float *st),
      (be, pp, p_bf16, m, v, grad, N, K, hp, q, s, qt, st),
-     kind = W_BYTES; w = (p_bf16 ? 18.0 : 22.0) * N * K; SHAPE("%s", p_bf16 ? "bf16 main" : "f32 main"))
+     kind = W_BYTES; w = ((p_bf16 ? 18.0 : 22.0) - (hp->grad_bf16 ? 2.0 : 0.0)) * N * K;
+     SHAPE("%s%s", p_bf16 ? "bf16 main" : "f32 main", hp->grad_bf16 ? " bf16 grads" : ""))
 PROF(act_from_f32_sr, (mt_backend *be, void *dst, const float *src, int64_t n, uint64_t seed),
      (be, dst, src, n, seed), kind = W_BYTES; w = 6.0 * n)
 PROF(quant_blocks_sr,

@@ -251,7 +251,7 @@ typedef struct optim_ctx {
 static void run_optim(void *p)
 {
     optim_ctx *o = p;
-    mt_adamw_hp hp = {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.5f, 1.0f};
+    mt_adamw_hp hp = {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.5f, 1.0f, 0};
     if (o->fused) {
         CK(be->adamw_fp8(be, o->p, 0, o->m, o->v, o->g, o->N, o->K, &hp, o->q, o->s, o->qt, o->st));
         return;
