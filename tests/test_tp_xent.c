@@ -132,8 +132,8 @@ int main(int argc, char **argv)
     MUST(mt_tp_sum(&c, y, (int64_t)NT * ND));
     CHECK(memcmp(y, y_ref, sizeof(float) * NT * ND) == 0,
           "vocabulary-parallel embedding differs from the plain lookup");
-    MUST(be->embedding_bwd(be, dt_ref, dy, ids, NT, ND));
-    MUST(be->embedding_bwd(be, dt, dy, lids, NT, ND));
+    MUST(be->embedding_bwd(be, dt_ref, MT_C_F32, dy, ids, NT, ND));
+    MUST(be->embedding_bwd(be, dt, MT_C_F32, dy, lids, NT, ND));
     CHECK(memcmp(dt, dt_ref + (size_t)v_lo * ND, sizeof(float) * Vl * ND) == 0,
           "embedding gradient rows [%d, %d) differ from the plain gradient's", v_lo, v_lo + Vl);
 
