@@ -130,6 +130,7 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
             .dp = l->dp > 1 ? j->groups.g[MT_GROUP_DP] : NULL,
             .ep = l->ep > 1 ? j->groups.g[MT_GROUP_EP] : NULL,
             .edp = l->ep > 1 ? j->groups.g[MT_GROUP_EDP] : NULL,
+            .pp = l->pp > 1 ? j->groups.g[MT_GROUP_PP] : NULL,
         };
         rc = mt_trainer_create_in(&j->trainer, &j->spec, j->be, &tg);
         if (rc == MT_OK) j->trainer->rank = rt->rank; /* train.fault.rank */

@@ -10,14 +10,29 @@
 
 /* ---- layout against the model ------------------------------------------------- */
 
-int mt_layout_stage_of_layer(const mt_layout *l, const mt_model_config *c, int layer)
+void mt_layout_chunk_layers(const mt_layout *l, const mt_model_config *c, int chunk, int *lo,
+                            int *hi)
 {
     const int L = c->num_hidden_layers, C = mt_layout_chunks(l);
-    if (layer >= L) return mt_layout_stage_of_chunk(l, C - 1);
-    /* chunk k holds layers [k * L / C, (k + 1) * L / C) */
-    for (int k = 0; k < C; k++)
-        if (layer < (int)((int64_t)(k + 1) * L / C)) return mt_layout_stage_of_chunk(l, k);
-    return mt_layout_stage_of_chunk(l, C - 1);
+    /* balanced: chunk k holds layers [k * L / C, (k + 1) * L / C) */
+    *lo = (int)((int64_t)chunk * L / C);
+    *hi = (int)((int64_t)(chunk + 1) * L / C);
+}
+
+int mt_layout_chunk_of_layer(const mt_layout *l, const mt_model_config *c, int layer)
+{
+    const int C = mt_layout_chunks(l);
+    for (int k = 0; k < C; k++) {
+        int lo, hi;
+        mt_layout_chunk_layers(l, c, k, &lo, &hi);
+        if (layer < hi) return k;
+    }
+    return C - 1; /* MTP layers: the last chunk */
+}
+
+int mt_layout_stage_of_layer(const mt_layout *l, const mt_model_config *c, int layer)
+{
+    return mt_layout_stage_of_chunk(l, mt_layout_chunk_of_layer(l, c, layer));
 }
 
 /* ---- parameter classes ---------------------------------------------------------- */

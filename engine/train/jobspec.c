@@ -274,13 +274,17 @@ static int check_layout(const mt_jobspec *j)
 
 int mt_jobspec_check_runnable(const mt_layout *l)
 {
-    static const char *const name[3] = {"tp", "pp", "etp"};
-    const int v[3] = {l->tp, l->pp, l->etp};
-    for (int i = 0; i < 3; i++)
+    static const char *const name[2] = {"tp", "etp"};
+    const int v[2] = {l->tp, l->etp};
+    for (int i = 0; i < 2; i++)
         if (v[i] != 1)
-            return MT_ERR(MT_ENOTSUP, "parallel.%s: %d: the trainer runs data and expert "
-                          "parallelism only so far (tensor and pipeline parallelism are not "
-                          "implemented); use tp = pp = etp = 1", name[i], v[i]);
+            return MT_ERR(MT_ENOTSUP, "parallel.%s: %d: the trainer runs data, pipeline and "
+                          "expert parallelism only so far (tensor parallelism is not "
+                          "implemented); use tp = etp = 1", name[i], v[i]);
+    if (l->pp > 1 && l->ep > 1)
+        return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.ep %d: pipeline and expert "
+                      "parallelism together are not implemented yet; use one of them", l->pp,
+                      l->ep);
     return MT_OK;
 }
 

@@ -24,9 +24,22 @@
  * sums; expert loads I64 sums over dp (each token is routed once, on its
  * own rank), hence the router bias update; the sequence-wise balance loss
  * is per sequence, so local. The norm is the same on every rank, so the
- * clip and the NaN/Inf skip agree everywhere. Tensor and pipeline
- * parallelism are not in the trainer yet: a layout that needs them is
- * refused.
+ * clip and the NaN/Inf skip agree everywhere.
+ *
+ * Pipeline parallelism (parallel.pp > 1, engine/train/pipeline.h): the
+ * model holds this stage's chunks only and the executor runs the step's
+ * schedule table; every stage reads the micro-batches (the first embeds
+ * them, the last takes the targets). Reductions over the pp group, after
+ * the dp ones: the LM and MTP losses (from the last stage) and the aux
+ * loss (each stage's MoE layers) are F64 sums, so every rank logs the
+ * global loss; the gradient sum of squares is an F64 sum of each stage's
+ * part (the last stage's embedding replica counted once), so the global
+ * norm, the clip and the NaN/Inf skip agree on every stage; with MTP or
+ * tied embeddings the embedding's gradient is summed (F32) between the
+ * first stage and the replica on the last one, so both apply the same
+ * update. Expert loads and the router bias update stay with the stage
+ * owning the layer. Tensor parallelism is not in the trainer yet, nor
+ * pipeline with expert parallelism: those layouts are refused.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
@@ -64,6 +77,7 @@
 #include "engine/train/optimizer.h"
 #include "engine/parallel/comm.h"
 #include "engine/train/spike.h"
+#include "engine/train/pipeline.h"
 
 #define MT_TRAINER_MAX_SINKS 8
 
@@ -109,6 +123,12 @@ typedef struct mt_trainer {
     int n_gseg;
     struct mt_grad_seg *gseg;     /* [n_gseg] runs of dense / expert gradients in buf_grad */
     float *sumsq_dev;             /* f32 [1] backend scratch */
+    /* pipeline parallelism (pp > 1) */
+    mt_comm *pp;                  /* pipeline group, not owned */
+    mt_comm *emb;                 /* first + last stage, for the embedding replica; owned */
+    mt_pipeline *pipe;            /* the executor's plan of this stage */
+    mt_mb_stats *mb_stats;        /* [accum] */
+    int64_t batch_first;          /* sample index of the step's first micro-batch here */
     /* operations (issue 20) */
     int rank;                     /* world rank, for train.fault.rank (set by the runtime) */
     mt_spike_detector spike;
@@ -138,6 +158,7 @@ void mt_trainer_destroy(mt_trainer *t);
  * CUDA (expert parallelism: CPU backend with host groups for now). */
 typedef struct mt_trainer_groups {
     mt_comm *dp, *ep, *edp;
+    mt_comm *pp;                  /* pipeline group (size parallel.pp), ordered by stage */
 } mt_trainer_groups;
 
 /* The same as a member of its groups (g NULL: one rank). The model is built
