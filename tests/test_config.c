@@ -474,9 +474,16 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
     /* a layout that fits the ranks and the model but that the trainer does
      * not run yet is refused too, naming the field */
     const char *bf16_tp2[] = {"parallel.tp=2", "precision.recipe=bf16"};
-    const char *tp_err[] = {"parallel.tp: 2: the trainer runs data and expert parallelism only",
-                            NULL};
+    const char *tp_err[] = {"parallel.tp: 2: the trainer runs data, pipeline and expert "
+                            "parallelism only", NULL};
     expect_admission(4, bf16_tp2, 2, tp_err, NULL);
+    /* pipeline parallelism runs, but not with expert parallelism yet */
+    const char *pp2[] = {"parallel.pp=2", "batch.micro_batch_size=1"};
+    expect_admission(2, pp2, 2, NULL, &j);
+    assert_int_equal(j.parallel.dp, 1);
+    const char *pp2ep2[] = {"parallel.pp=2", "parallel.ep=2", "batch.micro_batch_size=1"};
+    const char *ppep_err[] = {"parallel.pp 2 with parallel.ep 2", NULL};
+    expect_admission(4, pp2ep2, 3, ppep_err, NULL);
     /* the batch must divide over the derived dp: 8 sequences, mbs 4, dp 4 */
     const char *dp4_err[] = {"batch.global_batch_size: 8 is not divisible by "
                              "batch.micro_batch_size 4 x data-parallel size 4", NULL};
