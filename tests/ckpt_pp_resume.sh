@@ -5,7 +5,9 @@
 # with MTP (fp32 recipe), 6 steps, checkpoints after step 3:
 #   - saved at pp = 2 (1F1B), resumed at pp = 1, and at pp = 2 vpp = 2
 #     (interleaved: other chunks per stage);
-#   - saved at pp = 1, resumed at pp = 2 (DualPipeV);
+#   - saved at pp = 1, resumed at pp = 2 (DualPipeV), and at pp = 2 with
+#     parallel.pp_layers 3,1;
+#   - saved at pp = 2 with parallel.pp_layers 1,3, resumed at pp = 1;
 # steps 4-6 log losses and gradient norms within 1e-5 (relative) of the
 # uninterrupted run that saved the checkpoint: the stages hold the layers
 # the sharding map places (the embedding replica of the last stage written
@@ -64,6 +66,13 @@ check pp2 pp2_on_vpp2 "pp=2 -> pp=2 vpp=2 interleaved"
 run 2 pp1_on2 "${from1[@]}" --set parallel.pp=2 --set parallel.vpp=2 \
     --set parallel.schedule=dualpipev
 check one pp1_on2 "pp=1 -> pp=2 DualPipeV"
+# an explicit stage layout (1 + 3 layers) saves and resumes like any other
+run 2 pp2l --set parallel.pp=2 --set parallel.pp_layers=1,3 --set checkpoint.dir="$tmp/ck2l" \
+    --set checkpoint.interval=3
+run 1 pp2l_on1 --set init.kind=checkpoint --set init.path="$tmp/ck2l/step_00000003"
+check pp2l pp2l_on1 "pp=2 with pp_layers 1,3 -> pp=1"
+run 2 pp1_on2l "${from1[@]}" --set parallel.pp=2 --set parallel.pp_layers=3,1
+check one pp1_on2l "pp=1 -> pp=2 with pp_layers 3,1"
 echo "step loss grad_norm: pp=1 | pp=2 | pp=2->1 | pp=2->vpp2 | pp=1->DualPipeV (steps 4-6)"
 paste -d'|' <(losses "$tmp/one.jsonl" 4) <(losses "$tmp/pp2.jsonl" 4) \
     <(losses "$tmp/pp2_on1.jsonl") <(losses "$tmp/pp2_on_vpp2.jsonl") <(losses "$tmp/pp1_on2.jsonl")

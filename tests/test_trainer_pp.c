@@ -4,7 +4,10 @@
  * (dense layer 0, MoE 1-3) and MTP depth 1, the fp32 recipe, 4 micro-batches
  * per step, 3 steps. Each layout trains through the runtime and is compared
  * with the same job on one rank (run by each rank by itself):
- *   np 2: pp=2 1F1B; pp=2 vpp=2 interleaved; pp=2 DualPipeV
+ *   np 2: pp=2 1F1B; pp=2 vpp=2 interleaved; pp=2 DualPipeV; explicit
+ *         stage layouts (parallel.pp_layers): 1F1B with 1 + 3 layers,
+ *         DualPipeV with 0,2,2,0 (stage 0: the embedding and the head +
+ *         MTP only; stage 1: every decoder layer)
  *   np 4: pp=2 x dp=2 (1F1B); pp=4 1F1B (one layer per stage)
  * Properties:
  *   1. every rank logs the global loss and gradient norm of each step, equal
@@ -22,7 +25,8 @@
  *   3. the validation loss (forward only through the stages) equals one
  *      rank's within 1e-6 relative, on every rank;
  *   4. the stages hold disjoint parts of the model's decoder layers that
- *      cover them all, and the step reports a measured idle fraction in
+ *      cover them all (with parallel.pp_layers: as many as it gives each
+ *      stage), and the step reports a measured idle fraction in
  *      [0, 1] next to the table's predicted bubble.
  */
 #include <math.h>
@@ -71,7 +75,7 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                             "lr_schedule.warmup_steps=1", "data.valid_interval=1000",
                             "data.valid_batches=2", "train.log_interval=1000"};
     int n = 13;
-    char buf[256];
+    static char buf[256]; /* the sets point into it until mt_jobspec_load returns */
     snprintf(buf, sizeof buf, "%s", layout_sets);
     for (char *tok = strtok(buf, " "); tok && n < 16; tok = strtok(NULL, " ")) sets[n++] = tok;
     int rc = mt_jobspec_load(j, path, sets, n);
@@ -148,6 +152,16 @@ static void run_layout(mt_runtime *rt, const char *examples, const char *corpus,
     if (mt_comm_all_reduce(rt->world, have, sum, (size_t)L, MT_COMM_I32, MT_COMM_SUM) < 0)
         die("all_reduce", MT_EGENERIC);
     for (int l = 0; l < L; l++) CHECK(sum[l] == 1, "%s: layer %d is on %d stages", name, l, sum[l]);
+    /* an explicit stage layout is the one the stages hold */
+    const mt_layout *lay = &t->job.parallel;
+    if (lay->n_pp_layers > 0) {
+        int want = 0, held = 0;
+        for (int k = 0; k < lay->n_pp_layers; k++)
+            if (mt_layout_stage_of_chunk(lay, k) == t->pipe->stage) want += lay->pp_layers[k];
+        for (int l = 0; l < L; l++) held += t->model->local[l];
+        CHECK(held == want, "%s: stage %d holds %d decoder layers, parallel.pp_layers gives %d",
+              name, t->pipe->stage, held, want);
+    }
     free(have);
     free(sum);
     /* validation through the stages */
@@ -197,6 +211,12 @@ int main(int argc, char **argv)
                    "pp2-vpp2-interleaved");
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.schedule=dualpipev",
                    "pp2-dualpipev");
+        /* flexible stage layouts: 1 + 3 layers; DualPipeV with the embedding
+         * and the head + MTP in chunks of their own (no decoder layer) */
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.pp_layers=1,3",
+                   "pp2-layers-1,3");
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.schedule=dualpipev "
+                   "parallel.pp_layers=0,2,2,0", "pp2-dualpipev-layers-0,2,2,0");
     } else {
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.dp=2", "pp2xdp2-1f1b");
         run_layout(rt, argv[1], corpus, "parallel.pp=4 parallel.dp=1", "pp4-1f1b");

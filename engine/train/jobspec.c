@@ -43,6 +43,9 @@ static const mt_field job_fields[] = {
     I("parallel.etp", parallel.etp, "1", 1, 1024, "expert tensor parallel size"),
     I("parallel.dp", parallel.dp, "0", 0, 1 << 20, "data parallel size; 0: world/(tp*pp)"),
     E("parallel.schedule", parallel.schedule, "1f1b", mt_pp_schedule_names, "pipeline schedule"),
+    S("parallel.pp_layers", pp_layers, "",
+      "decoder layers of each pipeline chunk in chunk order, \"1,2,1\" (pp x vpp entries, "
+      "0 allowed: the embedding or the head and MTP alone); empty: balanced"),
     E("parallel.comm", comm, "auto", comm_names,
       "collectives: auto (cpu: mpi; cuda: nccl, or staged when ranks share a GPU), mpi "
       "(cuda: staged through host memory), nccl, staged, local (one rank)"),
@@ -127,7 +130,7 @@ static const mt_field job_fields[] = {
     I("train.fault.rank", train.fault.rank, "-1", -1, 1 << 20, "rank with the fault; -1: all"),
 };
 #define N_JOB_FIELDS ((int)(sizeof job_fields / sizeof job_fields[0]))
-_Static_assert(N_JOB_FIELDS == 61, "job spec field table changed: update docs and tests");
+_Static_assert(N_JOB_FIELDS == 62, "job spec field table changed: update docs and tests");
 
 static int is_abs(const char *p) { return p[0] == '/'; }
 
@@ -176,6 +179,34 @@ static int apply_set(json_t *job, json_t *model, const char *set)
     return mt_json_set_text(job, key, f, val, "");
 }
 
+/* parallel.pp_layers "a,b,c" into the layout (checked against the model
+ * with the layout: sharding.c, mt_layout_validate). */
+static int parse_pp_layers(mt_jobspec *j)
+{
+    mt_layout *l = &j->parallel;
+    l->n_pp_layers = 0;
+    const char *s = j->pp_layers;
+    while (*s == ' ') s++;
+    if (!*s) return MT_OK;
+    for (;;) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 0 || v > 1 << 20)
+            return MT_ERR(MT_EINVAL, "parallel.pp_layers: \"%s\" must be a comma-separated "
+                          "list of layer counts >= 0 (entry %d)", j->pp_layers, l->n_pp_layers);
+        if (l->n_pp_layers == MT_LAYOUT_MAX_CHUNKS)
+            return MT_ERR(MT_EINVAL, "parallel.pp_layers: more than %d entries",
+                          MT_LAYOUT_MAX_CHUNKS);
+        l->pp_layers[l->n_pp_layers++] = (int)v;
+        while (*end == ' ') end++;
+        if (!*end) return MT_OK;
+        if (*end != ',')
+            return MT_ERR(MT_EINVAL, "parallel.pp_layers: \"%s\" must be a comma-separated "
+                          "list of layer counts >= 0 (entry %d)", j->pp_layers, l->n_pp_layers);
+        s = end + 1;
+    }
+}
+
 int mt_jobspec_from_json(mt_jobspec *j, json_t *root, const char *base_dir,
                          const char *const *sets, int n_sets)
 {
@@ -219,6 +250,7 @@ int mt_jobspec_from_json(mt_jobspec *j, json_t *root, const char *base_dir,
     for (int i = 0; i < n_sets; i++) MT_GOTO(apply_set(job, model, sets[i]), out);
 
     MT_GOTO(mt_fields_parse(job_fields, N_JOB_FIELDS, j, job, "", 1, NULL), out);
+    MT_GOTO(parse_pp_layers(j), out);
     MT_GOTO(mt_config_from_json(&j->model, model, "model", model_strict), out);
     MT_GOTO(mt_jobspec_validate(j, 1), out);
 out:

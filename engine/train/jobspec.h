@@ -119,6 +119,8 @@ typedef struct mt_jobspec {
     char model_path[MT_PATH_CAP]; /* config.json the model came from, or "" (inline) */
     mt_model_config model;
     mt_layout parallel;         /* dp 0 until mt_jobspec_admit resolves it */
+    char pp_layers[1024];       /* parallel.pp_layers as written ("1,2,1"; "": balanced),
+                                   parsed into parallel.pp_layers */
     mt_comm_backend comm;       /* parallel.comm: the backend of the job's collectives */
     mt_precision precision;
     mt_optimizer_cfg optimizer;
