@@ -8,6 +8,7 @@
 #   - saved at pp = 1, resumed at pp = 2 (DualPipeV), and at pp = 2 with
 #     parallel.pp_layers 3,1;
 #   - saved at pp = 2 with parallel.pp_layers 1,3, resumed at pp = 1;
+#   - saved at pp = 2 x dp = 2 (4 ranks), resumed at pp = 1;
 # steps 4-6 log losses and gradient norms within 1e-5 (relative) of the
 # uninterrupted run that saved the checkpoint: the stages hold the layers
 # the sharding map places (the embedding replica of the last stage written
@@ -73,6 +74,10 @@ run 1 pp2l_on1 --set init.kind=checkpoint --set init.path="$tmp/ck2l/step_000000
 check pp2l pp2l_on1 "pp=2 with pp_layers 1,3 -> pp=1"
 run 2 pp1_on2l "${from1[@]}" --set parallel.pp=2 --set parallel.pp_layers=3,1
 check one pp1_on2l "pp=1 -> pp=2 with pp_layers 3,1"
+# pp x dp: the ZeRO-1 pieces of both stages (the replica's state too)
+run 4 ppdp --set parallel.pp=2 --set checkpoint.dir="$tmp/ckpd" --set checkpoint.interval=3
+run 1 ppdp_on1 --set init.kind=checkpoint --set init.path="$tmp/ckpd/step_00000003"
+check ppdp ppdp_on1 "pp=2 x dp=2 -> pp=1"
 echo "step loss grad_norm: pp=1 | pp=2 | pp=2->1 | pp=2->vpp2 | pp=1->DualPipeV (steps 4-6)"
 paste -d'|' <(losses "$tmp/one.jsonl" 4) <(losses "$tmp/pp2.jsonl" 4) \
     <(losses "$tmp/pp2_on1.jsonl") <(losses "$tmp/pp2_on_vpp2.jsonl") <(losses "$tmp/pp1_on2.jsonl")

@@ -77,6 +77,15 @@ static int layers_of(const mt_pipeline *p, int c)
 
 /* ---- the walk ------------------------------------------------------------------------ */
 
+/* The table's tag folded into the communicator's range: two messages
+ * between the same stages share a tag only MT_COMM_MAX_TAG / 2 boundaries
+ * apart, far more than a stage keeps in flight, and MPI keeps the order of
+ * messages with the same tag. */
+static int msg_tag(const mt_sched_action *a, int n_chunks)
+{
+    return mt_sched_msg_tag(a, n_chunks) % MT_COMM_MAX_TAG;
+}
+
 static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backward,
                       mt_pipeline_batch_fn fn, void *ctx, mt_mb_stats *st, double *idle)
 {
@@ -85,7 +94,7 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
     if (mb < 0 || mb >= p->n_mb || c < 0 || c >= C || p->local_of[c] < 0)
         return MT_ERR(MT_EINVAL, "pipeline stage %d: action on micro-batch %d chunk %d is not "
                       "this stage's", p->stage, mb, c);
-    const int tag = mt_sched_msg_tag(a, C);
+    const int tag = msg_tag(a, C);
     const int next_local = c + 1 < C && p->local_of[c + 1] >= 0;
     const int prev_local = c > 0 && p->local_of[c - 1] >= 0;
     int slot;
@@ -300,7 +309,7 @@ static int forward_only(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch
                 const int from = mt_layout_stage_of_chunk(&p->layout, c - 1);
                 double t = now_s();
                 MT_CHECK(mt_comm_recv_tag(p->pp, sl->h[0], p->msg_bytes, MT_COMM_BYTE, from,
-                                          mt_sched_msg_tag(&ra, p->C)));
+                                          msg_tag(&ra, p->C)));
                 *idle += now_s() - t;
             } else if (c > 0) {
                 mt_chunk_slot *pv = &m->chunks[p->local_of[c - 1]].slots[0];
@@ -320,7 +329,7 @@ static int forward_only(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch
                 const mt_sched_action sa = {MT_SCHED_SEND_ACT, mb, c, -1};
                 MT_CHECK(mt_comm_isend(p->pp, sl->h[layers_of(p, c)], p->msg_bytes, MT_COMM_BYTE,
                                        mt_layout_stage_of_chunk(&p->layout, c + 1),
-                                       mt_sched_msg_tag(&sa, p->C)));
+                                       msg_tag(&sa, p->C)));
             }
         }
     return MT_OK;
