@@ -78,8 +78,8 @@ static void test_every_generated_table_passes_the_checker(void **state)
             check_ok(&s);
             mt_schedule_free(&s);
             tables++;
-            for (int vpp = 2; vpp <= 4; vpp++)
-                if (n % pp == 0) {
+            for (int vpp = 1; vpp <= 4; vpp++)
+                if (n % pp == 0 || vpp == 1) {
                     build_ok(&s, pp, vpp, MT_PP_INTERLEAVED, n);
                     check_ok(&s);
                     mt_schedule_free(&s);
@@ -133,6 +133,36 @@ static void test_every_chunk_runs_every_micro_batch_once_forward_and_backward(vo
     mt_schedule_free(&s);
 }
 
+static void test_dualpipev_pairs_forward_and_backward_of_its_two_chunks_when_steady(
+    void **state)
+{
+    /* phase 4: N - 2 pp + st + 1 rounds of F(a)&B(z), F(z)&B(a); phase 5:
+     * pp - st - 1 of B(z), F(z)&B(a) */
+    (void)state;
+    const int P = 4, N = 10;
+    mt_schedule s;
+    build_ok(&s, P, 2, MT_PP_DUALPIPEV, N);
+    for (int st = 0; st < P; st++) {
+        int pairs = 0;
+        for (int i = 0; i < s.n_actions[st]; i++) {
+            int j = mt_schedule_pair(&s, st, i);
+            if (j < 0) continue;
+            pairs++;
+            const mt_sched_action *f = &s.actions[st][i], *b = &s.actions[st][j];
+            assert_int_equal(f->op, MT_SCHED_FWD);
+            assert_int_equal(b->op, MT_SCHED_BWD);
+            assert_int_not_equal(f->chunk, b->chunk);
+            /* the forward runs a later micro-batch than the backward */
+            assert_true(f->mb > b->mb);
+        }
+        assert_int_equal(pairs, 2 * (N - 2 * P + st + 1) + (P - st - 1));
+    }
+    mt_schedule_free(&s);
+    build_ok(&s, P, 1, MT_PP_1F1B, N); /* no pairs outside DualPipeV */
+    for (int i = 0; i < s.n_actions[0]; i++) assert_int_equal(mt_schedule_pair(&s, 0, i), -1);
+    mt_schedule_free(&s);
+}
+
 static void test_one_stage_runs_forward_then_backward_per_micro_batch(void **state)
 {
     /* pp = 1: the trainer's order, F then B per micro-batch, no messages */
@@ -166,6 +196,15 @@ static void test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards(void **sta
     (void)state;
     mt_schedule s;
     build_ok(&s, 4, 1, MT_PP_1F1B, 8);
+    /* interleaved with one chunk per stage is the same table */
+    mt_schedule t;
+    build_ok(&t, 4, 1, MT_PP_INTERLEAVED, 8);
+    for (int st = 0; st < 4; st++) {
+        assert_int_equal(t.n_actions[st], s.n_actions[st]);
+        assert_memory_equal(t.actions[st], s.actions[st],
+                            (size_t)s.n_actions[st] * sizeof(mt_sched_action));
+    }
+    mt_schedule_free(&t);
     for (int st = 0; st < 4; st++) {
         int fwd = 0;
         for (int i = 0; i < s.n_actions[st] && s.actions[st][i].op != MT_SCHED_BWD; i++)
@@ -445,17 +484,25 @@ static void test_dualpipev_bubble_is_below_1f1b_at_the_same_sizes(void **state)
      * (2F, 2B) against DualPipeV's two chunks of (F, B) per stage - the
      * fractions compare directly. */
     (void)state;
+    /* also with other backward / weight splits and a p2p latency */
+    const mt_sched_costs other[4] = {
+        {1, 3, 1.5, 1.5, 0}, {1, 2, 1.5, 0.5, 0}, {1, 1, 0.5, 0.5, 0}, {1, 2, 1, 1, 0.3}};
     mt_sched_costs c;
     mt_sched_costs_default(&c);
-    mt_sched_costs c2 = {2 * c.f, 2 * c.b, 2 * c.b_in, 2 * c.w, 0};
     for (int pp = 2; pp <= 8; pp++)
         for (int n = 2 * pp; n <= 4 * pp; n++) {
             mt_schedule v, o;
             build_ok(&v, pp, 2, MT_PP_DUALPIPEV, n);
             build_ok(&o, pp, 1, MT_PP_1F1B, n);
-            double bv = bubble_of(&v, &c), bo = bubble_of(&o, &c2);
-            if (!(bv < bo)) fprintf(stderr, "pp %d n %d: dualpipev %.4f 1f1b %.4f\n", pp, n, bv, bo);
-            assert_true(bv < bo);
+            for (int k = -1; k < 4; k++) {
+                const mt_sched_costs *ck = k < 0 ? &c : &other[k];
+                mt_sched_costs c2 = {2 * ck->f, 2 * ck->b, 2 * ck->b_in, 2 * ck->w, ck->p2p};
+                double bv = bubble_of(&v, ck), bo = bubble_of(&o, &c2);
+                if (!(bv < bo))
+                    fprintf(stderr, "pp %d n %d costs %d: dualpipev %.4f 1f1b %.4f\n", pp, n, k,
+                            bv, bo);
+                assert_true(bv < bo);
+            }
             /* at most (pp - 1) (F + B) idle per stage, at least (pp - 1) F
              * (the last stage waits for the first forward to arrive) */
             mt_sched_sim sim;
@@ -534,6 +581,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_generated_table_passes_the_checker),
         cmocka_unit_test(test_every_chunk_runs_every_micro_batch_once_forward_and_backward),
+        cmocka_unit_test(test_dualpipev_pairs_forward_and_backward_of_its_two_chunks_when_steady),
         cmocka_unit_test(test_one_stage_runs_forward_then_backward_per_micro_batch),
         cmocka_unit_test(test_1f1b_warms_up_with_pp_minus_stage_minus_one_forwards),
         cmocka_unit_test(test_send_and_receive_of_one_message_share_its_tag),

@@ -88,7 +88,8 @@ int main(int argc, char **argv)
         } else if (!strcmp(a, "--schedule")) {
             for (int k = 0; mt_pp_schedule_names[k]; k++)
                 if (!strcmp(v, mt_pp_schedule_names[k])) sched = k;
-            if (sched < 0) return usage_error("--schedule is 1f1b, interleaved or dualpipev, not ", v);
+            if (sched < 0)
+                return usage_error("--schedule is 1f1b, interleaved or dualpipev, not ", v);
         } else if (!strcmp(a, "--costs")) {
             double k[5] = {0, 0, 0, 0, 0};
             char tail;
@@ -99,7 +100,8 @@ int main(int argc, char **argv)
         } else if (!strcmp(a, "--unit")) {
             char *end;
             unit = strtod(v, &end);
-            if (end == v || *end || unit <= 0) return usage_error("--unit needs a number > 0, not ", v);
+            if (end == v || *end || unit <= 0)
+                return usage_error("--unit needs a number > 0, not ", v);
         } else {
             return usage_error("unknown option ", a);
         }

@@ -271,7 +271,7 @@ int mt_schedule_build(mt_schedule *s, const mt_layout *l, int n_mb)
     if (l->schedule == MT_PP_DUALPIPEV && l->vpp != 2)
         return MT_ERR(MT_EINVAL, "pipeline schedule dualpipev places 2 chunks per stage (a V), "
                       "not vpp %d", l->vpp);
-    if (l->pp > 1 && l->schedule == MT_PP_INTERLEAVED && n_mb % l->pp != 0)
+    if (l->pp > 1 && l->schedule == MT_PP_INTERLEAVED && l->vpp > 1 && n_mb % l->pp != 0)
         return MT_ERR(MT_EINVAL, "pipeline schedule interleaved needs the micro-batches (%d) to be "
                       "a multiple of pp %d", n_mb, l->pp);
     if (l->pp > 1 && l->schedule == MT_PP_DUALPIPEV && n_mb < 2 * l->pp)
@@ -295,7 +295,7 @@ int mt_schedule_build(mt_schedule *s, const mt_layout *l, int n_mb)
         b.stage = st;
         b.cap = 0;
         if (s->pp == 1) gen_one_stage(&b);
-        else if (s->kind == MT_PP_1F1B) gen_1f1b(&b, st);
+        else if (s->kind == MT_PP_1F1B || s->vpp == 1) gen_1f1b(&b, st); /* interleaved, 1 chunk */
         else if (s->kind == MT_PP_INTERLEAVED) gen_interleaved(&b, st);
         else gen_dualpipev(&b, st, wq);
     }
@@ -308,6 +308,19 @@ int mt_schedule_build(mt_schedule *s, const mt_layout *l, int n_mb)
                         : MT_ERR(MT_ENOMEM, "pipeline schedule: out of memory");
     }
     return MT_OK;
+}
+
+int mt_schedule_pair(const mt_schedule *s, int stage, int i)
+{
+    if (s->kind != MT_PP_DUALPIPEV || s->pp < 2 || stage < 0 || stage >= s->pp || i < 0 ||
+        i >= s->n_actions[stage] || s->actions[stage][i].op != MT_SCHED_FWD)
+        return -1;
+    const mt_sched_action *a = s->actions[stage];
+    for (int j = i + 1; j < s->n_actions[stage]; j++) {
+        if (a[j].op >= MT_SCHED_SEND_ACT) continue; /* messages between the two */
+        return a[j].op == MT_SCHED_BWD && a[j].chunk != a[i].chunk ? j : -1;
+    }
+    return -1;
 }
 
 /* ---- names and tags --------------------------------------------------------------- */
@@ -435,7 +448,7 @@ static int run_stages(const mt_schedule *s, const mt_sched_costs *c, double **st
 
 int mt_schedule_check(const mt_schedule *s, char *err, size_t cap)
 {
-    char scratch[16];
+    char scratch[512]; /* err NULL: the message still reaches mt_errmsg() */
     if (!err || cap == 0) {
         err = scratch;
         cap = sizeof scratch;

@@ -28,6 +28,13 @@
  *     (mb, c - 1) on stage(c - 1). Both ends of a message get the same
  *     mt_sched_msg_tag; messages between two stages are matched by that tag,
  *     never by arrival order alone.
+ * Receives are the only blocking points and each names its message, so
+ * whether a table finishes does not depend on timing (a Kahn network): the
+ * checker's one run proves it for every run. A send that can block until
+ * the peer receives (NCCL point-to-point, MPI_Ssend) breaks the model: the
+ * executor must post sends asynchronously (their own stream, or isend), or
+ * 1F1B itself deadlocks (stage 0 sending mb 1 while stage 1 sends mb 0's
+ * gradient).
  *
  * Backward split (DualPipeV, zero-bubble): BWD_IN computes the gradient of
  * the chunk's input (what the previous chunk waits for) and keeps what the
@@ -78,7 +85,8 @@ typedef struct mt_schedule {
 
 /* Builds the table of layout l's schedule (l->pp, l->vpp, l->schedule) for
  * n_mb micro-batches. pp = 1: F then B of every chunk per micro-batch (the
- * one-rank order). 1F1B needs vpp = 1; interleaved needs n_mb % pp == 0;
+ * one-rank order). 1F1B needs vpp = 1; interleaved needs n_mb % pp == 0
+ * (with vpp = 1 it is 1F1B's table, any n_mb);
  * DualPipeV needs vpp = 2 and n_mb >= 2 pp when pp > 1. Errors (MT_EINVAL)
  * name the numbers. On success *s owns memory for mt_schedule_free. */
 int mt_schedule_build(mt_schedule *s, const mt_layout *l, int n_mb);
@@ -135,6 +143,14 @@ int mt_schedule_predict(const mt_schedule *s, const mt_sched_costs *c, double *b
  * the weight gradient still reads the saved inputs), counted in units of one
  * chunk's activations for one micro-batch. peak[pp]. */
 int mt_schedule_peak_in_flight(const mt_schedule *s, int *peak);
+
+/* DualPipeV's overlap pairs: when action i of `stage` is a forward that
+ * DualPipeV pairs with the backward of the stage's other chunk (its steady
+ * phase: F(a)&B(z), F(z)&B(a)), the index of that backward, else -1. An
+ * executor may run a pair's two computations concurrently, each hiding the
+ * other's communication; running them one after the other is also correct
+ * (the table's order). -1 for every action of other kinds. */
+int mt_schedule_pair(const mt_schedule *s, int stage, int i);
 
 /* Short names: "F", "B", "Bi", "W", "send_act", ... */
 const char *mt_sched_op_name(mt_sched_op op);
