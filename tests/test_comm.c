@@ -611,6 +611,91 @@ static void run_ops(mt_comm *c, int big, uint64_t seed)
     else FAIL("%sbarrier: %s", LABEL, mt_errmsg());
 }
 
+/* reduce_owned_start / gather_owned_start (ZeRO buckets): segments of
+ * counts 0, 1, odd and large, owners out of order (the last rank owns
+ * nothing), two requests in flight at once, waited in reverse order.
+ * Reduce: the owner holds the f32 rank-ordered sum of every rank's input,
+ * each rounded to bf16 first for the bf16 wire (in a group of one nothing
+ * is rounded), exactly; the other ranks' buffers are unchanged. Gather:
+ * every rank holds each segment's owner bytes. */
+#define N_SEG 6
+static void t_owned(mt_comm *c, uint64_t seed, int pattern)
+{
+    const int n = mt_comm_size(c), me = mt_comm_rank(c);
+    const size_t counts[N_SEG] = {7, 0, 1031, 1, 3, 257};
+    int owners[N_SEG]; /* pattern 0: every rank owns, descending; 1: the last rank owns nothing */
+    for (int k = 0; k < N_SEG; k++)
+        owners[k] = n == 1 ? 0 : pattern == 0 ? (k * 7 + 3) % n : (n - 2 - k % (n - 1) + n) % n;
+    for (int wi = 0; wi < 2; wi++) {
+        const mt_comm_dtype wire = wi ? MT_COMM_BF16 : MT_COMM_F32;
+        mt_comm_seg red[N_SEG], gat[N_SEG];
+        float *in[N_SEG];
+        unsigned char *gin[N_SEG];
+        for (int k = 0; k < N_SEG; k++) {
+            in[k] = malloc(counts[k] * 4 + 4);
+            gin[k] = malloc(counts[k] + 1);
+            gen(in[k], MT_COMM_F32, counts[k], seed + (uint64_t)k, me, 0, 0);
+            gen(gin[k], MT_COMM_BYTE, counts[k], seed + 50 + (uint64_t)k, me, 0, 0);
+            red[k] = (mt_comm_seg){buf_alloc(counts[k] * 4 + 4), counts[k], owners[k]};
+            gat[k] = (mt_comm_seg){buf_alloc(counts[k] + 1), counts[k], owners[k]};
+            buf_put(red[k].buf, in[k], counts[k] * 4);
+            buf_put(gat[k].buf, gin[k], counts[k]);
+        }
+        mt_comm_req *r1 = NULL, *r2 = NULL;
+        int rc = mt_comm_reduce_owned_start(c, red, N_SEG, wire, &r1);
+        if (rc == 0) rc = mt_comm_gather_owned_start(c, gat, N_SEG, &r2);
+        int done = 0;
+        if (rc == 0) rc = mt_comm_test(r1, &done);
+        if (rc == 0) rc = mt_comm_wait(r2);
+        if (rc == 0) rc = mt_comm_wait(r1);
+        if (rc) {
+            FAIL("%sowned ops (%s wire): %s", LABEL, mt_comm_dtype_name(wire), mt_errmsg());
+            return;
+        }
+        int bad = 0;
+        for (int k = 0; k < N_SEG && !bad; k++) {
+            float *got = malloc(counts[k] * 4 + 4), *x = malloc(counts[k] * 4 + 4);
+            unsigned char *gg = malloc(counts[k] + 1), *gx = malloc(counts[k] + 1);
+            buf_get(got, red[k].buf, counts[k] * 4);
+            buf_get(gg, gat[k].buf, counts[k]);
+            for (size_t i = 0; i < counts[k] && !bad; i++) {
+                float want = in[k][i];
+                if (owners[k] == me && n > 1) {
+                    for (int r = 0; r < n; r++) {
+                        gen(x, MT_COMM_F32, 1, seed + (uint64_t)k, r, i, 0);
+                        float v = wire == MT_COMM_BF16 ? mt_bf16_round(x[0]) : x[0];
+                        want = r == 0 ? v : want + v;
+                    }
+                }
+                if (memcmp(&want, &got[i], 4) != 0) {
+                    FAIL("%sreduce_owned (%s wire): segment %d element %zu is %.9g, expected %.9g "
+                         "(owner %d)", LABEL, mt_comm_dtype_name(wire), k, i, got[i], want,
+                         owners[k]);
+                    bad = 1;
+                }
+            }
+            gen(gx, MT_COMM_BYTE, counts[k], seed + 50 + (uint64_t)k, owners[k], 0, 0);
+            if (!bad && counts[k] && memcmp(gg, gx, counts[k]) != 0) {
+                FAIL("%sgather_owned: segment %d differs from its owner %d's bytes", LABEL, k,
+                     owners[k]);
+                bad = 1;
+            }
+            free(got), free(x), free(gg), free(gx);
+        }
+        if (!bad) n_pass++;
+        for (int k = 0; k < N_SEG; k++) {
+            free(in[k]), free(gin[k]);
+            buf_free(red[k].buf), buf_free(gat[k].buf);
+        }
+    }
+    /* argument errors name the op */
+    mt_comm_seg badseg = {NULL, 0, n};
+    mt_comm_req *r = NULL;
+    if (mt_comm_gather_owned_start(c, &badseg, 1, &r) == MT_EINVAL && strstr(mt_errmsg(), "gather_owned"))
+        n_pass++;
+    else FAIL("%sgather_owned with owner %d of %d ranks was not refused by name", LABEL, n, n);
+}
+
 /* split: color by parity of the rank (the last rank of an odd world
  * above 1 takes no part), key reverses the order. */
 static void t_split(mt_comm *c, uint64_t seed)
@@ -878,6 +963,8 @@ int main(int argc, char **argv)
                    MEM_DEVICE ? "device" : "host", mt_comm_size(C), mt_comm_rank_ordered(C));
         run_ops(C, !pass, seed + (uint64_t)pass);
         t_split(C, seed + 99);
+        t_owned(C, seed + 555, 0);
+        t_owned(C, seed + 556, 1);
         if (!pass) t_groups(C);
         t_agree_and_errors(C);
 #ifdef TEST_COMM_GPU

@@ -560,6 +560,12 @@ static int download_logits(mt_model *m, float *out, int64_t n)
     return rc;
 }
 
+/* The backward is done with layer `layer`'s gradients (mt_model_opts). */
+static int layer_grads_final(mt_model *m, int layer)
+{
+    return m->opts.on_layer_grads ? m->opts.on_layer_grads(m->opts.on_layer_grads_arg, layer) : MT_OK;
+}
+
 /* The one forward of training, validation and scoring, for chunk ci in
  * slot `slot`; `so` (scoring outputs) may be NULL. */
 static int chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int backward,
@@ -659,14 +665,18 @@ int mt_model_chunk_bwd(mt_model *m, int ci, int slot)
             void *dprev = k == 0 ? sl->dh : sl->dmtp[k - 1];
             const void *hprev = k == 0 ? sl->h[n] : sl->mtp[k - 1].hout;
             MT_CHECK(mt_mtp_bwd(c, p, m->embed, dprev, sl->dmtp[k], hprev));
+            MT_CHECK(layer_grads_final(m, p->block.layer));
         }
     }
-    for (int i = n - 1; i >= 0; i--)
+    for (int i = n - 1; i >= 0; i--) {
         MT_CHECK(mt_block_bwd(c, &sl->blocks[i], sl->dh, sl->dh, sl->h[i]));
+        MT_CHECK(layer_grads_final(m, sl->blocks[i].layer));
+    }
     if (ch->s.first) {
         mt_op_profile_mark(be, "bwd.embed");
         MT_CHECK(be->embedding_bwd(be, m->embed->grad, sl->dh, sl->ids, c->N,
                                    m->cfg.hidden_size));
+        MT_CHECK(layer_grads_final(m, -1));
     }
     return MT_OK;
 }

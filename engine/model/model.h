@@ -222,6 +222,17 @@ typedef struct mt_model_opts {
     const mt_stage *chunks;   /* [n_chunks] */
     const int *chunk_ids;     /* [n_chunks] */
     const int *chunk_slots;   /* [n_chunks] */
+    /* Optional: called in every backward once a layer's parameter
+     * gradients are final for the micro-batch, with the layer's index (the
+     * param table's: decoder layers 0..L-1, MTP modules L..), in the order
+     * the backward finishes them (MTP modules last to first, then the
+     * decoder layers last to first), and a last time with -1 after the
+     * embedding's backward (then every gradient is final). The data
+     * parallel trainer starts its gradient reductions here. A negative
+     * return ends the step with that status. Under a pipeline each chunk's
+     * backward reports its own layers (-1: the first chunk's embedding). */
+    int (*on_layer_grads)(void *arg, int layer);
+    void *on_layer_grads_arg;
 } mt_model_opts;
 
 /* Losses of one micro-batch (host). */

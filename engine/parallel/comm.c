@@ -481,3 +481,100 @@ int mt_comm_sync(mt_comm *c)
     if (rc < 0) return mt_err_wrap(rc, CTX_FMT "sync", CTX_ARGS(c));
     return MT_OK;
 }
+
+/* ---- nonblocking owner collectives ----------------------------------------------------- */
+
+int mt_comm_owned_plan_make(mt_comm_owned_plan *p, const mt_comm_seg *segs, int n, int size)
+{
+    memset(p, 0, sizeof *p);
+    p->n = n;
+    p->size = size;
+    p->total = calloc((size_t)size, sizeof *p->total);
+    p->pos = calloc((size_t)(n > 0 ? n : 1), sizeof *p->pos);
+    if (!p->total || !p->pos) {
+        mt_comm_owned_plan_free(p);
+        return MT_ERR(MT_ENOMEM, "out of memory for a plan of %d segments", n);
+    }
+    for (int k = 0; k < n; k++) {
+        p->pos[k] = p->total[segs[k].owner];
+        p->total[segs[k].owner] += segs[k].count;
+    }
+    return MT_OK;
+}
+
+void mt_comm_owned_plan_free(mt_comm_owned_plan *p)
+{
+    free(p->total);
+    free(p->pos);
+    p->total = p->pos = NULL;
+}
+
+static int check_segs(const mt_comm *c, const char *what, const mt_comm_seg *segs, int n)
+{
+    if (n < 0 || (n > 0 && !segs))
+        return MT_ERR(MT_EINVAL, CTX_FMT "%s: %d segments at %p", CTX_ARGS(c), what, n,
+                      (const void *)segs);
+    for (int k = 0; k < n; k++) {
+        MT_CHECK(check_rank(c, what, "owner", segs[k].owner));
+        MT_CHECK(check_buf(c, what, "segment buf", segs[k].buf, segs[k].count));
+    }
+    return MT_OK;
+}
+
+static int start_owned(mt_comm *c, const mt_comm_seg *segs, int n, int reduce, mt_comm_dtype wire,
+                       mt_comm_req **req)
+{
+    *req = NULL;
+    char what[80];
+    size_t total = 0;
+    for (int k = 0; k < n && segs; k++) total += segs[k].count;
+    snprintf(what, sizeof what, "%s_owned(%s, %d segments, %zu elements)",
+             reduce ? "reduce" : "gather", mt_comm_dtype_name(wire), n, total);
+    if (reduce && wire != MT_COMM_F32 && wire != MT_COMM_BF16)
+        return MT_ERR(MT_EINVAL, CTX_FMT "%s: the wire type must be f32 or bf16", CTX_ARGS(c),
+                      what);
+    MT_CHECK(check_segs(c, what, segs, n));
+    if (c->size == 1 || total == 0) return MT_OK; /* nothing moves, nothing is rounded */
+    const mt_comm_iface *f = c->iface;
+    int rc = reduce ? f->reduce_owned_start(c, segs, n, wire, req)
+                    : f->gather_owned_start(c, segs, n, req);
+    if (rc < 0) {
+        *req = NULL;
+        return mt_err_wrap(rc, CTX_FMT "%s", CTX_ARGS(c), what);
+    }
+    (*req)->c = c;
+    snprintf((*req)->what, sizeof (*req)->what, "%s", what);
+    return MT_OK;
+}
+
+int mt_comm_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
+                               mt_comm_req **req)
+{
+    return start_owned(c, segs, n, 1, wire, req);
+}
+
+int mt_comm_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req)
+{
+    return start_owned(c, segs, n, 0, MT_COMM_BYTE, req);
+}
+
+int mt_comm_test(mt_comm_req *r, int *done)
+{
+    *done = 1;
+    if (!r) return MT_OK;
+    int rc = r->test(r, done);
+    if (rc < 0) return mt_err_wrap(rc, CTX_FMT "%s: test", CTX_ARGS(r->c), r->what);
+    return MT_OK;
+}
+
+int mt_comm_wait(mt_comm_req *r)
+{
+    if (!r) return MT_OK;
+    mt_comm *c = r->c;
+    char what[80];
+    snprintf(what, sizeof what, "%s", r->what);
+    int rc = r->wait(r);
+    r->free(r);
+    if (rc < 0) return mt_err_wrap(rc, CTX_FMT "%s: wait", CTX_ARGS(c), what);
+    return finish(c, MT_OK, what);
+}

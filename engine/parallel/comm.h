@@ -218,6 +218,53 @@ int mt_comm_barrier(mt_comm *c);
  * when the all-reduce itself failed (then treat it as not agreed). */
 int mt_comm_agree(mt_comm *c, int ok);
 
+/* ---- nonblocking collectives over owned segments (ZeRO) -------------------------- */
+
+/* One piece of a bucket: `count` elements at `buf` (this rank's own
+ * pointer: the same piece lives at different addresses on different
+ * ranks), owned by rank `owner` of the group. Every rank passes the same
+ * list (counts, owners, order); the buffers must not be touched by the
+ * caller between start and wait. */
+typedef struct mt_comm_seg {
+    void *buf;
+    size_t count;
+    int owner;
+} mt_comm_seg;
+
+/* A started operation: completed (and freed) by mt_comm_wait. Several may
+ * be in flight on one communicator; every rank starts them in the same
+ * order. Other ops of the communicator may run meanwhile. */
+typedef struct mt_comm_req mt_comm_req;
+
+/* Reduce into the owners (a reduce-scatter whose blocks are the segments):
+ * for each segment, F32 buf[count] on its owner becomes the sum over the
+ * group's ranks of their buf; the others' buffers are left as they were.
+ * wire = F32 or BF16: the type each rank's contribution travels in. BF16:
+ * every contribution, the owner's own too, is rounded to BF16 (nearest
+ * even) and the sum is accumulated in F32 and stored in F32 (not rounded
+ * back). Sums are in rank order x_0 + x_1 + ... on every backend (nccl
+ * too: contributions go to the owner by send / recv and it adds them), so
+ * the result does not depend on the backend or on which rank owns what.
+ * A group of one (local) moves and rounds nothing. Volume per rank: sends
+ * (total - own) wire elements, receives (size - 1) x own. */
+int mt_comm_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
+                               mt_comm_req **req);
+
+/* Gather from the owners (an all-gather-v whose blocks are the segments):
+ * each segment's `count` BYTES on its owner land in every rank's buf.
+ * Volume per rank: sends (size - 1) x own bytes, receives total - own. */
+int mt_comm_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req);
+
+/* Lets a started operation progress without blocking (MPI progress for
+ * host backends); *done = 1 once it has completed (wait still frees it). */
+int mt_comm_test(mt_comm_req *r, int *done);
+
+/* Completes r and frees it; NULL is a no-op. Device communicators: the
+ * result is stream-ordered like any op of comm.h (the compute stream waits
+ * for it unless the communicator overlaps). On error the group is in an
+ * unknown state, as for any failed collective. */
+int mt_comm_wait(mt_comm_req *r);
+
 /* ---- device stream ordering (no-ops on host communicators) ------------------------ */
 
 /* The compute stream (a cudaStream_t) ops are ordered after and joined to. */

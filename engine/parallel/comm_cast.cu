@@ -55,3 +55,30 @@ extern "C" int mt_comm_cuda_narrow(void *dst, int bf16, const float *src, size_t
     MT_CUDA_CHECK(cudaGetLastError());
     return MT_OK;
 }
+
+/* dst[i] = rows[0][i] + rows[1][i] + ... in f32, in row order (the
+ * rank-ordered sum of comm.h); rows are bf16 or f32, `stride` elements
+ * apart. */
+__global__ void comm_sum_rows(float *dst, const void *rows, int bf16, int nrows, size_t stride,
+                              size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float a = 0.0f;
+        for (int r = 0; r < nrows; r++) {
+            const size_t j = (size_t)r * stride + i;
+            float x = bf16 ? __bfloat162float(((const __nv_bfloat16 *)rows)[j]) : ((const float *)rows)[j];
+            a = r == 0 ? x : __fadd_rn(a, x);
+        }
+        dst[i] = a;
+    }
+}
+
+extern "C" int mt_comm_cuda_sum_rows(float *dst, const void *rows, int bf16, int nrows,
+                                     size_t stride, size_t n, cudaStream_t stream)
+{
+    if (n == 0) return MT_OK;
+    comm_sum_rows<<<grid_for(n), 256, 0, stream>>>(dst, rows, bf16, nrows, stride, n);
+    MT_CUDA_CHECK(cudaGetLastError());
+    return MT_OK;
+}

@@ -40,5 +40,10 @@ int mt_comm_side_sync(mt_comm_side *s);
  * saturating at +-448), the conversions of kernels/mt_fp8.h. */
 int mt_comm_cuda_widen(float *dst, const void *src, int bf16, size_t n, cudaStream_t stream);
 int mt_comm_cuda_narrow(void *dst, int bf16, const float *src, size_t n, cudaStream_t stream);
+/* dst[n] (f32) = rows[0] + rows[1] + ... + rows[nrows - 1] summed in f32
+ * in row order (rows bf16 when bf16, else f32; row r at rows + r * stride
+ * elements): the owner's rank-ordered sum of comm.h's reduce_owned. */
+int mt_comm_cuda_sum_rows(float *dst, const void *rows, int bf16, int nrows, size_t stride,
+                          size_t n, cudaStream_t stream);
 
 #endif

@@ -43,6 +43,11 @@ typedef struct mt_comm_iface {
     /* *out NULL for MT_COMM_NO_COLOR */
     int (*split)(mt_comm *c, int color, int key, mt_comm **out);
     void (*destroy)(mt_comm *c);
+    /* nonblocking owner collectives (comm.h): wire F32 / BF16 for reduce,
+     * BYTE for gather. Arguments checked; n > 0. */
+    int (*reduce_owned_start)(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
+                              mt_comm_req **req);
+    int (*gather_owned_start)(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req);
     /* device backends; NULL on host backends */
     int (*join)(mt_comm *c);  /* compute stream waits for the ops issued so far */
     int (*sync)(mt_comm *c);  /* the host waits for them */
@@ -60,6 +65,30 @@ struct mt_comm {
     int overlap;         /* device: ops do not join the compute stream */
     void *ctx;           /* backend state */
 };
+
+/* Every backend's request starts with this header; test / wait / free
+ * come from the backend that made it. */
+struct mt_comm_req {
+    mt_comm *c;
+    char what[80];  /* the op, for error messages */
+    int (*test)(mt_comm_req *r, int *done);
+    int (*wait)(mt_comm_req *r);   /* completes; does not free */
+    void (*free)(mt_comm_req *r);
+};
+
+/* The packing every backend shares for an owner op (comm.c): the segments
+ * owned by rank o, in list order, form o's pack of total[o] elements;
+ * segment k sits at pos[k] in its owner's pack. Reduce: each rank sends
+ * owner o its contribution to o's pack; gather: each owner sends its pack
+ * to every rank. */
+typedef struct mt_comm_owned_plan {
+    int n;            /* segments */
+    int size;
+    size_t *total;    /* [size]: elements owned by each rank */
+    size_t *pos;      /* [n]: element offset of segment k within its owner's pack */
+} mt_comm_owned_plan;
+int mt_comm_owned_plan_make(mt_comm_owned_plan *p, const mt_comm_seg *segs, int n, int size);
+void mt_comm_owned_plan_free(mt_comm_owned_plan *p);
 
 /* Backends. */
 int mt_comm_local_create(mt_comm **out, mt_comm_mem mem);

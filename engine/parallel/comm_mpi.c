@@ -142,13 +142,25 @@ static int post_recv(mt_comm *c, reqset *s, void *buf, size_t bytes, int peer, i
     return MT_OK;
 }
 
-/* Waits for every request of s, checks received lengths, empties s. */
-static int wait_all(reqset *s)
+/* Waits for every request of s (test: only if all are complete, *done
+ * says), checks received lengths, empties s. */
+static int finish_all(reqset *s, int test, int *done)
 {
+    if (done) *done = 1;
     if (s->n == 0) return MT_OK;
     MPI_Status *st = malloc((size_t)s->n * sizeof *st);
     if (!st) return MT_ERR(MT_ENOMEM, "out of memory for %d MPI statuses", s->n);
-    int e = MPI_Waitall(s->n, s->req, st), rc = MT_OK;
+    int flag = 1, e, rc = MT_OK;
+    if (test) {
+        e = MPI_Testall(s->n, s->req, &flag, st);
+        if (e == MPI_SUCCESS && !flag) { /* nothing was modified */
+            *done = 0;
+            free(st);
+            return MT_OK;
+        }
+    } else {
+        e = MPI_Waitall(s->n, s->req, st);
+    }
     for (int i = 0; i < s->n && rc == MT_OK; i++) {
         const char *call = s->expect[i] < 0 ? "MPI_Isend" : "MPI_Irecv";
         if (e == MPI_ERR_IN_STATUS && st[i].MPI_ERROR != MPI_SUCCESS &&
@@ -162,11 +174,13 @@ static int wait_all(reqset *s)
                             s->peer[i], got, s->expect[i]);
         }
     }
-    if (rc == MT_OK && e != MPI_SUCCESS) rc = mpi_fail(e, "MPI_Waitall", -1);
+    if (rc == MT_OK && e != MPI_SUCCESS) rc = mpi_fail(e, test ? "MPI_Testall" : "MPI_Waitall", -1);
     free(st);
     s->n = 0;
     return rc;
 }
+
+static int wait_all(reqset *s) { return finish_all(s, 0, NULL); }
 
 /* ---- native reductions ------------------------------------------------------------------ */
 
@@ -463,6 +477,166 @@ static void mpi_destroy(mt_comm *c)
     free(c);
 }
 
+/* ---- nonblocking owner collectives ------------------------------------------------------- */
+
+/* Point to point, all posted at start: reduce_owned sends each owner its
+ * segments packed in the wire type and the owner receives one row per
+ * peer, [size][own] with its own row packed likewise, and adds the rows in
+ * rank order at the end (comm_reduce.c arithmetic, F32 accumulation, no
+ * final rounding: the result is F32). gather_owned: the owner sends its
+ * packed bytes to every peer, which unpacks them at the end. Progress:
+ * MPI's, driven by mt_comm_test and the wait. One tag per op. */
+typedef struct mpi_req {
+    mt_comm_req h;
+    reqset rs;
+    int reduce, me, size, done;
+    mt_comm_dtype wire;
+    mt_comm_seg *segs;
+    int n;
+    mt_comm_owned_plan plan;
+    char *sendbuf, *rows;
+    size_t *off; /* [size]: byte offset of each other owner's pack in sendbuf / rows */
+} mpi_req;
+
+static void mpi_req_free(mt_comm_req *r)
+{
+    mpi_req *q = (mpi_req *)r;
+    reqset_free(&q->rs);
+    mt_comm_owned_plan_free(&q->plan);
+    free(q->segs);
+    free(q->sendbuf);
+    free(q->rows);
+    free(q->off);
+    free(q);
+}
+
+/* One segment's contribution into a pack: F32 as is, BF16 rounded. */
+static void pack_wire(void *dst, const float *src, size_t n, mt_comm_dtype wire)
+{
+    if (wire == MT_COMM_F32) {
+        memcpy(dst, src, n * 4);
+        return;
+    }
+    mt_comm_acc_store(dst, src, n, MT_COMM_BF16);
+}
+
+static int mpi_req_complete(mpi_req *q, int test, int *done)
+{
+    if (q->done) {
+        if (done) *done = 1;
+        return MT_OK;
+    }
+    int fin = 1;
+    MT_CHECK(finish_all(&q->rs, test, &fin));
+    if (done) *done = fin;
+    if (!fin) return MT_OK;
+    q->done = 1;
+    const size_t *tot = q->plan.total;
+    for (int k = 0; k < q->n; k++) {
+        const mt_comm_seg *g = &q->segs[k];
+        if (q->reduce && g->owner == q->me) {
+            const size_t es = mt_comm_dtype_size(q->wire), own = tot[q->me];
+            for (int r = 0; r < q->size; r++) {
+                const char *x = q->rows + ((size_t)r * own + q->plan.pos[k]) * es;
+                if (r == 0) mt_comm_acc_load(g->buf, x, g->count, q->wire);
+                else mt_comm_acc_add(g->buf, x, g->count, q->wire, MT_COMM_SUM);
+            }
+        } else if (!q->reduce && g->owner != q->me) {
+            memcpy(g->buf, q->rows + q->off[g->owner] + q->plan.pos[k], g->count);
+        }
+    }
+    return MT_OK;
+}
+
+static int mpi_req_test(mt_comm_req *r, int *done)
+{
+    return mpi_req_complete((mpi_req *)r, 1, done);
+}
+static int mpi_req_wait(mt_comm_req *r) { return mpi_req_complete((mpi_req *)r, 0, NULL); }
+
+static int mpi_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int reduce,
+                           mt_comm_dtype wire, mt_comm_req **out)
+{
+    const int me = c->rank, size = c->size, tag = next_tag(c);
+    const size_t es = reduce ? mt_comm_dtype_size(wire) : 1;
+    mpi_req *q = calloc(1, sizeof *q);
+    if (!q) return MT_ERR(MT_ENOMEM, "out of memory");
+    q->h.test = mpi_req_test;
+    q->h.wait = mpi_req_wait;
+    q->h.free = mpi_req_free;
+    q->reduce = reduce;
+    q->me = me;
+    q->size = size;
+    q->wire = wire;
+    q->n = n;
+    int rc = mt_comm_owned_plan_make(&q->plan, segs, n, size);
+    q->segs = malloc((size_t)n * sizeof *segs);
+    q->off = calloc((size_t)size, sizeof *q->off);
+    if (rc == MT_OK && (!q->segs || !q->off)) rc = MT_ERR(MT_ENOMEM, "out of memory");
+    if (rc < 0) {
+        mpi_req_free(&q->h);
+        return rc;
+    }
+    memcpy(q->segs, segs, (size_t)n * sizeof *segs);
+    const size_t *tot = q->plan.total, own = tot[me];
+    size_t others = 0;
+    for (int o = 0; o < size; o++)
+        if (o != me) {
+            q->off[o] = others * es;
+            others += tot[o];
+        }
+    if (reduce) {
+        /* sendbuf: the contributions to each other owner; rows [size][own] */
+        q->sendbuf = malloc(others * es + 1);
+        q->rows = malloc((size_t)size * own * es + 1);
+    } else {
+        /* sendbuf: own bytes; rows: the other owners' bytes at off[o] */
+        q->sendbuf = malloc(own + 1);
+        q->rows = malloc(others + 1);
+    }
+    if (!q->sendbuf || !q->rows) rc = MT_ERR(MT_ENOMEM, "out of memory for %zu + %zu elements",
+                                            others, own);
+    for (int k = 0; rc == MT_OK && k < n; k++) {
+        const mt_comm_seg *g = &segs[k];
+        if (reduce && g->owner != me)
+            pack_wire(q->sendbuf + q->off[g->owner] + q->plan.pos[k] * es, g->buf, g->count, wire);
+        else if (reduce)
+            pack_wire(q->rows + ((size_t)me * own + q->plan.pos[k]) * es, g->buf, g->count, wire);
+        else if (g->owner == me)
+            memcpy(q->sendbuf + q->plan.pos[k], g->buf, g->count);
+    }
+    for (int p = 0; rc == MT_OK && p < size; p++) {
+        if (p == me) continue;
+        if (reduce) {
+            if (tot[p] > 0) rc = post_send(c, &q->rs, q->sendbuf + q->off[p], tot[p] * es, p, tag);
+            if (rc == MT_OK && own > 0)
+                rc = post_recv(c, &q->rs, q->rows + (size_t)p * own * es, own * es, p, tag);
+        } else {
+            if (own > 0) rc = post_send(c, &q->rs, q->sendbuf, own, p, tag);
+            if (rc == MT_OK && tot[p] > 0)
+                rc = post_recv(c, &q->rs, q->rows + q->off[p], tot[p], p, tag);
+        }
+    }
+    if (rc < 0) {
+        wait_all(&q->rs); /* what was posted, before the buffers go */
+        mpi_req_free(&q->h);
+        return rc;
+    }
+    *out = &q->h;
+    return MT_OK;
+}
+
+static int mpi_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
+                                  mt_comm_req **req)
+{
+    return mpi_owned_start(c, segs, n, 1, wire, req);
+}
+
+static int mpi_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req)
+{
+    return mpi_owned_start(c, segs, n, 0, MT_COMM_BYTE, req);
+}
+
 static const mt_comm_iface MPI_IFACE = {
     .all_reduce = mpi_all_reduce,
     .reduce_scatter = mpi_reduce_scatter,
@@ -476,6 +650,8 @@ static const mt_comm_iface MPI_IFACE = {
     .barrier = mpi_barrier,
     .split = mpi_split,
     .destroy = mpi_destroy,
+    .reduce_owned_start = mpi_reduce_owned_start,
+    .gather_owned_start = mpi_gather_owned_start,
     .join = NULL,
     .sync = NULL,
 };

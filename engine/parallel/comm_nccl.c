@@ -278,12 +278,148 @@ static int nccl_sync(mt_comm *c)
     return MT_OK;
 }
 
+/* ---- nonblocking owner collectives ------------------------------------------------------- */
+
+/* Everything is enqueued at start on the side stream, after the compute
+ * stream's work so far: reduce_owned packs each owner's segments in the
+ * wire type (narrowed for bf16), sends them with ncclSend, the owner
+ * receives one row per rank ([size][own], its own row packed locally) and
+ * adds the rows in rank order in f32 (mt_comm_cuda_sum_rows): the same
+ * sum as the host backends, bit for bit. gather_owned: ncclSend of the
+ * packed own bytes to every peer, ncclRecv of each owner's, unpacked by
+ * device copies. Temporary buffers are stream-ordered (cudaMallocAsync /
+ * cudaFreeAsync). wait: nothing left but the join comm.c does. */
+typedef struct nccl_req {
+    mt_comm_req h;
+    mt_comm *dev;
+} nccl_req;
+
+static void nccl_req_free(mt_comm_req *r) { free(r); }
+
+static int nccl_req_test(mt_comm_req *r, int *done)
+{
+    cudaError_t e = cudaStreamQuery(CTX(((nccl_req *)r)->dev)->side.stream);
+    *done = e == cudaSuccess;
+    if (e != cudaSuccess && e != cudaErrorNotReady)
+        return MT_ERR(MT_ECUDA, "cudaStreamQuery(side stream): %s", cudaGetErrorString(e));
+    return MT_OK;
+}
+
+static int nccl_req_wait(mt_comm_req *r)
+{
+    (void)r;
+    return MT_OK;
+}
+
+#define CU(stmt)                                                                       \
+    do {                                                                               \
+        cudaError_t e_ = (stmt);                                                       \
+        if (e_ != cudaSuccess) {                                                       \
+            rc = MT_ERR(MT_ECUDA, "%s: %s", #stmt, cudaGetErrorString(e_));            \
+            goto out;                                                                  \
+        }                                                                              \
+    } while (0)
+
+static int nccl_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int reduce,
+                            mt_comm_dtype wire, mt_comm_req **out)
+{
+    const int me = c->rank, size = c->size, bf16 = wire == MT_COMM_BF16;
+    const size_t es = reduce ? mt_comm_dtype_size(wire) : 1;
+    mt_comm_owned_plan plan = {0};
+    size_t *off = NULL, others = 0;
+    nccl_req *q = NULL;
+    char *sendbuf = NULL, *rows = NULL;
+    BEGIN(c);
+    MT_GOTO(mt_comm_owned_plan_make(&plan, segs, n, size), out);
+    off = calloc((size_t)size, sizeof *off);
+    q = calloc(1, sizeof *q);
+    if (!off || !q) {
+        rc = MT_ERR(MT_ENOMEM, "out of memory");
+        goto out;
+    }
+    const size_t own = plan.total[me];
+    for (int o = 0; o < size; o++)
+        if (o != me) {
+            off[o] = others * es;
+            others += plan.total[o];
+        }
+    const size_t sbytes = (reduce ? others : own) * es + 16;
+    const size_t rbytes = (reduce ? (size_t)size * own : others) * es + 16;
+    CU(cudaMallocAsync((void **)&sendbuf, sbytes, S(c)));
+    CU(cudaMallocAsync((void **)&rows, rbytes, S(c)));
+    for (int k = 0; k < n; k++) {
+        const mt_comm_seg *g = &segs[k];
+        char *dst = NULL;
+        if (reduce) dst = g->owner == me ? rows + ((size_t)me * own + plan.pos[k]) * es
+                                         : sendbuf + off[g->owner] + plan.pos[k] * es;
+        else if (g->owner == me) dst = sendbuf + plan.pos[k];
+        if (!dst) continue;
+        if (reduce && bf16) MT_GOTO(mt_comm_cuda_narrow(dst, 1, g->buf, g->count, S(c)), out);
+        else MT_GOTO(dcopy(c, dst, g->buf, g->count * es), out);
+    }
+    NC(ncclGroupStart(), "ncclGroupStart", -1);
+    for (int p = 0; p < size; p++) {
+        if (p == me) continue;
+        if (reduce) {
+            if (plan.total[p] > 0)
+                NC(ncclSend(sendbuf + off[p], plan.total[p] * es, ncclUint8, p, CTX(c)->nc, S(c)),
+                   "ncclSend", p);
+            if (own > 0)
+                NC(ncclRecv(rows + (size_t)p * own * es, own * es, ncclUint8, p, CTX(c)->nc, S(c)),
+                   "ncclRecv", p);
+        } else {
+            if (own > 0) NC(ncclSend(sendbuf, own, ncclUint8, p, CTX(c)->nc, S(c)), "ncclSend", p);
+            if (plan.total[p] > 0)
+                NC(ncclRecv(rows + off[p], plan.total[p], ncclUint8, p, CTX(c)->nc, S(c)),
+                   "ncclRecv", p);
+        }
+    }
+    NC(ncclGroupEnd(), "ncclGroupEnd (owned)", -1);
+    for (int k = 0; k < n; k++) {
+        const mt_comm_seg *g = &segs[k];
+        if (reduce && g->owner == me)
+            MT_GOTO(mt_comm_cuda_sum_rows(g->buf, rows + plan.pos[k] * es, bf16, size, own,
+                                          g->count, S(c)),
+                    out);
+        else if (!reduce && g->owner != me)
+            MT_GOTO(dcopy(c, g->buf, rows + off[g->owner] + plan.pos[k], g->count), out);
+    }
+out:
+    if (sendbuf) cudaFreeAsync(sendbuf, S(c));
+    if (rows) cudaFreeAsync(rows, S(c));
+    free(off);
+    mt_comm_owned_plan_free(&plan);
+    if (rc == MT_OK) {
+        q->h.test = nccl_req_test;
+        q->h.wait = nccl_req_wait;
+        q->h.free = nccl_req_free;
+        q->dev = c;
+        *out = &q->h;
+    } else {
+        free(q);
+    }
+    END(c);
+}
+
+static int nccl_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
+                                   mt_comm_req **req)
+{
+    return nccl_owned_start(c, segs, n, 1, wire, req);
+}
+
+static int nccl_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req)
+{
+    return nccl_owned_start(c, segs, n, 0, MT_COMM_BYTE, req);
+}
+
 static const mt_comm_iface NCCL_IFACE = {
     .all_reduce = nccl_all_reduce,
     .reduce_scatter = nccl_reduce_scatter,
     .gather_v = nccl_gather_v,
     .all_to_all_v = nccl_all_to_all_v,
     .broadcast = nccl_broadcast,
+    .reduce_owned_start = nccl_reduce_owned_start,
+    .gather_owned_start = nccl_gather_owned_start,
     .sendrecv = nccl_sendrecv,
     .barrier = nccl_barrier,
     .split = nccl_split,

@@ -14,6 +14,7 @@
  */
 #include <cuda_runtime.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "base/mt_status.h"
 #include "engine/parallel/comm_cuda.h"
@@ -260,6 +261,113 @@ static void staged_destroy(mt_comm *c)
 static int staged_join(mt_comm *c) { return mt_comm_side_join(&CTX(c)->side, c->stream); }
 static int staged_sync(mt_comm *c) { return mt_comm_side_sync(&CTX(c)->side); }
 
+/* ---- nonblocking owner collectives ------------------------------------------------------- */
+
+/* start: the segments go down to a host mirror of the request's own
+ * (pageable, so several requests can be in flight), the host waits for
+ * the copies, and the mpi companion's op starts on the mirror. wait: the
+ * companion's op completes, and the segments it wrote (reduce: those this
+ * rank owns; gather: the others') go back up on the side stream. */
+typedef struct staged_req {
+    mt_comm_req h;
+    mt_comm *dev;
+    mt_comm_req *inner;
+    int reduce;
+    mt_comm_seg *segs;     /* device segments */
+    mt_comm_seg *hsegs;    /* their host mirrors */
+    int n;
+    char *mirror;
+} staged_req;
+
+static void staged_req_free(mt_comm_req *r)
+{
+    staged_req *q = (staged_req *)r;
+    if (q->inner) q->inner->free(q->inner);
+    free(q->segs);
+    free(q->hsegs);
+    free(q->mirror);
+    free(q);
+}
+
+static int staged_req_test(mt_comm_req *r, int *done)
+{
+    staged_req *q = (staged_req *)r;
+    return q->inner->test(q->inner, done);
+}
+
+static int staged_req_wait(mt_comm_req *r)
+{
+    staged_req *q = (staged_req *)r;
+    mt_comm *c = q->dev;
+    MT_CHECK(q->inner->wait(q->inner));
+    BEGIN(c);
+    for (int k = 0; k < q->n && rc == MT_OK; k++) {
+        const int mine = q->segs[k].owner == c->rank;
+        const size_t bytes = q->hsegs[k].count * (q->reduce ? 4 : 1);
+        if (q->reduce == mine) rc = up(c, q->segs[k].buf, q->hsegs[k].buf, bytes);
+    }
+    /* the mirror is freed with the request: the copies up must be done */
+    if (rc == MT_OK) rc = wait_down(c);
+    END(c);
+}
+
+static int staged_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int reduce,
+                              mt_comm_dtype wire, mt_comm_req **out)
+{
+    const size_t es = reduce ? 4 : 1; /* the segments hold f32 (reduce) or bytes */
+    mt_comm *h = c->host;
+    staged_req *q = calloc(1, sizeof *q);
+    if (!q) return MT_ERR(MT_ENOMEM, "out of memory");
+    q->h.test = staged_req_test;
+    q->h.wait = staged_req_wait;
+    q->h.free = staged_req_free;
+    q->dev = c;
+    q->reduce = reduce;
+    q->n = n;
+    size_t total = 0;
+    for (int k = 0; k < n; k++) total += segs[k].count * es;
+    q->segs = malloc((size_t)n * sizeof *segs);
+    q->hsegs = malloc((size_t)n * sizeof *segs);
+    q->mirror = malloc(total + 1);
+    if (!q->segs || !q->hsegs || !q->mirror) {
+        staged_req_free(&q->h);
+        return MT_ERR(MT_ENOMEM, "comm staged: out of memory for a %zu-byte mirror", total);
+    }
+    memcpy(q->segs, segs, (size_t)n * sizeof *segs);
+    BEGIN(c);
+    size_t off = 0;
+    for (int k = 0; k < n; k++) {
+        q->hsegs[k] = segs[k];
+        q->hsegs[k].buf = q->mirror + off;
+        off += segs[k].count * es;
+        /* a gather sends only what this rank owns */
+        if ((reduce || segs[k].owner == c->rank) && rc == MT_OK)
+            rc = down(c, q->hsegs[k].buf, segs[k].buf, segs[k].count * es);
+    }
+    if (rc == MT_OK) rc = wait_down(c);
+    if (rc == MT_OK)
+        rc = reduce ? h->iface->reduce_owned_start(h, q->hsegs, n, wire, &q->inner)
+                    : h->iface->gather_owned_start(h, q->hsegs, n, &q->inner);
+    if (rc == MT_OK) {
+        q->inner->c = h;
+        *out = &q->h;
+    } else {
+        staged_req_free(&q->h);
+    }
+    END(c);
+}
+
+static int staged_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n,
+                                     mt_comm_dtype wire, mt_comm_req **req)
+{
+    return staged_owned_start(c, segs, n, 1, wire, req);
+}
+
+static int staged_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req)
+{
+    return staged_owned_start(c, segs, n, 0, MT_COMM_BYTE, req);
+}
+
 static const mt_comm_iface STAGED_IFACE = {
     .all_reduce = staged_all_reduce,
     .reduce_scatter = staged_reduce_scatter,
@@ -273,6 +381,8 @@ static const mt_comm_iface STAGED_IFACE = {
     .barrier = staged_barrier,
     .split = staged_split,
     .destroy = staged_destroy,
+    .reduce_owned_start = staged_reduce_owned_start,
+    .gather_owned_start = staged_gather_owned_start,
     .join = staged_join,
     .sync = staged_sync,
 };

@@ -20,6 +20,7 @@ static const char *const main_names[] = {"fp32", "bf16", "none", NULL};
 static const char *const decay_names[] = {"cosine", "linear", "wsd", "constant", NULL};
 static const char *const init_names[] = {"random", "checkpoint", "hf", NULL};
 static const char *const resume_names[] = {"never", "auto", NULL};
+static const char *const grad_reduce_names[] = {"fp32", "bf16", NULL};
 static const char *const fault_names[] = {"none", "nan_grad", "loss_scale", NULL};
 
 #define O(m) offsetof(mt_jobspec, m)
@@ -49,6 +50,13 @@ static const mt_field job_fields[] = {
     E("parallel.comm", comm, "auto", comm_names,
       "collectives: auto (cpu: mpi; cuda: nccl, or staged when ranks share a GPU), mpi "
       "(cuda: staged through host memory), nccl, staged, local (one rank)"),
+    D("parallel.bucket_mb", bucket_mb, "25", 0, 1e6,
+      "data parallelism: gradients are reduced into their owners in buckets of about this many "
+      "MB, each started as soon as the backward has finished its parameters; 0: one bucket "
+      "per layer"),
+    E("parallel.grad_reduce", grad_reduce, "fp32", grad_reduce_names,
+      "wire type of the gradient reduction: fp32, or bf16 (rounded for the transfer, summed "
+      "in fp32 by the owner)"),
     E("precision.recipe", precision.recipe, "fp8-blockwise", recipe_names,
       "linear-layer precision"),
     E("precision.main_params", precision.main_params, "fp32", main_names,
@@ -130,7 +138,7 @@ static const mt_field job_fields[] = {
     I("train.fault.rank", train.fault.rank, "-1", -1, 1 << 20, "rank with the fault; -1: all"),
 };
 #define N_JOB_FIELDS ((int)(sizeof job_fields / sizeof job_fields[0]))
-_Static_assert(N_JOB_FIELDS == 62, "job spec field table changed: update docs and tests");
+_Static_assert(N_JOB_FIELDS == 64, "job spec field table changed: update docs and tests");
 
 static int is_abs(const char *p) { return p[0] == '/'; }
 

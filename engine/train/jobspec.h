@@ -113,6 +113,10 @@ typedef struct mt_train_cfg {
     mt_fault_cfg fault;
 } mt_train_cfg;
 
+/* parallel.grad_reduce: the type data-parallel gradients travel in
+ * (summed in f32 at their owner either way). */
+typedef enum { MT_GRAD_FP32 = 0, MT_GRAD_BF16 } mt_grad_reduce;
+
 typedef struct mt_jobspec {
     char name[128];
     mt_backend_kind backend;
@@ -122,6 +126,8 @@ typedef struct mt_jobspec {
     char pp_layers[1024];       /* parallel.pp_layers as written ("1,2,1"; "": balanced),
                                    parsed into parallel.pp_layers */
     mt_comm_backend comm;       /* parallel.comm: the backend of the job's collectives */
+    double bucket_mb;           /* parallel.bucket_mb: gradient bucket size, MB (1e6 bytes) */
+    mt_grad_reduce grad_reduce; /* parallel.grad_reduce: the gradients' wire type */
     mt_precision precision;
     mt_optimizer_cfg optimizer;
     mt_lr_schedule lr_schedule;

@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "engine/parallel/sharding.h"
+#include "engine/train/grad_buckets.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 
@@ -383,27 +384,22 @@ int mt_pipeline_step(mt_pipeline *p, mt_model *m, mt_pipeline_batch_fn fn, void 
     return finish_step(p, m, rc, t0, idle);
 }
 
-int mt_pipeline_grad_sumsq(const mt_pipeline *p, mt_model *m, float *scratch, double *sumsq)
+int mt_pipeline_grad_sumsq(const mt_pipeline *p, mt_model *m, const unsigned char *keep,
+                           mt_comm *dp, float *scratch, double *sumsq)
 {
-    mt_backend *be = m->be;
-    int64_t lo = m->n_grad, hi = m->n_grad; /* the replica's elements [lo, hi) */
-    const int e = mt_model_embed_index(m);
-    if (m->embed_replica && e >= 0) {
-        lo = m->params[e].index;
-        hi = lo + mt_param_numel(&m->params[e].d);
-    }
+    const int n = m->table.n, e = mt_model_embed_index(m);
+    unsigned char *mask = malloc((size_t)(n > 0 ? n : 1));
+    if (!mask) return MT_ERR(MT_ENOMEM, "pipeline: out of memory");
+    for (int i = 0; i < n; i++) mask[i] = keep ? keep[i] : 1;
+    if (m->embed_replica && e >= 0) mask[e] = 0; /* counted on the first stage */
     double sum = 0;
-    const int64_t seg[2][2] = {{0, lo}, {hi, m->n_grad}};
-    for (int i = 0; i < 2; i++) {
-        if (seg[i][1] <= seg[i][0]) continue;
-        float v;
-        MT_CHECK(be->sumsq(be, scratch, m->buf_grad + seg[i][0], seg[i][1] - seg[i][0]));
-        MT_CHECK(be->download(be, &v, scratch, 4));
-        sum += v;
-    }
+    int rc = mt_grad_owned_sumsq(m->be, m, mask, scratch, &sum);
+    free(mask);
+    MT_CHECK(rc);
+    if (dp) MT_CHECK(mt_comm_all_reduce(mt_comm_host(dp), &sum, &sum, 1, MT_COMM_F64, MT_COMM_SUM));
     if (p->pp)
         MT_CHECK(mt_comm_all_reduce(mt_comm_host(p->pp), &sum, &sum, 1, MT_COMM_F64,
                                     MT_COMM_SUM));
-    *sumsq = sum;
+    *sumsq = (double)(float)sum; /* an f32, as one rank's */
     return MT_OK;
 }

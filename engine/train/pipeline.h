@@ -82,9 +82,12 @@ int mt_pipeline_step(mt_pipeline *p, mt_model *m, mt_pipeline_batch_fn fn, void 
 int mt_pipeline_forward(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch_fn fn,
                         void *ctx, mt_mb_stats *st);
 
-/* Gradient sum of squares of the whole model: this stage's parameters
- * (the embedding replica of the last stage counted once, on the first
- * stage), summed over the pp group. scratch: backend f32 [1]. */
-int mt_pipeline_grad_sumsq(const mt_pipeline *p, mt_model *m, float *scratch, double *sumsq);
+/* Gradient sum of squares of the whole model (trainer.h): this stage's
+ * parameters with keep[i] (the ZeRO-1 owned ones after the dp reduction;
+ * NULL: all), the embedding replica of the last stage left out (counted
+ * on the first stage), summed over dp (when not NULL) and over the pp
+ * group in F64, returned rounded to f32. scratch: backend f32 [1]. */
+int mt_pipeline_grad_sumsq(const mt_pipeline *p, mt_model *m, const unsigned char *keep,
+                           mt_comm *dp, float *scratch, double *sumsq);
 
 #endif

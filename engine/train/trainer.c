@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "engine/parallel/sharding.h"
+#include "engine/train/grad_buckets.h"
 #include "engine/train/lr_schedule.h"
 #include "engine/train/spike.h"
 #include "engine/train/trainer_ep.h"
@@ -134,7 +135,6 @@ static int pipeline_init(mt_trainer *t, mt_comm *pp, mt_model_opts *mo)
     t->mb_stats = calloc((size_t)t->accum, sizeof *t->mb_stats);
     if (!t->pipe || !t->mb_stats) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
     MT_CHECK(mt_pipeline_create(t->pipe, l, c, stage, t->accum, pp));
-    if (!t->sumsq_dev) MT_CHECK(t->be->alloc(t->be, 4, (void **)&t->sumsq_dev));
     mt_pipeline_model_opts(t->pipe, mo);
     if (last != 0 && (c->num_nextn_predict_layers > 0 || c->tie_word_embeddings))
         MT_CHECK(mt_comm_split(pp, stage == 0 || stage == last ? 0 : MT_COMM_NO_COLOR, stage,
@@ -188,13 +188,22 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     mt_trainer_model_opts(&mo, job);
     if (l->ep > 1) MT_GOTO(mt_trainer_ep_init(t, ep, edp, &mo), fail);
     if (l->pp > 1) MT_GOTO(pipeline_init(t, pp, &mo), fail);
+    if (dp) { /* gradients reduced in buckets from inside the backward */
+        if (!(t->gb = calloc(1, sizeof *t->gb))) {
+            rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
+            goto fail;
+        }
+        mo.on_layer_grads = mt_grad_buckets_layer_done;
+        mo.on_layer_grads_arg = t->gb;
+    }
     MT_GOTO(mt_model_create(&t->model, &job->model, &mo, be), fail);
-    MT_GOTO(mt_trainer_ep_bind(t), fail);
     /* ZeRO-1: this rank keeps the optimizer state of the parameters it owns
      * (owners in the full table's numbering; the model's table lacks the
      * other ranks' experts) */
     MT_GOTO(own_params(t, edp), fail);
     MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, t->keep), fail);
+    if (t->gb)
+        MT_GOTO(mt_grad_buckets_build(t->gb, t->model, t->owner, dp, edp, l->ep > 1, job), fail);
     const int E = job->model.n_routed_experts;
     if (dp && E > 0 && !(t->load_sum = calloc((size_t)E, sizeof *t->load_sum))) {
         rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
@@ -239,6 +248,8 @@ void mt_trainer_destroy(mt_trainer *t)
     if (!t) return;
     for (int i = 0; i < t->n_sinks; i++) t->sinks[i]->close(t->sinks[i]);
     mt_optimizer_destroy(t->opt);
+    if (t->gb) mt_grad_buckets_free(t->gb);
+    free(t->gb);
     mt_model_destroy(t->model);
     mt_trainer_ep_free(t); /* the dispatcher after the model that uses it */
     if (t->pipe) mt_pipeline_free(t->pipe);
@@ -422,33 +433,6 @@ static int balance_step(mt_trainer *t, mt_step_metrics *mt)
     return MT_OK;
 }
 
-/* ZeRO-1: every parameter's owner updated it; the others of its group (dp,
- * or edp for routed experts) take its compute copies (E4M3 weights with
- * their scales and transposes, or BF16/F32) from the owner. Compute copies
- * are the same on every rank afterwards. */
-static int share_updates(mt_trainer *t)
-{
-    mt_model *m = t->model;
-    const size_t act = mt_act_size(m->be); /* bytes of an act element */
-    for (int i = 0; i < m->table.n; i++) {
-        mt_param *p = &m->params[i];
-        const int root = t->owner[i];
-        mt_comm *g = p->d.expert >= 0 && t->ep_size > 1 ? t->edp : t->dp;
-        if (root < 0 || !p->grad || !g) continue;
-        const size_t n = (size_t)mt_param_numel(&p->d);
-        if (p->q) {
-            const size_t nb = (size_t)(((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128));
-            MT_CHECK(mt_comm_broadcast(g, p->q, n, MT_COMM_E4M3, root));
-            MT_CHECK(mt_comm_broadcast(g, p->qt, n, MT_COMM_E4M3, root));
-            MT_CHECK(mt_comm_broadcast(g, p->s, nb, MT_COMM_F32, root));
-            MT_CHECK(mt_comm_broadcast(g, p->st, nb, MT_COMM_F32, root));
-        } else {
-            MT_CHECK(mt_comm_broadcast(g, p->w, n * act, MT_COMM_BYTE, root));
-        }
-    }
-    return MT_OK;
-}
-
 int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
 {
     const mt_jobspec *j = &t->job;
@@ -498,6 +482,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
             weight *= lfactor;
         }
         double ta = profile ? now_s() : 0;
+        if (t->gb && i == t->accum - 1) mt_grad_buckets_arm(t->gb); /* reduce during its backward */
         MT_CHECK(mt_model_step(m, t->tokens, 1, weight, &st));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
@@ -517,11 +502,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     mt.compute_ms = (now_s() - t0) * 1e3;
     if (t->dp) {
         double tr = profile ? now_s() : 0;
-        if (t->ep_size > 1) /* experts over edp: trainer_ep.c */
-            MT_CHECK(mt_trainer_ep_reduce_grads(t));
-        else
-            MT_CHECK(mt_comm_all_reduce(t->dp, m->buf_grad, m->buf_grad, (size_t)m->n_grad,
-                                        MT_COMM_F32, MT_COMM_SUM));
+        MT_CHECK(mt_grad_buckets_finish(t->gb)); /* what the backward did not start */
         MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), ls, ls, 3, MT_COMM_F64, MT_COMM_SUM));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
@@ -539,12 +520,20 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     const double loss = ls[0], mtp = ls[1], aux = ls[2];
     mt_op_profile_mark(t->be, "optim");
     double sumsq;
-    if (t->ep_size > 1)
-        MT_CHECK(mt_trainer_ep_grad_sumsq(t, &sumsq));
-    else if (t->pipe)
-        MT_CHECK(mt_pipeline_grad_sumsq(t->pipe, m, t->sumsq_dev, &sumsq));
-    else
+    if (t->pipe) { /* trainer.h "Pipeline parallelism": over dp and the stages */
+        MT_CHECK(mt_pipeline_grad_sumsq(t->pipe, m, t->gb ? t->keep : NULL, t->dp,
+                                        t->opt->sumsq, &sumsq));
+    } else if (t->gb) { /* each rank has the summed gradients of what it owns */
+        MT_CHECK(mt_grad_owned_sumsq(t->be, m, t->keep, t->opt->sumsq, &sumsq));
+        MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), &sumsq, &sumsq, 1, MT_COMM_F64,
+                                    MT_COMM_SUM));
+        /* an f32 like one rank's (be->sumsq): the partial sums' different
+         * rounding stays below its resolution, so the clip scale is
+         * usually the one rank's bit for bit (fp8: no flipped roundings) */
+        sumsq = (double)(float)sumsq;
+    } else {
         MT_CHECK(mt_optimizer_grad_sumsq(t->opt, m, &sumsq));
+    }
     double norm = sqrt(sumsq);
     double lr = mt_lr_at(&j->lr_schedule, j->optimizer.lr, j->optimizer.min_lr, j->train.steps,
                          t->step);
@@ -601,7 +590,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         double scale = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
         double tu = profile ? now_s() : 0;
         MT_CHECK(mt_optimizer_update(t->opt, m, lr, scale));
-        if (t->dp || (t->ep_size > 1 && t->edp)) MT_CHECK(share_updates(t));
+        if (t->gb) MT_CHECK(mt_grad_buckets_share(t->gb)); /* owners' new compute copies */
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
             tp[1] = now_s() - tu;
@@ -614,9 +603,10 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     double dt = now_s() - t0;
     if (profile)
         MT_LOGI("profile step %lld: forward+backward %.1f ms (%d micro-batches), gradient "
-                "all-reduce %.1f ms, optimizer %.1f ms, rest %.1f ms", (long long)t->step,
-                1e3 * tp[0], t->accum, 1e3 * tp[2], 1e3 * tp[1],
-                1e3 * (dt - tp[0] - tp[1] - tp[2]));
+                "reduction after the backward %.1f ms (%d of %d buckets started during it), "
+                "optimizer and weight gather %.1f ms, rest %.1f ms", (long long)t->step,
+                1e3 * tp[0], t->accum, 1e3 * tp[2], t->gb ? t->gb->started_early : 0,
+                t->gb ? t->gb->n : 0, 1e3 * tp[1], 1e3 * (dt - tp[0] - tp[1] - tp[2]));
 
     mt.step = t->step;
     mt.total_steps = j->train.steps;

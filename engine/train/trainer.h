@@ -3,43 +3,61 @@
  * Data parallelism: with a dp communicator (mt_trainer_create_in) each of the
  * DP ranks reads its contiguous share of the step's global batch (rank d:
  * samples [consumed + d * A * B, consumed + (d + 1) * A * B), A = global /
- * (B * DP) micro-batches of B sequences), scales its gradients by 1 / (A *
- * DP) and the gradients are summed over the group, so every rank holds the
- * gradient of the whole global batch, as one rank would. Losses and expert
- * loads are summed likewise. ZeRO-1: each parameter's optimizer state lives
- * on one rank of its group (mt_zero_owners: dense parameters over dp,
- * routed experts over edp); the owner updates it and broadcasts its new
- * compute copies, so every rank computes with the same weights.
+ * (B * DP) micro-batches of B sequences) and scales its gradients by 1 / (A *
+ * DP). ZeRO-1: each parameter's optimizer state lives on one rank of its
+ * group (mt_zero_owners: dense parameters over dp, routed experts over
+ * edp). The gradients are reduced INTO THE OWNERS only (a reduce-scatter
+ * whose blocks are whole parameters), in buckets started from inside the
+ * last micro-batch's backward as each layer's gradients become final
+ * (grad_buckets.h; parallel.bucket_mb, wire type parallel.grad_reduce fp32
+ * or bf16), and waited for before the optimizer: afterwards each rank holds
+ * the summed gradient of what it owns, the owner updates it and the new
+ * compute copies are all-gathered bucket by bucket from the owners, so
+ * every rank computes with the same weights.
  *
  * Expert parallelism (parallel.ep = EP > 1): the model holds only this
  * rank's n_routed_experts / EP experts and its MoE layers send tokens to
  * the experts' owners over the ep group (engine/parallel/moe_a2a.h).
- * Gradients: dense parameters are summed over the dp group as above;
+ * Gradients: dense parameters are reduced over the dp group as above;
  * expert parameters over the edp group (the ranks holding the same
  * experts; each owner already summed the contributions of every ep rank's
- * tokens). The gradient norm adds the dense part (the same everywhere) to
- * the expert parts summed over the ep group.
+ * tokens), in buckets of their own.
  *
- * Reductions: gradients F32 sums (rank order on host backends); losses F64
- * sums; expert loads I64 sums over dp (each token is routed once, on its
- * own rank), hence the router bias update; the sequence-wise balance loss
- * is per sequence, so local. The norm is the same on every rank, so the
- * clip and the NaN/Inf skip agree everywhere.
+ * Reductions (which one each global quantity uses):
+ *  - gradients: F32 sums at the owner in rank order x_0 + x_1 + ... on
+ *    every backend (comm.h reduce_owned), each contribution rounded to
+ *    BF16 first under grad_reduce bf16; with fp32 the owner's sum is the
+ *    one an all-reduce would give, bit for bit;
+ *  - gradient norm (clipping, NaN/Inf skip): each rank's sum of squares of
+ *    the gradients it owns (f32 per run of adjacent parameters, added in
+ *    f64), one F64 scalar summed over dp in rank order, rounded to f32 as
+ *    one rank's norm is. Over dp (the world when ep > 1) every parameter
+ *    is owned exactly once: dense by one dp rank, each expert by one rank
+ *    of its edp group, the ep ranks holding different experts. The same
+ *    value on every rank, so the clip and the skip agree everywhere;
+ *  - losses (LM, MTP, aux): F64 sums over dp of the ranks' shares;
+ *  - expert loads: I64 sums over dp (each token is routed once, on its own
+ *    rank), hence the router bias update; the sequence-wise balance loss
+ *    is per sequence, so local.
  *
  * Pipeline parallelism (parallel.pp > 1, engine/train/pipeline.h): the
  * model holds this stage's chunks only and the executor runs the step's
  * schedule table; every stage reads the micro-batches (the first embeds
  * them, the last takes the targets). Reductions over the pp group, after
- * the dp ones: the LM and MTP losses (from the last stage) and the aux
- * loss (each stage's MoE layers) are F64 sums, so every rank logs the
- * global loss; the gradient sum of squares is an F64 sum of each stage's
- * part (the last stage's embedding replica counted once), so the global
- * norm, the clip and the NaN/Inf skip agree on every stage; with MTP or
- * tied embeddings the embedding's gradient is summed (F32) between the
- * first stage and the replica on the last one, so both apply the same
- * update. Expert loads and the router bias update stay with the stage
- * owning the layer. Tensor parallelism is not in the trainer yet, nor
- * pipeline with expert parallelism: those layouts are refused.
+ * the dp ones:
+ *  - losses: the LM and MTP losses (from the last stage) and the aux loss
+ *    (each stage's MoE layers), F64 sums, so every rank logs the global
+ *    loss;
+ *  - gradient norm: each stage's owned sum of squares (as above; the last
+ *    stage's embedding replica left out, it is counted on the first
+ *    stage) summed over dp, then over pp (F64), rounded to f32: the global
+ *    norm, so the clip and the NaN/Inf skip agree on every stage;
+ *  - with MTP or tied embeddings the embedding's gradient is summed (F32)
+ *    between the first stage and the replica on the last one (same dp
+ *    rank, after the dp reduction), so both owners apply the same update.
+ * Expert loads and the router bias update stay with the stage owning the
+ * layer. Tensor parallelism is not in the trainer yet, nor pipeline with
+ * expert parallelism: those layouts are refused.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
@@ -115,14 +133,12 @@ typedef struct mt_trainer {
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
     int *owner;                   /* [params]: ZeRO-1 owner's dp (experts: edp) rank, -1 none */
+    struct mt_grad_buckets *gb;   /* gradient buckets (grad_buckets.h); NULL without a dp group */
     unsigned char *keep;          /* [params]: this rank keeps the optimizer state */
     /* expert parallelism (ep_size > 1) */
     int ep_size;
     mt_comm *ep, *edp;            /* expert-parallel and expert-data-parallel groups, not owned */
     mt_moe_dispatcher *disp;      /* the model's dispatcher (owned) */
-    int n_gseg;
-    struct mt_grad_seg *gseg;     /* [n_gseg] runs of dense / expert gradients in buf_grad */
-    float *sumsq_dev;             /* f32 [1] backend scratch */
     /* pipeline parallelism (pp > 1) */
     mt_comm *pp;                  /* pipeline group, not owned */
     mt_comm *emb;                 /* first + last stage, for the embedding replica; owned */

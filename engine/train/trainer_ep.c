@@ -32,66 +32,8 @@ int mt_trainer_ep_init(mt_trainer *t, mt_comm *ep, mt_comm *edp, mt_model_opts *
     return MT_OK;
 }
 
-int mt_trainer_ep_bind(mt_trainer *t)
-{
-    if (t->ep_size <= 1) return MT_OK;
-    mt_model *m = t->model;
-    t->gseg = calloc((size_t)m->table.n + 1, sizeof *t->gseg);
-    if (!t->gseg) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
-    t->n_gseg = 0;
-    for (int i = 0; i < m->table.n; i++) {
-        const mt_param *p = &m->params[i];
-        if (!p->grad) continue;
-        const int ex = p->d.expert >= 0;
-        const int64_t n = mt_param_numel(&p->d);
-        mt_grad_seg *last = t->n_gseg ? &t->gseg[t->n_gseg - 1] : NULL;
-        if (last && last->expert == ex && last->lo + last->n == p->index) {
-            last->n += n;
-        } else {
-            t->gseg[t->n_gseg++] = (mt_grad_seg){p->index, n, ex};
-        }
-    }
-    return t->be->alloc(t->be, 4, (void **)&t->sumsq_dev);
-}
-
 void mt_trainer_ep_free(mt_trainer *t)
 {
-    if (t->sumsq_dev) t->be->free(t->be, t->sumsq_dev);
     if (t->disp) t->disp->destroy(t->disp);
-    free(t->gseg);
-    t->sumsq_dev = NULL;
     t->disp = NULL;
-    t->gseg = NULL;
-}
-
-int mt_trainer_ep_reduce_grads(mt_trainer *t)
-{
-    float *g = t->model->buf_grad;
-    for (int s = 0; s < t->n_gseg; s++) {
-        const mt_grad_seg *sg = &t->gseg[s];
-        mt_comm *c = sg->expert ? t->edp : t->dp;
-        if (!c || mt_comm_size(c) == 1) continue;
-        MT_CHECK(mt_comm_all_reduce(c, g + sg->lo, g + sg->lo, (size_t)sg->n, MT_COMM_F32,
-                                    MT_COMM_SUM));
-    }
-    return MT_OK;
-}
-
-int mt_trainer_ep_grad_sumsq(mt_trainer *t, double *sumsq)
-{
-    mt_backend *be = t->be;
-    const float *g = t->model->buf_grad;
-    double part[2] = {0, 0}; /* dense, expert */
-    for (int s = 0; s < t->n_gseg; s++) {
-        const mt_grad_seg *sg = &t->gseg[s];
-        float v;
-        MT_CHECK(be->sumsq(be, t->sumsq_dev, g + sg->lo, sg->n));
-        MT_CHECK(be->download(be, &v, t->sumsq_dev, 4));
-        part[sg->expert] += v;
-    }
-    /* every ep rank holds other experts; their edp replicas hold the same */
-    MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->ep), &part[1], &part[1], 1, MT_COMM_F64,
-                                MT_COMM_SUM));
-    *sumsq = part[0] + part[1];
-    return MT_OK;
 }
