@@ -256,6 +256,23 @@ struct mt_backend {
                              const void *yp, const int32_t *slot, const float *w, int N, int K,
                              int D, int R);
 
+    /* FP8 rows of the expert dispatch (the FP8 payload: quantised once,
+     * before the rows travel). A wire row holds a token's KB = ceil(D / 128)
+     * VEC128 scales (float) then its D e4m3 values padded to 4 bytes:
+     * mt_fp8_wire_row_bytes(D) bytes, 4-byte aligned.
+     * moe_pack_fp8: wire row r < R = token src[r] of q [N, D] e4m3 with its
+     * scales s [KB, N] (quant_rows of the N tokens, G = 1); src[r] in [0, N). */
+    int (*moe_pack_fp8)(mt_backend *be, uint8_t *wire, const uint8_t *q, const float *s,
+                        const int32_t *src, int N, int R, int D);
+    /* moe_unpack_fp8: local row j < M from wire row info[3j] (-1: padding:
+     * zero values, scales 1, what quant_rows gives a zero row) into q [M, D]
+     * e4m3 with its scales at s[info[3j + 1] + kb * info[3j + 2]] (quant_rows'
+     * per-segment layout: base KB r_g + (j - r_g), stride rows[g]), and
+     * x [M, D] act = the dequantised values q * s (rounded as act is stored).
+     * info [3M] i32 in the backend's memory. */
+    int (*moe_unpack_fp8)(mt_backend *be, uint8_t *q, float *s, void *x, const uint8_t *wire,
+                          const int32_t *info, int M, int D);
+
     /* ---- loss ------------------------------------------------------------ */
     /* Cross-entropy fused with the softmax of the head, in place:
      * loss [M] f32 = logsumexp(logits[m]) - logits[m, tgt[m]] (0 if tgt is
@@ -329,6 +346,12 @@ static inline int mt_segments_total(const char *op, const int *rows, int G, int 
     if (sum > 0x7fffffff) return MT_ERR(MT_EINVAL, "%s: %lld rows in all is too many", op, (long long)sum);
     *total = (int)sum;
     return MT_OK;
+}
+
+/* Bytes of one FP8 wire row of D values (moe_pack_fp8). */
+static inline size_t mt_fp8_wire_row_bytes(int D)
+{
+    return 4 * (size_t)((D + 127) / 128) + 4 * (size_t)((D + 3) / 4);
 }
 
 /* Bytes of one act element. */

@@ -7,7 +7,10 @@
  *   xp     = permute(xn)  (expert-major)          [R, D] source layout
  *   xl     = dispatch(xp)                         [Rl, D] rows of local experts, padded
  *            (under expert parallelism the rows are gathered from xn
- *            straight into the wire buffer: xp is never written)
+ *            straight into the wire buffer: xp is never written; under
+ *            the fp8 recipe xn is quantised first and the rows travel and
+ *            reach the gate/up GEMMs as e4m3 with their 1x128 scales, xl
+ *            being their dequantised values for the weight gradient)
  *   yl     = down_e(silu(gate_e(xl)) * up_e(xl))  per local expert segment
  *   yp     = combine(yl)                          [R, D]
  *   y      = shared(xn) + sum_k w[n, k] yp[slot[n, k]]
@@ -75,6 +78,13 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
         ALLOC(m->xl_buf, Rl * m->D * act);
     else
         ALLOC(m->xp, R * m->D * act);
+    /* the FP8 payload: the tokens are quantised once, before they travel,
+     * and the expert GEMMs take the e4m3 rows as they arrive */
+    m->fp8_wire = disp->ep > 1 && disp->dispatch_fp8 && o->recipe == MT_RECIPE_FP8_BLOCKWISE;
+    if (m->fp8_wire) {
+        ALLOC(m->xl_q, Rl * m->D);
+        ALLOC(m->xl_s, Rl * (size_t)((m->D + 127) / 128) * 4);
+    }
     ALLOC(m->gup, Rl * 2 * m->F * act);
     if (!o->recompute_moe_act) ALLOC(m->hp, Rl * m->F * act);
     ALLOC(m->yp, R * m->D * act);
@@ -93,7 +103,8 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
 void mt_moe_free(mt_moe *m, mt_backend *be)
 {
     void *bufs[] = {m->logits, m->scores, m->idx, m->w, m->dscores, m->slot, m->src,
-                    m->counts, m->aux_loss, m->xp, m->xl_buf, m->gup, m->hp, m->yp};
+                    m->counts, m->aux_loss, m->xp, m->xl_buf, m->gup, m->hp, m->yp,
+                    m->xl_q, m->xl_s};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) be->free(be, bufs[i]);
     free(m->rows);
@@ -116,7 +127,9 @@ size_t mt_moe_ws_bytes(const mt_model_config *cfg, int N, int64_t R_cap, int64_t
     size_t shared = cfg->n_shared_experts > 0
                         ? mt_ffn_ws_bytes(N, (int)D, (int)F * cfg->n_shared_experts)
                         : 0;
-    return mine + lin + shared + 32 * 256;
+    /* the FP8 payload: the tokens quantised before dispatch */
+    const size_t fp8_tok = n * D + 4 * n * ((D + 127) / 128);
+    return mine + lin + shared + fp8_tok + 32 * 256;
 }
 
 static int sum_rows(const int *rows, int n)
@@ -136,8 +149,14 @@ static int experts_fwd(const mt_ctx *c, mt_moe *m, void *yl, const void *xl)
     size_t mark = mt_ws_mark(c->ws);
     void *hp = m->hp;
     if (!hp) MT_WS(hp, c->ws, (size_t)Rl * F * act);
-    MT_CHECK(mt_linear_grouped_fwd2(c, m->exp_gate, m->gup, 2 * F, m->exp_up,
-                                    (char *)m->gup + (size_t)F * act, 2 * F, xl, D, rows, G));
+    if (m->fp8_wire) /* xl's e4m3 rows and scales came with the dispatch */
+        MT_CHECK(mt_linear_grouped_fwd2_q(c, m->exp_gate, m->gup, 2 * F, m->exp_up,
+                                          (char *)m->gup + (size_t)F * act, 2 * F, m->xl_q,
+                                          m->xl_s, rows, G));
+    else
+        MT_CHECK(mt_linear_grouped_fwd2(c, m->exp_gate, m->gup, 2 * F, m->exp_up,
+                                        (char *)m->gup + (size_t)F * act, 2 * F, xl, D, rows,
+                                        G));
     MT_CHECK(be->swiglu_fwd(be, hp, m->gup, Rl, F));
     MT_CHECK(mt_linear_grouped_fwd(c, m->exp_down, yl, D, hp, F, rows, G));
     mt_ws_release(c->ws, mark);
@@ -166,8 +185,24 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     m->R = sum_rows(m->rows, E);
     const int moves = m->disp->ep > 1;
     if (!moves) MT_CHECK(be->moe_permute(be, m->xp, xn, m->src, m->R, D));
-    MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp,
-                               moves ? xn : NULL, m->src, m->rows, D));
+    if (m->fp8_wire) {
+        /* quantised once, before the rows travel (1x128 tiles per token:
+         * the tiles quant_rows of the local rows would make) */
+        const int KB = (D + 127) / 128, one[1] = {N};
+        size_t mk = mt_ws_mark(c->ws);
+        uint8_t *xq;
+        float *xs;
+        MT_WS(xq, c->ws, (size_t)N * D + 1);
+        MT_WS(xs, c->ws, (size_t)KB * N * 4 + 4);
+        if (N > 0) MT_CHECK(be->quant_rows(be, xq, xs, xn, D, one, 1, D));
+        MT_CHECK(m->disp->dispatch_fp8(m->disp, be, &m->plan, m->xl_q, m->xl_s, m->xl_buf, xq,
+                                       xs, N, m->src, m->rows, D));
+        mt_ws_release(c->ws, mk);
+        m->xl = m->xl_buf;
+    } else {
+        MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp,
+                                   moves ? xn : NULL, m->src, m->rows, D));
+    }
     size_t mark = mt_ws_mark(c->ws);
     void *yl = m->yp; /* identity: the experts write yp directly */
     if (moves) MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);

@@ -45,6 +45,12 @@ int mt_linear_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int lddy1, mt
 int mt_linear_grouped_fwd2(const mt_ctx *c, const mt_param *w1, void *y1, int ldy1,
                            const mt_param *w2, void *y2, int ldy2, const void *x, int ldx,
                            const int *rows, int G);
+/* mt_linear_grouped_fwd2 from an input quantised already (FP8 weights of
+ * K = w1's columns): xq [M, K] e4m3 with quant_rows' per-segment scales xs,
+ * as lin_fwd would make them - the same GEMMs, without that pass. */
+int mt_linear_grouped_fwd2_q(const mt_ctx *c, const mt_param *w1, void *y1, int ldy1,
+                             const mt_param *w2, void *y2, int ldy2, const uint8_t *xq,
+                             const float *xs, const int *rows, int G);
 int mt_linear_grouped_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int lddy1,
                            mt_param *w2, const void *dy2, int lddy2, void *dx, int lddx,
                            int accumulate, const void *x, int ldx, const int *rows, int G);

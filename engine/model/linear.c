@@ -72,6 +72,22 @@ static int set_shares_fp8(const mt_ctx *c, const lin_set *l)
     return 1;
 }
 
+/* The FP8 GEMMs of a set that shares FP8, from its quantised input. */
+static int lin_fwd_q(const mt_ctx *c, const lin_set *l, const uint8_t *xq, const float *xs)
+{
+    mt_backend *be = c->be;
+    const int K = (int)l->w[0]->d.cols;
+    for (int i = 0; i < l->n; i++) {
+        const mt_param *w = l->w[i];
+        const int N = (int)w->d.rows;
+        MT_CHECK(be->gemm_fp8(be, 0, l->y[i], 0, l->ldy[i], 0, xq, xs, w->q, w->s,
+                              l->grouped ? expert_stride(w) : 0,
+                              l->grouped ? expert_scale_stride(N, K) : 0, l->rows, l->G, N, K,
+                              0));
+    }
+    return MT_OK;
+}
+
 static int lin_fwd(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
 {
     mt_backend *be = c->be;
@@ -100,13 +116,7 @@ static int lin_fwd(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
     MT_WS(xq, c->ws, (size_t)(M * K));
     MT_WS(xs, c->ws, rows_scale_bytes(M, K));
     int rc = be->quant_rows(be, xq, xs, x, ldx, l->rows, l->G, K);
-    for (int i = 0; i < l->n && rc == MT_OK; i++) {
-        const mt_param *w = l->w[i];
-        const int N = (int)w->d.rows;
-        rc = be->gemm_fp8(be, 0, l->y[i], 0, l->ldy[i], 0, xq, xs, w->q, w->s,
-                          l->grouped ? expert_stride(w) : 0,
-                          l->grouped ? expert_scale_stride(N, K) : 0, l->rows, l->G, N, K, 0);
-    }
+    if (rc == MT_OK) rc = lin_fwd_q(c, l, xq, xs);
     mt_ws_release(c->ws, mark);
     return rc;
 }
@@ -253,6 +263,17 @@ int mt_linear_grouped_fwd2(const mt_ctx *c, const mt_param *w1, void *y1, int ld
 {
     lin_set l = {2, {(mt_param *)w1, (mt_param *)w2}, {y1, y2}, {ldy1, ldy2}, rows, G, 1};
     return lin_fwd(c, &l, x, ldx);
+}
+
+int mt_linear_grouped_fwd2_q(const mt_ctx *c, const mt_param *w1, void *y1, int ldy1,
+                             const mt_param *w2, void *y2, int ldy2, const uint8_t *xq,
+                             const float *xs, const int *rows, int G)
+{
+    lin_set l = {2, {(mt_param *)w1, (mt_param *)w2}, {y1, y2}, {ldy1, ldy2}, rows, G, 1};
+    if (!set_shares_fp8(c, &l))
+        return MT_ERR(MT_EINVAL, "linear: %s and %s do not share an FP8 input (a quantised "
+                      "input needs FP8 weights of one width)", w1->d.name, w2->d.name);
+    return lin_fwd_q(c, &l, xq, xs);
 }
 
 int mt_linear_grouped_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int lddy1,

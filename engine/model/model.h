@@ -119,6 +119,9 @@ typedef struct mt_moe {
                           when rows travel (the dispatcher gathers them from xn) */
     void *xl_buf;      /* [Rl_cap, D] rows received for the local experts; NULL on one rank */
     void *xl;          /* rows of the local experts (local layout): xp itself on one rank */
+    int fp8_wire;      /* rows travel as e4m3 + scales (fp8 recipe, ep > 1: dispatch_fp8) */
+    uint8_t *xl_q;     /* [Rl_cap, D] e4m3 of the local rows (fp8_wire) */
+    float *xl_s;       /* their VEC128 scales, quant_rows' per-segment layout (fp8_wire) */
     int aux_on;        /* dscores holds this micro-batch's balance-loss gradient */
     void *gup;         /* [Rl_cap, 2F] */
     void *hp;          /* [Rl_cap, F] (NULL with recompute) */

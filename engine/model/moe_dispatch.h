@@ -65,6 +65,20 @@ struct mt_moe_dispatcher {
     int (*dispatch)(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count, void **xl,
                     void *xl_buf, const void *xp, const void *x, const int32_t *src,
                     const int *rows, int D);
+    /* The forward's dispatch with the FP8 payload (NULL where not offered:
+     * the identity). The tokens come quantised once, xq [N, D] e4m3 with
+     * their VEC128 scales xs [KB, N] (quant_rows, G = 1); row r of the
+     * source layout is token src[r]. Rows travel as e4m3 plus their 1x128
+     * scales (mt_fp8_wire_row_bytes(D) bytes each). Counts are exchanged
+     * and recorded as dispatch with count = 1 does. On arrival, the local
+     * layout three ways: ql [Rl, D] e4m3 with its scales sl in quant_rows'
+     * per-segment layout over plan->local_rows (what quant_rows of the
+     * local rows gives, bit for bit: the tiles are per row), and
+     * xl_buf [Rl, D] act = the dequantised values (the weight gradient's
+     * input in the backward). Collective over the ep group. */
+    int (*dispatch_fp8)(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, uint8_t *ql,
+                        float *sl, void *xl_buf, const uint8_t *xq, const float *xs, int N,
+                        const int32_t *src, const int *rows, int D);
     /* yp [R, D] (source layout) = this rank's rows back from every rank's
      * yl [Rl, D] (local layout; padding rows are not sent). Collective. */
     int (*combine)(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,

@@ -14,9 +14,19 @@ typedef struct a2a {
     size_t *sc, *sd, *rc, *rd;    /* [P] element counts and displacements */
     int64_t *cnt_send, *cnt_recv; /* [P * E_local] row counts */
     int64_t *seg;                 /* [E_local + 1] first row of each local segment */
-    void *sbuf, *rbuf;            /* wire buffers */
+    void *sbuf, *rbuf;            /* wire buffers (host: the converting path) */
     size_t scap, rcap;            /* their bytes */
     int64_t bytes_sent, bytes_recv;
+    /* The direct path (wire element = the backend's act element: the CUDA
+     * backend's bf16, the CPU's float under fp32): rows travel as stored,
+     * in the backend's memory; permutations are the backend's moe_permute
+     * gathers by an index map. */
+    mt_backend *be;               /* the backend of the first exchange (one per dispatcher) */
+    int direct;
+    void *bsend, *brecv;          /* backend wire buffers */
+    size_t bsend_cap, brecv_cap;  /* their bytes */
+    int32_t *bmap, *map;          /* index map: backend and host copies */
+    size_t bmap_cap, map_cap;     /* elements */
 } a2a;
 
 static a2a *impl_of(const mt_moe_dispatcher *d) { return d->impl; }
@@ -80,17 +90,82 @@ static void from_wire(const a2a *x, float *dst, const void *src, int64_t n, int 
     for (int64_t b = 0; b < m; b += B) bf16_to_f32(dst + b, y + b, m - b < B ? m - b : B);
 }
 
-static int check_backend(const mt_moe_dispatcher *d, const mt_backend *be)
+/* Which path the backend's buffers take; refuses mixes the wire cannot
+ * carry. Memory: a device communicator moves the CUDA backend's buffers, a
+ * host one the CPU backend's. */
+static int check_backend(const mt_moe_dispatcher *d, mt_backend *be)
 {
-    const a2a *x = impl_of(d);
-    if (be->kind != MT_BE_CPU || be->act_bytes != 4)
-        return MT_ERR(MT_ENOTSUP, "expert dispatch: the %s backend's device buffers need a "
-                      "device communicator (the GPU path of expert parallelism is not done)",
-                      be->name);
-    if (x->wire == MT_COMM_BF16 && !be->round_bf16)
-        return MT_ERR(MT_EINVAL, "expert dispatch: a bf16 wire would round the fp32 recipe's "
-                      "activations; use an f32 wire");
+    a2a *x = impl_of(d);
+    if (x->be && x->be != be)
+        return MT_ERR(MT_EINVAL, "expert dispatch: one backend per dispatcher (%s, then %s)",
+                      x->be->name, be->name);
+    const int dev = mt_comm_mem_kind(x->c) == MT_COMM_DEVICE;
+    if (dev != (be->kind != MT_BE_CPU))
+        return MT_ERR(MT_EINVAL, "expert dispatch: the %s backend's buffers and a %s "
+                      "communicator (the ep group must hold the memory the backend computes in)",
+                      be->name, dev ? "device" : "host");
+    if (x->wsize == (size_t)be->act_bytes) {
+        x->direct = 1;
+    } else if (be->kind == MT_BE_CPU && be->act_bytes == 4 && x->wire == MT_COMM_BF16) {
+        if (!be->round_bf16)
+            return MT_ERR(MT_EINVAL, "expert dispatch: a bf16 wire would round the fp32 "
+                          "recipe's activations; use an f32 wire");
+        x->direct = 0;
+    } else {
+        return MT_ERR(MT_EINVAL, "expert dispatch: a %s wire for the %s backend's %d-byte "
+                      "activations", mt_comm_dtype_name(x->wire), be->name, be->act_bytes);
+    }
+    x->be = be;
     return MT_OK;
+}
+
+/* A device communicator's op starts after the work on its compute stream,
+ * which is not the backend's (the backend keeps its stream to itself): the
+ * host waits for the backend's work before the exchange and for the
+ * exchange before the backend reads its result. No-ops on the CPU. */
+static int exchange_begin(a2a *x)
+{
+    return mt_comm_mem_kind(x->c) == MT_COMM_DEVICE ? x->be->sync(x->be) : MT_OK;
+}
+
+static int exchange_end(a2a *x) { return mt_comm_sync(x->c); }
+
+/* A backend buffer of at least `bytes` (its contents are not kept). */
+static int bgrow(a2a *x, void **buf, size_t *cap, size_t bytes)
+{
+    if (bytes <= *cap) return MT_OK;
+    const size_t want = bytes + bytes / 4 + 256;
+    if (*buf) x->be->free(x->be, *buf);
+    *buf = NULL;
+    *cap = 0;
+    MT_CHECK(x->be->alloc(x->be, want, buf));
+    *cap = want;
+    return MT_OK;
+}
+
+/* The host index map of n entries, for filling. */
+static int map_grow(a2a *x, int64_t n)
+{
+    if ((size_t)n <= x->map_cap) return MT_OK;
+    const size_t want = (size_t)n + (size_t)n / 4 + 64;
+    int32_t *p = realloc(x->map, want * sizeof *p);
+    if (!p) return MT_ERR(MT_ENOMEM, "expert dispatch: out of memory for a %zu-row map", want);
+    x->map = p;
+    x->map_cap = want;
+    return MT_OK;
+}
+
+/* The host map to the backend (its stream orders the copy before the
+ * gather that reads it; a pageable source may be refilled on return). */
+static int map_upload(a2a *x, int64_t n)
+{
+    if (n == 0) return MT_OK;
+    size_t cap = x->bmap_cap * 4;
+    void *b = x->bmap;
+    MT_CHECK(bgrow(x, &b, &cap, (size_t)n * 4));
+    x->bmap = b;
+    x->bmap_cap = cap / 4;
+    return x->be->upload(x->be, x->bmap, x->map, (size_t)n * 4);
 }
 
 static int64_t padded(int64_t n, int align) { return (n + align - 1) / align * align; }
@@ -110,8 +185,10 @@ static int exchange_counts(mt_moe_dispatcher *d, mt_moe_plan *p, const int *rows
             p->sent[q] += rows[q * El + e];
         }
     }
-    MT_CHECK(mt_comm_all_to_all_v(x->c, x->cnt_send, x->sc, x->sd, x->cnt_recv, x->rc, x->rd,
-                                  MT_COMM_I64));
+    /* host arrays: the rows came to the host with the layer's index (the
+     * one small device-to-host copy of a layer's forward) */
+    MT_CHECK(mt_comm_all_to_all_v(mt_comm_host(x->c), x->cnt_send, x->sc, x->sd, x->cnt_recv,
+                                  x->rc, x->rd, MT_COMM_I64));
     x->bytes_sent += (int64_t)(P - 1) * El * 8;
     x->bytes_recv += (int64_t)(P - 1) * El * 8;
     int64_t R = 0, Rl = 0;
@@ -171,6 +248,68 @@ static int pack_gather(const a2a *x, void *dst, const float *tok, const int32_t 
     return MT_OK;
 }
 
+/* Direct dispatch (sc..rd set, element counts): the forward gathers the
+ * source rows from the tokens into the wire buffer (moe_permute by src: the
+ * layer's permutation fused into the pack), the backward sends xp as it is;
+ * on arrival one gather lays the rows out expert-contiguous, padding rows
+ * zero (map -1). */
+static int direct_dispatch(mt_moe_dispatcher *d, mt_moe_plan *p, void *xl_buf, const void *xp,
+                           const void *x_tok, const int32_t *src, int D, size_t s, size_t r)
+{
+    a2a *x = impl_of(d);
+    mt_backend *be = x->be;
+    const int P = x->P, El = d->E_local;
+    const void *send = xp;
+    if (x_tok) {
+        MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s * x->wsize + 1));
+        MT_CHECK(be->moe_permute(be, x->bsend, x_tok, src, p->R, D));
+        send = x->bsend;
+    }
+    MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, r * x->wsize + 1));
+    MT_CHECK(exchange_begin(x));
+    MT_CHECK(mt_comm_all_to_all_v(x->c, send, x->sc, x->sd, x->brecv, x->rc, x->rd, x->wire));
+    MT_CHECK(exchange_end(x));
+    /* local row -> received row: segment e = peer 0's chunk for e, peer
+     * 1's, ...; peer q's block holds its rows for my experts in order */
+    MT_CHECK(map_grow(x, p->Rl));
+    int64_t at = 0;
+    for (int e = 0; e < El; e++)
+        for (int q = 0; q < P; q++) {
+            int64_t first = (int64_t)(x->rd[q] / (size_t)D);
+            for (int e2 = 0; e2 < e; e2++) first += p->from[q * El + e2];
+            const int64_t n = p->from[q * El + e], pad = padded(n, p->align) - n;
+            for (int64_t i = 0; i < n; i++) x->map[at++] = (int32_t)(first + i);
+            for (int64_t i = 0; i < pad; i++) x->map[at++] = -1;
+        }
+    MT_CHECK(map_upload(x, p->Rl));
+    return be->moe_permute(be, xl_buf, x->brecv, x->bmap, p->Rl, D);
+}
+
+/* Direct combine: one gather packs the local rows per destination
+ * (padding left behind); they land in the source layout as they are. */
+static int direct_combine(mt_moe_dispatcher *d, const mt_moe_plan *p, void *yp, const void *yl,
+                          int D, size_t s)
+{
+    a2a *x = impl_of(d);
+    mt_backend *be = x->be;
+    const int P = x->P, El = d->E_local;
+    const int64_t S = (int64_t)(s / (size_t)D);
+    MT_CHECK(map_grow(x, S));
+    segments(x, p);
+    int64_t at = 0;
+    for (int q = 0; q < P; q++)
+        for (int e = 0; e < El; e++) {
+            const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
+            for (int64_t i = 0; i < n; i++) x->map[at++] = (int32_t)(row + i);
+        }
+    MT_CHECK(map_upload(x, S));
+    MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s * x->wsize + 1));
+    MT_CHECK(be->moe_permute(be, x->bsend, yl, x->bmap, (int)S, D));
+    MT_CHECK(exchange_begin(x));
+    MT_CHECK(mt_comm_all_to_all_v(x->c, x->bsend, x->sc, x->sd, yp, x->rc, x->rd, x->wire));
+    return exchange_end(x);
+}
+
 static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count,
                         void **xl, void *xl_buf, const void *xp, const void *x_tok,
                         const int32_t *src, const int *rows, int D)
@@ -191,37 +330,94 @@ static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, in
         s += x->sc[q];
         r += x->rc[q];
     }
-    MT_CHECK(grow(&x->rbuf, &x->rcap, r * x->wsize + 1));
-    const void *send = xp;
-    if (x_tok) { /* the permutation and the conversion in one pass */
-        MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
-        MT_CHECK(pack_gather(x, x->sbuf, x_tok, src, p->R, D));
-        send = x->sbuf;
-    } else if (x->wire != MT_COMM_F32) {
-        MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
-        to_wire(x, x->sbuf, xp, p->R, D);
-        send = x->sbuf;
-    }
-    MT_CHECK(mt_comm_all_to_all_v(x->c, send, x->sc, x->sd, x->rbuf, x->rc, x->rd, x->wire));
-    x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
-    x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
-    /* unpack expert-contiguous: segment e = peer 0's chunk of rows for e,
-     * peer 1's, ..., each chunk followed by its zero padding */
-    float *out = xl_buf;
-    segments(x, p);
-    for (int q = 0; q < P; q++) {
-        const char *blk = (const char *)x->rbuf + x->rd[q] * x->wsize;
-        int64_t at = 0; /* rows of q's block before expert e */
-        for (int e = 0; e < El; e++) {
-            const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
-            from_wire(x, out + row * D, blk + (size_t)(at * D) * x->wsize, n, D);
-            const int64_t pad = padded(n, p->align) - n;
-            if (pad > 0) memset(out + (row + n) * D, 0, (size_t)(pad * D) * 4);
-            at += n;
+    if (x->direct) {
+        MT_CHECK(direct_dispatch(d, p, xl_buf, xp, x_tok, src, D, s, r));
+    } else {
+        MT_CHECK(grow(&x->rbuf, &x->rcap, r * x->wsize + 1));
+        const void *send = xp;
+        if (x_tok) { /* the permutation and the conversion in one pass */
+            MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
+            MT_CHECK(pack_gather(x, x->sbuf, x_tok, src, p->R, D));
+            send = x->sbuf;
+        } else if (x->wire != MT_COMM_F32) {
+            MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
+            to_wire(x, x->sbuf, xp, p->R, D);
+            send = x->sbuf;
+        }
+        MT_CHECK(mt_comm_all_to_all_v(x->c, send, x->sc, x->sd, x->rbuf, x->rc, x->rd, x->wire));
+        /* unpack expert-contiguous: segment e = peer 0's chunk of rows for e,
+         * peer 1's, ..., each chunk followed by its zero padding */
+        float *out = xl_buf;
+        segments(x, p);
+        for (int q = 0; q < P; q++) {
+            const char *blk = (const char *)x->rbuf + x->rd[q] * x->wsize;
+            int64_t at = 0; /* rows of q's block before expert e */
+            for (int e = 0; e < El; e++) {
+                const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
+                from_wire(x, out + row * D, blk + (size_t)(at * D) * x->wsize, n, D);
+                const int64_t pad = padded(n, p->align) - n;
+                if (pad > 0) memset(out + (row + n) * D, 0, (size_t)(pad * D) * 4);
+                at += n;
+            }
         }
     }
+    x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
+    x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
     *xl = xl_buf;
     return MT_OK;
+}
+
+static int a2a_dispatch_fp8(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, uint8_t *ql,
+                            float *sl, void *xl_buf, const uint8_t *xq, const float *xs, int N,
+                            const int32_t *src, const int *rows, int D)
+{
+    a2a *x = impl_of(d);
+    const int P = x->P, El = d->E_local, KB = (D + 127) / 128;
+    MT_CHECK(check_backend(d, be));
+    if (!be->moe_pack_fp8 || !be->moe_unpack_fp8)
+        return MT_ERR(MT_ENOTSUP, "expert dispatch: the %s backend has no FP8 row packing",
+                      be->name);
+    MT_CHECK(exchange_counts(d, p, rows));
+    const size_t W = mt_fp8_wire_row_bytes(D); /* BYTE elements per row */
+    size_t s = 0, r = 0;
+    for (int q = 0; q < P; q++) {
+        int64_t in = 0;
+        for (int e = 0; e < El; e++) in += p->from[q * El + e];
+        x->sc[q] = (size_t)p->sent[q] * W;
+        x->sd[q] = s;
+        x->rc[q] = (size_t)in * W;
+        x->rd[q] = r;
+        s += x->sc[q];
+        r += x->rc[q];
+    }
+    MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s + 1));
+    MT_CHECK(be->moe_pack_fp8(be, x->bsend, xq, xs, src, N, p->R, D));
+    MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, r + 1));
+    MT_CHECK(exchange_begin(x));
+    MT_CHECK(mt_comm_all_to_all_v(x->c, x->bsend, x->sc, x->sd, x->brecv, x->rc, x->rd,
+                                  MT_COMM_BYTE));
+    MT_CHECK(exchange_end(x));
+    x->bytes_sent += (int64_t)(s - x->sc[x->me]);
+    x->bytes_recv += (int64_t)(r - x->rc[x->me]);
+    /* local row j: its wire row (-1: padding), and where its scales go in
+     * quant_rows' layout of the local segments: base KB r_g + (j - r_g),
+     * stride rows[g] */
+    MT_CHECK(map_grow(x, 3 * (int64_t)p->Rl));
+    segments(x, p);
+    int64_t at = 0;
+    for (int e = 0; e < El; e++)
+        for (int q = 0; q < P; q++) {
+            int64_t first = (int64_t)(x->rd[q] / W);
+            for (int e2 = 0; e2 < e; e2++) first += p->from[q * El + e2];
+            const int64_t n = p->from[q * El + e], tot = padded(n, p->align);
+            for (int64_t i = 0; i < tot; i++, at++) {
+                x->map[3 * at] = i < n ? (int32_t)(first + i) : -1;
+                x->map[3 * at + 1] = (int32_t)(KB * x->seg[e] + (at - x->seg[e]));
+                x->map[3 * at + 2] = p->local_rows[e];
+            }
+        }
+    MT_CHECK(map_upload(x, 3 * (int64_t)p->Rl));
+    return be->moe_unpack_fp8(be, ql, sl, xl_buf, x->brecv, x->bmap, p->Rl, D);
 }
 
 static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,
@@ -240,6 +436,12 @@ static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *
         x->rd[q] = r;
         s += x->sc[q];
         r += x->rc[q];
+    }
+    if (x->direct) {
+        MT_CHECK(direct_combine(d, p, yp, yl, D, s));
+        x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
+        x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
+        return MT_OK;
     }
     MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
     /* pack per destination, the reverse of the dispatch's unpack */
@@ -280,6 +482,12 @@ static void a2a_destroy(mt_moe_dispatcher *d)
         free(x->seg);
         free(x->sbuf);
         free(x->rbuf);
+        free(x->map);
+        if (x->be) {
+            void *b[] = {x->bsend, x->brecv, x->bmap};
+            for (int i = 0; i < 3; i++)
+                if (b[i]) x->be->free(x->be, b[i]);
+        }
         free(x);
     }
     free(d);
@@ -291,9 +499,6 @@ int mt_moe_dispatch_a2a(mt_moe_dispatcher **out, mt_comm *ep, int E, mt_comm_dty
     const int P = mt_comm_size(ep);
     if (E < 1 || E % P != 0)
         return MT_ERR(MT_EINVAL, "expert dispatch: ep %d does not divide %d experts", P, E);
-    if (mt_comm_mem_kind(ep) != MT_COMM_HOST)
-        return MT_ERR(MT_ENOTSUP, "expert dispatch: the ep group has device buffers; the GPU "
-                      "path of expert parallelism is not done (host communicators only)");
     if (wire != MT_COMM_F32 && wire != MT_COMM_BF16)
         return MT_ERR(MT_EINVAL, "expert dispatch: wire type %s (f32 or bf16)",
                       mt_comm_dtype_name(wire));
@@ -310,6 +515,7 @@ int mt_moe_dispatch_a2a(mt_moe_dispatcher **out, mt_comm *ep, int E, mt_comm_dty
     d->E_local = E / P;
     d->e_lo = mt_comm_rank(ep) * d->E_local;
     d->dispatch = a2a_dispatch;
+    d->dispatch_fp8 = a2a_dispatch_fp8;
     d->combine = a2a_combine;
     d->destroy = a2a_destroy;
     x->c = ep;

@@ -18,16 +18,42 @@
  * behind) and the exchange lands them straight in the source layout.
  * Backward reuses the forward's plan: no count exchange.
  *
- * Payload: the act values of the backend. With wire = MT_COMM_BF16 and a
- * CPU backend that rounds its act values to bf16 (recipes bf16 and
- * fp8-blockwise) the rows travel as bf16 - half the bytes, bit-exact;
- * MT_COMM_F32 sends floats as they are (recipe fp32). The FP8 payload
- * (e4m3 + 1x128 scales) is not done yet.
+ * Payload: the act values of the backend. Two paths:
+ *  - direct, when a wire element is the backend's act element (the CUDA
+ *    backend's bf16 with wire = MT_COMM_BF16; the CPU's float with
+ *    MT_COMM_F32, recipe fp32): rows travel as the backend stores them,
+ *    from and to the backend's memory, through the communicator of the ep
+ *    group (device buffers on CUDA: staged for ranks sharing a GPU, NCCL's
+ *    grouped send/recv per peer otherwise). The forward's pack is the
+ *    backend's moe_permute gather by the layer's src (the permutation
+ *    fused into the pack); the unpack and combine's pack are moe_permute
+ *    gathers by an index map the host builds from the counts (uploaded:
+ *    4 bytes per row); combine lands in the source layout as it is. The
+ *    same code runs on the CPU (fp32 recipe), where the tests prove it;
+ *  - converting (CPU backend, act float, wire = MT_COMM_BF16, recipes bf16
+ *    and fp8-blockwise whose act values are bf16 numbers): rows travel as
+ *    bf16 - half the bytes, bit-exact - converted in the pack and unpack.
+ * FP8 payload (dispatch_fp8, the forward's dispatch under the fp8 recipe):
+ * the layer quantises its tokens once (quant_rows, 1x128 tiles per row);
+ * each source row travels as its KB scales and D e4m3 bytes (about 1 byte
+ * per value: 7168 + 224 bytes per DeepSeek-V3 row against 14336 in bf16);
+ * the unpack (moe_unpack_fp8 by an index map) lays out the e4m3 rows and
+ * their scales as quant_rows of the local segments would (the expert
+ * GEMMs take them as they are) and the dequantised act rows for the
+ * weight gradient. Combine and the backward's exchanges stay act rows.
  *
- * Memory: host communicators and the CPU backend only (backend memory is
- * host memory there); device buffers (NCCL, host-staged) come with the
- * GPU path. Wire buffers are the dispatcher's, grown to the largest
- * exchange and reused by every layer.
+ * Counts: the per-expert rows are on the host already (the layer's
+ * moe_index brings them there: one small device-to-host copy per layer's
+ * forward, E int32); they are exchanged over mt_comm_host(ep) (MPI).
+ * Device ordering: the backend's stream is its own, so an exchange waits
+ * on the host for the backend's work before it and for the communicator
+ * after it (be->sync, mt_comm_sync); no compute overlaps an exchange yet.
+ *
+ * Memory: the ep group's communicator holds the backend's memory kind
+ * (host for CPU, device for CUDA; a mix is refused at the first exchange).
+ * Wire buffers and the index map are the dispatcher's, grown to the
+ * largest exchange and reused by every layer (backend memory on the
+ * direct path, freed by destroy: the backend must outlive it).
  */
 #ifndef MT_MOE_A2A_H
 #define MT_MOE_A2A_H
@@ -37,7 +63,8 @@
 
 /* A dispatcher for E global experts over the ep group `ep` (not owned; it
  * must outlive the dispatcher). wire: MT_COMM_F32 or MT_COMM_BF16. Errors:
- * EP not dividing E, a device communicator, another wire type. */
+ * EP not dividing E, another wire type; at the first exchange, a backend
+ * whose memory or act type the communicator or wire cannot carry. */
 int mt_moe_dispatch_a2a(mt_moe_dispatcher **out, mt_comm *ep, int E, mt_comm_dtype wire);
 
 /* Bytes sent and received by this rank's exchanges so far (payload and

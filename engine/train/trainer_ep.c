@@ -17,13 +17,12 @@ int mt_trainer_ep_init(mt_trainer *t, mt_comm *ep, mt_comm *edp, mt_model_opts *
     if (edp_size != mt_layout_edp(&j->parallel))
         return MT_ERR(MT_EINVAL, "trainer: the expert-data-parallel group has %d ranks, the "
                       "layout's edp is %d", edp_size, mt_layout_edp(&j->parallel));
-    if (t->be->kind != MT_BE_CPU)
-        return MT_ERR(MT_ENOTSUP, "trainer: parallel.ep %d runs on the cpu backend only so far "
-                      "(the GPU path of expert parallelism is not done)", EP);
-    /* act values of the bf16 and fp8 recipes are bf16 numbers: bf16 on the
-     * wire is exact and half the bytes */
-    const mt_comm_dtype wire =
-        j->precision.recipe == MT_RECIPE_FP32 ? MT_COMM_F32 : MT_COMM_BF16;
+    /* rows travel as bf16: the CUDA backend's act values are bf16; the CPU's
+     * are bf16 numbers under the bf16 and fp8 recipes (exact, half the
+     * bytes), floats under fp32 (f32 wire) */
+    const mt_comm_dtype wire = t->be->kind == MT_BE_CPU && j->precision.recipe == MT_RECIPE_FP32
+                                   ? MT_COMM_F32
+                                   : MT_COMM_BF16;
     MT_CHECK(mt_moe_dispatch_a2a(&t->disp, ep, E, wire));
     t->ep = ep;
     t->edp = edp;

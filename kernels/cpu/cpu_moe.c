@@ -389,8 +389,68 @@ static int cpu_moe_unpermute_bwd(mt_backend *be, void *dyp, float *dw, const voi
     return MT_OK;
 }
 
+/* FP8 wire rows (ops.h): KB float scales, then D e4m3 values (padded). */
+static int cpu_moe_pack_fp8(mt_backend *be, uint8_t *wire, const uint8_t *q, const float *s,
+                            const int32_t *src, int N, int R, int D)
+{
+    CPU_REQUIRE(R >= 0 && N >= 0 && D >= 1, "moe_pack_fp8: N=%d R=%d D=%d", N, R, D);
+    if (R == 0) return MT_OK;
+    CPU_REQUIRE(wire && q && s && src, "moe_pack_fp8: NULL pointer");
+    const int KB = (D + 127) / 128;
+    const size_t W = mt_fp8_wire_row_bytes(D);
+    for (int r = 0; r < R; r++)
+        CPU_REQUIRE(src[r] >= 0 && src[r] < N, "moe_pack_fp8: src[%d]=%d outside [0, %d)", r,
+                    src[r], N);
+#pragma omp parallel for num_threads(cpu_team(be, (int64_t)R * D))
+    for (int r = 0; r < R; r++) {
+        uint8_t *row = wire + (size_t)r * W;
+        const int64_t t = src[r];
+        for (int kb = 0; kb < KB; kb++) memcpy(row + 4 * kb, &s[(int64_t)kb * N + t], 4);
+        memcpy(row + 4 * KB, q + t * D, (size_t)D);
+        memset(row + 4 * KB + D, 0, W - 4 * (size_t)KB - (size_t)D);
+    }
+    return MT_OK;
+}
+
+static int cpu_moe_unpack_fp8(mt_backend *be, uint8_t *q, float *s, void *x, const uint8_t *wire,
+                              const int32_t *info, int M, int D)
+{
+    CPU_REQUIRE(M >= 0 && D >= 1, "moe_unpack_fp8: M=%d D=%d", M, D);
+    if (M == 0) return MT_OK;
+    CPU_REQUIRE(q && s && x && wire && info, "moe_unpack_fp8: NULL pointer");
+    const int KB = (D + 127) / 128;
+    const size_t W = mt_fp8_wire_row_bytes(D);
+    float *xf = x;
+    float val[256]; /* every e4m3 code's value: ldexpf per element is slow */
+    for (int i = 0; i < 256; i++) val[i] = mt_e4m3_to_f32((uint8_t)i);
+#pragma omp parallel for num_threads(cpu_team(be, (int64_t)M * D))
+    for (int j = 0; j < M; j++) {
+        const int32_t wr = info[3 * j], base = info[3 * j + 1], stride = info[3 * j + 2];
+        uint8_t *qj = q + (int64_t)j * D;
+        float *xj = xf + (int64_t)j * D;
+        if (wr < 0) {
+            memset(qj, 0, (size_t)D);
+            for (int kb = 0; kb < KB; kb++) s[base + (int64_t)kb * stride] = 1.0f;
+            memset(xj, 0, sizeof(float) * (size_t)D);
+            continue;
+        }
+        const uint8_t *row = wire + (size_t)wr * W;
+        memcpy(qj, row + 4 * KB, (size_t)D);
+        for (int kb = 0; kb < KB; kb++) {
+            float v;
+            memcpy(&v, row + 4 * kb, 4);
+            s[base + (int64_t)kb * stride] = v;
+            const int k1 = (kb + 1) * 128 < D ? (kb + 1) * 128 : D;
+            for (int k = kb * 128; k < k1; k++) xj[k] = cpu_act(be, val[qj[k]] * v);
+        }
+    }
+    return MT_OK;
+}
+
 void cpu_install_moe(mt_backend *be)
 {
+    be->moe_pack_fp8 = cpu_moe_pack_fp8;
+    be->moe_unpack_fp8 = cpu_moe_unpack_fp8;
     be->router_fwd = cpu_router_fwd;
     be->router_bwd = cpu_router_bwd;
     be->aux_loss = cpu_aux_loss;

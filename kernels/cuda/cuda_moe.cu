@@ -762,8 +762,86 @@ static int cuda_moe_unpermute_bwd(mt_backend *be, void *dyp, float *dw, const vo
     return MT_OK;
 }
 
+/* FP8 wire rows (ops.h): KB float scales, then D e4m3 values padded to 4
+ * bytes. One block per row; bytes move as 32-bit words when D % 4 == 0
+ * (the source rows then 4-byte aligned too), one by one otherwise. */
+__global__ void moe_pack_fp8_kernel(uint8_t *__restrict__ wire, const uint8_t *__restrict__ q,
+                                    const float *__restrict__ s, const int32_t *__restrict__ src,
+                                    int N, int D, int KB, int64_t W)
+{
+    const int r = blockIdx.x;
+    const int64_t t = src[r];
+    uint8_t *row = wire + (int64_t)r * W;
+    float *sc = (float *)row;
+    for (int kb = threadIdx.x; kb < KB; kb += blockDim.x) sc[kb] = s[(int64_t)kb * N + t];
+    uint8_t *dst = row + 4 * KB;
+    const uint8_t *from = q + t * D;
+    const int Dp = (int)(W - 4 * KB);
+    if ((D & 3) == 0) {
+        for (int i = threadIdx.x; i < D / 4; i += blockDim.x)
+            ((uint32_t *)dst)[i] = ((const uint32_t *)from)[i];
+    } else {
+        for (int i = threadIdx.x; i < Dp; i += blockDim.x) dst[i] = i < D ? from[i] : 0;
+    }
+}
+
+__global__ void moe_unpack_fp8_kernel(uint8_t *__restrict__ q, float *__restrict__ s,
+                                      bf16 *__restrict__ x, const uint8_t *__restrict__ wire,
+                                      const int32_t *__restrict__ info, int D, int KB, int64_t W)
+{
+    const int j = blockIdx.x;
+    const int32_t wr = info[3 * j], base = info[3 * j + 1], stride = info[3 * j + 2];
+    uint8_t *qj = q + (int64_t)j * D;
+    bf16 *xj = x + (int64_t)j * D;
+    if (wr < 0) {
+        for (int kb = threadIdx.x; kb < KB; kb += blockDim.x) s[base + (int64_t)kb * stride] = 1.0f;
+        for (int k = threadIdx.x; k < D; k += blockDim.x) {
+            qj[k] = 0;
+            xj[k] = __float2bfloat16_rn(0.0f);
+        }
+        return;
+    }
+    const uint8_t *row = wire + (int64_t)wr * W;
+    const float *sc = (const float *)row;
+    for (int kb = threadIdx.x; kb < KB; kb += blockDim.x) s[base + (int64_t)kb * stride] = sc[kb];
+    const uint8_t *from = row + 4 * KB;
+    for (int k = threadIdx.x; k < D; k += blockDim.x) {
+        const uint8_t v = from[k];
+        qj[k] = v;
+        xj[k] = __float2bfloat16_rn(__fmul_rn(cuda_e4m3_val(v), sc[k / 128]));
+    }
+}
+
+static int cuda_moe_pack_fp8(mt_backend *be, uint8_t *wire, const uint8_t *q, const float *s,
+                             const int32_t *src, int N, int R, int D)
+{
+    CUDA_REQUIRE(R >= 0 && N >= 0 && D >= 1, "moe_pack_fp8: N=%d R=%d D=%d", N, R, D);
+    if (R == 0) return MT_OK;
+    CUDA_REQUIRE(wire && q && s && src, "moe_pack_fp8: NULL pointer");
+    const int KB = (D + 127) / 128;
+    moe_pack_fp8_kernel<<<R, 128, 0, cuda_stream(be)>>>(wire, q, s, src, N, D, KB,
+                                                        (int64_t)mt_fp8_wire_row_bytes(D));
+    CUDA_LAUNCH_CHECK("moe_pack_fp8");
+    return MT_OK;
+}
+
+static int cuda_moe_unpack_fp8(mt_backend *be, uint8_t *q, float *s, void *x, const uint8_t *wire,
+                               const int32_t *info, int M, int D)
+{
+    CUDA_REQUIRE(M >= 0 && D >= 1, "moe_unpack_fp8: M=%d D=%d", M, D);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(q && s && x && wire && info, "moe_unpack_fp8: NULL pointer");
+    const int KB = (D + 127) / 128;
+    moe_unpack_fp8_kernel<<<M, 128, 0, cuda_stream(be)>>>(q, s, (bf16 *)x, wire, info, D, KB,
+                                                          (int64_t)mt_fp8_wire_row_bytes(D));
+    CUDA_LAUNCH_CHECK("moe_unpack_fp8");
+    return MT_OK;
+}
+
 void cuda_install_moe(mt_backend *be)
 {
+    be->moe_pack_fp8 = cuda_moe_pack_fp8;
+    be->moe_unpack_fp8 = cuda_moe_unpack_fp8;
     be->router_fwd = cuda_router_fwd;
     be->router_bwd = cuda_router_bwd;
     be->aux_loss = cuda_aux_loss;

@@ -2,7 +2,8 @@
  * through MPI (engine/parallel/moe_a2a.h), at DeepSeek-V3 shapes by default.
  *
  *   mpirun -np P bench_moe_dispatch [--tokens N] [--hidden D] [--experts E]
- *       [--topk K] [--align A] [--wire bf16|f32] [--iters I] [--threads T]
+ *       [--topk K] [--align A] [--wire bf16|f32|fp8] [--iters I] [--threads T]
+ *       [--gpu staged|nccl|local]
  *
  * Defaults: 4096 tokens per rank, hidden 7168, top-8 of 256 experts
  * (uniform random routes, distinct per token), align 128 (the FP8 GEMM's
@@ -15,6 +16,13 @@
  * the slowest rank's time (ms), and for the exchanges the bytes that left
  * each rank, as GB/s per rank; then the plain all_to_all_v of the same
  * payload from packed buffers (MPI's own ceiling here).
+ * --wire fp8: the FP8 payload of the fp8 recipe - the tokens quantised
+ * once (quant_rows, timed within dispatch), rows travel as e4m3 with their
+ * 1x128 scales (dispatch_fp8) and arrive as e4m3 rows + scales for the
+ * GEMMs and dequantised act rows; combine stays bf16.
+ * --gpu BACKEND: the CUDA backend's buffers through a device communicator
+ * (rank r on GPU r % devices; nccl wants a GPU per rank), each phase
+ * timed after the device finished it.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <mpi.h>
@@ -68,10 +76,19 @@ static void routes_of(int r, int N, int K, int E, int32_t *idx)
         }
 }
 
+static void *bbuf(mt_backend *be, size_t bytes)
+{
+    void *p;
+    MUST(be->alloc(be, bytes ? bytes : 1, &p));
+    return p;
+}
+
 int main(int argc, char **argv)
 {
+    const char *gpu = NULL;
     int N = 4096, D = 7168, E = 256, K = 8, align = 128, iters = 3, threads = 1;
     mt_comm_dtype wire = MT_COMM_BF16;
+    int fp8 = 0;
     for (int i = 1; i < argc; i++) {
         int has = i + 1 < argc;
         if (!strcmp(argv[i], "--tokens") && has) N = atoi(argv[++i]);
@@ -81,26 +98,43 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--align") && has) align = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--iters") && has) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--gpu") && has) gpu = argv[++i];
         else if (!strcmp(argv[i], "--wire") && has) {
             ++i;
             wire = !strcmp(argv[i], "f32") ? MT_COMM_F32 : MT_COMM_BF16;
+            fp8 = !strcmp(argv[i], "fp8");
         } else {
             fprintf(stderr, "usage: bench_moe_dispatch [--tokens N] [--hidden D] [--experts E] "
-                            "[--topk K] [--align A] [--wire bf16|f32] [--iters I] [--threads T]\n");
+                            "[--topk K] [--align A] [--wire bf16|f32|fp8] [--iters I] [--threads T] "
+                            "[--gpu staged|nccl|local]\n");
             return 2;
         }
     }
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
-    mt_comm *c;
+    int world_rank = 0, world_size = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    rank_ = world_rank;
+    mt_backend *be;
     mt_comm_opts o = {.backend = MT_COMM_MPI, .mem = MT_COMM_HOST};
+    if (gpu) { /* rank r on device r % devices, as the runtime places them */
+        const int ndev = mt_cuda_device_count();
+        if (ndev < 1) die("--gpu: no CUDA device", MT_ENOTSUP);
+        if (wire == MT_COMM_F32 && !fp8) die("--gpu: the act rows are bf16 (--wire bf16|fp8)", MT_EINVAL);
+        MUST(mt_backend_cuda_create_shared(&be, world_rank % ndev, (world_size + ndev - 1) / ndev));
+        o.mem = MT_COMM_DEVICE;
+        MUST(mt_comm_backend_parse(gpu, &o.backend));
+    } else {
+        MUST(mt_backend_cpu_create(&be, threads));
+        be->round_bf16 = wire == MT_COMM_BF16;
+    }
+    mt_comm *c;
     MUST(mt_comm_world(&c, &o));
     rank_ = mt_comm_rank(c);
     const int P = mt_comm_size(c);
     if (E % P != 0 || K > E || N < 1 || iters < 1) die("shape (E % P, K <= E)", MT_EINVAL);
-    mt_backend *be;
-    MUST(mt_backend_cpu_create(&be, threads));
-    be->round_bf16 = wire == MT_COMM_BF16;
+    const size_t act = mt_act_size(be);
     mt_moe_dispatcher *d;
     MUST(mt_moe_dispatch_a2a(&d, c, E, wire));
     const int El = E / P;
@@ -119,40 +153,62 @@ int main(int argc, char **argv)
     }
     routes_of(rank_, N, K, E, idx);
 
+    /* the backend's buffers (device memory with --gpu) */
     const int64_t R = (int64_t)N * K;
-    int32_t *slot = malloc(sizeof(int32_t) * (size_t)R), *src = malloc(sizeof(int32_t) * (size_t)R);
-    int32_t *counts = malloc(sizeof(int32_t) * (size_t)E);
+    const int KB = (D + 127) / 128;
+    const size_t W = mt_fp8_wire_row_bytes(D);
     int *rows = malloc(sizeof(int) * (size_t)E);
-    float *w = malloc(sizeof(float) * (size_t)R);
-    float *x = malloc(sizeof(float) * (size_t)N * D), *y = malloc(sizeof(float) * (size_t)N * D);
-    float *xp = malloc(sizeof(float) * (size_t)R * D);   /* yp: combine's output */
-    float *xl = malloc(sizeof(float) * (size_t)Rl * D);  /* local layout */
-    if (!slot || !src || !counts || !rows || !w || !x || !y || !xp || !xl)
-        die("out of memory (tokens x hidden too large for this machine?)", MT_ENOMEM);
+    float *h = malloc(sizeof(float) * (size_t)(R > (int64_t)N * D ? R : (int64_t)N * D));
+    if (!rows || !h) die("out of memory", MT_ENOMEM);
+    int32_t *slot = bbuf(be, 4 * (size_t)R), *src = bbuf(be, 4 * (size_t)R);
+    int32_t *counts = bbuf(be, 4 * (size_t)E), *didx = bbuf(be, 4 * (size_t)R);
+    float *w = bbuf(be, 4 * (size_t)R), *tmp = bbuf(be, 4 * (size_t)N * D);
+    void *x = bbuf(be, act * N * D), *y = bbuf(be, act * N * D);
+    void *xp = bbuf(be, (act > W / D + 1 ? act : W / D + 1) * R * D); /* yp; the bare send */
+    void *xl = bbuf(be, act * Rl * D);                                /* local layout */
+    uint8_t *xq = fp8 ? bbuf(be, (size_t)N * D) : NULL, *ql = fp8 ? bbuf(be, (size_t)Rl * D) : NULL;
+    float *xs = fp8 ? bbuf(be, 4 * (size_t)N * KB) : NULL, *sl = fp8 ? bbuf(be, 4 * (size_t)Rl * KB) : NULL;
     for (int64_t i = 0; i < (int64_t)N * D; i++)
-        x[i] = mt_bf16_round((float)mt_hash_normal(7 + (uint64_t)rank_, (uint64_t)i));
-    for (int64_t a = 0; a < R; a++) w[a] = 1.0f / K;
-    MUST(be->moe_index(be, slot, src, counts, rows, idx, N, K, E, 1, (int)R));
+        h[i] = mt_bf16_round((float)mt_hash_normal(7 + (uint64_t)rank_, (uint64_t)i));
+    MUST(be->upload(be, tmp, h, 4 * (size_t)N * D));
+    MUST(be->act_from_f32(be, x, tmp, (int64_t)N * D));
+    for (int64_t a = 0; a < R; a++) h[a] = 1.0f / K;
+    MUST(be->upload(be, w, h, 4 * (size_t)R));
+    MUST(be->upload(be, didx, idx, 4 * (size_t)R));
+    MUST(be->moe_index(be, slot, src, counts, rows, didx, N, K, E, 1, (int)R));
     mt_moe_plan plan;
     MUST(mt_moe_plan_init(&plan, P, El, align));
     plan.Rl_cap = Rl;
 
-    double t[5] = {0}, best_a2a = 1e30;
+    double t[5] = {0}, best_a2a = 1e30, tquant = 0;
     int64_t s0 = 0, r0 = 0, s1, r1;
     for (int it = 0; it <= iters; it++) {
         double ts[5];
+        MUST(be->sync(be));
         MUST(mt_comm_barrier(c));
         ts[0] = ts[1] = now_s();
         void *out;
         if (it == 1) mt_moe_a2a_bytes(d, &s0, &r0);
         /* the layer's forward: rows gathered from the tokens into the wire */
-        MUST(d->dispatch(d, be, &plan, 1, &out, xl, NULL, x, src, rows, D));
+        if (fp8) { /* quantised once, then e4m3 rows + scales travel */
+            int one[1] = {N};
+            const double tq0 = now_s();
+            MUST(be->quant_rows(be, xq, xs, x, D, one, 1, D));
+            MUST(be->sync(be));
+            if (it > 0) tquant += now_s() - tq0;
+            MUST(d->dispatch_fp8(d, be, &plan, ql, sl, xl, xq, xs, N, src, rows, D));
+        } else {
+            MUST(d->dispatch(d, be, &plan, 1, &out, xl, NULL, x, src, rows, D));
+        }
+        MUST(be->sync(be));
         MUST(mt_comm_barrier(c)); /* phases timed apart */
         ts[2] = now_s();
         MUST(d->combine(d, be, &plan, xp, xl, D));
+        MUST(be->sync(be));
         MUST(mt_comm_barrier(c));
         ts[3] = now_s();
         MUST(be->moe_unpermute(be, y, 0, xp, slot, w, N, K, D));
+        MUST(be->sync(be));
         ts[4] = now_s();
         if (it == 0) continue; /* warm-up: buffers grown, pages touched */
         for (int k = 0; k < 4; k++) t[k] += ts[k + 1] - ts[k];
@@ -163,16 +219,18 @@ int main(int argc, char **argv)
         for (int q = 0; q < P; q++) {
             int64_t in = 0;
             for (int e = 0; e < El; e++) in += plan.from[q * El + e];
-            sc[q] = (size_t)plan.sent[q] * D;
+            const size_t per = fp8 ? W : (size_t)D; /* elements per row */
+            sc[q] = (size_t)plan.sent[q] * per;
             sd[q] = so;
-            rc[q] = (size_t)in * D;
+            rc[q] = (size_t)in * per;
             rd[q] = ro;
             so += sc[q];
             ro += rc[q];
         }
         MUST(mt_comm_barrier(c));
         double ta = now_s();
-        MUST(mt_comm_all_to_all_v(c, xp, sc, sd, xl, rc, rd, wire));
+        MUST(mt_comm_all_to_all_v(c, xp, sc, sd, xl, rc, rd, fp8 ? MT_COMM_BYTE : wire));
+        MUST(mt_comm_sync(c));
         MUST(mt_comm_barrier(c));
         double tb = now_s() - ta;
         best_a2a = tb < best_a2a ? tb : best_a2a;
@@ -185,39 +243,44 @@ int main(int argc, char **argv)
     double tmax[4];
     for (int k = 0; k < 4; k++) t[k] /= iters;
     MUST(mt_comm_all_reduce(c, t, tmax, 4, MT_COMM_F64, MT_COMM_MAX));
-    double a2a_max;
+    double a2a_max, quant_max, tq = tquant / iters;
+    MUST(mt_comm_all_reduce(c, &tq, &quant_max, 1, MT_COMM_F64, MT_COMM_MAX));
     MUST(mt_comm_all_reduce(c, &best_a2a, &a2a_max, 1, MT_COMM_F64, MT_COMM_MAX));
     /* bytes that left this rank per exchange (dispatch = combine in volume
-     * when routes are balanced; counts included) */
-    const double per_x = (double)(s1 - s0) / iters / 2;
-    int64_t mine = (int64_t)per_x, most;
-    MUST(mt_comm_all_reduce(c, &mine, &most, 1, MT_COMM_I64, MT_COMM_MAX));
+     * when routes are balanced; counts included); the FP8 dispatch is
+     * smaller than the bf16 combine: dispatch's share by the row sizes */
+    const double per_it = (double)(s1 - s0) / iters;
+    const double fd = fp8 ? (double)W / (double)(W + 2 * (size_t)D) : 0.5;
+    int64_t mine[2] = {(int64_t)(per_it * fd), (int64_t)(per_it * (1 - fd))}, most2[2];
+    MUST(mt_comm_all_reduce(c, mine, most2, 2, MT_COMM_I64, MT_COMM_MAX));
+    const int64_t most = most2[0], most_c = most2[1];
     if (rank_ == 0) {
         printf("ranks %d, tokens/rank %d, hidden %d, top-%d of %d experts, align %d, %s wire, "
-               "%d iterations, %d thread(s)/rank\n", P, N, D, K, E, align,
-               mt_comm_dtype_name(wire), iters, threads);
-        printf("off-rank payload per exchange per rank (max): %.1f MB\n", most / 1e6);
+               "%d iterations, %s\n", P, N, D, K, E, align,
+               fp8 ? "fp8 (e4m3 + 1x128 scales)" : mt_comm_dtype_name(wire), iters,
+               gpu ? "CUDA backend" : "CPU backend");
+        if (gpu) printf("device communicator: %s\n", gpu);
+        else printf("%d thread(s)/rank\n", threads);
+        printf("off-rank payload per rank (max): dispatch %.1f MB, combine %.1f MB\n",
+               most / 1e6, most_c / 1e6);
+        if (fp8) printf("of the dispatch: quant_rows of the tokens %.1f ms\n", 1e3 * quant_max);
         printf("dispatch %.1f ms (%.2f GB/s/rank) | combine %.1f ms "
                "(%.2f GB/s/rank) | unpermute %.1f ms | dispatch+combine %.1f ms | bare "
-               "all_to_all_v %.1f ms (%.2f GB/s/rank)\n",
+               "all_to_all_v of the dispatch payload %.1f ms (%.2f GB/s/rank)\n",
                1e3 * tmax[1], most / tmax[1] / 1e9, 1e3 * tmax[2],
-               most / tmax[2] / 1e9, 1e3 * tmax[3], 1e3 * (tmax[1] + tmax[2]), 1e3 * a2a_max,
+               most_c / tmax[2] / 1e9, 1e3 * tmax[3], 1e3 * (tmax[1] + tmax[2]), 1e3 * a2a_max,
                most / a2a_max / 1e9);
     }
     mt_moe_plan_free(&plan);
     d->destroy(d);
+    void *bufs[] = {slot, src, counts, didx, w, tmp, x, y, xp, xl, xq, xs, ql, sl};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        if (bufs[i]) be->free(be, bufs[i]);
+    mt_comm_destroy(c);
     be->destroy(be);
     free(idx);
-    free(slot);
-    free(src);
-    free(counts);
     free(rows);
-    free(w);
-    free(x);
-    free(y);
-    free(xp);
-    free(xl);
-    mt_comm_destroy(c);
+    free(h);
     MPI_Finalize();
     return 0;
 }
