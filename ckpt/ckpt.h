@@ -20,14 +20,19 @@
  *  - writing a shard is a pipeline: chunks filled, copied, Fletcher32-ed by
  *    a pool of worker threads, XXH64 in order by a hasher thread, handed to
  *    HDF5 in order by the caller, and pwritten by the workers (the shard's
- *    file driver, ckpt_vfd.c, leaves them the chunk writes); write-back
+ *    file driver, ckpt_vfd.c, leaves them the chunk writes), chunks of
+ *    1 MB and more with O_DIRECT where the file system takes it (else
+ *    through the page cache, said once in the log), write-back of the rest
  *    started every 64 MB, one fsync per file;
  *  - reading: chunk addresses from HDF5, the chunks pread and checked by the
- *    workers; whole small pieces are read ahead in file order.
+ *    workers; whole small pieces of the reader's own shard are read ahead
+ *    in file order.
  * Memory stays bounded (about 128 MB for a writer, 128 MB of read-ahead),
  * never the model. Environment: MT_CKPT_THREADS (workers; default the CPUs
- * clamped to [4, 16]), MT_CKPT_DIRECT=1 (shard chunks written with
- * O_DIRECT), and for comparisons MT_CKPT_SERIAL_WRITES=1 (HDF5's own
+ * divided among the host's ranks, clamped to [4, 16]), MT_CKPT_DIRECT=0
+ * (shard chunks through the page cache; 1 or unset: O_DIRECT),
+ * MT_CKPT_DIRECT_READ=0 / 1 (large chunks of the reader's own shard read
+ * with O_DIRECT; default off), and for comparisons MT_CKPT_SERIAL_WRITES=1 (HDF5's own
  * driver), MT_CKPT_NO_READAHEAD=1, MT_CKPT_WRITEBACK=0, MT_CKPT_NO_SIMD=1
  * (Fletcher32 without AVX2). An mt_ckpt is read by one thread at a time.
  */
@@ -191,6 +196,11 @@ typedef struct mt_ckpt mt_ckpt;
  * and each piece's dataset present with its shape. Takes a shared lock on
  * the directory until close (retention skips it). */
 int mt_ckpt_open(mt_ckpt **out, const char *path);
+/* The rank reading ck (before its reads): large chunks of its own shard
+ * are read past the page cache (O_DIRECT, MT_CKPT_DIRECT_READ), those of
+ * other ranks' shards through it, since replicated pieces (written by the
+ * lowest replica) are read by every replica. Unset: every shard alike. */
+void mt_ckpt_set_reader_rank(mt_ckpt *ck, int rank);
 void mt_ckpt_close(mt_ckpt *ck);
 
 const char *mt_ckpt_dir(const mt_ckpt *ck);

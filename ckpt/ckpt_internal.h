@@ -62,8 +62,20 @@ hid_t ck_vfd_id(void);
 void ck_vfd_expect(const void *buf, size_t size);
 /* dfd: an O_DIRECT descriptor of the file (MT_CKPT_DIRECT), or -1. */
 int ck_vfd_take(int *fd, int *dfd, int64_t *addr);
-/* MT_CKPT_DIRECT=1: shard chunks written with O_DIRECT (ckpt_vfd.c). */
+/* Shard chunks written with O_DIRECT where the file system accepts it
+ * (ckpt_vfd.c): on unless MT_CKPT_DIRECT=0. */
 int ck_io_direct(void);
+/* Large chunk runs read with O_DIRECT from the reader's own shard
+ * (ckpt_read.c): MT_CKPT_DIRECT_READ=0 / 1, else CK_DIRECT_READ_DEFAULT. */
+#ifndef CK_DIRECT_READ_DEFAULT
+#define CK_DIRECT_READ_DEFAULT 0
+#endif
+int ck_io_direct_read(void);
+/* O_DIRECT refused for path (err: errno; what: "writes" / "reads"): one
+ * log line per process; the caller goes on through the page cache. */
+void ck_io_direct_refused(const char *path, const char *what, int err);
+/* Block size O_DIRECT offsets, lengths and buffers are aligned to. */
+#define CK_DIRECT_ALIGN 4096
 
 /* shard_RRRRR.h5 */
 void ck_shard_name(char *out, size_t cap, int rank);
@@ -139,6 +151,7 @@ hid_t ck_file_row_type(void);
 /* A piece of the read-ahead (ckpt_read.c). */
 struct ck_pf {
     int state;                   /* none, running, ready */
+    int drop;                    /* skipped while running: freed when done */
     int rc;
     char *data;                  /* the piece's bytes, row-major */
     char msg[512];
@@ -157,6 +170,8 @@ struct mt_ckpt {
     int64_t *file_bytes;         /* [n_files] recorded sizes */
     hid_t *file_h;               /* [n_files] opened lazily, -1 */
     int *file_fd;                /* [n_files] our own descriptors for chunk reads, -1 */
+    int *file_dfd;               /* [n_files] O_DIRECT descriptors of them, or -1 */
+    int reader_rank;             /* mt_ckpt_set_reader_rank, or -1 */
     int64_t *file_base;          /* [n_files] HDF5 base address (user block bytes) */
     int *piece_file;             /* [n_pieces] */
     int hash_cap;
@@ -166,12 +181,15 @@ struct mt_ckpt {
     size_t buf_cap;
     /* read-ahead of whole pieces (ckpt_read.c): the pieces after the one
      * read whole, in the order of their file, read and checked by the
-     * pool's workers into memory the next whole read takes */
+     * pool's workers into memory the next whole read takes; in another
+     * rank's shard (when the reader's rank is set) only pieces that are
+     * not optimizer state; pieces the reader skips are dropped */
     pthread_mutex_t pf_mu;
     pthread_cond_t pf_cv;
     int pf_on;                   /* mutex and condition initialised */
     struct ck_pf *pf;            /* [n_pieces] */
     int *pf_cursor;              /* [n_files] next piece to consider */
+    int *pf_low;                 /* [n_files] pieces below were taken or skipped */
     int64_t pf_held;             /* bytes of the entries, running or ready */
     int pf_running;
 };

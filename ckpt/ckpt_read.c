@@ -1,7 +1,6 @@
 /* ckpt_read.c - opening a checkpoint and reading hyperslabs of global
  * tensors; conversions shared by every tensor source. */
-#define _POSIX_C_SOURCE 200809L
-#define _DEFAULT_SOURCE
+#define _GNU_SOURCE /* O_DIRECT */
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -67,6 +66,7 @@ void mt_ckpt_close(mt_ckpt *ck)
     for (int i = 0; i < ck->n_files; i++) {
         if (ck->file_h && ck->file_h[i] >= 0) H5Fclose(ck->file_h[i]);
         if (ck->file_fd && ck->file_fd[i] >= 0) close(ck->file_fd[i]);
+        if (ck->file_dfd && ck->file_dfd[i] >= 0) close(ck->file_dfd[i]);
     }
     ck_unlock();
     if (ck->lock_fd >= 0) close(ck->lock_fd); /* releases the shared lock */
@@ -77,6 +77,7 @@ void mt_ckpt_close(mt_ckpt *ck)
     free(ck->file_bytes);
     free(ck->file_h);
     free(ck->file_fd);
+    free(ck->file_dfd);
     free(ck->file_base);
     free(ck->piece_file);
     free(ck->hash);
@@ -181,14 +182,16 @@ static int read_index(mt_ckpt *ck)
     ck->file_bytes = calloc((size_t)nf + 1, sizeof *ck->file_bytes);
     ck->file_h = malloc(((size_t)nf + 1) * sizeof *ck->file_h);
     ck->file_fd = malloc(((size_t)nf + 1) * sizeof *ck->file_fd);
+    ck->file_dfd = malloc(((size_t)nf + 1) * sizeof *ck->file_dfd);
     ck->file_base = calloc((size_t)nf + 1, sizeof *ck->file_base);
     ck->pf = calloc((size_t)np + 1, sizeof *ck->pf);
     ck->pf_cursor = calloc((size_t)nf + 1, sizeof *ck->pf_cursor);
+    ck->pf_low = calloc((size_t)nf + 1, sizeof *ck->pf_low);
     ck->hash_cap = 16;
     while (ck->hash_cap < 2 * nt) ck->hash_cap *= 2;
     ck->hash = calloc((size_t)ck->hash_cap, sizeof *ck->hash);
     if (!ck->tensors || !ck->pieces || !ck->piece_file || !ck->file_rank || !ck->file_bytes ||
-        !ck->file_h || !ck->file_fd || !ck->file_base || !ck->pf || !ck->pf_cursor || !ck->hash) {
+        !ck->file_h || !ck->file_fd || !ck->file_dfd || !ck->file_base || !ck->pf || !ck->pf_cursor || !ck->pf_low || !ck->hash) {
         rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
         goto out;
     }
@@ -197,6 +200,7 @@ static int read_index(mt_ckpt *ck)
         ck->file_bytes[i] = fr[i].bytes;
         ck->file_h[i] = -1;
         ck->file_fd[i] = -1;
+        ck->file_dfd[i] = -1;
         char want[32];
         ck_shard_name(want, sizeof want, fr[i].rank);
         if (strcmp(want, fr[i].name) != 0 || ck_file_index(ck, fr[i].rank) != i) {
@@ -355,6 +359,10 @@ int ck_piece_file(mt_ckpt *ck, int p, hid_t *out)
         if (ck->file_fd[fi] < 0)
             return MT_ERR(MT_EIO, "%s: cannot open: %s, needed for tensor %s", path,
                           strerror(errno), ck->pieces[p].tensor);
+        if (ck_io_direct_read()) {
+            ck->file_dfd[fi] = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+            if (ck->file_dfd[fi] < 0) ck_io_direct_refused(path, "reads", errno);
+        }
     }
     *out = ck->file_h[fi];
     return MT_OK;
@@ -385,6 +393,7 @@ int mt_ckpt_open(mt_ckpt **out, const char *path)
     mt_ckpt *ck = calloc(1, sizeof *ck);
     if (!ck) return MT_ERR(MT_ENOMEM, "out of memory");
     ck->lock_fd = -1;
+    ck->reader_rank = -1;
     int rc = MT_OK;
     for (int attempt = 0;; attempt++) {
         if ((rc = mt_ckpt_resolve(path, ck->dir, sizeof ck->dir)) < 0) goto fail;
@@ -432,7 +441,67 @@ fail:
     return rc;
 }
 
+void mt_ckpt_set_reader_rank(mt_ckpt *ck, int rank) { ck->reader_rank = rank; }
+
 /* ---- raw reads ---------------------------------------------------------------------- */
+
+/* Stored chunks of at least this many bytes are read with O_DIRECT (when
+ * on, from the reader's own shard): the kernel's copy out of the page
+ * cache is saved, the request goes to the disk whole. Smaller ones are
+ * left to the page cache and its read-ahead. */
+#define CK_DIRECT_READ_MIN ((size_t)1 << 20)
+
+/* Bytes of a buffer for one stored chunk of n bytes (chunk_pread: whole
+ * blocks around it); allocate it CK_DIRECT_ALIGN-aligned. */
+static size_t chunk_buf_bytes(size_t n) { return n + 2 * CK_DIRECT_ALIGN; }
+
+static char *chunk_buf_alloc(size_t n)
+{
+    void *b = NULL;
+    return posix_memalign(&b, CK_DIRECT_ALIGN, chunk_buf_bytes(n)) == 0 ? b : NULL;
+}
+
+/* Reads the n stored bytes at offset addr of file fi into buf (of
+ * chunk_buf_bytes(n), aligned): where they start in buf, or NULL with
+ * *err = errno (0: the file ends before them). O_DIRECT reads whole blocks
+ * around them; a refusal or a short read is retried through the page
+ * cache, which then gives the error. */
+static char *chunk_pread(const mt_ckpt *ck, int fi, char *buf, size_t n, int64_t addr, int *err)
+{
+    const int dfd = ck->file_dfd[fi];
+    if (dfd >= 0 && n >= CK_DIRECT_READ_MIN &&
+        (ck->reader_rank < 0 || ck->file_rank[fi] == ck->reader_rank)) {
+        const int64_t a0 = addr - addr % CK_DIRECT_ALIGN;
+        const size_t lead = (size_t)(addr - a0), need = lead + n;
+        const size_t len = (need + CK_DIRECT_ALIGN - 1) / CK_DIRECT_ALIGN * CK_DIRECT_ALIGN;
+        size_t got = 0;
+        ssize_t k = 0;
+        while (got < need) {
+            k = pread(dfd, buf + got, len - got, (off_t)(a0 + (int64_t)got));
+            if (k < 0 && errno == EINTR) continue;
+            if (k <= 0) break;
+            got += (size_t)k;
+            if (got % CK_DIRECT_ALIGN) break; /* the end of the file */
+        }
+        if (got >= need) return buf + lead;
+        if (k < 0 && errno == EINVAL) {
+            char name[32];
+            ck_shard_name(name, sizeof name, ck->file_rank[fi]);
+            ck_io_direct_refused(name, "reads", errno);
+        }
+    }
+    size_t got = 0;
+    while (got < n) {
+        ssize_t k = pread(ck->file_fd[fi], buf + got, n - got, (off_t)(addr + (int64_t)got));
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            *err = k < 0 ? errno : 0;
+            return NULL;
+        }
+        got += (size_t)k;
+    }
+    return buf;
+}
 
 /* Rows per chunk when a shard dataset can be read chunk by chunk with our
  * own Fletcher32 check: chunked, full-width chunks, exactly the Fletcher32
@@ -473,7 +542,8 @@ typedef struct rchunk {
 typedef struct rpipe {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int fd;
+    const mt_ckpt *ck;
+    int fi;                /* file index */
     const char *path;
     const mt_ckpt_piece_rec *r;
     size_t es, cb;         /* element bytes; chunk bytes without the checksum */
@@ -489,25 +559,18 @@ static void read_task(void *arg)
 {
     rchunk *k = arg;
     rpipe *p = k->p;
-    const size_t want = p->cb + 4;
-    size_t got = 0;
-    int rc = MT_OK;
-    while (got < want) {
-        ssize_t n = pread(p->fd, k->buf + got, want - got, (off_t)(k->addr + (int64_t)got));
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            snprintf(k->msg, sizeof k->msg, "%s: tensor %s: chunk at row %lld unreadable: %s", p->path,
-                     p->r->tensor, (long long)(k->c * p->cr),
-                     n < 0 ? strerror(errno) : "the file ends before it: truncated");
-            rc = n < 0 ? MT_EIO : MT_ECORRUPT;
-            break;
-        }
-        got += (size_t)n;
+    int rc = MT_OK, err = 0;
+    const char *buf = chunk_pread(p->ck, p->fi, k->buf, p->cb + 4, k->addr, &err);
+    if (!buf) {
+        snprintf(k->msg, sizeof k->msg, "%s: tensor %s: chunk at row %lld unreadable: %s", p->path,
+                 p->r->tensor, (long long)(k->c * p->cr),
+                 err ? strerror(err) : "the file ends before it: truncated");
+        rc = err ? MT_EIO : MT_ECORRUPT;
     }
     if (rc == MT_OK) {
-        const uint8_t *t = (const uint8_t *)k->buf + p->cb;
+        const uint8_t *t = (const uint8_t *)buf + p->cb;
         uint32_t want_f = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
-        if (ck_fletcher32(k->buf, p->cb) != want_f) {
+        if (ck_fletcher32(buf, p->cb) != want_f) {
             snprintf(k->msg, sizeof k->msg,
                      "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data corrupted",
                      p->path, p->r->tensor, (long long)(k->c * p->cr));
@@ -520,11 +583,11 @@ static void read_task(void *arg)
         const size_t row = (size_t)p->nc * p->es;
         if (p->c0 == 0 && (int64_t)p->nc == p->cols && p->ldd == p->nc) {
             memcpy(p->dst + ((size_t)(p->mo[0] + (hsize_t)(a - p->r0)) * p->ldd + p->mo[1]) * p->es,
-                   k->buf + (size_t)(a - k->c * p->cr) * row, (size_t)(b - a) * row);
+                   buf + (size_t)(a - k->c * p->cr) * row, (size_t)(b - a) * row);
         } else {
             for (int64_t i = a; i < b; i++)
                 memcpy(p->dst + (((size_t)(p->mo[0] + (hsize_t)(i - p->r0))) * p->ldd + p->mo[1]) * p->es,
-                       k->buf + ((size_t)(i - k->c * p->cr) * (size_t)p->cols + p->c0) * p->es, row);
+                       buf + ((size_t)(i - k->c * p->cr) * (size_t)p->cols + p->c0) * p->es, row);
         }
     }
     pthread_mutex_lock(&p->mu);
@@ -549,7 +612,7 @@ static int ensure_bufs(mt_ckpt *ck, int n, size_t bytes, const char *path)
     if (!b) return MT_ERR(MT_ENOMEM, "%s: out of memory", path);
     ck->bufs = b;
     for (; ck->n_bufs < n; ck->n_bufs++)
-        if (!(ck->bufs[ck->n_bufs] = malloc(ck->buf_cap)))
+        if (!(ck->bufs[ck->n_bufs] = chunk_buf_alloc(ck->buf_cap)))
             return MT_ERR(MT_ENOMEM, "%s: out of memory for chunk buffers of %zu bytes", path, bytes);
     return MT_OK;
 }
@@ -586,7 +649,8 @@ static int read_chunks(mt_ckpt *ck, int fi, const char *path, const mt_ckpt_piec
 {
     rpipe p;
     memset(&p, 0, sizeof p);
-    p.fd = ck->file_fd[fi];
+    p.ck = ck;
+    p.fi = fi;
     p.path = path;
     p.r = r;
     p.es = es;
@@ -738,22 +802,17 @@ static int read_whole_serial(mt_ckpt *ck, int p, char *data)
     if (ds >= 0) H5Dclose(ds);
     ck_unlock();
     const size_t cb = (size_t)cr * (size_t)cols * es, row = (size_t)cols * es;
-    char *buf = cr > 0 && rc == MT_OK ? malloc(cb + 4) : NULL;
-    if (cr > 0 && rc == MT_OK && !buf) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    char *raw = cr > 0 && rc == MT_OK ? chunk_buf_alloc(cb + 4) : NULL;
+    if (cr > 0 && rc == MT_OK && !raw) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
     for (int64_t c = 0; cr > 0 && rc == MT_OK && c * cr < rows; c++) {
-        size_t got = 0;
-        while (got < cb + 4 && rc == MT_OK) {
-            ssize_t n = pread(ck->file_fd[ck->piece_file[p]], buf + got, cb + 4 - got,
-                              (off_t)(addr[c] + (int64_t)got));
-            if (n < 0 && errno == EINTR) continue;
-            if (n <= 0)
-                rc = MT_ERR(n < 0 ? MT_EIO : MT_ECORRUPT, "%s: tensor %s: chunk at row %lld unreadable: %s",
-                            path, r->tensor, (long long)(c * cr),
-                            n < 0 ? strerror(errno) : "the file ends before it: truncated");
-            else
-                got += (size_t)n;
+        int err = 0;
+        const char *buf = chunk_pread(ck, ck->piece_file[p], raw, cb + 4, addr[c], &err);
+        if (!buf) {
+            rc = MT_ERR(err ? MT_EIO : MT_ECORRUPT, "%s: tensor %s: chunk at row %lld unreadable: %s",
+                        path, r->tensor, (long long)(c * cr),
+                        err ? strerror(err) : "the file ends before it: truncated");
+            break;
         }
-        if (rc < 0) break;
         const uint8_t *t = (const uint8_t *)buf + cb;
         uint32_t want = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
         if (ck_fletcher32(buf, cb) != want) {
@@ -765,7 +824,7 @@ static int read_whole_serial(mt_ckpt *ck, int p, char *data)
         const int64_t n = rows - c * cr < cr ? rows - c * cr : cr;
         memcpy(data + (size_t)(c * cr) * row, buf, (size_t)n * row);
     }
-    free(buf);
+    free(raw);
     free(addr);
     if (rc == MT_OK) {
         uint64_t got = mt_xxh64_oneshot(data, (size_t)r->nbytes, 0);
@@ -790,6 +849,13 @@ static void pf_task(void *arg)
     e->rc = rc;
     if (rc < 0) snprintf(e->msg, sizeof e->msg, "%s", mt_errmsg());
     e->state = PF_READY;
+    if (e->drop) { /* the reader went past it */
+        free(e->data);
+        e->data = NULL;
+        e->drop = 0;
+        e->state = PF_NONE;
+        ck->pf_held -= ck->pieces[a->p].nbytes;
+    }
     ck->pf_running--;
     pthread_cond_broadcast(&ck->pf_cv);
     pthread_mutex_unlock(&ck->pf_mu);
@@ -811,11 +877,24 @@ static int pf_launch(mt_ckpt *ck, int q)
     a->ck = ck;
     a->p = q;
     e->state = PF_RUNNING;
+    e->drop = 0;
     e->rc = MT_OK;
     ck->pf_held += ck->pieces[q].nbytes;
     ck->pf_running++;
     ck_pool_submit(pf_task, a);
     return 0;
+}
+
+/* Whether piece q is for the read-ahead: small, and in the reader's own
+ * shard or not optimizer state (FORMAT.md: a parameter's optimizer state
+ * has one owner, who reads it; weights in another rank's shard may be
+ * replicas this rank holds too, written by the lowest replica). Every
+ * piece when the reader's rank is unset. */
+static int pf_wanted(const mt_ckpt *ck, int q)
+{
+    return ck->pieces[q].nbytes <= PF_PIECE_MAX &&
+           (ck->reader_rank < 0 || ck->file_rank[ck->piece_file[q]] == ck->reader_rank ||
+            strncmp(ck->pieces[q].tensor, "optimizer.", 10) != 0);
 }
 
 /* Tops up the read-ahead of file fi after piece `after` (pf_mu held). */
@@ -824,9 +903,7 @@ static void pf_more(mt_ckpt *ck, int fi, int after)
     int q = ck->pf_cursor[fi] > after + 1 ? ck->pf_cursor[fi] : after + 1;
     const int limit = ck_io_threads();
     for (; q < ck->n_pieces; q++) {
-        if (ck->piece_file[q] != fi || ck->pf[q].state != PF_NONE ||
-            ck->pieces[q].nbytes > PF_PIECE_MAX)
-            continue;
+        if (ck->piece_file[q] != fi || ck->pf[q].state != PF_NONE || !pf_wanted(ck, q)) continue;
         if (ck->pf_held + ck->pieces[q].nbytes > PF_BYTES || ck->pf_running >= limit) break;
         if (pf_launch(ck, q) < 0) break;
     }
@@ -837,7 +914,11 @@ static void pf_more(mt_ckpt *ck, int fi, int after)
  * or NULL with *rc set; 0 returned if p is not for the read-ahead. */
 static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
 {
-    if (ck->pieces[p].nbytes > PF_PIECE_MAX || getenv("MT_CKPT_NO_READAHEAD")) return 0;
+    /* in another rank's shard this rank reads only some pieces (the
+     * replicated weights among that rank's optimizer state): reading its
+     * optimizer state ahead would fetch, check and hold pieces nobody here
+     * takes, and fill the read-ahead's budget (issue 23: the 4-rank load) */
+    if (!pf_wanted(ck, p) || getenv("MT_CKPT_NO_READAHEAD")) return 0;
     if (!ck->pf_on) {
         pthread_mutex_init(&ck->pf_mu, NULL);
         pthread_cond_init(&ck->pf_cv, NULL);
@@ -845,6 +926,7 @@ static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
     }
     struct ck_pf *e = &ck->pf[p];
     pthread_mutex_lock(&ck->pf_mu);
+    e->drop = 0; /* skipped before, wanted now */
     if (e->state == PF_NONE && pf_launch(ck, p) < 0) {
         pthread_mutex_unlock(&ck->pf_mu);
         return 0; /* no memory for it: read it directly */
@@ -861,7 +943,23 @@ static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
     e->data = NULL;
     e->state = PF_NONE;
     ck->pf_held -= ck->pieces[p].nbytes;
-    pf_more(ck, ck->piece_file[p], p);
+    /* pieces of this file before p read ahead and not taken: the reader
+     * went past them; their memory goes back to the read-ahead */
+    const int fi = ck->piece_file[p];
+    for (int q = ck->pf_low[fi]; q < p; q++) {
+        struct ck_pf *s = &ck->pf[q];
+        if (ck->piece_file[q] != fi || s->state == PF_NONE) continue;
+        if (s->state == PF_RUNNING) {
+            s->drop = 1;
+            continue;
+        }
+        free(s->data);
+        s->data = NULL;
+        s->state = PF_NONE;
+        ck->pf_held -= ck->pieces[q].nbytes;
+    }
+    if (p + 1 > ck->pf_low[fi]) ck->pf_low[fi] = p + 1;
+    pf_more(ck, fi, p);
     pthread_mutex_unlock(&ck->pf_mu);
     return 1;
 }
@@ -879,6 +977,8 @@ static void pf_stop(mt_ckpt *ck)
     for (int q = 0; ck->pf && q < ck->n_pieces; q++) free(ck->pf[q].data);
     free(ck->pf);
     free(ck->pf_cursor);
+    free(ck->pf_low);
+    ck->pf_low = NULL;
     ck->pf = NULL;
     ck->pf_cursor = NULL;
     ck->pf_on = 0;

@@ -49,8 +49,9 @@ static hid_t create_file(const char *path, hsize_t userblock, int shard)
     H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_V110);
     /* metadata in 64 KB blocks: less seeking on shards with many pieces */
     H5Pset_meta_block_size(fapl, 64 << 10);
-    /* O_DIRECT chunk writes need block-aligned chunks */
-    if (shard && ck_io_direct()) H5Pset_alignment(fapl, (hsize_t)1 << 20, 4096);
+    /* O_DIRECT chunk writes need block-aligned chunks (<= 4 KB of padding
+     * per chunk of 1 MB or more) */
+    if (shard && ck_io_direct()) H5Pset_alignment(fapl, (hsize_t)1 << 20, CK_DIRECT_ALIGN);
     hid_t f = H5Fcreate(path, H5F_ACC_TRUNC, fcpl, fapl);
     H5Pclose(fapl);
     H5Pclose(fcpl);
@@ -292,13 +293,19 @@ static void write_task(void *arg)
     size_t n = s->cb + 4;
     off_t at = (off_t)s->addr;
     int err = 0, fd = s->fd;
-    if (s->dfd >= 0 && s->addr % 4096 == 0 && s->cb % 4096 == 0 && (uintptr_t)b % 4096 == 0) {
-        /* the chunk's data past the page cache, its checksum through it */
-        ssize_t k = pwrite(s->dfd, b, s->cb, at);
+    if (s->dfd >= 0 && s->addr % CK_DIRECT_ALIGN == 0 && s->cb % CK_DIRECT_ALIGN == 0 &&
+        (uintptr_t)b % CK_DIRECT_ALIGN == 0) {
+        /* the chunk's data past the page cache, its checksum through it;
+         * anything short of the whole data goes again through the page cache */
+        ssize_t k;
+        do k = pwrite(s->dfd, b, s->cb, at);
+        while (k < 0 && errno == EINTR);
         if (k == (ssize_t)s->cb) {
             b += s->cb;
             n -= s->cb;
             at += (off_t)s->cb;
+        } else if (k < 0 && errno == EINVAL) {
+            ck_io_direct_refused(p->path, "writes", errno);
         }
     }
     while (n) {

@@ -176,10 +176,12 @@ struct mt_backend {
     int (*swiglu_fwd)(mt_backend *be, void *h, const void *gu, int M, int F);
     /* dgu [M, 2F] from dh [M, F] and gu. */
     int (*swiglu_bwd)(mt_backend *be, void *dgu, const void *dh, const void *gu, int M, int F);
-    /* y [M, D] = table[ids[m]], table [V, D] act, ids i32. */
+    /* y [M, D] = table[ids[m]], table [V, D] act, ids i32; ids[m] < 0 gives a
+     * zero row (a vocabulary-parallel embedding's tokens of other ranks). */
     int (*embedding_fwd)(mt_backend *be, void *y, const void *table, const int32_t *ids, int M,
                          int D);
-    /* dtable [V, D] f32 += scatter of dy [M, D] by ids. */
+    /* dtable [V, D] f32 += scatter of dy [M, D] by ids; rows with ids[m] < 0
+     * are skipped. */
     int (*embedding_bwd)(mt_backend *be, float *dtable, const void *dy, const int32_t *ids,
                          int M, int D);
 
@@ -280,6 +282,24 @@ struct mt_backend {
      * grad_scale * (softmax(logits[m]) - onehot(tgt[m])) (zero row if ignored). */
     int (*xent)(mt_backend *be, float *loss, void *logits, const int32_t *tgt, int M, int V,
                 int ignore, float grad_scale);
+    /* The same over a vocabulary split into parts (tensor parallelism): this
+     * rank's logits [M, V] act are columns [v_lo, v_lo + V) of the full
+     * vocabulary; no rank holds a whole row.
+     * xent_part_stats: stats [M, 3] f32 = (mx_m = max_j x[m, j],
+     *   s_m = sum_j exp(x[m, j] - mx_m) (double, rounded once),
+     *   x[m, tgt[m] - v_lo] if v_lo <= tgt[m] < v_lo + V, else 0); ignored
+     *   rows and targets outside this part are fine (tgt is a full id).
+     * xent_part_finish: from all P parts' stats [P, M, 3] (part order):
+     *   MX = max_p mx, S = sum_p s_p exp(mx_p - MX) (p in order, double),
+     *   t = sum_p t_p; loss [M] = MX + log(S) - t (0 if tgt is ignore);
+     *   logits overwritten with grad_scale * (exp(x - MX) / S - onehot(tgt -
+     *   v_lo)) (zero row if ignored). Every part computes the same loss.
+     *   P = 1, v_lo = 0 is xent up to rounding. */
+    int (*xent_part_stats)(mt_backend *be, float *stats, const void *logits, const int32_t *tgt,
+                           int M, int V, int v_lo, int ignore);
+    int (*xent_part_finish)(mt_backend *be, float *loss, void *logits, const float *stats, int P,
+                            const int32_t *tgt, int M, int V, int v_lo, int ignore,
+                            float grad_scale);
 
     /* ---- optimizer ---------------------------------------------------- */
     /* out f32[1] = sum of squares of g [n] f32 (deterministic). */

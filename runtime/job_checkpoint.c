@@ -153,11 +153,12 @@ static int agree(const mt_job_ckpt *jc, int rc)
     return MT_ERR(worst, "rank %d: %s", who, msg);
 }
 
-static int restore_from(mt_trainer *t, const char *path)
+static int restore_from(mt_trainer *t, const char *path, int rank)
 {
     double t0 = now_ms();
     mt_ckpt *ck;
     MT_CHECK(mt_ckpt_open(&ck, path));
+    mt_ckpt_set_reader_rank(ck, rank);
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
     int rc = same_config(m->config_json, &t->job.model, mt_ckpt_dir(ck));
     mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn};
@@ -199,7 +200,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
     char first[MT_PATH_CAP + 32], root[MT_PATH_CAP + 32];
     int rc = agree(jc, mt_ckpt_resolve(jc->job.init.path, first, sizeof first));
     if (rc < 0) return mt_err_wrap(rc, "init.path %s", jc->job.init.path);
-    rc = agree(jc, restore_from(t, first));
+    rc = agree(jc, restore_from(t, first, jc->rank));
     if (rc == MT_OK || !jc->job.init.fallback || !is_damage(rc))
         return rc < 0 ? mt_err_wrap(rc, "init.path %s", jc->job.init.path) : rc;
     /* the older steps of its root, newest first; a step the daemon holds
@@ -223,7 +224,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
         char path[MT_PATH_CAP + 32];
         mt_ckpt_step_path(path, sizeof path, root, steps[i], 0);
         MT_LOGW("checkpoint: %s cannot be loaded (%s); init.fallback: trying %s", tried, why, path);
-        rc = agree(jc, restore_from(t, path));
+        rc = agree(jc, restore_from(t, path, jc->rank));
         if (rc < 0) snprintf(why, sizeof why, "%s", mt_errmsg());
         snprintf(tried, sizeof tried, "%s", path);
     }

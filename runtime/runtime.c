@@ -129,7 +129,8 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
         mt_trainer_groups tg = {
             .dp = l->dp > 1 ? j->groups.g[MT_GROUP_DP] : NULL,
             .ep = l->ep > 1 ? j->groups.g[MT_GROUP_EP] : NULL,
-            .edp = l->ep > 1 ? j->groups.g[MT_GROUP_EDP] : NULL,
+            .edp = l->ep > 1 || l->tp > 1 ? j->groups.g[MT_GROUP_EDP] : NULL,
+            .tp = l->tp > 1 ? j->groups.g[MT_GROUP_TP] : NULL,
             .pp = l->pp > 1 ? j->groups.g[MT_GROUP_PP] : NULL,
         };
         rc = mt_trainer_create_in(&j->trainer, &j->spec, j->be, &tg);

@@ -472,12 +472,20 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
     assert_int_equal(mt_layout_edp(&j.parallel), 2);
     assert_int_equal(mt_layout_world(&j.parallel), 4);
     assert_int_equal(mt_jobspec_grad_accum(&j), 8 / (1 * 4));
-    /* a layout that fits the ranks and the model but that the trainer does
-     * not run yet is refused too, naming the field */
+    /* tensor parallelism runs (bf16: the tiny model's splits are not FP8 blocks) */
     const char *bf16_tp2[] = {"parallel.tp=2", "precision.recipe=bf16"};
-    const char *tp_err[] = {"parallel.tp: 2: the trainer runs data, pipeline and expert "
-                            "parallelism only", NULL};
-    expect_admission(4, bf16_tp2, 2, tp_err, NULL);
+    expect_admission(4, bf16_tp2, 2, NULL, &j);
+    assert_int_equal(j.parallel.dp, 2);
+    /* ... with ep folded over the tp x dp ranks */
+    const char *tp2_ep2[] = {"parallel.tp=2", "parallel.ep=2", "precision.recipe=bf16",
+                             "batch.micro_batch_size=1"};
+    expect_admission(4, tp2_ep2, 4, NULL, &j);
+    assert_int_equal(mt_layout_edp(&j.parallel), 2);
+    /* a layout that fits the ranks and the model but that the trainer does
+     * not run yet is refused too, naming the field: expert tensor parallelism */
+    const char *etp2[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16"};
+    const char *etp_err[] = {"parallel.etp: 2:", NULL};
+    expect_admission(4, etp2, 3, etp_err, NULL);
     /* parallel.pp_layers: one entry per chunk, summing to the model's layers */
     const char *ppl_ok[] = {"parallel.pp=2", "parallel.pp_layers=0,2", "batch.micro_batch_size=1"};
     expect_admission(2, ppl_ok, 3, NULL, &j);
@@ -493,13 +501,18 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
     const char *ppl_sum_err[] = {"parallel.pp_layers places 3 decoder layers",
                                  "num_hidden_layers 2", NULL};
     expect_admission(2, ppl_sum, 3, ppl_sum_err, NULL);
-    /* pipeline parallelism runs, but not with expert parallelism yet */
+    /* pipeline parallelism runs, but not with expert nor tensor parallelism yet */
     const char *pp2[] = {"parallel.pp=2", "batch.micro_batch_size=1"};
     expect_admission(2, pp2, 2, NULL, &j);
     assert_int_equal(j.parallel.dp, 1);
     const char *pp2ep2[] = {"parallel.pp=2", "parallel.ep=2", "batch.micro_batch_size=1"};
     const char *ppep_err[] = {"parallel.pp 2 with parallel.ep 2", NULL};
     expect_admission(4, pp2ep2, 3, ppep_err, NULL);
+    const char *pp2tp2[] = {"parallel.pp=2", "parallel.tp=2", "precision.recipe=bf16",
+                            "batch.micro_batch_size=1"};
+    const char *pptp_err[] = {"parallel.pp 2 with parallel.tp 2",
+                              "pipeline and tensor parallelism together", NULL};
+    expect_admission(4, pp2tp2, 4, pptp_err, NULL);
     /* the batch must divide over the derived dp: 8 sequences, mbs 4, dp 4 */
     const char *dp4_err[] = {"batch.global_batch_size: 8 is not divisible by "
                              "batch.micro_batch_size 4 x data-parallel size 4", NULL};

@@ -1207,6 +1207,44 @@ static void test_xent(int M, int V, float gscale)
     free(t);
 }
 
+/* The vocabulary-parallel parts: this part's statistics (targets across the
+ * whole vocabulary, so some rows hold theirs and some not), then the finish
+ * from them and a second part's statistics (host values: max, sum, target
+ * logit), as mt_tp_xent combines P = 2 parts. */
+static void test_xent_part(int M, int V, int v_lo, float gscale)
+{
+    char sh[64];
+    snprintf(sh, sizeof sh, "M%d V%d v_lo%d gs%.2g", M, V, v_lo, gscale);
+    const int ignore = -100, Vall = v_lo + V + 7;
+    int32_t *t = ref_alloc(4 * (size_t)M);
+    ref_fill_ids(t, M, 182, Vall);
+    t[M / 2] = ignore;
+    tb tg = tb_from(T_I32, M, t), lg = act_rand((int64_t)M * V, 183, 3.0f);
+    tb st = tb_new(T_F32, 3 * (int64_t)M), loss = tb_new(T_F32, M);
+    int ok;
+    BOTH(ok, "xent_part_stats", sh,
+         be->xent_part_stats(be, st.p[s], lg.p[s], tg.p[s], M, V, v_lo, ignore));
+    if (ok) check_f32("xent_part_stats", sh, "stats", &st, 0, 1e-5);
+    float *all = ref_alloc(4 * 6 * (size_t)M);
+    MUST(BE[0]->download(BE[0], all, st.p[0], 12 * (size_t)M)); /* part 0: the CPU's */
+    for (int m = 0; m < M; m++) { /* part 1: a plausible other part */
+        all[3 * (M + m)] = (float)(4.0 * mt_hash_uniform(184, (uint64_t)m));
+        all[3 * (M + m) + 1] = 1.0f + (float)(20.0 * mt_hash_uniform(185, (uint64_t)m));
+        all[3 * (M + m) + 2] = t[m] >= v_lo && t[m] < v_lo + V ? 0.0f : 1.5f;
+    }
+    tb sa = tb_from(T_F32, 6 * (int64_t)M, all);
+    BOTH(ok, "xent_part_finish", sh,
+         be->xent_part_finish(be, loss.p[s], lg.p[s], sa.p[s], 2, tg.p[s], M, V, v_lo, ignore,
+                              gscale));
+    if (ok) {
+        check_f32("xent_part_finish", sh, "loss", &loss, 0, 1e-5);
+        check_act("xent_part_finish", sh, "grad", &lg, V, 2, 0, 1e-2);
+    }
+    tb_free(&tg), tb_free(&lg), tb_free(&st), tb_free(&loss), tb_free(&sa);
+    free(t);
+    free(all);
+}
+
 /* A main copy of n random values: f32, or bf16 bits when bf16. */
 static tb main_copy_rand(int64_t n, uint64_t seed, int bf16)
 {
@@ -1507,6 +1545,8 @@ int main(void)
     SECTION("attention", test_attention());
     SECTION("moe", test_moe());
     SECTION("xent", (test_xent(5, 129280, 1.0f), test_xent(64, 1000, 0.5f), test_xent(3, 1, 1.0f)));
+    SECTION("xent_part", (test_xent_part(5, 64640, 64640, 1.0f), test_xent_part(64, 500, 0, 0.5f),
+                          test_xent_part(3, 1, 2, 1.0f)));
     SECTION("optimizer", test_optimizer());
     SECTION("determinism (cuda, the same op twice)", test_determinism());
 

@@ -3,6 +3,13 @@
  *
  *   mid = x + mla(x)                (the MLA layer owns its input norm)
  *   out = mid + ffn(norm(mid))      (dense FFN or DeepSeekMoE)
+ *
+ * Sequence parallelism (engine/model/tp.h): x, mid, out and their gradients
+ * are this rank's rows; the norm runs on them and is gathered (b->xn2 holds
+ * every row) for the FFN / MoE region. The dense FFN's partial output and
+ * input gradient are reduce-scattered; the MoE layer (router and routed
+ * experts replicated over tp, the shared experts summing their parts) gives
+ * every row on every rank, of which a rank takes its own.
  */
 #include <string.h>
 
@@ -61,15 +68,31 @@ int mt_block_init(mt_block *b, mt_backend *be, const mt_model_config *cfg,
                   const mt_model_opts *o, int layer, int N, mt_moe_dispatcher *disp)
 {
     const size_t act = mt_act_size(be);
+    /* tensor parallelism: this rank's heads and FFN columns (the parameter
+     * table's parts, mt_params_tp_local) */
+    const int tp = o->tp ? o->tp->size : 1;
+    mt_model_config lc = *cfg;
+    lc.num_attention_heads /= tp;
     b->layer = layer;
     b->is_moe = mt_config_layer_is_moe(cfg, layer);
-    MT_CHECK(mt_mla_init(&b->attn, be, cfg, N, o->micro_batch, o->seq_len, o->recompute_mla_up));
+    MT_CHECK(mt_mla_init(&b->attn, be, &lc, N, o->micro_batch, o->seq_len, o->recompute_mla_up));
     MT_CHECK(be->alloc(be, (size_t)N * cfg->hidden_size * act, &b->mid));
     MT_CHECK(be->alloc(be, (size_t)N * cfg->hidden_size * act, &b->xn2));
     MT_CHECK(be->alloc(be, (size_t)N * 4, (void **)&b->rstd2));
-    if (b->is_moe) return mt_moe_init(&b->moe, be, cfg, o, N, disp);
-    return mt_ffn_init(&b->ffn, be, N, cfg->hidden_size, cfg->intermediate_size,
-                       o->recompute_moe_act);
+    if (b->is_moe) {
+        MT_CHECK(mt_moe_init(&b->moe, be, cfg, o, N, disp));
+        if (tp > 1 && b->moe.has_shared) { /* the shared experts' columns of this rank */
+            mt_ffn_free(&b->moe.shared, be);
+            MT_CHECK(mt_ffn_init(&b->moe.shared, be, N, cfg->hidden_size,
+                                 cfg->moe_intermediate_size * cfg->n_shared_experts / tp,
+                                 o->recompute_moe_act));
+        }
+        return MT_OK;
+    }
+    MT_CHECK(mt_ffn_init(&b->ffn, be, N, cfg->hidden_size, cfg->intermediate_size / tp,
+                         o->recompute_moe_act));
+    b->ffn.no_sum = tp > 1 && o->tp->sp; /* reduce-scattered here */
+    return MT_OK;
 }
 
 void mt_block_free(mt_block *b, mt_backend *be)
@@ -89,22 +112,40 @@ int mt_block_fwd(const mt_ctx *c, mt_block *b, void *out, const void *x, double 
                  float aux_grad_scale)
 {
     mt_backend *be = c->be;
-    const int N = c->N, D = b->attn.D;
-    const int64_t nd = (int64_t)N * D;
+    const int N = c->N, D = b->attn.D, Nl = mt_tp_rows(c), sp = mt_tp_sp(c);
+    const size_t act = mt_act_size(be);
+    const int64_t nd = (int64_t)N * D, ndl = (int64_t)Nl * D;
     size_t mark = mt_ws_mark(c->ws);
-    void *y;
-    MT_WS(y, c->ws, (size_t)nd * mt_act_size(be));
+    void *y, *yl;
+    MT_WS(y, c->ws, (size_t)nd * act);
     mt_op_profile_mark(be, "fwd.attn");
     MT_CHECK(mt_mla_fwd(c, &b->attn, y, x));
     mt_op_profile_mark(be, b->is_moe ? "fwd.moe" : "fwd.ffn");
-    MT_CHECK(be->add(be, b->mid, x, y, nd));
-    MT_CHECK(be->rmsnorm_fwd(be, b->xn2, D, b->rstd2, b->mid, D, b->post_norm->w, N, D,
-                             c->rms_eps));
-    if (b->is_moe)
+    MT_CHECK(be->add(be, b->mid, x, y, ndl));
+    if (sp) { /* sequence parallelism: the norm on this rank's rows, gathered */
+        void *xl;
+        MT_WS(xl, c->ws, (size_t)ndl * act);
+        MT_CHECK(be->rmsnorm_fwd(be, xl, D, b->rstd2, b->mid, D, b->post_norm->w, Nl, D,
+                                 c->rms_eps));
+        MT_CHECK(mt_tp_gather_rows(c, xl, b->xn2, D));
+    } else {
+        MT_CHECK(be->rmsnorm_fwd(be, b->xn2, D, b->rstd2, b->mid, D, b->post_norm->w, N, D,
+                                 c->rms_eps));
+    }
+    yl = y;
+    if (b->is_moe) {
+        /* every rank runs the router and the (replicated) routed experts on
+         * every row; the shared experts sum their parts inside */
         MT_CHECK(mt_moe_fwd(c, &b->moe, y, b->xn2, aux_alpha, aux_grad_scale));
-    else
+        yl = (char *)y + (size_t)mt_tp_row0(c) * D * act;
+    } else {
         MT_CHECK(mt_ffn_fwd(c, &b->ffn, y, 0, b->xn2));
-    MT_CHECK(be->add(be, out, b->mid, y, nd));
+        if (sp) { /* row-parallel down: this rank's rows of the sum */
+            MT_WS(yl, c->ws, (size_t)ndl * act);
+            MT_CHECK(mt_tp_scatter_rows(c, y, yl, D));
+        }
+    }
+    MT_CHECK(be->add(be, out, b->mid, yl, ndl));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }
@@ -112,20 +153,32 @@ int mt_block_fwd(const mt_ctx *c, mt_block *b, void *out, const void *x, double 
 int mt_block_bwd(const mt_ctx *c, mt_block *b, void *dx, const void *dout, const void *x)
 {
     mt_backend *be = c->be;
-    const int N = c->N, D = b->attn.D;
-    const size_t bytes = (size_t)N * D * mt_act_size(be);
+    const int N = c->N, D = b->attn.D, Nl = mt_tp_rows(c), sp = mt_tp_sp(c);
+    const size_t act = mt_act_size(be), bytes = (size_t)N * D * act;
+    const size_t bytes_l = (size_t)Nl * D * act;
     size_t mark = mt_ws_mark(c->ws);
-    void *dxn2;
+    void *dxn2, *dl, *dfull = (void *)dout;
     MT_WS(dxn2, c->ws, bytes);
+    if (sp) { /* sequence parallelism: every row of the gradient for the region */
+        MT_WS(dfull, c->ws, bytes);
+        MT_CHECK(mt_tp_gather_rows(c, dout, dfull, D));
+    }
     mt_op_profile_mark(be, b->is_moe ? "bwd.moe" : "bwd.ffn");
     if (b->is_moe)
-        MT_CHECK(mt_moe_bwd(c, &b->moe, dxn2, dout, b->xn2));
+        MT_CHECK(mt_moe_bwd(c, &b->moe, dxn2, dfull, b->xn2));
     else
-        MT_CHECK(mt_ffn_bwd(c, &b->ffn, dxn2, 0, dout, b->xn2));
+        MT_CHECK(mt_ffn_bwd(c, &b->ffn, dxn2, 0, dfull, b->xn2));
+    dl = dxn2;
+    if (sp && b->is_moe) { /* the same on every rank: this rank's rows */
+        dl = (char *)dxn2 + (size_t)mt_tp_row0(c) * D * act;
+    } else if (sp) { /* column-parallel gate / up: this rank's rows of the sum */
+        MT_WS(dl, c->ws, bytes_l);
+        MT_CHECK(mt_tp_scatter_rows(c, dxn2, dl, D));
+    }
     /* d mid = dout + norm'(dxn2), built in dx (the residual passes through) */
-    if (dx != dout) MT_CHECK(be->copy(be, dx, dout, bytes));
-    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, b->post_norm->grad, dxn2, D, b->mid, D, b->post_norm->w,
-                             b->rstd2, N, D));
+    if (dx != dout) MT_CHECK(be->copy(be, dx, dout, bytes_l));
+    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, b->post_norm->grad, dl, D, b->mid, D, b->post_norm->w,
+                             b->rstd2, Nl, D));
     /* d x = d mid + mla'(d mid): mla_bwd reads dy before it accumulates into dx */
     mt_op_profile_mark(be, "bwd.attn");
     MT_CHECK(mt_mla_bwd(c, &b->attn, dx, dx, x));

@@ -5,6 +5,8 @@
  *   y  = down(h)              [N, D]
  * With recompute (the MoE activation memory saver) h is rebuilt from gu in
  * backward instead of being kept.
+ * Tensor parallelism: F is this rank's columns of gate / up and rows of
+ * down; y and dxn are summed over the tp group.
  */
 #include <string.h>
 
@@ -48,6 +50,7 @@ int mt_ffn_fwd(const mt_ctx *c, mt_ffn *f, void *y, int accumulate, const void *
                             2 * F, xn, D, N));
     MT_CHECK(be->swiglu_fwd(be, h, f->gu, N, F));
     MT_CHECK(mt_linear_fwd(c, f->down, out, D, h, F, N));
+    if (!f->no_sum) MT_CHECK(mt_tp_sum(c, out, (int64_t)N * D)); /* row-parallel down: partial sums */
     if (accumulate) MT_CHECK(be->add(be, y, y, out, (int64_t)N * D));
     mt_ws_release(c->ws, mark);
     return MT_OK;
@@ -69,8 +72,15 @@ int mt_ffn_bwd(const mt_ctx *c, mt_ffn *f, void *dxn, int accumulate, const void
     MT_WS(dgu, c->ws, (size_t)N * 2 * F * act);
     MT_CHECK(mt_linear_bwd(c, f->down, dh, F, 0, dy, D, h, F, N));
     MT_CHECK(be->swiglu_bwd(be, dgu, dh, f->gu, N, F));
+    /* column-parallel gate / up: each rank's input gradient is a partial
+     * sum, summed over the group before it meets other contributions */
+    const int sum = mt_tp_on(c) && !f->no_sum;
+    void *dx = dxn;
+    if (sum && accumulate) MT_WS(dx, c->ws, (size_t)N * D * act);
     MT_CHECK(mt_linear_bwd2(c, f->gate, dgu, 2 * F, f->up, (char *)dgu + (size_t)F * act, 2 * F,
-                            dxn, D, accumulate, xn, D, N));
+                            dx, D, sum ? 0 : accumulate, xn, D, N));
+    if (sum) MT_CHECK(mt_tp_sum(c, dx, (int64_t)N * D));
+    if (dx != dxn) MT_CHECK(be->add(be, dxn, dxn, dx, (int64_t)N * D));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

@@ -1,6 +1,9 @@
 /* layer_head.c - final RMSNorm, output head and cross-entropy (main model and
  * each MTP module's shared_head), with the loss gradient fused into the
  * softmax: after the forward the logits buffer holds dL/dlogits.
+ * Tensor parallelism: the head holds vocabulary rows [v_lo, v_lo + V) and
+ * the logits are those columns (mt_tp_xent); the hidden state's gradient
+ * is summed over the tp group.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +32,17 @@ int mt_head_logits(const mt_ctx *c, mt_head *h, void *logits, const void *x, int
 {
     mt_backend *be = c->be;
     const int N = c->N, D = (int)h->norm->d.cols;
-    MT_CHECK(be->rmsnorm_fwd(be, h->hn, D, h->rstd, x, D, h->norm->w, N, D, c->rms_eps));
+    if (mt_tp_sp(c)) { /* sequence parallelism: norm of this rank's rows, gathered */
+        size_t mark = mt_ws_mark(c->ws);
+        void *hl;
+        MT_WS(hl, c->ws, (size_t)mt_tp_rows(c) * D * mt_act_size(be));
+        MT_CHECK(be->rmsnorm_fwd(be, hl, D, h->rstd, x, D, h->norm->w, mt_tp_rows(c), D,
+                                 c->rms_eps));
+        MT_CHECK(mt_tp_gather_rows(c, hl, h->hn, D));
+        mt_ws_release(c->ws, mark);
+    } else {
+        MT_CHECK(be->rmsnorm_fwd(be, h->hn, D, h->rstd, x, D, h->norm->w, N, D, c->rms_eps));
+    }
     return be->gemm(be, logits, 0, V, h->hn, D, 0, h->head->w, D, 0, N, V, D, 1.0f, 0);
 }
 
@@ -39,7 +52,7 @@ int mt_head_loss(const mt_ctx *c, mt_head *h, void *logits, const int32_t *tgt, 
 {
     mt_backend *be = c->be;
     const int N = c->N;
-    MT_CHECK(be->xent(be, h->loss, logits, tgt, N, V, MT_IGNORE, grad_scale));
+    MT_CHECK(mt_tp_xent(c, h->loss, logits, tgt, N, V, h->v_lo, grad_scale));
     MT_CHECK(be->download(be, host_loss, h->loss, (size_t)N * 4));
     /* Fixed order in double: the same sum on every backend and layout. */
     double s = 0;
@@ -72,8 +85,18 @@ int mt_head_bwd(const mt_ctx *c, mt_head *h, void *dx, int accumulate, const voi
     MT_WS(dhn, c->ws, (size_t)N * D * mt_act_size(be));
     MT_CHECK(be->gemm(be, dhn, 0, D, logits, V, 0, h->head->w, D, 1, N, D, V, 1.0f, 0));
     MT_CHECK(be->gemm(be, h->head->grad, 1, D, logits, V, 1, h->hn, D, 1, V, D, N, 1.0f, 1));
+    /* vocabulary-parallel: each rank's dhn is its columns' share (sequence
+     * parallelism: this rank's rows of the sum) */
+    if (mt_tp_sp(c)) {
+        void *dl;
+        MT_WS(dl, c->ws, (size_t)mt_tp_rows(c) * D * mt_act_size(be));
+        MT_CHECK(mt_tp_scatter_rows(c, dhn, dl, D));
+        dhn = dl;
+    } else {
+        MT_CHECK(mt_tp_sum(c, dhn, (int64_t)N * D));
+    }
     MT_CHECK(be->rmsnorm_bwd(be, dx, D, accumulate, h->norm->grad, dhn, D, x, D, h->norm->w,
-                             h->rstd, N, D));
+                             h->rstd, mt_tp_rows(c), D));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

@@ -10,6 +10,16 @@
  *   y   = o_proj(attention(q, k, v))                [N, D]
  * With recompute_mla_up the up-projection outputs (q, kv -> k, v) are not
  * kept; backward recomputes them from the saved compressed vectors.
+ * Tensor parallelism: H is this rank's heads (q_b / q_proj and kv_b
+ * column-parallel, o_proj row-parallel); y is summed over the tp group, and
+ * in backward the gradients entering the column-parallel projections'
+ * inputs (d qan, d kvn with the shared rope key's) are summed there, so
+ * everything below (q_a, kv_a, their norms, the input norm) computes the
+ * same gradient on every tp rank without a reduction of its own.
+ * Sequence parallelism: x, y, dx, dy are this rank's rows; the input norm
+ * runs on them and its output is gathered (a->xn holds every row), y is
+ * reduce-scattered, dy gathered; the input norm's gradient is then this
+ * rank's rows' share (the trainer sums it over tp).
  */
 #include <string.h>
 
@@ -109,7 +119,18 @@ int mt_mla_fwd(const mt_ctx *c, mt_mla *a, void *y, const void *x)
     if (!v) MT_WS(v, c->ws, (size_t)N * H * a->Dv * act);
     MT_WS(kv, c->ws, (size_t)N * H * (a->Dn + a->Dv) * act);
 
-    MT_CHECK(be->rmsnorm_fwd(be, a->xn, D, a->rstd_in, x, D, a->in_norm->w, N, D, c->rms_eps));
+    if (mt_tp_sp(c)) {
+        /* sequence parallelism: the norm on this rank's rows, then every
+         * row for the region (x and y hold this rank's rows) */
+        void *xl;
+        MT_WS(xl, c->ws, (size_t)mt_tp_rows(c) * D * act);
+        MT_CHECK(be->rmsnorm_fwd(be, xl, D, a->rstd_in, x, D, a->in_norm->w, mt_tp_rows(c), D,
+                                 c->rms_eps));
+        MT_CHECK(mt_tp_gather_rows(c, xl, a->xn, D));
+    } else {
+        MT_CHECK(be->rmsnorm_fwd(be, a->xn, D, a->rstd_in, x, D, a->in_norm->w, N, D,
+                                 c->rms_eps));
+    }
     if (a->QL > 0) {
         /* q_a and kv_a read the same xn: one quantisation for both */
         MT_CHECK(mt_linear_fwd2(c, a->q_a, a->qa, a->QL, a->kv_a, a->kva, KL + R, a->xn, D, N));
@@ -127,7 +148,15 @@ int mt_mla_fwd(const mt_ctx *c, mt_mla *a, void *y, const void *x)
     MT_CHECK(mla_keys_values(c, a, k, v, kv));
     MT_CHECK(be->attn_fwd(be, a->o_attn, a->lse, q, k, v, c->B, c->T, H, dqk, a->Dv,
                           c->attn_scale));
-    MT_CHECK(mt_linear_fwd(c, a->o, y, D, a->o_attn, H * a->Dv, N));
+    if (mt_tp_sp(c)) { /* row-parallel o_proj: this rank's rows of the sum */
+        void *yf;
+        MT_WS(yf, c->ws, (size_t)N * D * act);
+        MT_CHECK(mt_linear_fwd(c, a->o, yf, D, a->o_attn, H * a->Dv, N));
+        MT_CHECK(mt_tp_scatter_rows(c, yf, y, D));
+    } else {
+        MT_CHECK(mt_linear_fwd(c, a->o, y, D, a->o_attn, H * a->Dv, N));
+        MT_CHECK(mt_tp_sum(c, y, (int64_t)N * D)); /* row-parallel o_proj: partial sums */
+    }
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }
@@ -141,6 +170,12 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
     size_t mark = mt_ws_mark(c->ws);
     void *q = a->qh, *k = a->k, *v = a->v;
     void *d_o, *dq, *dk, *dv, *dkv, *d_kva, *d_kvn, *dxn;
+    if (mt_tp_sp(c)) { /* every row of the output gradient for the region */
+        void *dyf;
+        MT_WS(dyf, c->ws, n * D * act);
+        MT_CHECK(mt_tp_gather_rows(c, dy, dyf, D));
+        dy = dyf;
+    }
     if (!q) {
         /* recompute_mla_up: rebuild what the forward did not keep */
         void *kv;
@@ -166,9 +201,20 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
     /* keys and values back to kv_b's output and the shared rope key */
     char *dkpe = (char *)d_kva + (size_t)KL * act;
     MT_CHECK(be->mla_kv_bwd(be, dkv, dkpe, KL + R, dk, dv, N, H, Dn, R, Dv));
-    MT_CHECK(be->rope(be, dkpe, N, c->T, 1, KL + R, R, 0, R, c->rope_cos, c->rope_sin,
-                      c->rope_interleave, 1));
-    MT_CHECK(mt_linear_bwd(c, a->kv_b, d_kvn, KL, 0, dkv, H * (Dn + Dv), a->kvn, KL, N));
+    if (mt_tp_on(c)) {
+        /* this rank's heads give partial sums of the compressed kv's and the
+         * shared rope key's gradients: kv_b's input gradient goes beside
+         * the rope key's in d_kva, summed over the group at once */
+        MT_CHECK(mt_linear_bwd(c, a->kv_b, d_kva, KL + R, 0, dkv, H * (Dn + Dv), a->kvn, KL, N));
+        MT_CHECK(mt_tp_sum(c, d_kva, (int64_t)N * (KL + R)));
+        MT_CHECK(be->copy2d(be, d_kvn, KL, d_kva, KL + R, N, KL, 0));
+        MT_CHECK(be->rope(be, dkpe, N, c->T, 1, KL + R, R, 0, R, c->rope_cos, c->rope_sin,
+                          c->rope_interleave, 1));
+    } else {
+        MT_CHECK(be->rope(be, dkpe, N, c->T, 1, KL + R, R, 0, R, c->rope_cos, c->rope_sin,
+                          c->rope_interleave, 1));
+        MT_CHECK(mt_linear_bwd(c, a->kv_b, d_kvn, KL, 0, dkv, H * (Dn + Dv), a->kvn, KL, N));
+    }
     MT_CHECK(be->rmsnorm_bwd(be, d_kva, KL + R, 0, a->kv_a_norm->grad, d_kvn, KL, a->kva, KL + R,
                              a->kv_a_norm->w, a->rstd_kv, N, KL));
     /* queries */
@@ -179,6 +225,7 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
         MT_WS(d_qan, c->ws, n * QL * act);
         MT_WS(d_qa, c->ws, n * QL * act);
         MT_CHECK(mt_linear_bwd(c, a->q_b, d_qan, QL, 0, dq, H * dqk, a->qan, QL, N));
+        MT_CHECK(mt_tp_sum(c, d_qan, (int64_t)N * QL)); /* column-parallel q_b's entry */
         MT_CHECK(be->rmsnorm_bwd(be, d_qa, QL, 0, a->q_a_norm->grad, d_qan, QL, a->qa, QL,
                                  a->q_a_norm->w, a->rstd_q, N, QL));
         /* dxn = d_kva kv_a + d_qa q_a, one quantisation of xn for both weight gradients */
@@ -186,10 +233,21 @@ int mt_mla_bwd(const mt_ctx *c, mt_mla *a, void *dx, const void *dy, const void 
                                 N));
     } else {
         MT_CHECK(mt_linear_bwd(c, a->kv_a, dxn, D, 0, d_kva, KL + R, a->xn, D, N));
-        MT_CHECK(mt_linear_bwd(c, a->q, dxn, D, 1, dq, H * dqk, a->xn, D, N));
+        if (mt_tp_on(c)) { /* column-parallel q_proj: its share summed before it joins */
+            void *dxq;
+            MT_WS(dxq, c->ws, n * D * act);
+            MT_CHECK(mt_linear_bwd(c, a->q, dxq, D, 0, dq, H * dqk, a->xn, D, N));
+            MT_CHECK(mt_tp_sum(c, dxq, (int64_t)N * D));
+            MT_CHECK(be->add(be, dxn, dxn, dxq, (int64_t)N * D));
+        } else {
+            MT_CHECK(mt_linear_bwd(c, a->q, dxn, D, 1, dq, H * dqk, a->xn, D, N));
+        }
     }
-    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad, dxn, D, x, D, a->in_norm->w,
-                             a->rstd_in, N, D));
+    /* sequence parallelism: dxn is the same on every rank (summed at the
+     * column-parallel entries); this rank's rows go through its norm */
+    MT_CHECK(be->rmsnorm_bwd(be, dx, D, 1, a->in_norm->grad,
+                             (char *)dxn + (size_t)mt_tp_row0(c) * D * act, D, x, D,
+                             a->in_norm->w, a->rstd_in, mt_tp_rows(c), D));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

@@ -42,13 +42,26 @@ int mt_mtp_fwd(const mt_ctx *c, mt_mtp *p, const mt_param *embed, const void *h,
                double aux_alpha, float aux_grad_scale)
 {
     mt_backend *be = c->be;
-    const int N = c->N, D = (int)embed->d.cols;
+    const int N = c->N, D = (int)embed->d.cols, Nl = mt_tp_rows(c);
     char *cat_h = (char *)p->cat + (size_t)D * mt_act_size(be);
-    MT_CHECK(be->embedding_fwd(be, p->emb, embed->w, p->ids, N, D));
-    MT_CHECK(be->rmsnorm_fwd(be, p->cat, 2 * D, p->rstd_e, p->emb, D, p->enorm->w, N, D,
+    /* vocabulary-parallel: one rank's row each, summed (sequence
+     * parallelism: this rank's rows of the sum; everything up to the
+     * block's regions runs on them) */
+    if (mt_tp_sp(c)) {
+        size_t mark = mt_ws_mark(c->ws);
+        void *ef;
+        MT_WS(ef, c->ws, (size_t)N * D * mt_act_size(be));
+        MT_CHECK(be->embedding_fwd(be, ef, embed->w, p->ids, N, D));
+        MT_CHECK(mt_tp_scatter_rows(c, ef, p->emb, D));
+        mt_ws_release(c->ws, mark);
+    } else {
+        MT_CHECK(be->embedding_fwd(be, p->emb, embed->w, p->ids, N, D));
+        MT_CHECK(mt_tp_sum(c, p->emb, (int64_t)N * D));
+    }
+    MT_CHECK(be->rmsnorm_fwd(be, p->cat, 2 * D, p->rstd_e, p->emb, D, p->enorm->w, Nl, D,
                              c->rms_eps));
-    MT_CHECK(be->rmsnorm_fwd(be, cat_h, 2 * D, p->rstd_h, h, D, p->hnorm->w, N, D, c->rms_eps));
-    MT_CHECK(mt_linear_fwd(c, p->eh, p->hin, D, p->cat, 2 * D, N));
+    MT_CHECK(be->rmsnorm_fwd(be, cat_h, 2 * D, p->rstd_h, h, D, p->hnorm->w, Nl, D, c->rms_eps));
+    MT_CHECK(mt_linear_fwd(c, p->eh, p->hin, D, p->cat, 2 * D, Nl));
     return mt_block_fwd(c, &p->block, p->hout, p->hin, aux_alpha, aux_grad_scale);
 }
 
@@ -56,20 +69,25 @@ int mt_mtp_bwd(const mt_ctx *c, mt_mtp *p, mt_param *embed, void *dh, const void
                const void *h)
 {
     mt_backend *be = c->be;
-    const int N = c->N, D = (int)embed->d.cols;
+    const int N = c->N, D = (int)embed->d.cols, Nl = mt_tp_rows(c);
     const size_t act = mt_act_size(be);
     size_t mark = mt_ws_mark(c->ws);
-    void *dhin, *dcat, *demb;
+    void *dhin, *dcat, *demb, *demb_full;
     MT_WS(dhin, c->ws, (size_t)N * D * act);
     MT_WS(dcat, c->ws, (size_t)N * 2 * D * act);
     MT_WS(demb, c->ws, (size_t)N * D * act);
+    demb_full = demb;
     MT_CHECK(mt_block_bwd(c, &p->block, dhin, dhout, p->hin));
-    MT_CHECK(mt_linear_bwd(c, p->eh, dcat, 2 * D, 0, dhin, D, p->cat, 2 * D, N));
+    MT_CHECK(mt_linear_bwd(c, p->eh, dcat, 2 * D, 0, dhin, D, p->cat, 2 * D, Nl));
     MT_CHECK(be->rmsnorm_bwd(be, demb, D, 0, p->enorm->grad, dcat, 2 * D, p->emb, D, p->enorm->w,
-                             p->rstd_e, N, D));
-    MT_CHECK(be->embedding_bwd(be, embed->grad, demb, p->ids, N, D));
+                             p->rstd_e, Nl, D));
+    if (mt_tp_sp(c)) { /* the embedding's gradient needs every row's token */
+        MT_WS(demb_full, c->ws, (size_t)N * D * act);
+        MT_CHECK(mt_tp_gather_rows(c, demb, demb_full, D));
+    }
+    MT_CHECK(be->embedding_bwd(be, embed->grad, demb_full, p->ids, N, D));
     MT_CHECK(be->rmsnorm_bwd(be, dh, D, 1, p->hnorm->grad, (char *)dcat + (size_t)D * act, 2 * D,
-                             h, D, p->hnorm->w, p->rstd_h, N, D));
+                             h, D, p->hnorm->w, p->rstd_h, Nl, D));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

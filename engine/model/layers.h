@@ -22,6 +22,31 @@ static inline void mt_ws_release(mt_ws *ws, size_t mark) { ws->top = mark; }
         if (!(ptr)) return MT_ENOMEM;                                          \
     } while (0)
 
+/* ---- tp.c: tensor-parallel pieces (no-ops / the plain op without tp) ---- */
+/* Is the context tensor-parallel (a tp group of more than one rank)? */
+static inline int mt_tp_on(const mt_ctx *c) { return c->tp && c->tp->size > 1; }
+/* x act [n] summed over the tp group, in place (the end of a region). */
+int mt_tp_sum(const mt_ctx *c, void *x, int64_t n);
+/* Sequence parallelism (tp.h): between the regions a rank holds rows
+ * [row0, row0 + rows) of the N tokens, stored at the start of the [N, *]
+ * buffers; inside a region every row. Without it: all N rows. */
+static inline int mt_tp_sp(const mt_ctx *c) { return mt_tp_on(c) && c->tp->sp; }
+static inline int mt_tp_rows(const mt_ctx *c) { return mt_tp_sp(c) ? c->N / c->tp->size : c->N; }
+static inline int mt_tp_row0(const mt_ctx *c)
+{
+    return mt_tp_sp(c) ? c->tp->rank * (c->N / c->tp->size) : 0;
+}
+/* Region entry: full [N, D] act = every rank's rows [rows, D] (all-gather). */
+int mt_tp_gather_rows(const mt_ctx *c, const void *rows, void *full, int D);
+/* Region exit: rows [rows, D] act = this rank's rows of the sum over the
+ * group of full [N, D] (reduce-scatter). */
+int mt_tp_scatter_rows(const mt_ctx *c, const void *full, void *rows, int D);
+/* Cross-entropy of logits [N, V] (this rank's vocabulary columns [v_lo, v_lo
+ * + V)) in place, as be->xent: vocabulary-parallel under tp (statistics
+ * gathered over the group, no full row anywhere). */
+int mt_tp_xent(const mt_ctx *c, float *loss, void *logits, const int32_t *tgt, int N, int V,
+               int v_lo, float grad_scale);
+
 /* ---- linear.c: y = x W^T in the recipe's precision ---- */
 int mt_linear_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x, int ldx,
                   int M);

@@ -182,6 +182,10 @@ static uint64_t name_hash(const char *s)
 
 float mt_model_init_value(const mt_param_desc *d, double std, uint64_t seed, int64_t i)
 {
+    /* element i of a tensor-parallel part is element off + [r, c] of the
+     * full tensor: the same values whatever the split */
+    if (d->full_cols > 0 && (d->off[0] || d->off[1] || d->full_cols != d->cols))
+        i = (d->off[0] + i / d->cols) * d->full_cols + d->off[1] + i % d->cols;
     switch (d->kind) {
     case MT_PK_NORM: return 1.0f;
     case MT_PK_ROUTER_BIAS: return 0.0f;
@@ -284,6 +288,7 @@ static int slot_init(mt_model *m, const mt_chunk *ch, mt_chunk_slot *sl, int s)
     sl->head->norm = param_by_role(m, -1, MT_PR_FINAL_NORM);
     sl->head->head = c->tie_word_embeddings ? m->embed : param_by_role(m, -1, MT_PR_HEAD);
     MT_CHECK(mt_head_init(sl->head, be, N, D));
+    sl->head->v_lo = m->v_lo;
     for (int k = 0; k < K; k++) {
         mt_mtp *p = &sl->mtp[k];
         const int l = L + k;
@@ -300,6 +305,7 @@ static int slot_init(mt_model *m, const mt_chunk *ch, mt_chunk_slot *sl, int s)
         sl->mtp_head[k].norm = p->norm;
         sl->mtp_head[k].head = sl->head->head;
         MT_CHECK(mt_head_init(&sl->mtp_head[k], be, N, D));
+        sl->mtp_head[k].v_lo = m->v_lo;
         MT_CHECK(be->alloc(be, nd, &sl->dmtp[k]));
     }
     return MT_OK;
@@ -405,7 +411,7 @@ static int model_build_layers(mt_model *m)
         for (int s = 0; s < ch->n_slots; s++) MT_CHECK(slot_init(m, ch, &ch->slots[s], s));
     }
     if (m->has_last)
-        MT_CHECK(be->alloc(be, (size_t)N * c->vocab_size * act, &m->logits));
+        MT_CHECK(be->alloc(be, (size_t)N * m->V_local * act, &m->logits));
     return MT_OK;
 }
 
@@ -449,6 +455,35 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
     MT_GOTO(mt_params_build(&m->table, cfg, m->disp->e_lo, m->disp->e_lo + m->disp->E_local),
             fail);
     params_filter(m);
+    if (opts->tp && opts->tp->size > 1) {
+        const int tp = opts->tp->size;
+        const int64_t sh = (int64_t)cfg->moe_intermediate_size * cfg->n_shared_experts;
+        if (cfg->num_attention_heads % tp || cfg->intermediate_size % tp || sh % tp ||
+            cfg->vocab_size < tp) {
+            rc = MT_ERR(MT_EINVAL, "model: tp %d must divide num_attention_heads %d, "
+                        "intermediate_size %d and the shared experts' width %lld", tp,
+                        cfg->num_attention_heads, cfg->intermediate_size, (long long)sh);
+            goto fail;
+        }
+        if (opts->tp->sp && (opts->micro_batch * opts->seq_len) % tp) {
+            rc = MT_ERR(MT_EINVAL, "model: sequence parallelism splits the %d x %d tokens of a "
+                        "micro-batch over tp %d: they do not divide", opts->micro_batch,
+                        opts->seq_len, tp);
+            goto fail;
+        }
+        mt_params_tp_local(&m->table, tp, opts->tp->rank);
+    }
+    /* this rank's vocabulary rows: the embedding's, or the head's on a last
+     * stage without an embedding (the two split alike) */
+    m->v_lo = 0;
+    m->V_local = (int)cfg->vocab_size;
+    for (int i = 0; i < m->table.n; i++)
+        if (m->table.p[i].layer == -1 &&
+            (m->table.p[i].role == MT_PR_EMBED || m->table.p[i].role == MT_PR_HEAD)) {
+            m->v_lo = (int)m->table.p[i].off[0];
+            m->V_local = (int)m->table.p[i].rows;
+            break;
+        }
     MT_GOTO(global_params(m), fail);
     MT_GOTO(params_alloc(m), fail);
 
@@ -463,6 +498,7 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
     c->recompute_mla_up = opts->recompute_mla_up;
     c->recompute_moe_act = opts->recompute_moe_act;
     c->rms_eps = (float)cfg->rms_norm_eps;
+    c->tp = opts->tp;
     {
         float *ct = malloc((size_t)T * (R / 2) * 4), *st = malloc((size_t)T * (R / 2) * 4);
         rc = ct && st ? mt_rope_tables(cfg, T, ct, st, &c->attn_scale)
@@ -560,6 +596,15 @@ static int download_logits(mt_model *m, float *out, int64_t n)
     return rc;
 }
 
+/* Vocabulary-parallel embedding: token ids as rows of this rank's part of
+ * the table, -1 (a zero row, no gradient) for the other ranks' tokens. */
+static void local_ids(const mt_model *m, int32_t *ids, int N)
+{
+    if (!mt_tp_on(&m->ctx)) return;
+    for (int i = 0; i < N; i++)
+        ids[i] = ids[i] >= m->v_lo && ids[i] < m->v_lo + m->V_local ? ids[i] - m->v_lo : -1;
+}
+
 /* The backward is done with layer `layer`'s gradients (mt_model_opts). */
 static int layer_grads_final(mt_model *m, int layer)
 {
@@ -574,7 +619,7 @@ static int chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int b
     mt_backend *be = m->be;
     mt_ctx *c = &m->ctx;
     const int N = c->N, B = c->B, T = c->T, D = m->cfg.hidden_size;
-    const int V = (int)m->cfg.vocab_size;
+    const int V = (int)m->cfg.vocab_size, Vl = m->V_local;
     const double alpha = m->opts.aux_alpha, lambda = m->opts.mtp_weight;
     const float aux_gs = backward ? (float)loss_scale : 0.0f;
     memset(st, 0, sizeof *st);
@@ -589,12 +634,27 @@ static int chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int b
             return MT_ERR(MT_EINVAL, "token %d at position %d is outside the vocabulary [0, %d)",
                           tokens[i], i, V);
 
+    if (so && so->logits && mt_tp_on(c))
+        return MT_ERR(MT_ENOTSUP, "scoring: the full logits are not gathered under tensor "
+                      "parallelism (each rank holds vocabulary rows [%d, %d))", m->v_lo,
+                      m->v_lo + Vl);
+
     /* main model */
     if (ch->s.first) {
         mt_op_profile_mark(be, "fwd.embed");
         shift_tokens(tokens, B, T, 0, m->host_i32, m->host_tgt);
+        local_ids(m, m->host_i32, N);
         MT_CHECK(be->upload(be, sl->ids, m->host_i32, (size_t)N * 4));
-        MT_CHECK(be->embedding_fwd(be, sl->h[0], m->embed->w, sl->ids, N, D));
+        /* vocabulary-parallel: one rank's row each, summed (sequence
+         * parallelism: this rank's rows of the sum; dh serves as the full
+         * partial) */
+        if (mt_tp_sp(c)) {
+            MT_CHECK(be->embedding_fwd(be, sl->dh, m->embed->w, sl->ids, N, D));
+            MT_CHECK(mt_tp_scatter_rows(c, sl->dh, sl->h[0], D));
+        } else {
+            MT_CHECK(be->embedding_fwd(be, sl->h[0], m->embed->w, sl->ids, N, D));
+            MT_CHECK(mt_tp_sum(c, sl->h[0], (int64_t)N * D));
+        }
     }
     for (int i = 0; i < n; i++)
         MT_CHECK(mt_block_fwd(c, &sl->blocks[i], sl->h[i + 1], sl->h[i], alpha, aux_gs));
@@ -609,15 +669,15 @@ static int chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int b
     mt_op_profile_mark(be, "fwd.head");
     shift_tokens(tokens, B, T, 0, m->host_i32, m->host_tgt);
     MT_CHECK(be->upload(be, sl->tgt, m->host_tgt, (size_t)N * 4));
-    MT_CHECK(mt_head_logits(c, sl->head, m->logits, sl->h[n], V));
+    MT_CHECK(mt_head_logits(c, sl->head, m->logits, sl->h[n], Vl));
     if (so && so->logits) MT_CHECK(download_logits(m, so->logits, (int64_t)N * V));
-    MT_CHECK(mt_head_loss(c, sl->head, m->logits, sl->tgt, V, gs, m->host_loss, &sum, &cnt,
+    MT_CHECK(mt_head_loss(c, sl->head, m->logits, sl->tgt, Vl, gs, m->host_loss, &sum, &cnt,
                           m->host_tgt));
     if (so && so->tok_loss) memcpy(so->tok_loss, m->host_loss, (size_t)N * sizeof(float));
     st->loss = sum / (double)cnt;
     st->tokens = cnt;
     mt_op_profile_mark(be, "bwd.head");
-    if (backward) MT_CHECK(mt_head_bwd(c, sl->head, sl->dh, 0, m->logits, sl->h[n], V));
+    if (backward) MT_CHECK(mt_head_bwd(c, sl->head, sl->dh, 0, m->logits, sl->h[n], Vl));
 
     /* MTP depths */
     for (int k = 0; k < m->n_mtp; k++) {
@@ -625,17 +685,18 @@ static int chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int b
         const void *hprev = k == 0 ? sl->h[n] : sl->mtp[k - 1].hout;
         mt_op_profile_mark(be, "fwd.mtp");
         shift_tokens(tokens, B, T, k + 1, m->host_i32, m->host_tgt);
+        local_ids(m, m->host_i32, N);
         MT_CHECK(be->upload(be, p->ids, m->host_i32, (size_t)N * 4));
         MT_CHECK(be->upload(be, p->tgt, m->host_tgt, (size_t)N * 4));
         MT_CHECK(mt_mtp_fwd(c, p, m->embed, hprev, alpha, aux_gs));
         int valid = B * (T - k - 1);
         if (valid <= 0) return MT_ERR(MT_EINVAL, "MTP depth %d needs sequences longer than %d", k + 1, T);
         gs = backward ? (float)(loss_scale * lambda / m->n_mtp / valid) : 0.0f;
-        MT_CHECK(mt_head_fwd(c, &sl->mtp_head[k], m->logits, p->hout, p->tgt, V, gs, m->host_loss,
-                             &sum, &cnt, m->host_tgt));
+        MT_CHECK(mt_head_fwd(c, &sl->mtp_head[k], m->logits, p->hout, p->tgt, Vl, gs,
+                             m->host_loss, &sum, &cnt, m->host_tgt));
         st->mtp_loss += sum / (double)cnt / m->n_mtp;
         if (backward)
-            MT_CHECK(mt_head_bwd(c, &sl->mtp_head[k], sl->dmtp[k], 0, m->logits, p->hout, V));
+            MT_CHECK(mt_head_bwd(c, &sl->mtp_head[k], sl->dmtp[k], 0, m->logits, p->hout, Vl));
     }
     for (int k = 0; k < m->n_mtp; k++) MT_CHECK(moe_aux_sum(m, &sl->mtp[k].block, &st->aux_loss));
     st->total = st->loss + lambda * st->mtp_loss + st->aux_loss;
@@ -674,8 +735,13 @@ int mt_model_chunk_bwd(mt_model *m, int ci, int slot)
     }
     if (ch->s.first) {
         mt_op_profile_mark(be, "bwd.embed");
-        MT_CHECK(be->embedding_bwd(be, m->embed->grad, sl->dh, sl->ids, c->N,
-                                   m->cfg.hidden_size));
+        const int D = m->cfg.hidden_size;
+        if (mt_tp_sp(c)) { /* every row's gradient for the tokens' rows (h[0] is free now) */
+            MT_CHECK(mt_tp_gather_rows(c, sl->dh, sl->h[0], D));
+            MT_CHECK(be->embedding_bwd(be, m->embed->grad, sl->h[0], sl->ids, c->N, D));
+        } else {
+            MT_CHECK(be->embedding_bwd(be, m->embed->grad, sl->dh, sl->ids, c->N, D));
+        }
         MT_CHECK(layer_grads_final(m, -1));
     }
     return MT_OK;

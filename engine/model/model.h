@@ -21,6 +21,7 @@
 #include "engine/model/config.h"
 #include "engine/model/moe_dispatch.h"
 #include "engine/model/param_table.h"
+#include "engine/model/tp.h"
 #include "kernels/ops.h"
 
 /* Target id that contributes no loss (positions past the end for MTP). */
@@ -59,6 +60,10 @@ typedef struct mt_ctx {
     int recompute_mla_up;
     int recompute_moe_act;
     float rms_eps;
+    /* Tensor parallelism (engine/model/tp.h), NULL on one rank: MLA heads,
+     * FFN columns and the vocabulary are this rank's part; every region
+     * ends in a sum over the group. */
+    mt_tp *tp;
 } mt_ctx;
 
 /* Multi-head latent attention with its input norm (one decoder layer's). */
@@ -85,6 +90,8 @@ typedef struct mt_mla {
 typedef struct mt_ffn {
     mt_param *gate, *up, *down;
     int D, F;
+    int no_sum;      /* tensor parallelism: y and dxn stay partial sums for the caller
+                        (sequence parallelism reduce-scatters them) */
     void *gu;        /* [N, 2F] gate and up outputs */
     void *h;         /* [N, F] SwiGLU output (NULL with recompute) */
 } mt_ffn;
@@ -163,6 +170,7 @@ typedef struct mt_head {
     void *hn;          /* [N, D] normed hidden */
     float *rstd;       /* [N] */
     float *loss;       /* [N] f32 per-token loss */
+    int v_lo;          /* first vocabulary row of this rank's head part (0 without tp) */
 } mt_head;
 
 /* A pipeline chunk: a contiguous run of decoder layers, with the embedding
@@ -225,6 +233,12 @@ typedef struct mt_model_opts {
     const mt_stage *chunks;   /* [n_chunks] */
     const int *chunk_ids;     /* [n_chunks] */
     const int *chunk_slots;   /* [n_chunks] */
+    /* Tensor parallelism (engine/model/tp.h; engine/parallel/tp_comm.h
+     * makes one over a tp group): the model holds its part of every split
+     * parameter (mt_params_tp_local: heads, FFN columns, vocabulary), the
+     * replicated ones whole. Not owned; it must outlive the model. NULL:
+     * one rank. */
+    mt_tp *tp;
     /* Optional: called in every backward once a layer's parameter
      * gradients are final for the micro-batch, with the layer's index (the
      * param table's: decoder layers 0..L-1, MTP modules L..), in the order
@@ -262,6 +276,7 @@ typedef struct mt_model {
     unsigned char *local;   /* [num_hidden_layers + n_mtp]: the layer is built here */
     mt_moe_dispatcher *disp;
     int own_disp;           /* disp is the model's identity dispatcher */
+    int v_lo, V_local;      /* this rank's vocabulary rows [v_lo, v_lo + V_local) */
     /* The table holds this rank's experts only (expert parallelism):
      * global_param[i] is parameter i's index in the full table
      * (mt_params_build(cfg, 0, -1), the sharding map's numbering). */
@@ -276,7 +291,7 @@ typedef struct mt_model {
     mt_mtp *mtp;            /* [num_nextn_predict_layers] (last chunk) */
     mt_head *mtp_head;      /* [n_mtp] */
     /* activations */
-    void *logits;           /* [N, V] logits, then their gradient (transient) */
+    void *logits;           /* [N, V_local] logits, then their gradient (transient) */
     int32_t *host_tok;      /* host [B, T + 1] staging */
     int32_t *host_i32;      /* host [N] staging of input ids */
     int32_t *host_tgt;      /* host [N] staging of targets */
@@ -298,7 +313,8 @@ void mt_model_destroy(mt_model *m);
 
 
 /* Random initial value of parameter element i (layout independent: a pure
- * function of seed, parameter name and element index). */
+ * function of seed, parameter name and element index in the full tensor;
+ * i counts the elements of d's part, mapped through d->off). */
 float mt_model_init_value(const mt_param_desc *d, double std, uint64_t seed, int64_t i);
 
 /* Writes initial values of every parameter into host f32 buffers and loads

@@ -40,6 +40,8 @@ static int add(builder *b, mt_param_kind kind, mt_param_role role, int layer, in
     d->ndim = ndim;
     d->rows = rows;
     d->cols = cols;
+    d->full_rows = rows;
+    d->full_cols = cols;
     /* Decay the matrices that carry the model's capacity; norms, biases and
      * the router's bias are left alone (DESIGN: no decay on norms, biases). */
     d->weight_decay = kind != MT_PK_NORM && kind != MT_PK_ROUTER_BIAS;
@@ -146,6 +148,35 @@ int mt_params_build(mt_param_table *t, const mt_model_config *c, int expert_lo, 
     int rc = build(&b, c, expert_lo, expert_hi);
     if (rc < 0) mt_params_free(t);
     return rc;
+}
+
+int mt_param_role_tp_dim(mt_param_role r)
+{
+    switch (r) {
+    case MT_PR_EMBED: case MT_PR_HEAD:
+    case MT_PR_Q: case MT_PR_Q_B: case MT_PR_KV_B:
+    case MT_PR_GATE: case MT_PR_UP: case MT_PR_SH_GATE: case MT_PR_SH_UP:
+    case MT_PR_EXP_GATE: case MT_PR_EXP_UP:
+        return 0;
+    case MT_PR_O: case MT_PR_DOWN: case MT_PR_SH_DOWN: case MT_PR_EXP_DOWN:
+        return 1;
+    default:
+        return -1;
+    }
+}
+
+void mt_params_tp_local(mt_param_table *t, int tp, int rank)
+{
+    for (int i = 0; i < t->n; i++) {
+        mt_param_desc *d = &t->p[i];
+        const int dim = mt_param_role_tp_dim(d->role);
+        if (dim < 0 || d->expert >= 0 || tp <= 1) continue;
+        int64_t lo, cnt;
+        mt_param_part(dim == 0 ? d->full_rows : d->full_cols, tp, rank, &lo, &cnt);
+        d->off[dim] = lo;
+        if (dim == 0) d->rows = cnt;
+        else d->cols = cnt;
+    }
 }
 
 void mt_params_free(mt_param_table *t)

@@ -55,6 +55,11 @@ typedef struct mt_param_desc {
     int ndim;            /* 1 or 2 */
     int64_t rows, cols;  /* [rows, cols]; 1-D tensors: rows = 1, cols = length */
     int weight_decay;    /* AdamW decay applies */
+    /* Tensor parallelism (mt_params_tp_local): [rows, cols] is this rank's
+     * slab [off, off + [rows, cols]) of the full [full_rows, full_cols]
+     * tensor; without it off = 0 and full = [rows, cols]. */
+    int64_t off[2];
+    int64_t full_rows, full_cols;
 } mt_param_desc;
 
 typedef struct mt_param_table {
@@ -67,6 +72,27 @@ typedef struct mt_param_table {
  * expert_hi = -1 means all. */
 int mt_params_build(mt_param_table *t, const mt_model_config *c, int expert_lo, int expert_hi);
 void mt_params_free(mt_param_table *t);
+
+/* Tensor parallelism: the dimension a role splits over the tp ranks (0 rows,
+ * 1 columns, -1 replicated): column-parallel q_proj / q_b_proj, kv_b_proj,
+ * dense and shared gate / up, vocabulary-split embedding and lm_head (0);
+ * row-parallel o_proj, dense and shared down_proj (1). Routed experts split
+ * over etp the same way (gate / up rows, down columns). The sharding map
+ * uses the same rule (engine/parallel/sharding.h). */
+int mt_param_role_tp_dim(mt_param_role r);
+
+/* Part k of n of [0, N): [k N / n, (k + 1) N / n) (the sharding map's rule). */
+static inline void mt_param_part(int64_t N, int n, int k, int64_t *lo, int64_t *cnt)
+{
+    const int64_t a = N * k / n, b = N * (k + 1) / n;
+    *lo = a;
+    *cnt = b - a;
+}
+
+/* Narrows every tensor-parallel parameter (not the routed experts, which
+ * etp splits) to part `rank` of `tp` of its split dimension, recording the
+ * offset (off) in the full tensor. */
+void mt_params_tp_local(mt_param_table *t, int tp, int rank);
 
 /* Index of a name in the table, or -1. */
 int mt_params_find(const mt_param_table *t, const char *name);

@@ -37,6 +37,10 @@ typedef struct mt_layout {
      * mt_layout_chunk_layers). Not part of mt_layout_format / _parse. */
     int n_pp_layers;
     int pp_layers[MT_LAYOUT_MAX_CHUNKS];
+    /* Sequence parallelism with tp > 1 (parallel.sequence_parallel): how
+     * activations move between the tensor-parallel regions, not where
+     * weights live: it is not part of mt_layout_format / parse. */
+    int sequence_parallel;
 } mt_layout;
 
 /* A rank's position in every process group of the layout. */

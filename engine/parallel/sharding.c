@@ -50,20 +50,7 @@ typedef struct pclass {
     int ep_rank;     /* experts: the EP rank holding it */
 } pclass;
 
-static int role_split_dim(mt_param_role r)
-{
-    switch (r) {
-    case MT_PR_EMBED: case MT_PR_HEAD:
-    case MT_PR_Q: case MT_PR_Q_B: case MT_PR_KV_B:
-    case MT_PR_GATE: case MT_PR_UP: case MT_PR_SH_GATE: case MT_PR_SH_UP:
-    case MT_PR_EXP_GATE: case MT_PR_EXP_UP:
-        return 0;
-    case MT_PR_O: case MT_PR_DOWN: case MT_PR_SH_DOWN: case MT_PR_EXP_DOWN:
-        return 1;
-    default:
-        return -1;
-    }
-}
+static int role_split_dim(mt_param_role r) { return mt_param_role_tp_dim(r); }
 
 static void classify(const mt_layout *l, const mt_model_config *c, const mt_param_desc *d,
                      pclass *pc)
@@ -90,9 +77,7 @@ static void classify(const mt_layout *l, const mt_model_config *c, const mt_para
 /* Part i of n of [0, N): [i N / n, (i + 1) N / n). */
 static void part(int64_t N, int n, int i, int64_t *lo, int64_t *cnt)
 {
-    int64_t a = N * i / n, b = N * (i + 1) / n;
-    *lo = a;
-    *cnt = b - a;
+    mt_param_part(N, n, i, lo, cnt);
 }
 
 /* Checks that the split of dimension size N into n parts keeps 128 blocks. */

@@ -74,7 +74,8 @@ int mt_grad_buckets_build(mt_grad_buckets *gb, const mt_model *m, const int *own
 {
     memset(gb, 0, sizeof *gb);
     gb->be = m->be;
-    gb->device = dp && mt_comm_mem_kind(dp) == MT_COMM_DEVICE;
+    mt_comm *any = dp ? dp : expert_split ? edp : NULL; /* tp with dp 1: edp only */
+    gb->device = any && mt_comm_mem_kind(any) == MT_COMM_DEVICE;
     gb->wire = j->grad_reduce == MT_GRAD_BF16 ? MT_COMM_BF16 : MT_COMM_F32;
     const char *ov = getenv("MOETRAIN_GRAD_OVERLAP");
     gb->overlap = !(ov && strcmp(ov, "0") == 0);

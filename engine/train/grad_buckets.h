@@ -7,8 +7,9 @@
  * the backward finishes them: MTP modules last to first, decoder layers
  * last to first, then the embedding, final norm and head (their
  * gradients are final only at the end of the backward). Dense parameters
- * and routed experts under expert parallelism are in separate buckets:
- * dense over the dp group, experts over the edp group. In the step's last
+ * and routed experts under expert or tensor parallelism are in separate
+ * buckets: dense over the dp group (under tp: the dp group of this tp
+ * rank), experts over the edp group. In the step's last
  * micro-batch the model calls mt_grad_buckets_layer_done after each
  * layer's backward; every bucket whose parameters are then final starts
  * its reduction into the owners (mt_comm_reduce_owned_start, wire type
@@ -20,8 +21,11 @@
  * (FP8 E4M3 weights, transposes and 128x128 scales, or BF16 / F32) bucket
  * by bucket (mt_comm_gather_owned_start).
  *
- * Buckets start in the same order on every rank (the order is a function
- * of the layout and the parameter table alone).
+ * Buckets start in the same order on every rank of their group (the order
+ * is a function of the layout and the parameter table alone; under tp the
+ * dense buckets differ between the tp ranks, whose dp groups differ, and
+ * the expert buckets, over edp across the tp ranks, do not: experts are
+ * not split).
  */
 #ifndef MT_GRAD_BUCKETS_H
 #define MT_GRAD_BUCKETS_H
@@ -33,7 +37,7 @@
 #include "engine/train/jobspec.h"
 
 typedef struct mt_grad_bucket {
-    mt_comm *group;      /* dp, or edp for routed experts */
+    mt_comm *group;      /* dp, or edp for routed experts under ep or tp */
     int ready;           /* the model's layer after whose backward it is final (-1: the end) */
     int n_params;
     int *params;         /* [n_params] model parameter indices */
@@ -65,8 +69,8 @@ typedef struct mt_grad_buckets {
 
 /* Buckets over the model's parameters: owner[i] the owner's rank in the
  * parameter's group (-1: none, e.g. the router bias), dp the dense group,
- * edp the experts' when expert_split (parallel.ep > 1; NULL: a group of
- * one, nothing to reduce). */
+ * edp the experts' when expert_split (parallel.ep > 1 or parallel.tp > 1;
+ * a NULL group: one rank, nothing to reduce). */
 int mt_grad_buckets_build(mt_grad_buckets *gb, const mt_model *m, const int *owner, mt_comm *dp,
                           mt_comm *edp, int expert_split, const mt_jobspec *j);
 void mt_grad_buckets_free(mt_grad_buckets *gb);

@@ -385,7 +385,7 @@ int mt_pipeline_step(mt_pipeline *p, mt_model *m, mt_pipeline_batch_fn fn, void 
 }
 
 int mt_pipeline_grad_sumsq(const mt_pipeline *p, mt_model *m, const unsigned char *keep,
-                           mt_comm *dp, float *scratch, double *sumsq)
+                           mt_comm *dp, mt_comm *tp, float *scratch, double *sumsq)
 {
     const int n = m->table.n, e = mt_model_embed_index(m);
     unsigned char *mask = malloc((size_t)(n > 0 ? n : 1));
@@ -397,6 +397,7 @@ int mt_pipeline_grad_sumsq(const mt_pipeline *p, mt_model *m, const unsigned cha
     free(mask);
     MT_CHECK(rc);
     if (dp) MT_CHECK(mt_comm_all_reduce(mt_comm_host(dp), &sum, &sum, 1, MT_COMM_F64, MT_COMM_SUM));
+    if (tp) MT_CHECK(mt_comm_all_reduce(mt_comm_host(tp), &sum, &sum, 1, MT_COMM_F64, MT_COMM_SUM));
     if (p->pp)
         MT_CHECK(mt_comm_all_reduce(mt_comm_host(p->pp), &sum, &sum, 1, MT_COMM_F64,
                                     MT_COMM_SUM));

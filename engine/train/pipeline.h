@@ -83,11 +83,12 @@ int mt_pipeline_forward(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch
                         void *ctx, mt_mb_stats *st);
 
 /* Gradient sum of squares of the whole model (trainer.h): this stage's
- * parameters with keep[i] (the ZeRO-1 owned ones after the dp reduction;
- * NULL: all), the embedding replica of the last stage left out (counted
- * on the first stage), summed over dp (when not NULL) and over the pp
- * group in F64, returned rounded to f32. scratch: backend f32 [1]. */
+ * parameters with keep[i] (the ZeRO-1 owned ones after the dp reduction,
+ * and under tp the ones this tp rank counts; NULL: all), the embedding
+ * replica of the last stage left out (counted on the first stage), summed
+ * over dp, then tp (each when not NULL), then the pp group in F64,
+ * returned rounded to f32. scratch: backend f32 [1]. */
 int mt_pipeline_grad_sumsq(const mt_pipeline *p, mt_model *m, const unsigned char *keep,
-                           mt_comm *dp, float *scratch, double *sumsq);
+                           mt_comm *dp, mt_comm *tp, float *scratch, double *sumsq);
 
 #endif

@@ -171,6 +171,10 @@ static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
             if (sp->act_off + n > n_act) n_act = sp->act_off + n;
         }
         sp->opt_off = o->off[i];
+        sp->off[0] = p->d.off[0];
+        sp->off[1] = p->d.off[1];
+        sp->rows = p->d.rows;
+        sp->cols = p->d.cols;
     }
     s->act_bytes = (int)act;
     s->master_bytes = o->main == MT_MAIN_FP32 ? 4 : 2;
@@ -237,9 +241,12 @@ static int convert_run(void *dst, mt_dtype dt, const void *src, int st, int64_t 
 }
 
 /* Where tensor t of the map lives in the snapshot: base of the parameter's
- * row-major [rows, cols] copy, its element type and size. */
+ * row-major copy (this rank's slab of it), its element type and size, and
+ * the slab: its first row and column in the full tensor and its row length
+ * (scale tensors: in blocks). */
 static int locate(const mt_train_snapshot *s, const mt_shard_map *map, const mt_tensor_desc *band,
-                  const mt_shard_tensor **tp, const void **base, int *st, size_t *es)
+                  const mt_shard_tensor **tp, const void **base, int *st, size_t *es,
+                  int64_t slab_off[2], int64_t *ld)
 {
     int ti = mt_shard_map_find(map, band->name);
     if (ti < 0) return MT_ERR(MT_EINVAL, "checkpoint snapshot: unknown tensor %s", band->name);
@@ -250,6 +257,10 @@ static int locate(const mt_train_snapshot *s, const mt_shard_map *map, const mt_
     const mt_snap_param *sp = &s->params[t->param];
     *tp = t;
     *base = NULL;
+    const int scale = t->role == MT_TS_SCALE;
+    slab_off[0] = t->ndim == 1 ? sp->off[1] : scale ? sp->off[0] / 128 : sp->off[0];
+    slab_off[1] = t->ndim == 1 ? 0 : scale ? sp->off[1] / 128 : sp->off[1];
+    *ld = t->ndim == 1 ? 1 : scale ? (sp->cols + 127) / 128 : sp->cols;
     *st = SRC_F32;
     *es = 4;
     switch (t->role) {
@@ -302,13 +313,19 @@ int mt_train_snapshot_fill(const mt_train_snapshot *s, const mt_shard_map *map,
     const void *base;
     int st;
     size_t es;
-    MT_CHECK(locate(s, map, band, &t, &base, &st, &es));
-    /* row-major [shape0, shape1] (1-D: [n, 1]); the band is rows x cols of it */
-    const int64_t C = t->shape[1];
-    const int64_t c0 = t->ndim == 2 ? band->off[1] : 0, nc = t->ndim == 2 ? band->count[1] : 1;
+    int64_t so[2], C;
+    MT_CHECK(locate(s, map, band, &t, &base, &st, &es, so, &C));
+    /* row-major [rows, C] slab starting at so of the full tensor (1-D: [n, 1]);
+     * the band is rows x cols of the full tensor inside the slab */
+    const int64_t c0 = t->ndim == 2 ? band->off[1] - so[1] : 0, nc = t->ndim == 2 ? band->count[1] : 1;
+    const int64_t r0 = band->off[0] - so[0];
+    if (r0 < 0 || c0 < 0 || (t->ndim == 2 && c0 + nc > C))
+        return MT_ERR(MT_EINVAL, "checkpoint snapshot: band [%lld, %lld] of %s is outside this "
+                      "rank's slab at [%lld, %lld]", (long long)band->off[0],
+                      (long long)band->off[1], band->name, (long long)so[0], (long long)so[1]);
     const size_t os = mt_dtype_size(band->dtype);
     for (int64_t i = 0; i < band->count[0]; i++) {
-        const char *src = (const char *)base + ((size_t)(band->off[0] + i) * (size_t)C + (size_t)c0) * es;
+        const char *src = (const char *)base + ((size_t)(r0 + i) * (size_t)C + (size_t)c0) * es;
         MT_CHECK(convert_run((char *)buf + (size_t)i * (size_t)nc * os, band->dtype, src, st, nc));
     }
     return MT_OK;
@@ -321,21 +338,34 @@ const void *mt_train_snapshot_direct(const mt_train_snapshot *s, const mt_shard_
     const void *base;
     int st;
     size_t es;
-    if (locate(s, map, d, &t, &base, &st, &es) < 0) {
+    int64_t so[2], C;
+    if (locate(s, map, d, &t, &base, &st, &es, so, &C) < 0) {
         mt_err_clear();
         return NULL;
     }
-    /* whole rows of the same type are contiguous in the snapshot */
-    if (!same_type(d->dtype, st) || (t->ndim == 2 && d->count[1] != t->shape[1])) return NULL;
-    return (const char *)base + (size_t)d->off[0] * (size_t)t->shape[1] * es;
+    /* whole rows of the same type are contiguous in the snapshot (a slab
+     * of whole rows: tensor parallelism split the rows, or nothing) */
+    if (!same_type(d->dtype, st) || (t->ndim == 2 && (d->count[1] != t->shape[1] ||
+                                                      C != t->shape[1])))
+        return NULL;
+    if (d->off[0] < so[0]) return NULL;
+    return (const char *)base + (size_t)(d->off[0] - so[0]) * (size_t)C * es;
 }
 
 /* ---- restore -------------------------------------------------------------------- */
 
+/* The tensor of a parameter this rank holds: the whole tensor, or under
+ * tensor parallelism its slab (load-time resharding reads the hyperslab, so
+ * a checkpoint saved at another tp loads here). */
 static void param_desc(mt_tensor_desc *d, const mt_param_desc *p, const char *name, mt_dtype dt,
                        void *data)
 {
-    mt_tensor_desc_whole(d, name, dt, p->ndim, p->rows, p->cols, data);
+    if (p->ndim == 1 || (p->rows == p->full_rows && p->cols == p->full_cols)) {
+        mt_tensor_desc_whole(d, name, dt, p->ndim, p->rows, p->cols, data);
+        return;
+    }
+    const int64_t shape[2] = {p->full_rows, p->full_cols};
+    mt_tensor_desc_slab(d, name, dt, 2, shape, p->off[0], p->off[1], p->rows, p->cols, data);
 }
 
 typedef struct scalars {

@@ -37,6 +37,10 @@ typedef struct mt_snap_param {
     int64_t act_off;       /* act compute copy: element offset into act; -1 otherwise */
     int64_t f32_off;       /* router bias: offset into f32; -1 otherwise */
     int64_t opt_off;       /* optimizer state: p->index - lo; -1 if not in this shard */
+    /* Tensor parallelism: the copies hold this rank's slab, rows [off[0],
+     * off[0] + rows) x columns [off[1], off[1] + cols) of the full tensor
+     * (0 and the full shape without it); scale blocks follow / 128. */
+    int64_t off[2], rows, cols;
 } mt_snap_param;
 
 /* Host copies of a trainer's state at a step boundary. */

@@ -12,6 +12,7 @@
 #include "engine/train/lr_schedule.h"
 #include "engine/train/spike.h"
 #include "engine/train/trainer_ep.h"
+#include "engine/train/trainer_tp.h"
 #include "kernels/op_profile.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
@@ -110,8 +111,9 @@ static int own_params(mt_trainer *t, mt_comm *edp)
     for (int i = 0; rc == MT_OK && i < m->table.n; i++) {
         const int gi = m->global_param ? m->global_param[i] : i;
         t->owner[i] = all[gi];
-        /* with ep 1 the edp group is the dp group */
-        const int me = m->params[i].d.expert >= 0 && t->job.parallel.ep > 1 ? edp_rank : t->dp_rank;
+        /* with ep 1 and tp 1 the edp group is the dp group */
+        const int me = m->params[i].d.expert >= 0 && (t->job.parallel.ep > 1 || t->tp_size > 1)
+                           ? edp_rank : t->dp_rank;
         t->keep[i] = t->owner[i] >= 0 && t->owner[i] == me;
     }
     free(all);
@@ -155,6 +157,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
                       "mt_jobspec_admit resolves the layout for the ranks", job->name, l->dp);
     MT_CHECK(mt_jobspec_check_runnable(l));
     mt_comm *dp = g ? g->dp : NULL, *ep = g ? g->ep : NULL, *edp = g ? g->edp : NULL;
+    mt_comm *tp = g ? g->tp : NULL;
     if (l->ep > 1 && !ep)
         return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d needs the expert-parallel group "
                       "(mt_trainer_create_in; the runtime builds it from the layout)", l->ep);
@@ -166,9 +169,14 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
         return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.ep %d: pipeline and expert "
                       "parallelism together are not implemented yet", l->pp, l->ep);
     MT_CHECK(check_group("pipeline", l->pp > 1 ? pp : NULL, l->pp, be));
+    if (l->tp > 1 && !tp)
+        return MT_ERR(MT_EINVAL, "trainer: parallel.tp %d needs the tensor-parallel group "
+                      "(mt_trainer_create_in; the runtime builds it from the layout)", l->tp);
     MT_CHECK(check_group("data-parallel", dp, l->dp, be));
     MT_CHECK(check_group("expert-parallel", ep, l->ep, be));
-    if (l->ep > 1) MT_CHECK(check_group("expert-data-parallel", edp, mt_layout_edp(l), be));
+    if (l->ep > 1 || l->tp > 1)
+        MT_CHECK(check_group("expert-data-parallel", edp, mt_layout_edp(l), be));
+    MT_CHECK(check_group("tensor-parallel", tp, l->tp, be));
     mt_trainer *t = calloc(1, sizeof *t);
     if (!t) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
     int rc = MT_OK;
@@ -188,7 +196,9 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     mt_trainer_model_opts(&mo, job);
     if (l->ep > 1) MT_GOTO(mt_trainer_ep_init(t, ep, edp, &mo), fail);
     if (l->pp > 1) MT_GOTO(pipeline_init(t, pp, &mo), fail);
-    if (dp) { /* gradients reduced in buckets from inside the backward */
+    /* routed experts go over edp under ep or tp (the sharding map's folding) */
+    const int expert_split = l->ep > 1 || l->tp > 1;
+    if (dp || (expert_split && edp)) { /* gradients reduced in buckets from inside the backward */
         if (!(t->gb = calloc(1, sizeof *t->gb))) {
             rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
             goto fail;
@@ -196,14 +206,20 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
         mo.on_layer_grads = mt_grad_buckets_layer_done;
         mo.on_layer_grads_arg = t->gb;
     }
+    if (l->tp > 1) { /* its hook fixes the layer's gradients, then calls the buckets' */
+        MT_GOTO(mt_trainer_tp_init(t, tp, &mo), fail);
+        t->edp = edp; /* the routed experts' ZeRO-1 group (trainer.h) */
+    }
     MT_GOTO(mt_model_create(&t->model, &job->model, &mo, be), fail);
     /* ZeRO-1: this rank keeps the optimizer state of the parameters it owns
      * (owners in the full table's numbering; the model's table lacks the
      * other ranks' experts) */
     MT_GOTO(own_params(t, edp), fail);
     MT_GOTO(mt_optimizer_create(&t->opt, t->model, job, t->keep), fail);
+    MT_GOTO(mt_trainer_tp_bind(t), fail);
     if (t->gb)
-        MT_GOTO(mt_grad_buckets_build(t->gb, t->model, t->owner, dp, edp, l->ep > 1, job), fail);
+        MT_GOTO(mt_grad_buckets_build(t->gb, t->model, t->owner, dp, edp, expert_split, job),
+                fail);
     const int E = job->model.n_routed_experts;
     if (dp && E > 0 && !(t->load_sum = calloc((size_t)E, sizeof *t->load_sum))) {
         rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
@@ -256,6 +272,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->pipe);
     free(t->mb_stats);
     if (t->emb) mt_comm_destroy(t->emb);
+    mt_trainer_tp_free(t);
     if (t->valid) mt_samples_close(t->valid);
     if (t->train) mt_samples_close(t->train);
     if (t->data) mt_indexed_close(t->data);
@@ -482,6 +499,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
             weight *= lfactor;
         }
         double ta = profile ? now_s() : 0;
+        if (t->tp_size > 1) mt_trainer_tp_arm(t, i == t->accum - 1); /* fixes before the buckets */
         if (t->gb && i == t->accum - 1) mt_grad_buckets_arm(t->gb); /* reduce during its backward */
         MT_CHECK(mt_model_step(m, t->tokens, 1, weight, &st));
         if (profile) {
@@ -493,6 +511,8 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         ls[2] += st.aux_loss / n_mb;
     }
     t->consumed_samples += (int64_t)n_mb * B;
+    if (t->tp_size > 1) /* what the backward did not fix: before the norm and the reductions */
+        MT_CHECK(mt_trainer_tp_grads(t));
     /* This rank's own work, before it waits for the others in the gradient
      * reduction: the one time that names a straggler (the step times of
      * all ranks end together; with ep > 1 the expert dispatch inside the
@@ -500,10 +520,12 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
      * finish the work to be timed; the reduction would wait for it anyway. */
     if (t->dp) MT_CHECK(t->be->sync(t->be));
     mt.compute_ms = (now_s() - t0) * 1e3;
-    if (t->dp) {
+    if (t->gb) {
         double tr = profile ? now_s() : 0;
         MT_CHECK(mt_grad_buckets_finish(t->gb)); /* what the backward did not start */
-        MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), ls, ls, 3, MT_COMM_F64, MT_COMM_SUM));
+        if (t->dp) /* tp ranks have the same losses */
+            MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), ls, ls, 3, MT_COMM_F64,
+                                        MT_COMM_SUM));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
             tp[2] = now_s() - tr;
@@ -520,13 +542,19 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     const double loss = ls[0], mtp = ls[1], aux = ls[2];
     mt_op_profile_mark(t->be, "optim");
     double sumsq;
-    if (t->pipe) { /* trainer.h "Pipeline parallelism": over dp and the stages */
-        MT_CHECK(mt_pipeline_grad_sumsq(t->pipe, m, t->gb ? t->keep : NULL, t->dp,
-                                        t->opt->sumsq, &sumsq));
-    } else if (t->gb) { /* each rank has the summed gradients of what it owns */
-        MT_CHECK(mt_grad_owned_sumsq(t->be, m, t->keep, t->opt->sumsq, &sumsq));
-        MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), &sumsq, &sumsq, 1, MT_COMM_F64,
-                                    MT_COMM_SUM));
+    if (t->pipe) { /* trainer.h "Reductions": over dp, then tp, then the stages */
+        const unsigned char *count = t->in_norm ? t->in_norm : t->gb ? t->keep : NULL;
+        MT_CHECK(mt_pipeline_grad_sumsq(t->pipe, m, count, t->dp, t->tpc, t->opt->sumsq,
+                                        &sumsq));
+    } else if (t->gb) { /* each rank has the summed gradients of what it owns (trainer.h) */
+        const unsigned char *count = t->in_norm ? t->in_norm : t->keep;
+        MT_CHECK(mt_grad_owned_sumsq(t->be, m, count, t->opt->sumsq, &sumsq));
+        if (t->dp)
+            MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), &sumsq, &sumsq, 1, MT_COMM_F64,
+                                        MT_COMM_SUM));
+        if (t->tpc)
+            MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->tpc), &sumsq, &sumsq, 1, MT_COMM_F64,
+                                        MT_COMM_SUM));
         /* an f32 like one rank's (be->sumsq): the partial sums' different
          * rounding stays below its resolution, so the clip scale is
          * usually the one rank's bit for bit (fp8: no flipped roundings) */
@@ -625,7 +653,8 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     const double tokens = (double)n_mb * B * j->batch.seq_len; /* all ranks */
     mt.tokens_per_s = tokens / dt;
     mt.tflops = t->flops_per_token * tokens / dt / 1e12 / t->dp_size /
-                (t->pipe ? t->pipe->layout.pp : 1); /* per rank */
+                (t->pipe ? t->pipe->layout.pp : 1) /
+                (t->tp_size > 1 ? t->tp_size : 1); /* per rank */
     mt.mfu = t->peak_tflops > 0 ? mt.tflops / t->peak_tflops : NAN;
     mt.samples = t->consumed_samples;
     mt.tokens = t->consumed_samples * j->batch.seq_len;

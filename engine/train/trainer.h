@@ -23,41 +23,70 @@
  * experts; each owner already summed the contributions of every ep rank's
  * tokens), in buckets of their own.
  *
+ * Tensor parallelism (parallel.tp = TP > 1): the model holds this rank's
+ * part of every split parameter (heads, FFN columns, vocabulary;
+ * engine/model/tp.h) and the replicated ones whole; the TP ranks of a dp
+ * group read the same data. The replicated parameters' gradients are the
+ * same on every tp rank by construction (each region's entry gradient is
+ * summed over tp, bit-identically everywhere), so dense (split and
+ * replicated) parameters are reduced over the dp group of their tp rank
+ * only, each tp rank's ZeRO-1 owners within it. Routed experts are
+ * replicated over tp too (etp = 1, every tp rank runs them on its copy of
+ * the tokens): their owner is an edp rank (the sharding map's folding:
+ * with ep = 1, edp = tp + TP * dp), their buckets reduce over edp and
+ * gather the owner's compute copies over edp. With ep > 1 (etp = 1) the ep
+ * group folds over the tp x dp ranks and every tp rank dispatches its (the
+ * same) tokens (a correct but TP-fold redundant expert pass: splitting the
+ * tokens over tp before the dispatch, as sequence parallelism would allow,
+ * is left to do). Either way each token reaches an expert's gradient TP
+ * times in the edp sum (ep = 1: the tp ranks' equal copies; ep > 1: inside
+ * each holder's gradient), so every routed expert's gradient is divided by
+ * TP before it is reduced. With parallel.sequence_parallel the norms
+ * outside the regions (and MTP's eh_proj) see only this rank's rows: their
+ * gradients are summed over tp. Both fixes happen in the last
+ * micro-batch's backward as each layer's gradients become final, before
+ * the layer's buckets start (the model's on_layer_grads hook runs
+ * trainer_tp.c's fixes, then the buckets'); what is left, after it.
+ * Tensor parallelism with pipeline parallelism and etp > 1 are refused.
+ *
  * Reductions (which one each global quantity uses):
  *  - gradients: F32 sums at the owner in rank order x_0 + x_1 + ... on
  *    every backend (comm.h reduce_owned), each contribution rounded to
  *    BF16 first under grad_reduce bf16; with fp32 the owner's sum is the
- *    one an all-reduce would give, bit for bit;
+ *    one an all-reduce would give, bit for bit; under sequence parallelism
+ *    the sequence-split norms are first summed over tp (F32 all-reduce);
  *  - gradient norm (clipping, NaN/Inf skip): each rank's sum of squares of
- *    the gradients it owns (f32 per run of adjacent parameters, added in
- *    f64), one F64 scalar summed over dp in rank order, rounded to f32 as
- *    one rank's norm is. Over dp (the world when ep > 1) every parameter
- *    is owned exactly once: dense by one dp rank, each expert by one rank
- *    of its edp group, the ep ranks holding different experts. The same
- *    value on every rank, so the clip and the skip agree everywhere;
- *  - losses (LM, MTP, aux): F64 sums over dp of the ranks' shares;
+ *    the gradients it owns and counts (f32 per run of adjacent parameters,
+ * *    added in f64), one F64 scalar summed over dp in rank order, then over
+ *    tp, then over pp (stage order), rounded to f32 as one rank's norm is.
+ *    Every parameter of the global model is counted exactly once: a dense
+ *    parameter by one dp rank of its tp rank's group, of which a split
+ *    one's parts by every tp rank (the parts differ) and a replicated one
+ *    by tp rank 0's group only (the tp ranks hold the same); each routed
+ *    expert by one rank of its edp group, the ep ranks holding different
+ *    experts (edp x ep is the world of a stage); each stage its own
+ *    layers, the pipeline's embedding replica on the last stage left out
+ *    (the first stage counts the embedding). The same value on every rank,
+ *    so the clip and the skip agree everywhere;
+ *  - losses (LM, MTP, aux): F64 sums over dp of the ranks' shares (the tp
+ *    ranks compute the same, so they are not summed over tp), then over pp
+ *    (the LM and MTP losses come from the last stage, the aux loss from
+ *    each stage's MoE layers), so every rank logs the global loss;
  *  - expert loads: I64 sums over dp (each token is routed once, on its own
- *    rank), hence the router bias update; the sequence-wise balance loss
- *    is per sequence, so local.
+ *    rank; the tp ranks route the same), hence the router bias update; the
+ *    sequence-wise balance loss is per sequence, so local.
  *
  * Pipeline parallelism (parallel.pp > 1, engine/train/pipeline.h): the
  * model holds this stage's chunks only and the executor runs the step's
  * schedule table; every stage reads the micro-batches (the first embeds
- * them, the last takes the targets). Reductions over the pp group, after
- * the dp ones:
- *  - losses: the LM and MTP losses (from the last stage) and the aux loss
- *    (each stage's MoE layers), F64 sums, so every rank logs the global
- *    loss;
- *  - gradient norm: each stage's owned sum of squares (as above; the last
- *    stage's embedding replica left out, it is counted on the first
- *    stage) summed over dp, then over pp (F64), rounded to f32: the global
- *    norm, so the clip and the NaN/Inf skip agree on every stage;
- *  - with MTP or tied embeddings the embedding's gradient is summed (F32)
- *    between the first stage and the replica on the last one (same dp
- *    rank, after the dp reduction), so both owners apply the same update.
- * Expert loads and the router bias update stay with the stage owning the
- * layer. Tensor parallelism is not in the trainer yet, nor pipeline with
- * expert parallelism: those layouts are refused.
+ * them, the last takes the targets). The loss and norm reductions over the
+ * pp group come after the dp (and tp) ones, as above. With MTP or tied
+ * embeddings the embedding's gradient is summed (F32) between the first
+ * stage and the replica on the last one (same dp rank, after the dp
+ * reduction), so both owners apply the same update. Expert loads and the
+ * router bias update stay with the stage owning the layer. Pipeline with
+ * expert or with tensor parallelism is not run yet: those layouts are
+ * refused.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
@@ -133,7 +162,8 @@ typedef struct mt_trainer {
     mt_comm *dp;                  /* data-parallel group, not owned; NULL: one rank */
     int dp_rank, dp_size;
     int *owner;                   /* [params]: ZeRO-1 owner's dp (experts: edp) rank, -1 none */
-    struct mt_grad_buckets *gb;   /* gradient buckets (grad_buckets.h); NULL without a dp group */
+    struct mt_grad_buckets *gb;   /* gradient buckets (grad_buckets.h); NULL on one rank (no
+                                     dp group, nor under ep or tp an edp group) */
     unsigned char *keep;          /* [params]: this rank keeps the optimizer state */
     /* expert parallelism (ep_size > 1) */
     int ep_size;
@@ -145,6 +175,13 @@ typedef struct mt_trainer {
     mt_pipeline *pipe;            /* the executor's plan of this stage */
     mt_mb_stats *mb_stats;        /* [accum] */
     int64_t batch_first;          /* sample index of the step's first micro-batch here */
+    /* tensor parallelism (tp_size > 1; trainer_tp.h) */
+    int tp_size;
+    mt_comm *tpc;                 /* tensor-parallel group, not owned */
+    struct mt_tp *tp;             /* the model's tp table over it (owned) */
+    int *tp_fix, n_tp_fix;        /* params whose gradients tp fixes, in backward order */
+    int tp_fix_next, tp_armed;    /* first not fixed this step; the backward fixes them */
+    unsigned char *in_norm;       /* [params]: this rank adds it to the norm (NULL: keep) */
     /* operations (issue 20) */
     int rank;                     /* world rank, for train.fault.rank (set by the runtime) */
     mt_spike_detector spike;
@@ -175,6 +212,7 @@ void mt_trainer_destroy(mt_trainer *t);
 typedef struct mt_trainer_groups {
     mt_comm *dp, *ep, *edp;
     mt_comm *pp;                  /* pipeline group (size parallel.pp), ordered by stage */
+    mt_comm *tp;                  /* tensor-parallel group (size parallel.tp) */
 } mt_trainer_groups;
 
 /* The same as a member of its groups (g NULL: one rank). The model is built

@@ -118,12 +118,6 @@ static int cpu_swiglu_bwd(mt_backend *be, void *dgu, const void *dh, const void 
 
 /* ids must be >= 0; the table's row count V is not passed, so the upper
  * bound is the caller's to keep. */
-static int check_ids(const char *op, const int32_t *ids, int M)
-{
-    for (int m = 0; m < M; m++)
-        CPU_REQUIRE(ids[m] >= 0, "%s: ids[%d]=%d is negative", op, m, (int)ids[m]);
-    return MT_OK;
-}
 
 static int cpu_embedding_fwd(mt_backend *be, void *y, const void *table, const int32_t *ids,
                              int M, int D)
@@ -131,13 +125,16 @@ static int cpu_embedding_fwd(mt_backend *be, void *y, const void *table, const i
     CPU_REQUIRE(M >= 0 && D >= 1, "embedding_fwd: M=%d D=%d", M, D);
     if (M == 0) return MT_OK;
     CPU_REQUIRE(y && table && ids, "embedding_fwd: NULL pointer");
-    MT_CHECK(check_ids("embedding_fwd", ids, M));
     float *yf = y;
     const float *tf = table;
 #pragma omp parallel for num_threads(cpu_team(be, (int64_t)M * D))
     for (int m = 0; m < M; m++) {
-        const float *src = tf + (int64_t)ids[m] * D;
         float *dst = yf + (int64_t)m * D;
+        if (ids[m] < 0) { /* another rank's part of the vocabulary */
+            for (int k = 0; k < D; k++) dst[k] = 0.0f;
+            continue;
+        }
+        const float *src = tf + (int64_t)ids[m] * D;
         for (int k = 0; k < D; k++) dst[k] = cpu_act(be, src[k]);
     }
     return MT_OK;
@@ -151,13 +148,13 @@ static int cpu_embedding_bwd(mt_backend *be, float *dtable, const void *dy, cons
     CPU_REQUIRE(M >= 0 && D >= 1, "embedding_bwd: M=%d D=%d", M, D);
     if (M == 0) return MT_OK;
     CPU_REQUIRE(dtable && dy && ids, "embedding_bwd: NULL pointer");
-    MT_CHECK(check_ids("embedding_bwd", ids, M));
     const float *dyf = dy;
     int chunks = mt_ceil_div(D, COL_CHUNK);
 #pragma omp parallel for num_threads(cpu_team(be, (int64_t)M * D))
     for (int ch = 0; ch < chunks; ch++) {
         int k0 = ch * COL_CHUNK, n = D - k0 < COL_CHUNK ? D - k0 : COL_CHUNK;
         for (int m = 0; m < M; m++) {
+            if (ids[m] < 0) continue; /* another rank's part of the vocabulary */
             float *dst = dtable + (int64_t)ids[m] * D + k0;
             const float *src = dyf + (int64_t)m * D + k0;
             for (int j = 0; j < n; j++) dst[j] += src[j];

@@ -153,6 +153,88 @@ static int cuda_xent(mt_backend *be, float *loss, void *logits, const int32_t *t
     return MT_OK;
 }
 
+/* ---- vocabulary-parallel parts (ops.h) ---------------------------------------------- */
+
+/* One block per row: (max, sum of exp in double, the target's logit or 0). */
+__global__ void __launch_bounds__(XENT_THREADS)
+xent_part_stats_kernel(float *__restrict__ stats, const bf16 *__restrict__ logits,
+                       const int32_t *__restrict__ tgt, int V, int v_lo)
+{
+    __shared__ float shf[32];
+    __shared__ double shd[32];
+    const int m = blockIdx.x;
+    const bf16 *x = logits + (int64_t)m * V;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, cuda_ld(x, j));
+    mx = cu_block_max(mx, shf);
+    double acc = 0.0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) acc += (double)expf(cuda_ld(x, j) - mx);
+    const double sum = cu_block_sum(acc, shd);
+    if (threadIdx.x == 0) {
+        const int t = tgt[m] - v_lo;
+        stats[3 * m] = mx;
+        stats[3 * m + 1] = (float)sum;
+        stats[3 * m + 2] = t >= 0 && t < V ? cuda_ld(x, t) : 0.0f;
+    }
+}
+
+/* One block per row: the parts' statistics combined in part order (every
+ * thread the same sums), then the loss and the gradient in place. */
+__global__ void __launch_bounds__(XENT_THREADS)
+xent_part_finish_kernel(float *__restrict__ loss, bf16 *__restrict__ logits,
+                        const float *__restrict__ stats, int P, const int32_t *__restrict__ tgt,
+                        int M, int V, int v_lo, int ignore, float grad_scale)
+{
+    const int m = blockIdx.x;
+    bf16 *x = logits + (int64_t)m * V;
+    if (tgt[m] == ignore) {
+        for (int j = threadIdx.x; j < V; j += blockDim.x) x[j] = __float2bfloat16_rn(0.0f);
+        if (threadIdx.x == 0) loss[m] = 0.0f;
+        return;
+    }
+    float mx = stats[3 * m];
+    for (int p = 1; p < P; p++) mx = fmaxf(mx, stats[((int64_t)p * M + m) * 3]);
+    double sum = 0.0, xt = 0.0;
+    for (int p = 0; p < P; p++) {
+        const float *s = stats + ((int64_t)p * M + m) * 3;
+        sum += (double)s[1] * exp((double)s[0] - (double)mx);
+        xt += s[2];
+    }
+    const int t = tgt[m] - v_lo;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const float p = (float)((double)expf(cuda_ld(x, j) - mx) / sum);
+        cuda_st(x, j, grad_scale * (j == t ? p - 1.0f : p));
+    }
+    if (threadIdx.x == 0) loss[m] = (float)((double)mx + log(sum) - xt);
+}
+
+static int cuda_xent_part_stats(mt_backend *be, float *stats, const void *logits,
+                                const int32_t *tgt, int M, int V, int v_lo, int ignore)
+{
+    (void)ignore;
+    CUDA_REQUIRE(M >= 0 && V >= 1 && v_lo >= 0, "xent_part_stats: M=%d V=%d v_lo=%d", M, V, v_lo);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(stats && logits && tgt, "xent_part_stats: NULL pointer");
+    xent_part_stats_kernel<<<M, XENT_THREADS, 0, cuda_stream(be)>>>(stats, (const bf16 *)logits,
+                                                                    tgt, V, v_lo);
+    CUDA_LAUNCH_CHECK("xent_part_stats");
+    return MT_OK;
+}
+
+static int cuda_xent_part_finish(mt_backend *be, float *loss, void *logits, const float *stats,
+                                 int P, const int32_t *tgt, int M, int V, int v_lo, int ignore,
+                                 float grad_scale)
+{
+    CUDA_REQUIRE(M >= 0 && V >= 1 && P >= 1 && v_lo >= 0,
+                 "xent_part_finish: M=%d V=%d P=%d v_lo=%d", M, V, P, v_lo);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(loss && logits && stats && tgt, "xent_part_finish: NULL pointer");
+    xent_part_finish_kernel<<<M, XENT_THREADS, 0, cuda_stream(be)>>>(
+        loss, (bf16 *)logits, stats, P, tgt, M, V, v_lo, ignore, grad_scale);
+    CUDA_LAUNCH_CHECK("xent_part_finish");
+    return MT_OK;
+}
+
 /* ---- sumsq, scale_f32 ---------------------------------------------------------------- */
 
 #define SUMSQ_THREADS 256
@@ -588,6 +670,8 @@ static int cuda_bf16_to_f32(mt_backend *be, float *dst, const uint16_t *src, int
 void cuda_install_loss(mt_backend *be)
 {
     be->xent = cuda_xent;
+    be->xent_part_stats = cuda_xent_part_stats;
+    be->xent_part_finish = cuda_xent_part_finish;
     be->sumsq = cuda_sumsq;
     be->scale_f32 = cuda_scale_f32;
     be->adamw = cuda_adamw;

@@ -2,7 +2,7 @@
  * stall of an asynchronous save against a plain host copy, peak memory.
  *
  *   bench_ckpt [--dir DIR] [--examples DIR] [--synth MOETRAIN-DATA] [--threads N]
- *              [--scale K] [--repeat R] [--keep]
+ *              [--scale K] [--repeat R] [--keep] [--load-only]
  *   mpirun -np N bench_ckpt ...      (aggregate over the ranks: dp = N)
  *
  * Builds a DeepSeek-V3-architecture job on the CPU backend (one per rank)
@@ -21,6 +21,10 @@
  *                 (rank 0 alone)
  *   async stall   training blocked by an asynchronous save (the snapshot),
  *   host copy     against memcpy of the same bytes into touched memory
+ * Under mpirun the load's line per rank follows: its own restore time and
+ * what it read (all read calls; from the disk). --load-only: save, dd and
+ * load only, the loads alternately with MT_CKPT_DIRECT_READ=0 and 1 (for
+ * comparing settings of the reads quickly).
  * Peak memory: the largest resident set during each phase above the one
  * at its start (Linux's VmHWM after clear_refs): what the phase allocates
  * beyond the job's own memory (the async saves' snapshot buffers count). Results go to tests/bench/RESULTS.md;
@@ -125,6 +129,21 @@ static int64_t drop_cache(const char *dir)
     return total;
 }
 
+/* This process's read I/O so far (/proc/self/io, all threads): bytes asked
+ * of read calls (rchar) and bytes fetched from the disk (read_bytes). */
+static void io_read(double *rchar, double *disk)
+{
+    *rchar = *disk = 0;
+    FILE *f = fopen("/proc/self/io", "r");
+    if (!f) return;
+    char line[128];
+    while (fgets(line, sizeof line, f)) {
+        if (!strncmp(line, "rchar: ", 7)) *rchar = atof(line + 7);
+        if (!strncmp(line, "read_bytes: ", 12)) *disk = atof(line + 12);
+    }
+    fclose(f);
+}
+
 static int64_t file_size(const char *p)
 {
     struct stat st;
@@ -179,7 +198,7 @@ int main(int argc, char **argv)
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     const char *dir = "bench_ckpt.tmp", *examples = "deploy/examples", *synth = NULL;
-    int threads = 0, keep = 0, repeat = 3;
+    int threads = 0, keep = 0, repeat = 3, load_only = 0;
     double scale = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--dir") && i + 1 < argc) dir = argv[++i];
@@ -189,9 +208,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--scale") && i + 1 < argc) scale = atof(argv[++i]);
         else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--keep")) keep = 1;
+        else if (!strcmp(argv[i], "--load-only")) load_only = 1;
         else {
             fprintf(stderr, "usage: bench_ckpt [--dir DIR] [--examples DIR] [--synth MOETRAIN-DATA] "
-                            "[--threads N] [--scale K] [--repeat R] [--keep]\n");
+                            "[--threads N] [--scale K] [--repeat R] [--keep] [--load-only]\n");
             return 1;
         }
     }
@@ -309,21 +329,59 @@ int main(int argc, char **argv)
     sets[ns + 1] = s_init;
     snprintf(p, sizeof p, "%s/tiny-cpu.json", examples);
     if (mt_jobspec_load(&jb, p, sets, ns + 2) < 0 || mt_jobspec_admit(&jb, world) < 0) return die("job");
-    double t_load = -1, mem_load = 0;
-    for (int k = 0; k < repeat; k++) {
+    double t_load = -1, mem_load = 0, my_load = -1, my_rchar = 0, my_disk = 0;
+    double t_load_dr[2] = {-1, -1};
+    for (int k = 0; k < (load_only ? 2 * repeat : repeat); k++) {
+        if (load_only) setenv("MT_CKPT_DIRECT_READ", k % 2 ? "1" : "0", 1);
         /* the trainer's own state again, from the disk: the restore alone */
         mt_job_ckpt *cl;
         if (mt_job_ckpt_open(&cl, &jb, rt->world) < 0) return die("checkpoint policy");
         MPI_Barrier(MPI_COMM_WORLD);
         if (rank == 0) drop_cache(root);
         m0 = mem_start();
+        double rc0, dk0, rc1, dk1;
+        io_read(&rc0, &dk0);
         t0 = phase_begin();
         if (mt_job_ckpt_restore(cl, tr) < 0) return die("load");
-        t_load = best(t_load, phase_end(t0));
+        const double mine_s = now_s() - t0;
+        io_read(&rc1, &dk1);
+        const double all_s = phase_end(t0);
+        if (t_load < 0 || all_s < t_load) {
+            my_load = mine_s;
+            my_rchar = rc1 - rc0;
+            my_disk = dk1 - dk0;
+        }
+        t_load = best(t_load, all_s);
+        if (load_only) t_load_dr[k % 2] = best(t_load_dr[k % 2], all_s);
         mem_load = mem_peak(m0);
         mt_job_ckpt_close(cl);
     }
     const int64_t saved = tr->step;
+    if (world > 1) {
+        double mine3[3] = {my_load, my_rchar / 1e9, my_disk / 1e9}, *all3 = NULL;
+        if (rank == 0 && !(all3 = malloc(sizeof mine3 * (size_t)world))) return die("out of memory");
+        MPI_Gather(mine3, 3, MPI_DOUBLE, all3, 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+        for (int r = 0; rank == 0 && r < world; r++)
+            printf("load, rank %d: %.3f s, read %.3f GB (%.3f GB from the disk)\n", r, all3[3 * r],
+                   all3[3 * r + 1], all3[3 * r + 2]);
+        free(all3);
+    }
+    if (load_only) {
+        if (rank == 0)
+            printf("\n| %d | %.2f GB | save %.2f (%.0f %%) | dd write %.2f | load, MT_CKPT_DIRECT_READ=0 "
+                   "%.2f (%.0f %%), =1 %.2f (%.0f %%) | dd read %.2f | (--load-only)\n",
+                   world, gb, gb / t_save, 100 * gb / t_save / ddw, ddw, gb / t_load_dr[0],
+                   100 * gb / t_load_dr[0] / ddr, gb / t_load_dr[1], 100 * gb / t_load_dr[1] / ddr, ddr);
+        mt_job_end(a);
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (!keep && rank == 0) {
+            snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+            if (system(cmd) != 0) return 2;
+        }
+        mt_runtime_destroy(rt);
+        MPI_Finalize();
+        return 0;
+    }
 
     /* ---- verify, cold (rank 0: the whole checkpoint) ---- */
     double t_verify = -1, mem_verify = 0;

@@ -15,9 +15,12 @@
 #   --rank-scale K each rank's model in the multi-rank case (default scale/N)
 #   --repeat R     each figure the best of R runs (default 3)
 #   --threads T    CPU backend threads per rank (default: cores / ranks)
-#   --io LIST      single-rank passes: buffered (page cache, the default of
-#                  the code), direct (MT_CKPT_DIRECT=1: shard chunks written
-#                  with O_DIRECT); default "buffered,direct"
+#   --io LIST      single-rank passes: default (the code's defaults: shard
+#                  chunks written with O_DIRECT where the file system takes
+#                  it), buffered (MT_CKPT_DIRECT=0: through the page cache);
+#                  default "default,buffered". The N-rank case runs with the
+#                  defaults. MT_CKPT_* variables in the environment (e.g.
+#                  MT_CKPT_THREADS, MT_CKPT_DIRECT_READ) reach every run.
 #
 # Prints each run's table (GB/s, % of dd, peak memory) and the rows for
 # tests/bench/RESULTS.md with date, machine and commit. Memory: the job
@@ -26,7 +29,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 src="$(cd "$here/../.." && pwd)"
-build="$src/build" bundle="" dir=/tmp/bench_ckpt scale=1 ranks=4 rank_scale="" repeat=3 threads="" io="buffered,direct"
+build="$src/build" bundle="" dir=/tmp/bench_ckpt scale=1 ranks=4 rank_scale="" repeat=3 threads="" io="default,buffered"
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build="$2"; shift 2 ;;
@@ -38,7 +41,7 @@ while [ $# -gt 0 ]; do
     --repeat) repeat="$2"; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
     --io) io="$2"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "bench_ckpt.sh: unknown option $1" >&2; exit 1 ;;
   esac
 done
@@ -46,7 +49,9 @@ if [ -n "$bundle" ]; then
   bundle="$(cd "$bundle" && pwd)"
   bench="$bundle/bin/bench_ckpt" synth="$bundle/bin/moetrain-data" examples="$bundle/deploy/examples"
   mpirun="$bundle/bin/mpirun"
-  [ -x "$bundle/mpi/install.sh" ] && [ ! -d /usr/lib/x86_64-linux-gnu/openmpi ] && "$bundle/mpi/install.sh"
+  # always: a host's own Open MPI (Ubuntu's on the lent hosts) at the same
+  # paths has other PMIx plugins, which the bundle's orted cannot load
+  if [ -x "$bundle/mpi/install.sh" ]; then "$bundle/mpi/install.sh"; fi
   export PATH="$bundle/libexec:$PATH" # a singleton MPI_Init starts orted
   commit="$(sed -n 's/^commit: //p' "$bundle/BUNDLE.txt" 2>/dev/null || echo unknown)"
 else
@@ -61,7 +66,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # and take the cores the checkpoint's I/O threads need (a fifth of a
 # restore's CPU time on the 2-core VM).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
-cores=$(nproc)
+cores=$(getconf _NPROCESSORS_ONLN) # not nproc: it follows OMP_NUM_THREADS
 mkdir -p "$dir"
 fs=$(df -T "$dir" | awk 'NR == 2 {print $2 " on " $1}')
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
@@ -75,7 +80,13 @@ t1=${threads:-$cores}
 for mode in ${io//,/ }; do
   out="$dir/one.$mode.log"
   echo "== one rank, $mode writes"
-  MT_CKPT_DIRECT=$([ "$mode" = direct ] && echo 1 || echo 0) \
+  case "$mode" in
+    default) direct="${MT_CKPT_DIRECT-}" ;;
+    buffered) direct=0 ;;
+    direct) direct=1 ;;
+    *) echo "bench_ckpt.sh: --io: unknown pass $mode" >&2; exit 1 ;;
+  esac
+  MT_CKPT_DIRECT="$direct" \
     "$bench" --dir "$dir/run" --examples "$examples" --synth "$synth" --scale "$scale" \
     --repeat "$repeat" --threads "$t1" 2>&1 | grep -v '^\[moetrain' | tee "$out"
   rows+=("$(grep '^| 1 |' "$out" | sed "s/^| 1 |/| 1 ($mode) |/")")
@@ -89,10 +100,12 @@ if [ "$ranks" -gt 1 ]; then
     rs=${rank_scale:-$(awk -v s="$scale" -v n="$ranks" 'BEGIN {print s / n}')}
     tn=${threads:-$(( cores / ranks > 0 ? cores / ranks : 1 ))}
     out="$dir/ranks.log"
-    echo "== $ranks ranks, buffered writes"
-    "$mpirun" --oversubscribe -np "$ranks" "$bench" --dir "$dir/run" --examples "$examples" \
+    echo "== $ranks ranks, default writes"
+    fwd=()
+    for v in $(env | sed -n 's/^\(MT_CKPT_[A-Z_]*\)=.*/\1/p'); do fwd+=(-x "$v"); done
+    "$mpirun" --oversubscribe "${fwd[@]}" -np "$ranks" "$bench" --dir "$dir/run" --examples "$examples" \
       --synth "$synth" --scale "$rs" --repeat "$repeat" --threads "$tn" 2>&1 | grep -v '^\[moetrain' | tee "$out"
-    rows+=("$(grep "^| $ranks |" "$out")")
+    rows+=("$(grep "^| $ranks |" "$out" | sed "s/^| $ranks |/| $ranks (default) |/")")
   fi
 fi
 
