@@ -327,12 +327,6 @@ int mt_jobspec_check_runnable(const mt_layout *l)
         return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.ep %d: pipeline and expert "
                       "parallelism together are not implemented yet; use one of them", l->pp,
                       l->ep);
-    /* The pipeline's pieces (model.h) carry no tensor-parallel split and its
-     * per-chunk backward no tp hook yet; refused rather than run wrong. */
-    if (l->pp > 1 && l->tp > 1)
-        return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.tp %d: pipeline and tensor "
-                      "parallelism together are not implemented yet; use one of them", l->pp,
-                      l->tp);
     if (l->sequence_parallel && l->tp < 2)
         return MT_ERR(MT_EINVAL, "parallel.sequence_parallel needs parallel.tp > 1 (it is %d)",
                       l->tp);

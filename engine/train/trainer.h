@@ -47,7 +47,9 @@
  * micro-batch's backward as each layer's gradients become final, before
  * the layer's buckets start (the model's on_layer_grads hook runs
  * trainer_tp.c's fixes, then the buckets'); what is left, after it.
- * Tensor parallelism with pipeline parallelism and etp > 1 are refused.
+ * With pipeline parallelism (below) the buckets are not started inside
+ * the backward, so all of these fixes run after the step's last backward,
+ * before the buckets. etp > 1 is refused.
  *
  * Reductions (which one each global quantity uses):
  *  - gradients: F32 sums at the owner in rank order x_0 + x_1 + ... on
@@ -84,9 +86,12 @@
  * embeddings the embedding's gradient is summed (F32) between the first
  * stage and the replica on the last one (same dp rank, after the dp
  * reduction), so both owners apply the same update. Expert loads and the
- * router bias update stay with the stage owning the layer. Pipeline with
- * expert or with tensor parallelism is not run yet: those layouts are
- * refused.
+ * router bias update stay with the stage owning the layer. With tensor
+ * parallelism each stage's tp ranks hold parts of its chunks (the first
+ * stage's embedding and the last stage's head and replica split by
+ * vocabulary rows alike); activations and their gradients go between the
+ * same tp rank of neighbouring stages (under sequence parallelism, its
+ * rows). Pipeline with expert parallelism is not run yet: refused.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
