@@ -9,6 +9,8 @@
 #     parallel.pp_layers 3,1;
 #   - saved at pp = 2 with parallel.pp_layers 1,3, resumed at pp = 1;
 #   - saved at pp = 2 x dp = 2 (4 ranks), resumed at pp = 1;
+#   - saved at tp = 2 x pp = 2 (4 ranks: each stage's layers in tp parts),
+#     resumed at pp = 1 (one rank), and saved at pp = 1 resumed there;
 # steps 4-6 log losses and gradient norms within 1e-5 (relative) of the
 # uninterrupted run that saved the checkpoint: the stages hold the layers
 # the sharding map places (the embedding replica of the last stage written
@@ -78,6 +80,16 @@ check one pp1_on2l "pp=1 -> pp=2 with pp_layers 3,1"
 run 4 ppdp --set parallel.pp=2 --set checkpoint.dir="$tmp/ckpd" --set checkpoint.interval=3
 run 1 ppdp_on1 --set init.kind=checkpoint --set init.path="$tmp/ckpd/step_00000003"
 check ppdp ppdp_on1 "pp=2 x dp=2 -> pp=1"
+# tp x pp: each stage's tp slabs, written by the stage's ranks
+run 4 tppp --set parallel.pp=2 --set parallel.tp=2 --set checkpoint.dir="$tmp/cktp" \
+    --set checkpoint.interval=3
+run 1 tppp_on1 --set init.kind=checkpoint --set init.path="$tmp/cktp/step_00000003"
+meta=$("$bin/ckpt/moetrain-ckpt" inspect --json "$tmp/cktp/step_00000003")
+grep -q '"tp": 2' <<< "$meta" && grep -q '"pp": 2' <<< "$meta" ||
+    { echo "FAIL: layout tp=2 x pp=2 not recorded"; exit 1; }
+check tppp tppp_on1 "tp=2 x pp=2 -> pp=1"
+run 4 pp1_on_tppp "${from1[@]}" --set parallel.pp=2 --set parallel.tp=2
+check one pp1_on_tppp "pp=1 -> tp=2 x pp=2"
 echo "step loss grad_norm: pp=1 | pp=2 | pp=2->1 | pp=2->vpp2 | pp=1->DualPipeV (steps 4-6)"
 paste -d'|' <(losses "$tmp/one.jsonl" 4) <(losses "$tmp/pp2.jsonl" 4) \
     <(losses "$tmp/pp2_on1.jsonl") <(losses "$tmp/pp2_on_vpp2.jsonl") <(losses "$tmp/pp1_on2.jsonl")
