@@ -142,6 +142,7 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
             .ep = l->ep > 1 ? j->groups.g[MT_GROUP_EP] : NULL,
             .edp = l->ep > 1 || l->tp > 1 ? j->groups.g[MT_GROUP_EDP] : NULL,
             .tp = l->tp > 1 ? j->groups.g[MT_GROUP_TP] : NULL,
+            .pp = l->pp > 1 ? j->groups.g[MT_GROUP_PP] : NULL,
         };
         rc = mt_trainer_create_in(&j->trainer, &j->spec, j->be, &tg);
         if (rc == MT_OK) j->trainer->rank = rt->rank; /* train.fault.rank */

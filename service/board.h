@@ -37,6 +37,10 @@ typedef struct board_rank {
     double compute_ms;       /* its own work before the gradient reduction */
     int64_t mem_in_use;      /* backend bytes */
     int64_t mem_peak;
+    int32_t pp_size;         /* pipeline stages; 0: no pipeline (the pp_ fields unset) */
+    int32_t pp_stage;        /* this rank's stage */
+    double pp_idle;          /* measured idle fraction of its last step (blocked in receives) */
+    double pp_bubble;        /* the schedule's predicted idle fraction of its stage */
 } board_rank;
 
 typedef struct board_ranks {

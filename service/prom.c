@@ -141,6 +141,22 @@ static void ranks(buf *b, board *bd)
                 value(b, v);
             }
         }
+        if (br.r[0].pp_size > 1) { /* pipeline: each stage's idle next to the prediction */
+            static const char *const pn[2] = {"moetrain_rank_pipeline_idle_ratio",
+                                              "moetrain_rank_pipeline_predicted_idle_ratio"};
+            static const char *const ph[2] = {
+                "Fraction of each rank's last step spent blocked in pipeline receives.",
+                "The schedule table's predicted idle fraction of each rank's pipeline stage "
+                "(simulator: forward 1, backward 2 per chunk)."};
+            for (int k = 0; k < 2; k++) {
+                head(b, pn[k], "gauge", ph[k]);
+                for (int i = 0; i < br.n; i++) {
+                    const board_rank *r = &br.r[i];
+                    put(b, "%s{rank=\"%d\",stage=\"%d\"}", pn[k], r->rank, r->pp_stage);
+                    value(b, k == 0 ? r->pp_idle : r->pp_bubble);
+                }
+            }
+        }
         gauge(b, "moetrain_slowest_rank",
               "The rank with the longest own work (compute) in the last step.", br.slowest);
     }

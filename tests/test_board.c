@@ -237,6 +237,7 @@ static void metrics_page_has_per_rank_series_and_capped_per_expert_ones(void **s
     assert_contains(page, "moetrain_rank_compute_duration_seconds{rank=\"1\"} 0.25\n");
     assert_contains(page, "moetrain_rank_memory_peak_bytes{rank=\"0\"} 10000\n");
     assert_contains(page, "moetrain_slowest_rank 1\n");
+    assert_null(strstr(page, "moetrain_rank_pipeline_idle_ratio")); /* no pipeline */
     assert_contains(page, "moetrain_expert_series_capped 0\n");
     assert_contains(page, "moetrain_expert_tokens{layer=\"2\",expert=\"7\"} 25\n");
     assert_contains(page, "moetrain_router_bias{layer=\"1\",expert=\"0\"}");
@@ -247,6 +248,19 @@ static void metrics_page_has_per_rank_series_and_capped_per_expert_ones(void **s
     assert_contains(page, "moetrain_expert_series_capped 1\n");
     assert_null(strstr(page, "moetrain_expert_tokens{"));
     assert_null(strstr(page, "moetrain_router_bias{"));
+    free(page);
+    /* pipeline stages: each rank's measured idle next to its stage's prediction */
+    for (int i = 0; i < 2; i++) {
+        r[i].pp_size = 2;
+        r[i].pp_stage = i;
+        r[i].pp_idle = 0.25 * (i + 1);
+        r[i].pp_bubble = 0.125;
+    }
+    assert_int_equal(board_post_ranks(b, r, 2), MT_OK);
+    assert_int_equal(prom_render(&f.sv, &page, &len), MT_OK);
+    assert_contains(page, "moetrain_rank_pipeline_idle_ratio{rank=\"1\",stage=\"1\"} 0.5\n");
+    assert_contains(page, "moetrain_rank_pipeline_predicted_idle_ratio{rank=\"0\",stage=\"0\"} "
+                          "0.125\n");
     free(page);
     fixture_close(&f);
 }

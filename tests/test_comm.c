@@ -19,6 +19,7 @@
  *    root, zero counts, displacements out of order with gaps: the gaps stay
  *    untouched), all_to_all_v (per-pair counts with zeros, gaps), broadcast
  *    from every root, send / recv around a ring, sendrecv both ways;
+ *    pipeline messages (tagged, buffered isend; receives in another order);
  *  - split: group sizes, ranks ordered by key, NO_COLOR gives none, ops on
  *    the new groups; the process groups of every layout that fits the
  *    world: each rank's position is its coordinate and each group holds
@@ -567,6 +568,73 @@ static void t_p2p(mt_comm *c, mt_comm_dtype dt, size_t count, uint64_t seed)
     free(h), free(want), free(got);
 }
 
+/* Pipeline messages (isend / recv_tag / wait_sends): every rank sends
+ * three tagged messages to the next rank and, with n > 2, two to the one
+ * before; the sender overwrites its buffer right after each isend
+ * (buffered sends), and the receiver takes them in another order than
+ * sent (matched by tag). Backends without them (local, nccl) refuse with
+ * MT_ENOTSUP; a message to the own rank is refused. */
+static void t_pipe(mt_comm *c, mt_comm_dtype dt, size_t count, uint64_t seed)
+{
+    const int n = mt_comm_size(c), me = mt_comm_rank(c);
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    const size_t es = mt_comm_dtype_size(dt), b = count * es;
+    char *h = malloc(b + 1), *want = malloc(b + 1), *got = malloc(b + 1);
+    char *ds = buf_alloc(b), *dr = buf_alloc(b);
+    const mt_comm_backend be = mt_comm_backend_of(c);
+    if (be == MT_COMM_LOCAL || be == MT_COMM_NCCL || n == 1) {
+        int rc = mt_comm_isend(c, ds, count, dt, n > 1 ? next : 0, 0);
+        if (rc == (n == 1 ? MT_EINVAL : MT_ENOTSUP)) n_pass++;
+        else FAIL("%spipeline isend on %s with %d rank(s): %d", LABEL, mt_comm_backend_name(be),
+                  n, rc);
+        mt_err_clear();
+        goto out;
+    }
+    const int tags[3] = {5, 0, MT_COMM_MAX_TAG - 1};
+    memset(want, 0xa5, b + 1);
+    for (int k = 0; k < 3; k++) {
+        gen(h, dt, count, seed + (uint64_t)k, me, 0, 0);
+        buf_put(ds, h, b);
+        int rc = mt_comm_isend(c, ds, count, dt, next, tags[k]);
+        if (rc < 0) FAIL("%spipeline isend tag %d: %s", LABEL, tags[k], mt_errmsg());
+        buf_put(ds, want, b); /* the caller's buffer changes at once */
+    }
+    if (n > 2)
+        for (int k = 0; k < 2; k++) {
+            gen(h, dt, count, seed + 100 + (uint64_t)k, me, 0, 0);
+            buf_put(ds, h, b);
+            if (mt_comm_isend(c, ds, count, dt, prev, 7 + k) < 0)
+                FAIL("%spipeline isend back: %s", LABEL, mt_errmsg());
+        }
+    for (int k = 2; k >= 0; k--) { /* the last sent first */
+        int rc = mt_comm_recv_tag(c, dr, count, dt, prev, tags[k]);
+        gen(want, dt, count, seed + (uint64_t)k, prev, 0, 0);
+        buf_get(got, dr, b);
+        if (rc == 0 && memcmp(got, want, b) == 0) n_pass++;
+        else FAIL("%spipeline recv tag %d from rank %d: %s", LABEL, tags[k], prev,
+                  rc < 0 ? mt_errmsg() : "wrong data");
+    }
+    if (n > 2)
+        for (int k = 1; k >= 0; k--) {
+            int rc = mt_comm_recv_tag(c, dr, count, dt, next, 7 + k);
+            gen(want, dt, count, seed + 100 + (uint64_t)k, next, 0, 0);
+            buf_get(got, dr, b);
+            if (rc == 0 && memcmp(got, want, b) == 0) n_pass++;
+            else FAIL("%spipeline recv back tag %d: %s", LABEL, 7 + k,
+                      rc < 0 ? mt_errmsg() : "wrong data");
+        }
+    if (mt_comm_wait_sends(c) == 0) n_pass++;
+    else FAIL("%spipeline wait_sends: %s", LABEL, mt_errmsg());
+    if (mt_comm_isend(c, ds, count, dt, me, 0) == MT_EINVAL) n_pass++;
+    else FAIL("%spipeline isend to the own rank is not refused", LABEL);
+    if (mt_comm_isend(c, ds, count, dt, next, MT_COMM_MAX_TAG) == MT_EINVAL) n_pass++;
+    else FAIL("%spipeline tag %d is not refused", LABEL, MT_COMM_MAX_TAG);
+    mt_err_clear();
+out:
+    buf_free(ds), buf_free(dr);
+    free(h), free(want), free(got);
+}
+
 /* Every collective on communicator c. big: include the large counts. */
 static void run_ops(mt_comm *c, int big, uint64_t seed)
 {
@@ -607,6 +675,8 @@ static void run_ops(mt_comm *c, int big, uint64_t seed)
         t_p2p(c, move[t], 0, seed);
         t_p2p(c, move[t], 5, seed + 1);
         t_p2p(c, move[t], 999, seed + 2);
+        t_pipe(c, move[t], 3, seed + 3);
+        t_pipe(c, move[t], 999, seed + 4);
     }
     if (mt_comm_barrier(c) == 0) n_pass++;
     else FAIL("%sbarrier: %s", LABEL, mt_errmsg());

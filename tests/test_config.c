@@ -9,6 +9,7 @@
 #include "engine/model/config.h"
 #include "engine/model/layers.h"
 #include "engine/train/jobspec.h"
+#include "engine/parallel/sharding.h"
 #include "base/json_util.h"
 #include "base/mt_status.h"
 #include "test_util.h"
@@ -471,12 +472,6 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
     assert_int_equal(mt_layout_edp(&j.parallel), 2);
     assert_int_equal(mt_layout_world(&j.parallel), 4);
     assert_int_equal(mt_jobspec_grad_accum(&j), 8 / (1 * 4));
-    /* a layout that fits the ranks and the model but that the trainer does
-     * not run yet is refused too, naming the field */
-    const char *bf16_pp2[] = {"parallel.pp=2", "precision.recipe=bf16"};
-    const char *pp_err[] = {"parallel.pp: 2: the trainer runs data, tensor and expert "
-                            "parallelism only", NULL};
-    expect_admission(4, bf16_pp2, 2, pp_err, NULL);
     /* tensor parallelism runs (bf16: the tiny model's splits are not FP8 blocks) */
     const char *bf16_tp2[] = {"parallel.tp=2", "precision.recipe=bf16"};
     expect_admission(4, bf16_tp2, 2, NULL, &j);
@@ -486,10 +481,38 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
                              "batch.micro_batch_size=1"};
     expect_admission(4, tp2_ep2, 4, NULL, &j);
     assert_int_equal(mt_layout_edp(&j.parallel), 2);
-    /* expert tensor parallelism is not run yet */
+    /* a layout that fits the ranks and the model but that the trainer does
+     * not run yet is refused too, naming the field: expert tensor parallelism */
     const char *etp2[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16"};
     const char *etp_err[] = {"parallel.etp: 2:", NULL};
     expect_admission(4, etp2, 3, etp_err, NULL);
+    /* parallel.pp_layers: one entry per chunk, summing to the model's layers */
+    const char *ppl_ok[] = {"parallel.pp=2", "parallel.pp_layers=0,2", "batch.micro_batch_size=1"};
+    expect_admission(2, ppl_ok, 3, NULL, &j);
+    assert_int_equal(j.parallel.n_pp_layers, 2);
+    int lo, hi;
+    mt_layout_chunk_layers(&j.parallel, &j.model, 1, &lo, &hi);
+    assert_int_equal(lo, 0);
+    assert_int_equal(hi, 2);
+    const char *ppl_n[] = {"parallel.pp=2", "parallel.pp_layers=1,0,1", "batch.micro_batch_size=1"};
+    const char *ppl_n_err[] = {"parallel.pp_layers has 3 entries", "pp 2 x vpp 1 = 2", NULL};
+    expect_admission(2, ppl_n, 3, ppl_n_err, NULL);
+    const char *ppl_sum[] = {"parallel.pp=2", "parallel.pp_layers=1,2", "batch.micro_batch_size=1"};
+    const char *ppl_sum_err[] = {"parallel.pp_layers places 3 decoder layers",
+                                 "num_hidden_layers 2", NULL};
+    expect_admission(2, ppl_sum, 3, ppl_sum_err, NULL);
+    /* pipeline parallelism runs, with tensor parallelism too, but not with
+     * expert parallelism yet */
+    const char *pp2[] = {"parallel.pp=2", "batch.micro_batch_size=1"};
+    expect_admission(2, pp2, 2, NULL, &j);
+    assert_int_equal(j.parallel.dp, 1);
+    const char *pp2ep2[] = {"parallel.pp=2", "parallel.ep=2", "batch.micro_batch_size=1"};
+    const char *ppep_err[] = {"parallel.pp 2 with parallel.ep 2", NULL};
+    expect_admission(4, pp2ep2, 3, ppep_err, NULL);
+    const char *pp2tp2[] = {"parallel.pp=2", "parallel.tp=2", "precision.recipe=bf16",
+                            "batch.micro_batch_size=1"};
+    expect_admission(4, pp2tp2, 4, NULL, &j);
+    assert_int_equal(j.parallel.dp, 1);
     /* the batch must divide over the derived dp: 8 sequences, mbs 4, dp 4 */
     const char *dp4_err[] = {"batch.global_batch_size: 8 is not divisible by "
                              "batch.micro_batch_size 4 x data-parallel size 4", NULL};
@@ -543,6 +566,9 @@ static void test_bad_job_specs_name_the_field(void **state)
     expect_job_error("{\"model\": {\"n_routed_experts\": 10, \"n_group\": 4}, " DATA
                      ", \"train\": {\"steps\": 5}}",
                      NULL, 0, "model.n_routed_experts: 10 is not divisible by n_group 4");
+    expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5},"
+                     " \"parallel\": {\"pp\": 2, \"pp_layers\": \"1,x\"}}",
+                     NULL, 0, "parallel.pp_layers: \"1,x\" must be a comma-separated list");
     expect_job_error("{" TINY ", " DATA ", \"train\": {\"steps\": 5},"
                      " \"precision\": {\"recipe\": \"fp4\"}}",
                      NULL, 0, "precision.recipe: \"fp4\" is not one of");

@@ -332,8 +332,9 @@ static void compare_step(const char *model_name, const mt_model_config *c, mt_re
         const int64_t n = (int64_t)m[0]->ctx.N * c->hidden_size;
         float *hc = malloc(4 * (size_t)n), *hg = malloc(4 * (size_t)n);
         for (int l = 0; l <= m[0]->n_blocks; l++) {
-            get_act(0, m[0]->h[l], n, hc);
-            get_act(1, m[1]->h[l], n, hg);
+            /* the whole model is one chunk in one slot (model.h) */
+            get_act(0, m[0]->chunks[0].slots[0].h[l], n, hc);
+            get_act(1, m[1]->chunks[0].slots[0].h[l], n, hg);
             double se = 0, sc = 0;
             int64_t nd = 0;
             for (int64_t j = 0; j < n; j++) {

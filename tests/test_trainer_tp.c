@@ -1,10 +1,14 @@
 /* test_trainer_tp.c - tensor parallelism is one rank, spread out.
  *
- *   test_trainer_tp EXAMPLES_DIR [sp|ep2]
+ *   test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp]
  *
  * Run under mpirun with N = 2 or 4 ranks: tp = 2, dp = N / 2 (with "sp":
  * parallel.sequence_parallel on; with "ep2": ep = 2 folded over the tp x dp
- * ranks, each rank holding 4 of the 8 routed experts; etp = 1). The tiny example's model (4 heads, dense
+ * ranks, each rank holding 4 of the 8 routed experts; etp = 1; with "pp2",
+ * N = 4: tp = 2 x pp = 2 (1F1B, layer 0 and the embedding on stage 0,
+ * layer 1, head, MTP and the embedding's replica on stage 1), the same
+ * bounds (fp32 measured 1.2e-7 and 3.2e-5, bf16 1.2e-4 and 1.0e-2:
+ * as tp alone); "pp2sp" with sequence parallelism). The tiny example's model (4 heads, dense
  * FFN 256, one shared expert of 64, vocabulary 64, MTP depth 1, 8 routed
  * experts replicated over tp) runs through the runtime; each rank holds half
  * of every split parameter. Properties, for the fp32 recipe (the only
@@ -34,10 +38,12 @@
  *   2. the model holds its part: half the heads, FFN columns and
  *      vocabulary rows, the replicated parameters whole;
  *   3. the replicated parameters (norms, q_a, kv_a, router, eh_proj, the
- *      routed experts) are bit-identical on the two tp ranks, without a
+ *      routed experts) are bit-identical on the two tp ranks (pp2: of each
+ *      stage), without a
  *      reduction of their gradients of their own (trainer.h);
  *   4. ZeRO-1: the ranks keep disjoint parts of the optimizer state that add
- *      up to the one rank's (split parameters' parts counted per tp rank).
+ *      up to the one rank's (split parameters' parts counted per tp rank;
+ *      pp2: plus the embedding replica's parts, kept on the last stage).
  *   5. a trainer for a tp > 1 job without the tensor-parallel group is
  *      refused, naming it (not silently built with whole parameters).
  * With "sp" the same bounds hold (measured the same to two digits: the
@@ -93,12 +99,12 @@ static const char *const fp8_model[] = {
     "model.n_shared_experts=2"};
 #define N_FP8_MODEL ((int)(sizeof fp8_model / sizeof *fp8_model))
 
-static int ep_;
+static int ep_, pp_;
 
 static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                      const char *recipe, int tp, int sp, int world)
 {
-    char path[1200], data[1200], rec[64], tps[32], sps[64], eps[32];
+    char path[1200], data[1200], rec[64], tps[32], sps[64], eps[32], pps[32];
     snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
     snprintf(data, sizeof data, "data.path=%s", corpus);
     snprintf(rec, sizeof rec, "precision.recipe=%s", recipe);
@@ -111,6 +117,8 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
     int n = 11;
     snprintf(eps, sizeof eps, "parallel.ep=%d", tp > 1 ? ep_ : 1);
     sets[n++] = eps;
+    snprintf(pps, sizeof pps, "parallel.pp=%d", tp > 1 ? pp_ : 1);
+    sets[n++] = pps;
     /* sp, ep2: one gradient bucket per layer, started from inside the
      * backward, so a layer's tp fixes must precede its bucket (trainer.h) */
     if (tp > 1 && (sp || ep_ > 1)) sets[n++] = "parallel.bucket_mb=0";
@@ -192,18 +200,27 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
 
     /* 2. the parts */
     const mt_model_config *c = &m->cfg;
-    CHECK(m->blocks[0].attn.H == c->num_attention_heads / 2, "heads %d", m->blocks[0].attn.H);
-    CHECK(m->blocks[0].ffn.F == c->intermediate_size / 2, "dense FFN width %d", m->blocks[0].ffn.F);
-    CHECK(m->blocks[1].moe.shared.F == c->moe_intermediate_size * c->n_shared_experts / 2,
-          "shared experts' width %d", m->blocks[1].moe.shared.F);
+    /* (pp2: stage 0 holds layer 0 and the embedding, stage 1 layer 1, the
+     * head, MTP and the embedding's replica) */
+    if (m->local[0]) {
+        CHECK(m->blocks[0].attn.H == c->num_attention_heads / 2, "heads %d", m->blocks[0].attn.H);
+        CHECK(m->blocks[0].ffn.F == c->intermediate_size / 2, "dense FFN width %d",
+              m->blocks[0].ffn.F);
+        CHECK(m->blocks[0].attn.q_a->d.rows == c->q_lora_rank, "replicated q_a is whole");
+    }
+    if (m->local[1]) {
+        CHECK(m->blocks[1].moe.shared.F == c->moe_intermediate_size * c->n_shared_experts / 2,
+              "shared experts' width %d", m->blocks[1].moe.shared.F);
+        CHECK(m->blocks[1].moe.E_local == c->n_routed_experts / ep_,
+              "%d local experts with ep %d", m->blocks[1].moe.E_local, ep_);
+        CHECK(m->blocks[1].moe.router->d.rows == c->n_routed_experts, "the router is whole");
+    }
+    CHECK(m->local[0] + m->local[1] == (pp_ > 1 ? 1 : 2), "%d of the 2 layers here with pp %d",
+          m->local[0] + m->local[1], pp_);
     CHECK(m->V_local == c->vocab_size / 2 && m->v_lo == tpr * c->vocab_size / 2,
           "vocabulary rows [%d, %d)", m->v_lo, m->v_lo + m->V_local);
     CHECK(t->tp->sp == sp && t->tp->size == 2, "tp %d, sequence parallel %d", t->tp->size,
           t->tp->sp);
-    CHECK(m->blocks[1].moe.E_local == c->n_routed_experts / ep_, "%d local experts with ep %d",
-          m->blocks[1].moe.E_local, ep_);
-    CHECK(m->blocks[0].attn.q_a->d.rows == c->q_lora_rank && m->blocks[1].moe.router->d.rows ==
-          c->n_routed_experts, "replicated parameters are whole");
 
     double worst_loss = 0;
     for (int s = 0; s < STEPS; s++) {
@@ -236,18 +253,27 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
      * kept once each, a replicated dense parameter once per tp rank (its dp
      * group's owner: the tp ranks update their copies alike), a routed
      * expert once over the edp group (tp x dp ranks) */
-    int64_t rep = 0;
+    /* (pp2: each stage's replicated dense parameters, counted on its tp rank
+     * 0, and the last stage's embedding replica, whose parts its owners keep
+     * as the first stage's do) */
+    int64_t rep = 0, extra[2] = {0, 0}, sums[2];
     for (int i = 0; i < m->table.n; i++) {
         const mt_param_desc *d = &m->params[i].d;
         if (m->params[i].grad && d->expert < 0 && d->rows == d->full_rows &&
             d->cols == d->full_cols)
             rep += mt_param_numel(d);
     }
-    if (mt_comm_all_reduce(rt->world, &kept, &total, 1, MT_COMM_I64, MT_COMM_SUM) < 0)
+    if (t->dp_rank == 0) {
+        extra[0] = tpr == 0 ? rep : 0;
+        if (m->embed_replica) extra[0] += mt_param_numel(&m->params[mt_model_embed_index(m)].d);
+    }
+    extra[1] = kept;
+    if (mt_comm_all_reduce(rt->world, extra, sums, 2, MT_COMM_I64, MT_COMM_SUM) < 0)
         die("all_reduce", MT_EGENERIC);
-    CHECK(total == ref->opt->n_state + rep, "%s: the ranks keep %lld state elements, one rank "
-          "%lld + %lld replicated dense", recipe, (long long)total, (long long)ref->opt->n_state,
-          (long long)rep);
+    total = sums[1];
+    CHECK(total == ref->opt->n_state + sums[0], "%s: the ranks keep %lld state elements, one "
+          "rank %lld + %lld replicated dense", recipe, (long long)total,
+          (long long)ref->opt->n_state, (long long)sums[0]);
     /* 3. replicated parameters bit-identical over tp (and everything over dp) */
     size_t differ = 0, n_rep = 0;
     for (int i = 0; i < m->table.n; i++) {
@@ -257,8 +283,10 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
         const size_t n = (size_t)mt_param_numel(d);
         float *a = malloc(n * 4), *hi = malloc(n * 4), *lo = malloc(n * 4);
         if (!a || !hi || !lo || mt_model_get_param(t->model, i, a) < 0) die("get_param", MT_ENOMEM);
-        if (mt_comm_all_reduce(rt->world, a, hi, n, MT_COMM_F32, MT_COMM_MAX) < 0 ||
-            mt_comm_all_reduce(rt->world, a, lo, n, MT_COMM_F32, MT_COMM_MIN) < 0)
+        /* pp2: over the stage's tp ranks (the stages hold different layers) */
+        mt_comm *over = pp_ > 1 ? t->tpc : rt->world;
+        if (mt_comm_all_reduce(over, a, hi, n, MT_COMM_F32, MT_COMM_MAX) < 0 ||
+            mt_comm_all_reduce(over, a, lo, n, MT_COMM_F32, MT_COMM_MIN) < 0)
             die("all_reduce", MT_EGENERIC);
         for (size_t k = 0; k < n; k++) differ += memcmp(&hi[k], &lo[k], 4) != 0;
         n_rep += n;
@@ -269,17 +297,17 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
     CHECK(differ == 0, "%s: %zu of %zu replicated parameter elements differ between ranks",
           recipe, differ, n_rep);
     if (rt->rank == 0)
-        printf("%s%s%s: tp 2 x dp %d vs one rank: losses within %.3g (relative), parameter parts "
-               "within %.3g (mean %.3g), main copies within %.3g; %zu replicated elements "
-               "identical on all ranks\n", recipe, sp ? " sp" : "", ep_ > 1 ? " ep 2" : "",
-               rt->size / 2, worst_loss, wp,
-               mean, wm, n_rep);
+        printf("%s%s%s: tp 2 x pp %d x dp %d vs one rank: losses within %.3g (relative), "
+               "parameter parts within %.3g (mean %.3g), main copies within %.3g; %zu "
+               "replicated elements identical on all ranks\n", recipe, sp ? " sp" : "",
+               ep_ > 1 ? " ep 2" : "", pp_, rt->size / 2 / pp_, worst_loss, wp, mean, wm, n_rep);
     /* 5. */
     mt_trainer *bad = NULL;
     mt_trainer_groups g = {.dp = NULL, .edp = NULL, .tp = NULL};
     mt_jobspec one_rank = jt;
     one_rank.parallel.dp = 1;
     one_rank.parallel.ep = 1;
+    one_rank.parallel.pp = 1;
     rc = mt_trainer_create_in(&bad, &one_rank, be, &g);
     CHECK(rc < 0 && strstr(mt_errmsg(), "tensor-parallel"), "%s: a tp = 2 trainer without its "
           "group: rc %d (%s)", recipe, rc, rc < 0 ? mt_errmsg() : "built");
@@ -293,11 +321,12 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
 int main(int argc, char **argv)
 {
     if (argc < 2) {
-        fprintf(stderr, "usage: test_trainer_tp EXAMPLES_DIR [sp]\n");
+        fprintf(stderr, "usage: test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp]\n");
         return 2;
     }
-    const int sp = argc > 2 && strcmp(argv[2], "sp") == 0;
-    ep_ = argc > 2 && strcmp(argv[2], "ep2") == 0 ? 2 : 1;
+    const int sp = argc > 2 && strstr(argv[2], "sp") != NULL;
+    ep_ = argc > 2 && strstr(argv[2], "ep2") ? 2 : 1;
+    pp_ = argc > 2 && strstr(argv[2], "pp2") ? 2 : 1;
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     mt_runtime *rt;
@@ -305,7 +334,7 @@ int main(int argc, char **argv)
     if (rc < 0) die("runtime", rc);
     rank_ = rt->rank;
     mt_log_set_rank(rt->rank);
-    if (rt->size != 2 && rt->size != 4) {
+    if ((rt->size != 2 && rt->size != 4) || (pp_ > 1 && rt->size != 4)) {
         if (rt->rank == 0) fprintf(stderr, "SKIP: tp = 2 needs 2 or 4 ranks, not %d\n", rt->size);
         mt_runtime_destroy(rt);
         MPI_Finalize();
@@ -323,8 +352,9 @@ int main(int argc, char **argv)
 
     int all_ok = mt_runtime_agree(rt, failures == 0);
     if (rt->rank == 0)
-        printf("test_trainer_tp: %d ranks%s%s: %s\n", rt->size, sp ? " (sequence parallel)" : "",
-               ep_ > 1 ? " (ep 2)" : "", all_ok == 1 ? "equal to one rank" : "FAILED");
+        printf("test_trainer_tp: %d ranks%s%s%s: %s\n", rt->size,
+               sp ? " (sequence parallel)" : "", ep_ > 1 ? " (ep 2)" : "",
+               pp_ > 1 ? " (pp 2)" : "", all_ok == 1 ? "equal to one rank" : "FAILED");
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
     if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", tmp);

@@ -297,53 +297,180 @@ static mt_param *param_by_role(mt_model *m, int layer, mt_param_role role)
     return NULL;
 }
 
-static int model_build_layers(mt_model *m)
+/* The slot's own copies of a chunk's layers and residual stream. Slot 0
+ * uses the model's structs (m->blocks, m->head, m->mtp); the others get
+ * their own, bound to the same parameters, with the expert-load counters
+ * shared with slot 0 (loads are per layer, not per micro-batch). */
+static int slot_init(mt_model *m, const mt_chunk *ch, mt_chunk_slot *sl, int s)
 {
     mt_backend *be = m->be;
     const mt_model_config *c = &m->cfg;
     const int N = m->ctx.N, D = c->hidden_size, L = c->num_hidden_layers;
-    const size_t act = mt_act_size(be);
-    m->embed = param_by_role(m, -1, MT_PR_EMBED);
-    m->head.norm = param_by_role(m, -1, MT_PR_FINAL_NORM);
-    m->head.head = c->tie_word_embeddings ? m->embed : param_by_role(m, -1, MT_PR_HEAD);
-    MT_CHECK(mt_head_init(&m->head, be, N, D));
-    m->head.v_lo = m->v_lo;
-    m->n_blocks = L;
-    m->blocks = calloc((size_t)L, sizeof *m->blocks);
-    m->h = calloc((size_t)L + 1, sizeof *m->h);
-    if (!m->blocks || !m->h) return MT_ERR(MT_ENOMEM, "model: out of memory");
-    for (int l = 0; l < L; l++) {
-        MT_CHECK(mt_block_init(&m->blocks[l], be, c, &m->opts, l, N, m->disp));
-        MT_CHECK(mt_block_bind(&m->blocks[l], m->params, &m->table, l));
+    const int lo = ch->s.layer_lo, n = ch->s.layer_hi - lo;
+    const size_t act = mt_act_size(be), nd = (size_t)N * D * act;
+    sl->blocks = s == 0 ? m->blocks + lo : calloc((size_t)(n > 0 ? n : 1), sizeof *sl->blocks);
+    sl->h = calloc((size_t)n + 1, sizeof *sl->h);
+    if (!sl->blocks || !sl->h) return MT_ERR(MT_ENOMEM, "model: out of memory");
+    for (int i = 0; i < n; i++) {
+        mt_block *b = &sl->blocks[i];
+        MT_CHECK(mt_block_init(b, be, c, &m->opts, lo + i, N, m->disp));
+        MT_CHECK(mt_block_bind(b, m->params, &m->table, lo + i));
+        if (s > 0 && b->is_moe) {
+            free(b->moe.load);
+            b->moe.load = m->blocks[lo + i].moe.load;
+        }
     }
-    for (int l = 0; l <= L; l++) MT_CHECK(be->alloc(be, (size_t)N * D * act, &m->h[l]));
-    m->n_mtp = c->num_nextn_predict_layers;
-    if (m->n_mtp > 0) {
-        m->mtp = calloc((size_t)m->n_mtp, sizeof *m->mtp);
-        m->mtp_head = calloc((size_t)m->n_mtp, sizeof *m->mtp_head);
-        m->dmtp = calloc((size_t)m->n_mtp, sizeof *m->dmtp);
-        if (!m->mtp || !m->mtp_head || !m->dmtp) return MT_ERR(MT_ENOMEM, "model: out of memory");
+    for (int i = 0; i <= n; i++) MT_CHECK(be->alloc(be, nd, &sl->h[i]));
+    MT_CHECK(be->alloc(be, nd, &sl->dh));
+    MT_CHECK(be->alloc(be, (size_t)N * 4, (void **)&sl->ids));
+    MT_CHECK(be->alloc(be, (size_t)N * 4, (void **)&sl->tgt));
+    if (!ch->s.last) return MT_OK;
+    const int K = m->n_mtp;
+    if (s == 0) {
+        sl->head = &m->head;
+        sl->mtp = m->mtp;
+        sl->mtp_head = m->mtp_head;
+    } else {
+        sl->head = calloc(1, sizeof *sl->head);
+        sl->mtp = calloc((size_t)(K > 0 ? K : 1), sizeof *sl->mtp);
+        sl->mtp_head = calloc((size_t)(K > 0 ? K : 1), sizeof *sl->mtp_head);
     }
-    for (int k = 0; k < m->n_mtp; k++) {
-        mt_mtp *p = &m->mtp[k];
-        int l = L + k;
+    sl->dmtp = calloc((size_t)(K > 0 ? K : 1), sizeof *sl->dmtp);
+    if (!sl->head || !sl->mtp || !sl->mtp_head || !sl->dmtp)
+        return MT_ERR(MT_ENOMEM, "model: out of memory");
+    sl->head->norm = param_by_role(m, -1, MT_PR_FINAL_NORM);
+    sl->head->head = c->tie_word_embeddings ? m->embed : param_by_role(m, -1, MT_PR_HEAD);
+    MT_CHECK(mt_head_init(sl->head, be, N, D));
+    sl->head->v_lo = m->v_lo;
+    for (int k = 0; k < K; k++) {
+        mt_mtp *p = &sl->mtp[k];
+        const int l = L + k;
         MT_CHECK(mt_mtp_init(p, be, c, &m->opts, k + 1, N, m->disp));
         MT_CHECK(mt_block_bind(&p->block, m->params, &m->table, l));
+        if (s > 0 && p->block.is_moe) {
+            free(p->block.moe.load);
+            p->block.moe.load = m->mtp[k].block.moe.load;
+        }
         p->enorm = param_by_role(m, l, MT_PR_MTP_ENORM);
         p->hnorm = param_by_role(m, l, MT_PR_MTP_HNORM);
         p->eh = param_by_role(m, l, MT_PR_MTP_EH);
         p->norm = param_by_role(m, l, MT_PR_MTP_NORM);
-        m->mtp_head[k].norm = p->norm;
-        m->mtp_head[k].head = m->head.head;
-        MT_CHECK(mt_head_init(&m->mtp_head[k], be, N, D));
-        m->mtp_head[k].v_lo = m->v_lo;
-        MT_CHECK(be->alloc(be, (size_t)N * D * act, &m->dmtp[k]));
+        sl->mtp_head[k].norm = p->norm;
+        sl->mtp_head[k].head = sl->head->head;
+        MT_CHECK(mt_head_init(&sl->mtp_head[k], be, N, D));
+        sl->mtp_head[k].v_lo = m->v_lo;
+        MT_CHECK(be->alloc(be, nd, &sl->dmtp[k]));
     }
-    MT_CHECK(be->alloc(be, (size_t)N * D * act, &m->dh));
-    MT_CHECK(be->alloc(be, (size_t)N * m->V_local * act, &m->logits));
-    MT_CHECK(be->alloc(be, (size_t)N * 4, (void **)&m->ids));
-    MT_CHECK(be->alloc(be, (size_t)N * 4, (void **)&m->tgt));
     return MT_OK;
+}
+
+static void slot_free(mt_model *m, const mt_chunk *ch, mt_chunk_slot *sl, int s)
+{
+    mt_backend *be = m->be;
+    const int n = ch->s.layer_hi - ch->s.layer_lo;
+    for (int i = 0; sl->blocks && i < n; i++) {
+        if (s > 0) sl->blocks[i].moe.load = NULL; /* slot 0's */
+        mt_block_free(&sl->blocks[i], be);
+    }
+    for (int i = 0; sl->h && i <= n; i++)
+        if (sl->h[i]) be->free(be, sl->h[i]);
+    void *bufs[] = {sl->dh, sl->ids, sl->tgt};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) be->free(be, bufs[i]);
+    for (int k = 0; sl->dmtp && k < m->n_mtp; k++) {
+        if (s > 0) sl->mtp[k].block.moe.load = NULL;
+        mt_mtp_free(&sl->mtp[k], be);
+        mt_head_free(&sl->mtp_head[k], be);
+        if (sl->dmtp[k]) be->free(be, sl->dmtp[k]);
+    }
+    if (sl->head) mt_head_free(sl->head, be);
+    if (s > 0) {
+        free(sl->blocks);
+        free(sl->head);
+        free(sl->mtp);
+        free(sl->mtp_head);
+    }
+    free(sl->h);
+    free(sl->dmtp);
+}
+
+/* This rank's chunks from the options (default: one chunk of everything). */
+static int model_chunks(mt_model *m)
+{
+    const mt_model_config *c = &m->cfg;
+    const mt_model_opts *o = &m->opts;
+    const int L = c->num_hidden_layers, K = c->num_nextn_predict_layers;
+    m->n_chunks = o->n_chunks > 0 ? o->n_chunks : 1;
+    m->chunks = calloc((size_t)m->n_chunks, sizeof *m->chunks);
+    m->local = calloc((size_t)(L + K + 1), 1);
+    if (!m->chunks || !m->local) return MT_ERR(MT_ENOMEM, "model: out of memory");
+    for (int i = 0; i < m->n_chunks; i++) {
+        mt_chunk *ch = &m->chunks[i];
+        if (o->n_chunks > 0) {
+            ch->s = o->chunks[i];
+            ch->id = o->chunk_ids ? o->chunk_ids[i] : i;
+            ch->n_slots = o->chunk_slots ? o->chunk_slots[i] : 1;
+        } else {
+            ch->s = (mt_stage){0, L, 1, 1};
+            ch->n_slots = 1;
+        }
+        if (ch->s.layer_lo < 0 || ch->s.layer_hi < ch->s.layer_lo || ch->s.layer_hi > L ||
+            ch->n_slots < 1)
+            return MT_ERR(MT_EINVAL, "model: chunk %d has layers [%d, %d) of %d and %d slots",
+                          ch->id, ch->s.layer_lo, ch->s.layer_hi, L, ch->n_slots);
+        for (int l = ch->s.layer_lo; l < ch->s.layer_hi; l++) {
+            if (m->local[l]) return MT_ERR(MT_EINVAL, "model: layer %d is in two chunks", l);
+            m->local[l] = 1;
+        }
+        m->has_first |= ch->s.first;
+        m->has_last |= ch->s.last;
+    }
+    for (int k = 0; k < K; k++) m->local[L + k] = (unsigned char)m->has_last;
+    m->embed_replica = m->has_last && !m->has_first && (K > 0 || c->tie_word_embeddings);
+    return MT_OK;
+}
+
+/* Keeps the parameters of this rank's chunks in the table (in order). */
+static void params_filter(mt_model *m)
+{
+    int n = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const mt_param_desc *d = &m->table.p[i];
+        int keep = d->layer >= 0 ? m->local[d->layer]
+                   : d->role == MT_PR_EMBED ? m->has_first || m->embed_replica
+                                            : m->has_last; /* final norm, head */
+        if (keep) m->table.p[n++] = *d;
+    }
+    m->table.n = n;
+}
+
+static int model_build_layers(mt_model *m)
+{
+    mt_backend *be = m->be;
+    const mt_model_config *c = &m->cfg;
+    const int N = m->ctx.N, L = c->num_hidden_layers;
+    const size_t act = mt_act_size(be);
+    m->embed = param_by_role(m, -1, MT_PR_EMBED);
+    m->n_blocks = L;
+    m->n_mtp = c->num_nextn_predict_layers;
+    m->blocks = calloc((size_t)(L > 0 ? L : 1), sizeof *m->blocks);
+    m->mtp = calloc((size_t)(m->n_mtp > 0 ? m->n_mtp : 1), sizeof *m->mtp);
+    m->mtp_head = calloc((size_t)(m->n_mtp > 0 ? m->n_mtp : 1), sizeof *m->mtp_head);
+    if (!m->blocks || !m->mtp || !m->mtp_head) return MT_ERR(MT_ENOMEM, "model: out of memory");
+    for (int i = 0; i < m->n_chunks; i++) {
+        mt_chunk *ch = &m->chunks[i];
+        ch->slots = calloc((size_t)ch->n_slots, sizeof *ch->slots);
+        if (!ch->slots) return MT_ERR(MT_ENOMEM, "model: out of memory");
+        for (int s = 0; s < ch->n_slots; s++) MT_CHECK(slot_init(m, ch, &ch->slots[s], s));
+    }
+    if (m->has_last)
+        MT_CHECK(be->alloc(be, (size_t)N * m->V_local * act, &m->logits));
+    return MT_OK;
+}
+
+int mt_model_embed_index(const mt_model *m)
+{
+    return m->embed ? (int)(m->embed - m->params) : -1;
 }
 
 int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_opts *opts,
@@ -364,8 +491,7 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
     be->round_bf16 = opts->recipe != MT_RECIPE_FP32;
     const int B = opts->micro_batch, T = opts->seq_len, N = B * T;
     const int R = cfg->qk_rope_head_dim;
-    m->n_stages = 1;
-    m->stage = (mt_stage){0, cfg->num_hidden_layers, 1, 1};
+    MT_GOTO(model_chunks(m), fail);
     if (opts->dispatcher) {
         m->disp = opts->dispatcher;
     } else {
@@ -381,6 +507,7 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
     }
     MT_GOTO(mt_params_build(&m->table, cfg, m->disp->e_lo, m->disp->e_lo + m->disp->E_local),
             fail);
+    params_filter(m);
     if (opts->tp && opts->tp->size > 1) {
         const int tp = opts->tp->size;
         const int64_t sh = (int64_t)cfg->moe_intermediate_size * cfg->n_shared_experts;
@@ -399,11 +526,17 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
         }
         mt_params_tp_local(&m->table, tp, opts->tp->rank);
     }
-    {
-        const int ie = mt_params_find(&m->table, "model.embed_tokens.weight");
-        m->v_lo = ie >= 0 ? (int)m->table.p[ie].off[0] : 0;
-        m->V_local = ie >= 0 ? (int)m->table.p[ie].rows : (int)cfg->vocab_size;
-    }
+    /* this rank's vocabulary rows: the embedding's, or the head's on a last
+     * stage without an embedding (the two split alike) */
+    m->v_lo = 0;
+    m->V_local = (int)cfg->vocab_size;
+    for (int i = 0; i < m->table.n; i++)
+        if (m->table.p[i].layer == -1 &&
+            (m->table.p[i].role == MT_PR_EMBED || m->table.p[i].role == MT_PR_HEAD)) {
+            m->v_lo = (int)m->table.p[i].off[0];
+            m->V_local = (int)m->table.p[i].rows;
+            break;
+        }
     MT_GOTO(global_params(m), fail);
     MT_GOTO(params_alloc(m), fail);
 
@@ -457,27 +590,22 @@ void mt_model_destroy(mt_model *m)
 {
     if (!m) return;
     mt_backend *be = m->be;
-    for (int l = 0; m->blocks && l < m->n_blocks; l++) mt_block_free(&m->blocks[l], be);
-    for (int k = 0; m->mtp && k < m->n_mtp; k++) {
-        mt_mtp_free(&m->mtp[k], be);
-        mt_head_free(&m->mtp_head[k], be);
-        if (m->dmtp[k]) be->free(be, m->dmtp[k]);
-    }
-    mt_head_free(&m->head, be);
-    for (int l = 0; m->h && l <= m->n_blocks; l++)
-        if (m->h[l]) be->free(be, m->h[l]);
-    void *bufs[] = {m->dh, m->logits, m->ids, m->tgt, m->rope_cos, m->rope_sin,
+    for (int i = 0; m->chunks && i < m->n_chunks; i++)
+        for (int sl = 0; m->chunks[i].slots && sl < m->chunks[i].n_slots; sl++)
+            slot_free(m, &m->chunks[i], &m->chunks[i].slots[sl], sl);
+    for (int i = 0; m->chunks && i < m->n_chunks; i++) free(m->chunks[i].slots);
+    void *bufs[] = {m->logits, m->rope_cos, m->rope_sin,
                     m->buf_act, m->buf_q, m->buf_qt, m->buf_s, m->buf_st, m->buf_f32,
                     m->buf_grad, m->ws.base};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) be->free(be, bufs[i]);
     if (m->disp && m->own_disp) m->disp->destroy(m->disp);
+    free(m->chunks);
+    free(m->local);
     free(m->global_param);
     free(m->blocks);
-    free(m->h);
     free(m->mtp);
     free(m->mtp_head);
-    free(m->dmtp);
     free(m->params);
     free(m->host_tok);
     free(m->host_i32);
@@ -537,19 +665,23 @@ static int layer_grads_final(mt_model *m, int layer)
     return m->opts.on_layer_grads ? m->opts.on_layer_grads(m->opts.on_layer_grads_arg, layer) : MT_OK;
 }
 
-/* The one forward of training, validation and scoring; `so` (scoring
- * outputs) may be NULL. */
-static int model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
-                      mt_mb_stats *st, const mt_score_out *so)
+/* The one forward of training, validation and scoring, for chunk ci in
+ * slot `slot`; `so` (scoring outputs) may be NULL. */
+static int chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int backward,
+                     double loss_scale, mt_mb_stats *st, const mt_score_out *so)
 {
     mt_backend *be = m->be;
     mt_ctx *c = &m->ctx;
-    const int N = c->N, B = c->B, T = c->T, D = m->cfg.hidden_size, L = m->n_blocks;
+    const int N = c->N, B = c->B, T = c->T, D = m->cfg.hidden_size;
     const int V = (int)m->cfg.vocab_size, Vl = m->V_local;
-    const size_t nd_bytes = (size_t)N * D * mt_act_size(be);
     const double alpha = m->opts.aux_alpha, lambda = m->opts.mtp_weight;
     const float aux_gs = backward ? (float)loss_scale : 0.0f;
     memset(st, 0, sizeof *st);
+    if (ci < 0 || ci >= m->n_chunks || slot < 0 || slot >= m->chunks[ci].n_slots)
+        return MT_ERR(MT_EINVAL, "model: chunk %d slot %d is not on this rank", ci, slot);
+    const mt_chunk *ch = &m->chunks[ci];
+    mt_chunk_slot *sl = &ch->slots[slot];
+    const int n = ch->s.layer_hi - ch->s.layer_lo;
     m->ws.top = 0;
     for (int i = 0; i < B * (T + 1); i++)
         if (tokens[i] < 0 || tokens[i] >= V)
@@ -562,40 +694,49 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
                       m->v_lo + Vl);
 
     /* main model */
-    mt_op_profile_mark(be, "fwd.embed");
-    shift_tokens(tokens, B, T, 0, m->host_i32, m->host_tgt);
-    local_ids(m, m->host_i32, N);
-    MT_CHECK(be->upload(be, m->ids, m->host_i32, (size_t)N * 4));
-    MT_CHECK(be->upload(be, m->tgt, m->host_tgt, (size_t)N * 4));
-    /* vocabulary-parallel: one rank's row each, summed (sequence parallelism:
-     * this rank's rows of the sum; dh serves as the full partial) */
-    if (mt_tp_sp(c)) {
-        MT_CHECK(be->embedding_fwd(be, m->dh, m->embed->w, m->ids, N, D));
-        MT_CHECK(mt_tp_scatter_rows(c, m->dh, m->h[0], D));
-    } else {
-        MT_CHECK(be->embedding_fwd(be, m->h[0], m->embed->w, m->ids, N, D));
-        MT_CHECK(mt_tp_sum(c, m->h[0], (int64_t)N * D));
+    if (ch->s.first) {
+        mt_op_profile_mark(be, "fwd.embed");
+        shift_tokens(tokens, B, T, 0, m->host_i32, m->host_tgt);
+        local_ids(m, m->host_i32, N);
+        MT_CHECK(be->upload(be, sl->ids, m->host_i32, (size_t)N * 4));
+        /* vocabulary-parallel: one rank's row each, summed (sequence
+         * parallelism: this rank's rows of the sum; dh serves as the full
+         * partial) */
+        if (mt_tp_sp(c)) {
+            MT_CHECK(be->embedding_fwd(be, sl->dh, m->embed->w, sl->ids, N, D));
+            MT_CHECK(mt_tp_scatter_rows(c, sl->dh, sl->h[0], D));
+        } else {
+            MT_CHECK(be->embedding_fwd(be, sl->h[0], m->embed->w, sl->ids, N, D));
+            MT_CHECK(mt_tp_sum(c, sl->h[0], (int64_t)N * D));
+        }
     }
-    for (int l = 0; l < L; l++)
-        MT_CHECK(mt_block_fwd(c, &m->blocks[l], m->h[l + 1], m->h[l], alpha, aux_gs));
+    for (int i = 0; i < n; i++)
+        MT_CHECK(mt_block_fwd(c, &sl->blocks[i], sl->h[i + 1], sl->h[i], alpha, aux_gs));
+    for (int i = 0; i < n; i++) MT_CHECK(moe_aux_sum(m, &sl->blocks[i], &st->aux_loss));
+    if (!ch->s.last) {
+        st->total = st->aux_loss;
+        return MT_OK;
+    }
     double sum;
     int64_t cnt;
     float gs = backward ? (float)(loss_scale / N) : 0.0f;
     mt_op_profile_mark(be, "fwd.head");
-    MT_CHECK(mt_head_logits(c, &m->head, m->logits, m->h[L], Vl));
+    shift_tokens(tokens, B, T, 0, m->host_i32, m->host_tgt);
+    MT_CHECK(be->upload(be, sl->tgt, m->host_tgt, (size_t)N * 4));
+    MT_CHECK(mt_head_logits(c, sl->head, m->logits, sl->h[n], Vl));
     if (so && so->logits) MT_CHECK(download_logits(m, so->logits, (int64_t)N * V));
-    MT_CHECK(mt_head_loss(c, &m->head, m->logits, m->tgt, Vl, gs, m->host_loss, &sum, &cnt,
+    MT_CHECK(mt_head_loss(c, sl->head, m->logits, sl->tgt, Vl, gs, m->host_loss, &sum, &cnt,
                           m->host_tgt));
     if (so && so->tok_loss) memcpy(so->tok_loss, m->host_loss, (size_t)N * sizeof(float));
     st->loss = sum / (double)cnt;
     st->tokens = cnt;
     mt_op_profile_mark(be, "bwd.head");
-    if (backward) MT_CHECK(mt_head_bwd(c, &m->head, m->dh, 0, m->logits, m->h[L], Vl));
+    if (backward) MT_CHECK(mt_head_bwd(c, sl->head, sl->dh, 0, m->logits, sl->h[n], Vl));
 
     /* MTP depths */
     for (int k = 0; k < m->n_mtp; k++) {
-        mt_mtp *p = &m->mtp[k];
-        const void *hprev = k == 0 ? m->h[L] : m->mtp[k - 1].hout;
+        mt_mtp *p = &sl->mtp[k];
+        const void *hprev = k == 0 ? sl->h[n] : sl->mtp[k - 1].hout;
         mt_op_profile_mark(be, "fwd.mtp");
         shift_tokens(tokens, B, T, k + 1, m->host_i32, m->host_tgt);
         local_ids(m, m->host_i32, N);
@@ -605,40 +746,71 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
         int valid = B * (T - k - 1);
         if (valid <= 0) return MT_ERR(MT_EINVAL, "MTP depth %d needs sequences longer than %d", k + 1, T);
         gs = backward ? (float)(loss_scale * lambda / m->n_mtp / valid) : 0.0f;
-        MT_CHECK(mt_head_fwd(c, &m->mtp_head[k], m->logits, p->hout, p->tgt, Vl, gs,
+        MT_CHECK(mt_head_fwd(c, &sl->mtp_head[k], m->logits, p->hout, p->tgt, Vl, gs,
                              m->host_loss, &sum, &cnt, m->host_tgt));
         st->mtp_loss += sum / (double)cnt / m->n_mtp;
         if (backward)
-            MT_CHECK(mt_head_bwd(c, &m->mtp_head[k], m->dmtp[k], 0, m->logits, p->hout, Vl));
+            MT_CHECK(mt_head_bwd(c, &sl->mtp_head[k], sl->dmtp[k], 0, m->logits, p->hout, Vl));
     }
-    for (int l = 0; l < L; l++) MT_CHECK(moe_aux_sum(m, &m->blocks[l], &st->aux_loss));
-    for (int k = 0; k < m->n_mtp; k++) MT_CHECK(moe_aux_sum(m, &m->mtp[k].block, &st->aux_loss));
+    for (int k = 0; k < m->n_mtp; k++) MT_CHECK(moe_aux_sum(m, &sl->mtp[k].block, &st->aux_loss));
     st->total = st->loss + lambda * st->mtp_loss + st->aux_loss;
-    if (!backward) return MT_OK;
-
-    /* backward */
-    mt_op_profile_mark(be, "bwd.mtp");
-    for (int k = m->n_mtp - 1; k >= 0; k--) {
-        mt_mtp *p = &m->mtp[k];
-        void *dprev = k == 0 ? m->dh : m->dmtp[k - 1];
-        const void *hprev = k == 0 ? m->h[L] : m->mtp[k - 1].hout;
-        MT_CHECK(mt_mtp_bwd(c, p, m->embed, dprev, m->dmtp[k], hprev));
-        MT_CHECK(layer_grads_final(m, p->block.layer));
-    }
-    for (int l = L - 1; l >= 0; l--) {
-        MT_CHECK(mt_block_bwd(c, &m->blocks[l], m->dh, m->dh, m->h[l]));
-        MT_CHECK(layer_grads_final(m, m->blocks[l].layer));
-    }
-    mt_op_profile_mark(be, "bwd.embed");
-    if (mt_tp_sp(c)) { /* every row's gradient for the tokens' rows (h[0] is free now) */
-        MT_CHECK(mt_tp_gather_rows(c, m->dh, m->h[0], D));
-        MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->grad_type, m->h[0], m->ids, N, D));
-    } else {
-        MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->grad_type, m->dh, m->ids, N, D));
-    }
-    MT_CHECK(layer_grads_final(m, -1));
-    (void)nd_bytes;
     return MT_OK;
+}
+
+int mt_model_chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int backward,
+                       double loss_scale, mt_mb_stats *st)
+{
+    return chunk_fwd(m, ci, slot, tokens, backward, loss_scale, st, NULL);
+}
+
+int mt_model_chunk_bwd(mt_model *m, int ci, int slot)
+{
+    mt_backend *be = m->be;
+    mt_ctx *c = &m->ctx;
+    if (ci < 0 || ci >= m->n_chunks || slot < 0 || slot >= m->chunks[ci].n_slots)
+        return MT_ERR(MT_EINVAL, "model: chunk %d slot %d is not on this rank", ci, slot);
+    const mt_chunk *ch = &m->chunks[ci];
+    mt_chunk_slot *sl = &ch->slots[slot];
+    const int n = ch->s.layer_hi - ch->s.layer_lo;
+    m->ws.top = 0;
+    if (ch->s.last) {
+        mt_op_profile_mark(be, "bwd.mtp");
+        for (int k = m->n_mtp - 1; k >= 0; k--) {
+            mt_mtp *p = &sl->mtp[k];
+            void *dprev = k == 0 ? sl->dh : sl->dmtp[k - 1];
+            const void *hprev = k == 0 ? sl->h[n] : sl->mtp[k - 1].hout;
+            MT_CHECK(mt_mtp_bwd(c, p, m->embed, dprev, sl->dmtp[k], hprev));
+            MT_CHECK(layer_grads_final(m, p->block.layer));
+        }
+    }
+    for (int i = n - 1; i >= 0; i--) {
+        MT_CHECK(mt_block_bwd(c, &sl->blocks[i], sl->dh, sl->dh, sl->h[i]));
+        MT_CHECK(layer_grads_final(m, sl->blocks[i].layer));
+    }
+    if (ch->s.first) {
+        mt_op_profile_mark(be, "bwd.embed");
+        const int D = m->cfg.hidden_size;
+        if (mt_tp_sp(c)) { /* every row's gradient for the tokens' rows (h[0] is free now) */
+            MT_CHECK(mt_tp_gather_rows(c, sl->dh, sl->h[0], D));
+            MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->grad_type, sl->h[0], sl->ids, c->N, D));
+        } else {
+            MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->grad_type, sl->dh, sl->ids, c->N, D));
+        }
+        MT_CHECK(layer_grads_final(m, -1));
+    }
+    return MT_OK;
+}
+
+/* The whole model on one rank: its one chunk. */
+static int model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
+                      mt_mb_stats *st, const mt_score_out *so)
+{
+    if (m->n_chunks != 1 || !m->chunks[0].s.first || !m->chunks[0].s.last)
+        return MT_ERR(MT_EINVAL, "model: a whole-model step on a pipeline stage (this rank "
+                      "holds %d of the chunks); the pipeline executor runs them", m->n_chunks);
+    MT_CHECK(chunk_fwd(m, 0, 0, tokens, backward, loss_scale, st, so));
+    if (!backward) return MT_OK;
+    return mt_model_chunk_bwd(m, 0, 0);
 }
 
 int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
@@ -656,6 +828,7 @@ int mt_model_score(mt_model *m, const int32_t *tokens, const mt_score_out *so, m
 
 static mt_block *block_of_layer(const mt_model *m, int layer)
 {
+    if (layer < 0 || layer >= m->n_blocks + m->n_mtp || !m->local[layer]) return NULL;
     if (layer >= 0 && layer < m->n_blocks) return &m->blocks[layer];
     int k = layer - m->n_blocks;
     if (k >= 0 && k < m->n_mtp) return &m->mtp[k].block;
@@ -673,7 +846,7 @@ void mt_model_reset_load(mt_model *m)
     const int E = m->cfg.n_routed_experts;
     for (int l = 0; l < m->n_blocks + m->n_mtp; l++) {
         mt_block *b = block_of_layer(m, l);
-        if (b->is_moe) memset(b->moe.load, 0, (size_t)E * sizeof *b->moe.load);
+        if (b && b->is_moe) memset(b->moe.load, 0, (size_t)E * sizeof *b->moe.load);
     }
 }
 

@@ -175,10 +175,40 @@ typedef struct mt_head {
     int v_lo;          /* first vocabulary row of this rank's head part (0 without tp) */
 } mt_head;
 
+/* A pipeline chunk: a contiguous run of decoder layers, with the embedding
+ * before it on the first chunk and the final norm, head, loss and MTP after
+ * it on the last (issue 15). */
 typedef struct mt_stage {
     int layer_lo, layer_hi; /* decoder layers [lo, hi) */
     int first, last;        /* holds the embedding / the head and MTP */
 } mt_stage;
+
+/* What one in-flight micro-batch of a chunk keeps between its forward and
+ * its backward: the layers' saved activations (each slot has its own copies
+ * of the chunk's layer structs, bound to the same parameters), the residual
+ * stream and its gradient. Under 1F1B a stage has up to pp micro-batches in
+ * flight per chunk, so a chunk has that many slots (mt_model_opts). */
+typedef struct mt_chunk_slot {
+    mt_block *blocks;       /* [layer_hi - layer_lo]: layer layer_lo + i */
+    void **h;               /* [n + 1] act [N, D]: h[0] the chunk's input (the embedding
+                               on the first chunk, else what the previous chunk sent),
+                               h[i + 1] block layer_lo + i's output: h[n] is sent on */
+    void *dh;               /* act [N, D]: the gradient of h[n] before the backward (the
+                               next chunk's, received; on the last chunk from the heads),
+                               of h[0] after it (sent back) */
+    int32_t *ids, *tgt;     /* [N] device: input tokens (first chunk) and targets (last) */
+    mt_head *head;          /* last chunk: the main head */
+    mt_mtp *mtp;            /* last chunk: [n_mtp] */
+    mt_head *mtp_head;      /* last chunk: [n_mtp] */
+    void **dmtp;            /* last chunk: [n_mtp] act [N, D] */
+} mt_chunk_slot;
+
+typedef struct mt_chunk {
+    mt_stage s;
+    int id;                 /* global chunk index 0 .. pp * vpp - 1 */
+    int n_slots;
+    mt_chunk_slot *slots;   /* [n_slots] */
+} mt_chunk;
 
 typedef struct mt_model_opts {
     mt_recipe recipe;
@@ -195,6 +225,17 @@ typedef struct mt_model_opts {
      * only its experts [e_lo, e_lo + E_local). Not owned; it must outlive
      * the model. NULL: the identity, every expert local. */
     mt_moe_dispatcher *dispatcher;
+    /* Pipeline: the chunks this rank runs (ascending global ids), their
+     * layers and how many micro-batches each keeps in flight (slots).
+     * n_chunks 0: the whole model as one chunk with one slot. The model
+     * then holds only these chunks' parameters: their decoder layers, the
+     * embedding with the first chunk, the final norm, head and MTP modules
+     * with the last, and an embedding replica with the last when MTP or
+     * tied embeddings use it on a stage without the first chunk. Not owned. */
+    int n_chunks;
+    const mt_stage *chunks;   /* [n_chunks] */
+    const int *chunk_ids;     /* [n_chunks] */
+    const int *chunk_slots;   /* [n_chunks] */
     /* Tensor parallelism (engine/model/tp.h; engine/parallel/tp_comm.h
      * makes one over a tp group): the model holds its part of every split
      * parameter (mt_params_tp_local: heads, FFN columns, vocabulary), the
@@ -208,7 +249,8 @@ typedef struct mt_model_opts {
      * decoder layers last to first), and a last time with -1 after the
      * embedding's backward (then every gradient is final). The data
      * parallel trainer starts its gradient reductions here. A negative
-     * return ends the step with that status. */
+     * return ends the step with that status. Under a pipeline each chunk's
+     * backward reports its own layers (-1: the first chunk's embedding). */
     int (*on_layer_grads)(void *arg, int layer);
     void *on_layer_grads_arg;
 } mt_model_opts;
@@ -230,8 +272,11 @@ typedef struct mt_model {
     mt_ws ws;
     mt_param_table table;
     mt_param *params;       /* [table.n] */
-    int n_stages;
-    mt_stage stage;         /* this rank's stage */
+    int n_chunks;
+    mt_chunk *chunks;       /* [n_chunks]: this rank's pipeline chunks */
+    int has_first, has_last;/* holds the first / the last chunk */
+    int embed_replica;      /* holds the embedding for MTP / tied head only (last stage) */
+    unsigned char *local;   /* [num_hidden_layers + n_mtp]: the layer is built here */
     mt_moe_dispatcher *disp;
     int own_disp;           /* disp is the model's identity dispatcher */
     int v_lo, V_local;      /* this rank's vocabulary rows [v_lo, v_lo + V_local) */
@@ -240,21 +285,16 @@ typedef struct mt_model {
      * (mt_params_build(cfg, 0, -1), the sharding map's numbering). */
     int n_params_global;
     int *global_param;      /* [table.n] */
-    /* layers */
-    mt_param *embed;
+    /* layers: the first slot's structs (the others are in chunks[].slots) */
+    mt_param *embed;        /* NULL without the first chunk or a replica */
     int n_blocks;
-    mt_block *blocks;       /* [num_hidden_layers] */
+    mt_block *blocks;       /* [num_hidden_layers]: zero where not local */
     mt_head head;
     int n_mtp;
-    mt_mtp *mtp;            /* [num_nextn_predict_layers] */
+    mt_mtp *mtp;            /* [num_nextn_predict_layers] (last chunk) */
     mt_head *mtp_head;      /* [n_mtp] */
     /* activations */
-    void **h;               /* [L + 1] residual stream [N, D]: h[0] embedding, h[l+1] block l */
-    void *dh;               /* [N, D] gradient of the residual stream */
-    void **dmtp;            /* [n_mtp] [N, D] gradient of each MTP depth's output */
-    void *logits;           /* [N, V_local] logits, then their gradient */
-    int32_t *ids;           /* [N] input tokens */
-    int32_t *tgt;           /* [N] targets */
+    void *logits;           /* [N, V_local] logits, then their gradient (transient) */
     int32_t *host_tok;      /* host [B, T + 1] staging */
     int32_t *host_i32;      /* host [N] staging of input ids */
     int32_t *host_tgt;      /* host [N] staging of targets */
@@ -324,6 +364,24 @@ static inline size_t mt_model_grad_size(const mt_model *m)
  * weight loss_scale (1 / micro-batches per step). */
 int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,
                   mt_mb_stats *st);
+
+/* Pipeline pieces (issue 15): chunk `ci` (index into m->chunks) in slot
+ * `slot`. The forward embeds the tokens (first chunk) or reads its input
+ * from slots[slot].h[0], runs its layers and leaves its output in h[n]; the
+ * last chunk runs the heads instead, losses in *st (aux_loss: this chunk's
+ * MoE layers; loss, mtp_loss and tokens only on the last chunk) and, with
+ * `backward`, their gradients into dh / dmtp at once. tokens: host int32
+ * [B, T + 1] on every chunk (the first reads the inputs, the last the
+ * targets). The backward reads dh (the next chunk's input gradient, unless
+ * last), accumulates parameter gradients and leaves the input gradient in
+ * dh (the embedding's gradient on the first chunk). mt_model_step is one
+ * chunk's forward and backward. */
+int mt_model_chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int backward,
+                       double loss_scale, mt_mb_stats *st);
+int mt_model_chunk_bwd(mt_model *m, int ci, int slot);
+
+/* Index of the embedding parameter in m->params, or -1 (not on this rank). */
+int mt_model_embed_index(const mt_model *m);
 
 /* What a scoring forward hands back (host buffers; either may be NULL). */
 typedef struct mt_score_out {

@@ -379,6 +379,51 @@ int mt_comm_sendrecv(mt_comm *c, const void *send, size_t send_count, int dst, v
     return p2p(c, what, send, send_count, dst, recv, recv_count, src, dt);
 }
 
+static int p2p_tag(mt_comm *c, const char *what, const void *buf, size_t count,
+                   mt_comm_dtype dt, int peer, int tag, int have)
+{
+    MT_CHECK(check_dt(c, what, dt));
+    MT_CHECK(check_rank(c, what, "peer", peer));
+    if (peer == c->rank)
+        return MT_ERR(MT_EINVAL, CTX_FMT "%s: a pipeline message to the own rank", CTX_ARGS(c),
+                      what);
+    if (tag < 0 || tag >= MT_COMM_MAX_TAG)
+        return MT_ERR(MT_EINVAL, CTX_FMT "%s: tag %d outside [0, %d)", CTX_ARGS(c), what, tag,
+                      MT_COMM_MAX_TAG);
+    if (!have)
+        return MT_ERR(MT_ENOTSUP, CTX_FMT "%s: the %s backend has no pipeline messages yet",
+                      CTX_ARGS(c), what, mt_comm_backend_name(c->backend));
+    return check_buf(c, what, "buffer", buf, count);
+}
+
+int mt_comm_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer, int tag)
+{
+    char what[96];
+    snprintf(what, sizeof what, "isend(%s, count %zu, to rank %d, tag %d)",
+             mt_comm_dtype_name(dt), count, peer, tag);
+    MT_CHECK(p2p_tag(c, what, buf, count, dt, peer, tag, c->iface->isend != NULL));
+    if (count == 0) return MT_OK;
+    return finish(c, c->iface->isend(c, buf, count, dt, peer, tag), what);
+}
+
+int mt_comm_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer, int tag)
+{
+    char what[96];
+    snprintf(what, sizeof what, "recv(%s, count %zu, from rank %d, tag %d)",
+             mt_comm_dtype_name(dt), count, peer, tag);
+    MT_CHECK(p2p_tag(c, what, buf, count, dt, peer, tag, c->iface->recv_tag != NULL));
+    if (count == 0) return MT_OK;
+    return finish(c, c->iface->recv_tag(c, buf, count, dt, peer, tag), what);
+}
+
+int mt_comm_wait_sends(mt_comm *c)
+{
+    if (!c->iface->wait_sends) return MT_OK;
+    int rc = c->iface->wait_sends(c);
+    if (rc < 0) return mt_err_wrap(rc, CTX_FMT "wait_sends", CTX_ARGS(c));
+    return MT_OK;
+}
+
 int mt_comm_barrier(mt_comm *c)
 {
     int rc = c->iface->barrier(c);

@@ -195,6 +195,19 @@ int mt_comm_recv(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer
 int mt_comm_sendrecv(mt_comm *c, const void *send, size_t send_count, int dst, void *recv,
                      size_t recv_count, int src, mt_comm_dtype dt);
 
+/* Pipeline messages (engine/train/pipeline.c): matched by (peer, tag), tag
+ * in [0, MT_COMM_MAX_TAG). mt_comm_isend does not wait for the receiver: the
+ * message is copied out of buf (which may change at once) and delivered in
+ * the background; mt_comm_wait_sends waits until every isend so far has
+ * been delivered (before the communicator is used for anything else that
+ * could wait on the peers, and at the end of a pipeline step). recv_tag
+ * blocks until the message has arrived. Backends: mpi, staged (through
+ * host memory); nccl and local refuse (MT_ENOTSUP). */
+#define MT_COMM_MAX_TAG 2700
+int mt_comm_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
+int mt_comm_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
+int mt_comm_wait_sends(mt_comm *c);
+
 /* Returns on each rank once every rank has called it (host-level; device
  * communicators do not wait for their streams: mt_comm_sync does). */
 int mt_comm_barrier(mt_comm *c);

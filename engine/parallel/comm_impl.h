@@ -33,6 +33,12 @@ typedef struct mt_comm_iface {
     /* dst / src MT_COMM_NO_PEER: that direction absent (send and recv come here) */
     int (*sendrecv)(mt_comm *c, const void *send, size_t send_count, int dst, void *recv,
                     size_t recv_count, int src, mt_comm_dtype dt);
+    /* pipeline messages (tag >= 0): isend copies buf out before it returns
+     * and completes in the background; wait_sends waits for every isend;
+     * recv_tag blocks. NULL: the backend has none (comm.c refuses). */
+    int (*isend)(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
+    int (*recv_tag)(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
+    int (*wait_sends)(mt_comm *c);
     int (*barrier)(mt_comm *c);
     /* *out NULL for MT_COMM_NO_COLOR */
     int (*split)(mt_comm *c, int color, int key, mt_comm **out);

@@ -41,13 +41,20 @@
 
 #define TAG_P2P 0
 #define TAG_SPAN 30000 /* collective tags 1..TAG_SPAN; MPI_TAG_UB >= 32767 */
+#define TAG_PIPE (TAG_SPAN + 1) /* pipeline tags TAG_PIPE + [0, MT_COMM_MAX_TAG) <= 32767 */
+_Static_assert(TAG_PIPE + MT_COMM_MAX_TAG <= 32767, "pipeline tags beyond MPI's guaranteed bound");
 #define CHUNK_DEFAULT ((size_t)INT_MAX & ~(size_t)7)
+
+struct reqset;
 
 typedef struct mpi_ctx {
     MPI_Comm comm;
     unsigned seq;      /* collectives issued: the next tag */
     void *scratch;     /* reduction buffers */
     size_t scratch_cap;
+    struct reqset *pending; /* pipeline isends in flight */
+    void **outbox;     /* [n_out] copies of their data, freed by wait_sends */
+    int n_out, cap_out;
 } mpi_ctx;
 
 static mpi_ctx *CTX(mt_comm *c) { return c->ctx; }
@@ -397,6 +404,47 @@ static int mpi_sendrecv(mt_comm *c, const void *send, size_t send_count, int dst
     return rc < 0 ? rc : rw;
 }
 
+/* Pipeline messages: the data is copied to an outbox buffer so the caller
+ * may reuse its own at once (the schedule's buffered sends). */
+static int mpi_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer,
+                     int tag)
+{
+    mpi_ctx *x = CTX(c);
+    const size_t bytes = count * mt_comm_dtype_size(dt);
+    if (!x->pending && !(x->pending = calloc(1, sizeof *x->pending)))
+        return MT_ERR(MT_ENOMEM, "out of memory for pipeline sends");
+    if (x->n_out == x->cap_out) {
+        int cap = x->cap_out ? 2 * x->cap_out : 16;
+        void **o = realloc(x->outbox, (size_t)cap * sizeof *o);
+        if (!o) return MT_ERR(MT_ENOMEM, "out of memory for %d pipeline sends", cap);
+        x->outbox = o;
+        x->cap_out = cap;
+    }
+    void *copy = malloc(bytes);
+    if (!copy) return MT_ERR(MT_ENOMEM, "out of memory for a pipeline send of %zu bytes", bytes);
+    memcpy(copy, buf, bytes);
+    x->outbox[x->n_out++] = copy;
+    return post_send(c, x->pending, copy, bytes, peer, TAG_PIPE + tag);
+}
+
+static int mpi_wait_sends(mt_comm *c)
+{
+    mpi_ctx *x = CTX(c);
+    int rc = x->pending ? wait_all(x->pending) : MT_OK;
+    for (int i = 0; i < x->n_out; i++) free(x->outbox[i]);
+    x->n_out = 0;
+    return rc;
+}
+
+static int mpi_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer, int tag)
+{
+    reqset s = {0};
+    int rc = post_recv(c, &s, buf, count * mt_comm_dtype_size(dt), peer, TAG_PIPE + tag);
+    int rw = wait_all(&s);
+    reqset_free(&s);
+    return rc < 0 ? rc : rw;
+}
+
 static int mpi_barrier(mt_comm *c)
 {
     int e = MPI_Barrier(CTX(c)->comm);
@@ -420,6 +468,10 @@ static void mpi_destroy(mt_comm *c)
     int fin = 0;
     MPI_Finalized(&fin);
     if (!fin && x->comm != MPI_COMM_NULL) MPI_Comm_free(&x->comm);
+    if (x->pending) reqset_free(x->pending);
+    free(x->pending);
+    for (int i = 0; i < x->n_out; i++) free(x->outbox[i]);
+    free(x->outbox);
     free(x->scratch);
     free(x);
     free(c);
@@ -592,6 +644,9 @@ static const mt_comm_iface MPI_IFACE = {
     .all_to_all_v = mpi_all_to_all_v,
     .broadcast = mpi_broadcast,
     .sendrecv = mpi_sendrecv,
+    .isend = mpi_isend,
+    .recv_tag = mpi_recv_tag,
+    .wait_sends = mpi_wait_sends,
     .barrier = mpi_barrier,
     .split = mpi_split,
     .destroy = mpi_destroy,

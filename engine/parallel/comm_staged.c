@@ -200,6 +200,39 @@ out:
     END(c);
 }
 
+/* Pipeline messages through the host communicator (which copies a send
+ * out at once, so the pinned buffer is free again when isend returns). */
+static int staged_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer,
+                        int tag)
+{
+    const size_t bytes = count * mt_comm_dtype_size(dt);
+    mt_comm *h = c->host;
+    char *H = NULL;
+    BEGIN(c);
+    MT_GOTO(pinned(c, bytes, &H), out);
+    MT_GOTO(down(c, H, buf, bytes), out);
+    MT_GOTO(wait_down(c), out);
+    MT_GOTO(h->iface->isend(h, H, count, dt, peer, tag), out);
+out:
+    END(c);
+}
+
+static int staged_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer,
+                           int tag)
+{
+    const size_t bytes = count * mt_comm_dtype_size(dt);
+    mt_comm *h = c->host;
+    char *H = NULL;
+    BEGIN(c);
+    MT_GOTO(pinned(c, bytes, &H), out);
+    MT_GOTO(h->iface->recv_tag(h, H, count, dt, peer, tag), out);
+    MT_GOTO(up(c, buf, H, bytes), out);
+out:
+    END(c);
+}
+
+static int staged_wait_sends(mt_comm *c) { return c->host->iface->wait_sends(c->host); }
+
 static int staged_barrier(mt_comm *c) { return c->host->iface->barrier(c->host); }
 
 static int staged_split(mt_comm *c, int color, int key, mt_comm **out)
@@ -342,6 +375,9 @@ static const mt_comm_iface STAGED_IFACE = {
     .all_to_all_v = staged_all_to_all_v,
     .broadcast = staged_broadcast,
     .sendrecv = staged_sendrecv,
+    .isend = staged_isend,
+    .recv_tag = staged_recv_tag,
+    .wait_sends = staged_wait_sends,
     .barrier = staged_barrier,
     .split = staged_split,
     .destroy = staged_destroy,

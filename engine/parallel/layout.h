@@ -26,10 +26,17 @@
 
 typedef enum { MT_PP_1F1B = 0, MT_PP_INTERLEAVED, MT_PP_DUALPIPEV } mt_pp_schedule;
 
+#define MT_LAYOUT_MAX_CHUNKS 256
+
 typedef struct mt_layout {
     int tp, pp, vpp, ep, etp; /* >= 1 */
     int dp;                   /* >= 1 once resolved; 0: world / (tp * pp) */
     mt_pp_schedule schedule;  /* DualPipeV also places chunks in a V (vpp = 2) */
+    /* Decoder layers of each pipeline chunk in chunk order (the job spec's
+     * parallel.pp_layers); n_pp_layers 0: balanced (sharding.h,
+     * mt_layout_chunk_layers). Not part of mt_layout_format / _parse. */
+    int n_pp_layers;
+    int pp_layers[MT_LAYOUT_MAX_CHUNKS];
     /* Sequence parallelism with tp > 1 (parallel.sequence_parallel): how
      * activations move between the tensor-parallel regions, not where
      * weights live: it is not part of mt_layout_format / parse. */

@@ -10,14 +10,35 @@
 
 /* ---- layout against the model ------------------------------------------------- */
 
-int mt_layout_stage_of_layer(const mt_layout *l, const mt_model_config *c, int layer)
+void mt_layout_chunk_layers(const mt_layout *l, const mt_model_config *c, int chunk, int *lo,
+                            int *hi)
 {
     const int L = c->num_hidden_layers, C = mt_layout_chunks(l);
-    if (layer >= L) return mt_layout_stage_of_chunk(l, C - 1);
-    /* chunk k holds layers [k * L / C, (k + 1) * L / C) */
-    for (int k = 0; k < C; k++)
-        if (layer < (int)((int64_t)(k + 1) * L / C)) return mt_layout_stage_of_chunk(l, k);
-    return mt_layout_stage_of_chunk(l, C - 1);
+    if (l->n_pp_layers > 0) { /* explicit (validated: C entries summing to L) */
+        *lo = 0;
+        for (int k = 0; k < chunk && k < l->n_pp_layers; k++) *lo += l->pp_layers[k];
+        *hi = *lo + (chunk < l->n_pp_layers ? l->pp_layers[chunk] : 0);
+        return;
+    }
+    /* balanced: chunk k holds layers [k * L / C, (k + 1) * L / C) */
+    *lo = (int)((int64_t)chunk * L / C);
+    *hi = (int)((int64_t)(chunk + 1) * L / C);
+}
+
+int mt_layout_chunk_of_layer(const mt_layout *l, const mt_model_config *c, int layer)
+{
+    const int C = mt_layout_chunks(l);
+    for (int k = 0; k < C; k++) {
+        int lo, hi;
+        mt_layout_chunk_layers(l, c, k, &lo, &hi);
+        if (layer < hi) return k;
+    }
+    return C - 1; /* MTP layers: the last chunk */
+}
+
+int mt_layout_stage_of_layer(const mt_layout *l, const mt_model_config *c, int layer)
+{
+    return mt_layout_stage_of_chunk(l, mt_layout_chunk_of_layer(l, c, layer));
 }
 
 /* ---- parameter classes ---------------------------------------------------------- */
@@ -109,7 +130,22 @@ int mt_layout_validate(const mt_layout *l, const mt_model_config *c, int fp8)
         return MT_ERR(MT_EINVAL,
                       "layout %s: etp %d x ep %d must divide tp %d x dp %d (expert folding)", lt,
                       l->etp, l->ep, l->tp, l->dp);
-    if (mt_layout_chunks(l) > c->num_hidden_layers)
+    if (l->n_pp_layers > 0) { /* explicit stage layout: chunks may be empty */
+        int sum = 0;
+        if (l->n_pp_layers != mt_layout_chunks(l))
+            return MT_ERR(MT_EINVAL, "layout %s: parallel.pp_layers has %d entries, one per "
+                          "pipeline chunk needs pp %d x vpp %d = %d", lt, l->n_pp_layers, l->pp,
+                          l->vpp, mt_layout_chunks(l));
+        for (int k = 0; k < l->n_pp_layers; k++) {
+            if (l->pp_layers[k] < 0)
+                return MT_ERR(MT_EINVAL, "layout %s: parallel.pp_layers entry %d is %d (layers "
+                              "of chunk %d: >= 0)", lt, k, l->pp_layers[k], k);
+            sum += l->pp_layers[k];
+        }
+        if (sum != c->num_hidden_layers)
+            return MT_ERR(MT_EINVAL, "layout %s: parallel.pp_layers places %d decoder layers, "
+                          "the model has num_hidden_layers %d", lt, sum, c->num_hidden_layers);
+    } else if (mt_layout_chunks(l) > c->num_hidden_layers)
         return MT_ERR(MT_EINVAL, "layout %s: pp %d x vpp %d chunks exceed num_hidden_layers %d",
                       lt, l->pp, l->vpp, c->num_hidden_layers);
     if (!fp8) return MT_OK;

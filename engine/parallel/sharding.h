@@ -54,6 +54,13 @@ int mt_layout_validate(const mt_layout *l, const mt_model_config *c, int fp8);
 /* Pipeline stage (pp rank) of decoder layer `layer` (MTP layers >= L: the
  * last chunk's stage). */
 int mt_layout_stage_of_layer(const mt_layout *l, const mt_model_config *c, int layer);
+/* Decoder layers [*lo, *hi) of pipeline chunk `chunk` (may be empty), and
+ * the chunk of a layer (MTP layers >= L: the last chunk): the layout's
+ * pp_layers when given, else balanced. The one rule that places layers in
+ * chunks: the model, the trainer and the map use it. */
+void mt_layout_chunk_layers(const mt_layout *l, const mt_model_config *c, int chunk, int *lo,
+                            int *hi);
+int mt_layout_chunk_of_layer(const mt_layout *l, const mt_model_config *c, int layer);
 
 /* What a stored tensor is to its parameter. */
 typedef enum {

@@ -47,6 +47,9 @@ static const mt_field job_fields[] = {
     B("parallel.sequence_parallel", parallel.sequence_parallel, "false",
       "tensor parallelism: split activations along the sequence between tp regions"),
     E("parallel.schedule", parallel.schedule, "1f1b", mt_pp_schedule_names, "pipeline schedule"),
+    S("parallel.pp_layers", pp_layers, "",
+      "decoder layers of each pipeline chunk in chunk order, \"1,2,1\" (pp x vpp entries, "
+      "0 allowed: the embedding or the head and MTP alone); empty: balanced"),
     E("parallel.comm", comm, "auto", comm_names,
       "collectives: auto (cpu: mpi; cuda: nccl, or staged when ranks share a GPU), mpi "
       "(cuda: staged through host memory), nccl, staged, local (one rank)"),
@@ -140,7 +143,7 @@ static const mt_field job_fields[] = {
     I("train.fault.rank", train.fault.rank, "-1", -1, 1 << 20, "rank with the fault; -1: all"),
 };
 #define N_JOB_FIELDS ((int)(sizeof job_fields / sizeof job_fields[0]))
-_Static_assert(N_JOB_FIELDS == 65, "job spec field table changed: update docs and tests");
+_Static_assert(N_JOB_FIELDS == 66, "job spec field table changed: update docs and tests");
 
 static int is_abs(const char *p) { return p[0] == '/'; }
 
@@ -189,6 +192,34 @@ static int apply_set(json_t *job, json_t *model, const char *set)
     return mt_json_set_text(job, key, f, val, "");
 }
 
+/* parallel.pp_layers "a,b,c" into the layout (checked against the model
+ * with the layout: sharding.c, mt_layout_validate). */
+static int parse_pp_layers(mt_jobspec *j)
+{
+    mt_layout *l = &j->parallel;
+    l->n_pp_layers = 0;
+    const char *s = j->pp_layers;
+    while (*s == ' ') s++;
+    if (!*s) return MT_OK;
+    for (;;) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 0 || v > 1 << 20)
+            return MT_ERR(MT_EINVAL, "parallel.pp_layers: \"%s\" must be a comma-separated "
+                          "list of layer counts >= 0 (entry %d)", j->pp_layers, l->n_pp_layers);
+        if (l->n_pp_layers == MT_LAYOUT_MAX_CHUNKS)
+            return MT_ERR(MT_EINVAL, "parallel.pp_layers: more than %d entries",
+                          MT_LAYOUT_MAX_CHUNKS);
+        l->pp_layers[l->n_pp_layers++] = (int)v;
+        while (*end == ' ') end++;
+        if (!*end) return MT_OK;
+        if (*end != ',')
+            return MT_ERR(MT_EINVAL, "parallel.pp_layers: \"%s\" must be a comma-separated "
+                          "list of layer counts >= 0 (entry %d)", j->pp_layers, l->n_pp_layers);
+        s = end + 1;
+    }
+}
+
 int mt_jobspec_from_json(mt_jobspec *j, json_t *root, const char *base_dir,
                          const char *const *sets, int n_sets)
 {
@@ -232,6 +263,7 @@ int mt_jobspec_from_json(mt_jobspec *j, json_t *root, const char *base_dir,
     for (int i = 0; i < n_sets; i++) MT_GOTO(apply_set(job, model, sets[i]), out);
 
     MT_GOTO(mt_fields_parse(job_fields, N_JOB_FIELDS, j, job, "", 1, NULL), out);
+    MT_GOTO(parse_pp_layers(j), out);
     MT_GOTO(mt_config_from_json(&j->model, model, "model", model_strict), out);
     MT_GOTO(mt_jobspec_validate(j, 1), out);
 out:
@@ -287,14 +319,17 @@ static int check_layout(const mt_jobspec *j)
 
 int mt_jobspec_check_runnable(const mt_layout *l)
 {
-    static const char *const name[2] = {"pp", "etp"};
-    const int v[2] = {l->pp, l->etp};
-    for (int i = 0; i < 2; i++)
+    static const char *const name[1] = {"etp"};
+    const int v[1] = {l->etp};
+    for (int i = 0; i < 1; i++)
         if (v[i] != 1)
-            return MT_ERR(MT_ENOTSUP, "parallel.%s: %d: the trainer runs data, tensor and "
-                          "expert parallelism only so far (pipeline parallelism and expert "
-                          "tensor parallelism are not implemented); use pp = etp = 1", name[i],
-                          v[i]);
+            return MT_ERR(MT_ENOTSUP, "parallel.%s: %d: the trainer runs data, tensor, "
+                          "pipeline and expert parallelism only so far (expert tensor "
+                          "parallelism is not implemented); use etp = 1", name[i], v[i]);
+    if (l->pp > 1 && l->ep > 1)
+        return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.ep %d: pipeline and expert "
+                      "parallelism together are not implemented yet; use one of them", l->pp,
+                      l->ep);
     if (l->sequence_parallel && l->tp < 2)
         return MT_ERR(MT_EINVAL, "parallel.sequence_parallel needs parallel.tp > 1 (it is %d)",
                       l->tp);
@@ -307,13 +342,15 @@ int mt_jobspec_admit(mt_jobspec *j, int world)
     MT_CHECK(check_layout(j));
     /* not runnable is invalid input here: refused before anything runs */
     if (mt_jobspec_check_runnable(&j->parallel) < 0) return MT_EINVAL;
-    /* bf16 accumulators can be reduced over data parallelism once the owned
-     * reduction (mt_comm_reduce_owned_start) takes bf16 buffers; it sums
-     * into f32 buffers so far */
-    if (j->precision.grads == 1 && j->parallel.dp > 1)
-        return BAD("precision.grads", "bf16 runs on one data-parallel rank only so far "
-                   "(parallel.dp = %d; the gradient reduction takes f32 buffers): use fp32",
-                   j->parallel.dp);
+    /* bf16 accumulators can be reduced across ranks once the owned
+     * reduction (mt_comm_reduce_owned_start), the tp gradient sums and the
+     * pipeline's embedding-replica sum take bf16 buffers; they sum f32
+     * buffers so far */
+    const mt_layout *l = &j->parallel;
+    if (j->precision.grads == 1 && mt_layout_world(l) > 1)
+        return BAD("precision.grads", "bf16 runs on one rank only so far (layout dp=%d tp=%d "
+                   "pp=%d ep=%d: the gradient reductions take f32 buffers): use fp32",
+                   l->dp, l->tp, l->pp, l->ep);
     return check_batch(j, j->parallel.dp);
 }
 

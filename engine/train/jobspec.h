@@ -124,6 +124,8 @@ typedef struct mt_jobspec {
     char model_path[MT_PATH_CAP]; /* config.json the model came from, or "" (inline) */
     mt_model_config model;
     mt_layout parallel;         /* dp 0 until mt_jobspec_admit resolves it */
+    char pp_layers[1024];       /* parallel.pp_layers as written ("1,2,1"; "": balanced),
+                                   parsed into parallel.pp_layers */
     mt_comm_backend comm;       /* parallel.comm: the backend of the job's collectives */
     double bucket_mb;           /* parallel.bucket_mb: gradient bucket size, MB (1e6 bytes) */
     mt_grad_reduce grad_reduce; /* parallel.grad_reduce: the gradients' wire type */
@@ -167,8 +169,8 @@ void mt_jobspec_print_fields(FILE *out);
 int mt_jobspec_admit(mt_jobspec *j, int world);
 
 /* MT_OK when the trainer can run layout `l` (sizes > 1 only where it
- * implements that parallelism: data, tensor (with sequence parallelism)
- * and expert parallelism so far), else
+ * implements that parallelism: data, tensor (with sequence parallelism),
+ * pipeline and expert parallelism so far; pipeline not with expert), else
  * MT_ENOTSUP naming the field. Admission refuses such a layout (EINVAL)
  * before any rank builds anything; the trainer checks it again. */
 int mt_jobspec_check_runnable(const mt_layout *l);

@@ -55,6 +55,11 @@ int mt_metrics_to_json(const mt_step_metrics *m, char *buf, size_t cap)
     NUM("valid_loss", m->valid_loss);
     NUM("step_ms", m->step_ms);
     NUM("compute_ms", m->compute_ms);
+    if (m->pp_size > 1) {
+        PUT(",\"pp_stage\":%d", m->pp_stage);
+        NUM("pp_idle", m->pp_idle);
+        NUM("pp_bubble", m->pp_bubble);
+    }
     NUM("tokens_per_s", m->tokens_per_s);
     NUM("tflops", m->tflops);
     NUM("mfu", m->mfu);
@@ -99,6 +104,11 @@ static int log_emit(mt_metrics_sink *s, const mt_step_metrics *m)
     else
         snprintf(mfu, sizeof mfu, "-");
     if (isfinite(m->valid_loss)) snprintf(extra, sizeof extra, " | valid %.4f", m->valid_loss);
+    if (m->pp_size > 1) {
+        size_t k = strlen(extra);
+        snprintf(extra + k, sizeof extra - k, " | stage %d idle %.1f%% (predicted %.1f%%)",
+                 m->pp_stage, 100 * m->pp_idle, 100 * m->pp_bubble);
+    }
     MT_LOGI("step %6lld/%lld | loss %.4f | mtp %.4f | aux %.2e | lr %.3e | gnorm %.3f | "
             "%.0f ms | %.0f tok/s | %.2f TFLOPS | MFU %s | load max %.2f%s%s",
             (long long)m->step, (long long)m->total_steps, m->loss, m->mtp_loss, m->aux_loss,

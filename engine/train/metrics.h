@@ -31,6 +31,12 @@ typedef struct mt_step_metrics {
     double compute_ms;       /* this rank's own work: until its gradients are
                                 ready for the dp reduction (data, forward,
                                 backward); without dp the whole step */
+    int pp_size;             /* pipeline stages; 0: no pipeline (the pp_ fields unset) */
+    int pp_stage;            /* pipeline stage of this rank */
+    double pp_idle;          /* measured: time blocked in pipeline receives (and the
+                                final wait for its sends) / step time; NaN: none */
+    double pp_bubble;        /* the schedule's predicted idle fraction of this stage
+                                (simulator, F = 1, B = 2); NaN: none */
     double tokens_per_s;
     double tflops;           /* model TFLOPS per GPU (or per rank on the CPU) */
     double mfu;              /* fraction of peak; NaN when the peak is unknown */

@@ -122,6 +122,32 @@ static int own_params(mt_trainer *t, mt_comm *edp)
     return rc;
 }
 
+/* The executor's plan of this stage, the model's chunks, and the group of
+ * the two stages holding the embedding when the last stage has a replica. */
+static int pipeline_init(mt_trainer *t, mt_comm *pp, mt_model_opts *mo)
+{
+    const mt_layout *l = &t->job.parallel;
+    const mt_model_config *c = &t->job.model;
+    const int stage = mt_comm_rank(pp), last = mt_layout_stage_of_chunk(l, mt_layout_chunks(l) - 1);
+    if (mt_comm_backend_of(pp) == MT_COMM_NCCL || mt_comm_backend_of(pp) == MT_COMM_LOCAL)
+        return MT_ERR(MT_ENOTSUP, "parallel.pp %d: the %s backend has no pipeline messages yet "
+                      "(engine/parallel/comm.h); use parallel.comm=staged on CUDA, mpi on the "
+                      "cpu", l->pp, mt_comm_backend_name(mt_comm_backend_of(pp)));
+    t->pp = pp;
+    t->pipe = calloc(1, sizeof *t->pipe);
+    t->mb_stats = calloc((size_t)t->accum, sizeof *t->mb_stats);
+    if (!t->pipe || !t->mb_stats) return MT_ERR(MT_ENOMEM, "trainer: out of memory");
+    MT_CHECK(mt_pipeline_create(t->pipe, l, c, stage, t->accum, pp));
+    mt_pipeline_model_opts(t->pipe, mo);
+    if (last != 0 && (c->num_nextn_predict_layers > 0 || c->tie_word_embeddings))
+        MT_CHECK(mt_comm_split(pp, stage == 0 || stage == last ? 0 : MT_COMM_NO_COLOR, stage,
+                               &t->emb));
+    MT_LOGI("pipeline stage %d of %d: %d chunk(s), %d micro-batches per step, predicted "
+            "bubble %.3f (stage idle %.3f)", stage, l->pp, t->pipe->n_local, t->accum,
+            t->pipe->predicted_bubble, t->pipe->predicted_idle[stage]);
+    return MT_OK;
+}
+
 int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be,
                          const mt_trainer_groups *g)
 {
@@ -136,6 +162,14 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     if (l->ep > 1 && !ep)
         return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d needs the expert-parallel group "
                       "(mt_trainer_create_in; the runtime builds it from the layout)", l->ep);
+    mt_comm *pp = g ? g->pp : NULL;
+    if (l->pp > 1 && !pp)
+        return MT_ERR(MT_EINVAL, "trainer: parallel.pp %d needs the pipeline group "
+                      "(mt_trainer_create_in; the runtime builds it from the layout)", l->pp);
+    if (l->pp > 1 && l->ep > 1)
+        return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.ep %d: pipeline and expert "
+                      "parallelism together are not implemented yet", l->pp, l->ep);
+    MT_CHECK(check_group("pipeline", l->pp > 1 ? pp : NULL, l->pp, be));
     if (l->tp > 1 && !tp)
         return MT_ERR(MT_EINVAL, "trainer: parallel.tp %d needs the tensor-parallel group "
                       "(mt_trainer_create_in; the runtime builds it from the layout)", l->tp);
@@ -162,6 +196,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     mt_model_opts mo;
     mt_trainer_model_opts(&mo, job);
     if (l->ep > 1) MT_GOTO(mt_trainer_ep_init(t, ep, edp, &mo), fail);
+    if (l->pp > 1) MT_GOTO(pipeline_init(t, pp, &mo), fail);
     /* routed experts go over edp under ep or tp (the sharding map's folding) */
     const int expert_split = l->ep > 1 || l->tp > 1;
     if (dp || (expert_split && edp)) { /* gradients reduced in buckets from inside the backward */
@@ -234,6 +269,10 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->gb);
     mt_model_destroy(t->model);
     mt_trainer_ep_free(t); /* the dispatcher after the model that uses it */
+    if (t->pipe) mt_pipeline_free(t->pipe);
+    free(t->pipe);
+    free(t->mb_stats);
+    if (t->emb) mt_comm_destroy(t->emb);
     mt_trainer_tp_free(t);
     if (t->valid) mt_samples_close(t->valid);
     if (t->train) mt_samples_close(t->train);
@@ -260,13 +299,18 @@ int mt_trainer_add_sink(mt_trainer *t, mt_metrics_sink *s)
 
 /* Reads micro-batch samples [first, first + micro_batch) of a split;
  * indices past the split's samples (after a rollback skipped data) wrap. */
-static int load_batch(mt_trainer *t, mt_samples *s, int64_t first)
+static int load_batch_into(mt_trainer *t, mt_samples *s, int64_t first, int32_t *tokens)
 {
     const int B = t->job.batch.micro_batch_size, T = t->job.batch.seq_len;
     const int64_t n = mt_samples_count(s);
     for (int b = 0; b < B; b++)
-        MT_CHECK(mt_samples_get(s, (first + b) % n, t->tokens + (size_t)b * (T + 1)));
+        MT_CHECK(mt_samples_get(s, (first + b) % n, tokens + (size_t)b * (T + 1)));
     return MT_OK;
+}
+
+static int load_batch(mt_trainer *t, mt_samples *s, int64_t first)
+{
+    return load_batch_into(t, s, first, t->tokens);
 }
 
 /* train.fault: does micro-batch [first, first + B) hold bad data here? The
@@ -278,6 +322,31 @@ static int faulty(const mt_trainer *t, int64_t first, int B)
     const int64_t gbs = t->job.batch.global_batch_size;
     const int64_t lo = (f->step - 1) * gbs, hi = (f->step - 1 + f->steps) * gbs;
     return first < hi && first + B > lo;
+}
+
+/* The executor's micro-batch mb of the step (train) and its loss weight:
+ * the same data and weights as the one-rank loop below. */
+static int pipe_batch(void *ctx, int mb, int32_t *tokens, double *weight)
+{
+    mt_trainer *t = ctx;
+    const int B = t->job.batch.micro_batch_size, n_mb = t->accum * t->dp_size;
+    const int64_t mb_first = t->batch_first + (int64_t)mb * B;
+    MT_CHECK(load_batch_into(t, t->train, mb_first, tokens));
+    double w = 1.0 / n_mb;
+    if (faulty(t, mb_first, B)) { /* test-only fault injection */
+        if (t->job.train.fault.kind == MT_FAULT_NAN_GRAD) w = NAN;
+        else w *= t->job.train.fault.scale;
+    }
+    *weight = w;
+    return MT_OK;
+}
+
+/* ... and of validation: batch mb of the valid split. */
+static int pipe_valid_batch(void *ctx, int mb, int32_t *tokens, double *weight)
+{
+    mt_trainer *t = ctx;
+    *weight = 1.0;
+    return load_batch_into(t, t->valid, (int64_t)mb * t->job.batch.micro_batch_size, tokens);
 }
 
 void mt_trainer_rollback_done(mt_trainer *t)
@@ -302,6 +371,19 @@ int mt_trainer_validate(mt_trainer *t, double *loss)
     if (!t->valid) return MT_ERR(MT_ESTATE, "validation: the job has no valid split");
     const int B = t->job.batch.micro_batch_size;
     double sum = 0;
+    if (t->pipe) { /* the loss comes from the last stage; every rank gets it */
+        const int n = t->job.data.valid_batches;
+        mt_mb_stats *st = calloc((size_t)n, sizeof *st);
+        if (!st) return MT_ERR(MT_ENOMEM, "validation: out of memory");
+        int rc = mt_pipeline_forward(t->pipe, t->model, n, pipe_valid_batch, t, st);
+        for (int i = 0; i < n; i++) sum += st[i].loss;
+        free(st);
+        MT_CHECK(rc);
+        MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->pp), &sum, &sum, 1, MT_COMM_F64,
+                                    MT_COMM_SUM));
+        *loss = sum / n;
+        return MT_OK;
+    }
     for (int i = 0; i < t->job.data.valid_batches; i++) {
         mt_mb_stats st;
         MT_CHECK(load_batch(t, t->valid, (int64_t)i * B));
@@ -395,7 +477,19 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     const int n_mb = t->accum * t->dp_size;
     const int64_t first = t->consumed_samples + (int64_t)t->dp_rank * t->accum * B;
     double ls[3] = {0, 0, 0}; /* LM, MTP and aux loss: means over the global batch */
-    for (int i = 0; i < t->accum; i++) {
+    if (t->pipe) { /* the same micro-batches and weights through the executor */
+        t->batch_first = first;
+        MT_CHECK(mt_pipeline_step(t->pipe, m, pipe_batch, t, t->mb_stats));
+        for (int i = 0; i < t->accum; i++) {
+            const mt_mb_stats *st = &t->mb_stats[i];
+            const int fault = faulty(t, first + (int64_t)i * B, B) &&
+                              j->train.fault.kind != MT_FAULT_NAN_GRAD;
+            ls[0] += (fault ? j->train.fault.scale : 1.0) * st->loss / n_mb;
+            ls[1] += st->mtp_loss / n_mb;
+            ls[2] += st->aux_loss / n_mb;
+        }
+    }
+    for (int i = 0; !t->pipe && i < t->accum; i++) {
         mt_mb_stats st;
         const int64_t mb_first = first + (int64_t)i * B; /* global sample index */
         MT_CHECK(load_batch(t, t->train, mb_first));
@@ -440,10 +534,22 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
             tp[2] = now_s() - tr;
         }
     }
+    if (t->pipe) { /* trainer.h "Pipeline parallelism": reductions over the stages */
+        const int e = mt_model_embed_index(m);
+        if (t->emb && e >= 0)
+            MT_CHECK(mt_comm_all_reduce(t->emb, m->params[e].grad, m->params[e].grad,
+                                        (size_t)mt_param_numel(&m->params[e].d), MT_COMM_F32,
+                                        MT_COMM_SUM));
+        MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->pp), ls, ls, 3, MT_COMM_F64, MT_COMM_SUM));
+    }
     const double loss = ls[0], mtp = ls[1], aux = ls[2];
     mt_op_profile_mark(t->be, "optim");
     double sumsq;
-    if (t->gb) { /* each rank has the summed gradients of what it owns (trainer.h) */
+    if (t->pipe) { /* trainer.h "Reductions": over dp, then tp, then the stages */
+        const unsigned char *count = t->in_norm ? t->in_norm : t->gb ? t->keep : NULL;
+        MT_CHECK(mt_pipeline_grad_sumsq(t->pipe, m, count, t->dp, t->tpc, t->opt->sumsq,
+                                        &sumsq));
+    } else if (t->gb) { /* each rank has the summed gradients of what it owns (trainer.h) */
         const unsigned char *count = t->in_norm ? t->in_norm : t->keep;
         MT_CHECK(mt_grad_owned_sumsq(t->be, m, count, t->opt->sumsq, &sumsq));
         if (t->dp)
@@ -543,9 +649,14 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     mt.valid_loss = NAN;
     mt.step_ms = dt * 1e3;
     if (!t->dp) mt.compute_ms = mt.step_ms; /* nothing to wait for: the whole step is its own */
+    mt.pp_size = t->pipe ? t->pipe->layout.pp : 0;
+    mt.pp_stage = t->pipe ? t->pipe->stage : 0;
+    mt.pp_idle = t->pipe ? t->pipe->last_idle_s / dt : NAN;
+    mt.pp_bubble = t->pipe ? t->pipe->predicted_idle[t->pipe->stage] : NAN;
     const double tokens = (double)n_mb * B * j->batch.seq_len; /* all ranks */
     mt.tokens_per_s = tokens / dt;
     mt.tflops = t->flops_per_token * tokens / dt / 1e12 / t->dp_size /
+                (t->pipe ? t->pipe->layout.pp : 1) /
                 (t->tp_size > 1 ? t->tp_size : 1); /* per rank */
     mt.mfu = t->peak_tflops > 0 ? mt.tflops / t->peak_tflops : NAN;
     mt.samples = t->consumed_samples;

@@ -47,7 +47,9 @@
  * micro-batch's backward as each layer's gradients become final, before
  * the layer's buckets start (the model's on_layer_grads hook runs
  * trainer_tp.c's fixes, then the buckets'); what is left, after it.
- * Pipeline parallelism and etp > 1 are refused.
+ * With pipeline parallelism (below) the buckets are not started inside
+ * the backward, so all of these fixes run after the step's last backward,
+ * before the buckets. etp > 1 is refused.
  *
  * Reductions (which one each global quantity uses):
  *  - gradients: F32 sums at the owner in rank order x_0 + x_1 + ... on
@@ -57,20 +59,39 @@
  *    the sequence-split norms are first summed over tp (F32 all-reduce);
  *  - gradient norm (clipping, NaN/Inf skip): each rank's sum of squares of
  *    the gradients it owns and counts (f32 per run of adjacent parameters,
- *    added in f64), one F64 scalar summed over dp in rank order, then over
- *    tp, rounded to f32 as one rank's norm is. Every parameter of the
- *    global model is counted exactly once: a dense parameter by one dp
- *    rank of its tp rank's group, of which a split one's parts by every tp
- *    rank (the parts differ) and a replicated one by tp rank 0's group
- *    only (the tp ranks hold the same); each routed expert by one rank of
- *    its edp group, the ep ranks holding different experts (edp x ep is
- *    the world). The same value on every rank, so the clip and the skip
- *    agree everywhere;
+ * *    added in f64), one F64 scalar summed over dp in rank order, then over
+ *    tp, then over pp (stage order), rounded to f32 as one rank's norm is.
+ *    Every parameter of the global model is counted exactly once: a dense
+ *    parameter by one dp rank of its tp rank's group, of which a split
+ *    one's parts by every tp rank (the parts differ) and a replicated one
+ *    by tp rank 0's group only (the tp ranks hold the same); each routed
+ *    expert by one rank of its edp group, the ep ranks holding different
+ *    experts (edp x ep is the world of a stage); each stage its own
+ *    layers, the pipeline's embedding replica on the last stage left out
+ *    (the first stage counts the embedding). The same value on every rank,
+ *    so the clip and the skip agree everywhere;
  *  - losses (LM, MTP, aux): F64 sums over dp of the ranks' shares (the tp
- *    ranks compute the same);
+ *    ranks compute the same, so they are not summed over tp), then over pp
+ *    (the LM and MTP losses come from the last stage, the aux loss from
+ *    each stage's MoE layers), so every rank logs the global loss;
  *  - expert loads: I64 sums over dp (each token is routed once, on its own
  *    rank; the tp ranks route the same), hence the router bias update; the
  *    sequence-wise balance loss is per sequence, so local.
+ *
+ * Pipeline parallelism (parallel.pp > 1, engine/train/pipeline.h): the
+ * model holds this stage's chunks only and the executor runs the step's
+ * schedule table; every stage reads the micro-batches (the first embeds
+ * them, the last takes the targets). The loss and norm reductions over the
+ * pp group come after the dp (and tp) ones, as above. With MTP or tied
+ * embeddings the embedding's gradient is summed (F32) between the first
+ * stage and the replica on the last one (same dp rank, after the dp
+ * reduction), so both owners apply the same update. Expert loads and the
+ * router bias update stay with the stage owning the layer. With tensor
+ * parallelism each stage's tp ranks hold parts of its chunks (the first
+ * stage's embedding and the last stage's head and replica split by
+ * vocabulary rows alike); activations and their gradients go between the
+ * same tp rank of neighbouring stages (under sequence parallelism, its
+ * rows). Pipeline with expert parallelism is not run yet: refused.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
@@ -108,6 +129,7 @@
 #include "engine/train/optimizer.h"
 #include "engine/parallel/comm.h"
 #include "engine/train/spike.h"
+#include "engine/train/pipeline.h"
 
 #define MT_TRAINER_MAX_SINKS 8
 
@@ -152,6 +174,12 @@ typedef struct mt_trainer {
     int ep_size;
     mt_comm *ep, *edp;            /* expert-parallel and expert-data-parallel groups, not owned */
     mt_moe_dispatcher *disp;      /* the model's dispatcher (owned) */
+    /* pipeline parallelism (pp > 1) */
+    mt_comm *pp;                  /* pipeline group, not owned */
+    mt_comm *emb;                 /* first + last stage, for the embedding replica; owned */
+    mt_pipeline *pipe;            /* the executor's plan of this stage */
+    mt_mb_stats *mb_stats;        /* [accum] */
+    int64_t batch_first;          /* sample index of the step's first micro-batch here */
     /* tensor parallelism (tp_size > 1; trainer_tp.h) */
     int tp_size;
     mt_comm *tpc;                 /* tensor-parallel group, not owned */
@@ -188,6 +216,7 @@ void mt_trainer_destroy(mt_trainer *t);
  * CUDA (expert parallelism: CPU backend with host groups for now). */
 typedef struct mt_trainer_groups {
     mt_comm *dp, *ep, *edp;
+    mt_comm *pp;                  /* pipeline group (size parallel.pp), ordered by stage */
     mt_comm *tp;                  /* tensor-parallel group (size parallel.tp) */
 } mt_trainer_groups;
 

@@ -1,0 +1,235 @@
+/* test_trainer_pp.c - pipeline parallelism is one rank, cut into stages.
+ *
+ * Run under mpirun with 2 or 4 ranks. A tiny model with 4 decoder layers
+ * (dense layer 0, MoE 1-3) and MTP depth 1, the fp32 recipe, 4 micro-batches
+ * per step, 3 steps. Each layout trains through the runtime and is compared
+ * with the same job on one rank (run by each rank by itself):
+ *   np 2: pp=2 1F1B; pp=2 vpp=2 interleaved; pp=2 DualPipeV; explicit
+ *         stage layouts (parallel.pp_layers): 1F1B with 1 + 3 layers,
+ *         DualPipeV with 0,2,2,0 (stage 0: the embedding and the head +
+ *         MTP only; stage 1: every decoder layer)
+ *   np 4: pp=2 x dp=2 (1F1B); pp=4 1F1B (one layer per stage)
+ * Properties:
+ *   1. every rank logs the global loss and gradient norm of each step, equal
+ *      to one rank's within 1e-6 relative (the losses come from the last
+ *      stage; the norm sums each stage's part: only the summation order of
+ *      the norm and of the embedding gradient (first stage + the last
+ *      stage's replica) differ from one rank);
+ *   2. after the last step every parameter a rank holds (its stage's layers,
+ *      the embedding replica included) equals one rank's within 3e-5
+ *      (absolute, as test_trainer_dp: 1 % of one step's lr of 3e-3; Adam
+ *      divides by the gradient's scale, so a rounding difference of a
+ *      near-zero gradient moves its parameter by a fraction of lr; the clip
+ *      scale follows the norm's rounding, and DualPipeV accumulates the
+ *      micro-batches' gradients in another order);
+ *   3. the validation loss (forward only through the stages) equals one
+ *      rank's within 1e-6 relative, on every rank;
+ *   4. the stages hold disjoint parts of the model's decoder layers that
+ *      cover them all (with parallel.pp_layers: as many as it gives each
+ *      stage), and the step reports a measured idle fraction in
+ *      [0, 1] next to the table's predicted bubble.
+ */
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/mt_log.h"
+#include "base/mt_status.h"
+#include "engine/train/trainer.h"
+#include "runtime/runtime.h"
+#include "test_util.h"
+
+#define STEPS 3
+
+static int failures;
+static int rank_;
+
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        if (!(cond)) {                                                     \
+            fprintf(stderr, "rank %d: FAIL %s:%d: ", rank_, __FILE__, __LINE__); \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fprintf(stderr, "\n");                                         \
+            failures++;                                                    \
+        }                                                                  \
+    } while (0)
+
+static void die(const char *what, int rc)
+{
+    fprintf(stderr, "rank %d: %s: %d %s\n", rank_, what, rc, mt_errmsg());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
+                     const char *layout_sets, int world)
+{
+    char path[1200], data[1200];
+    snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
+    snprintf(data, sizeof data, "data.path=%s", corpus);
+    const char *sets[16] = {data, "precision.recipe=fp32", "model.num_hidden_layers=4",
+                            "model.hidden_size=64", "model.intermediate_size=128",
+                            "batch.seq_len=16", "batch.micro_batch_size=1",
+                            "batch.global_batch_size=4", "train.steps=3",
+                            "lr_schedule.warmup_steps=1", "data.valid_interval=1000",
+                            "data.valid_batches=2", "train.log_interval=1000"};
+    int n = 13;
+    static char buf[256]; /* the sets point into it until mt_jobspec_load returns */
+    snprintf(buf, sizeof buf, "%s", layout_sets);
+    for (char *tok = strtok(buf, " "); tok && n < 16; tok = strtok(NULL, " ")) sets[n++] = tok;
+    int rc = mt_jobspec_load(j, path, sets, n);
+    if (rc == MT_OK) rc = mt_jobspec_admit(j, world);
+    if (rc < 0) die("job", rc);
+}
+
+/* Largest difference between the parameters this rank holds and the same
+ * parameters (by global index) of the one-rank trainer. */
+static double params_diff(mt_trainer *t, mt_trainer *ref)
+{
+    mt_model *m = t->model, *r = ref->model;
+    double worst = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const int g = m->global_param[i];
+        const int64_t n = mt_param_numel(&m->params[i].d);
+        float *a = malloc((size_t)n * sizeof *a), *b = malloc((size_t)n * sizeof *b);
+        if (!a || !b) die("out of memory", MT_ENOMEM);
+        CHECK(strcmp(m->params[i].d.name, r->params[g].d.name) == 0, "parameter %s is %s",
+              m->params[i].d.name, r->params[g].d.name);
+        if (mt_model_get_param(m, i, a) < 0 || mt_model_get_param(r, g, b) < 0)
+            die("get_param", MT_EGENERIC);
+        for (int64_t k = 0; k < n; k++) worst = fmax(worst, fabs((double)a[k] - b[k]));
+        free(a);
+        free(b);
+    }
+    return worst;
+}
+
+static void run_layout(mt_runtime *rt, const char *examples, const char *corpus,
+                       const char *layout_sets, const char *name)
+{
+    mt_jobspec jp, j1;
+    load_job(&jp, examples, corpus, layout_sets, rt->size);
+    load_job(&j1, examples, corpus, "", 1);
+    mt_job_opts jo = {.threads = 1};
+    mt_job *job;
+    int rc = mt_job_start(&job, rt, &jp, &jo);
+    if (rc < 0) die("mt_job_start", rc);
+    mt_backend *be;
+    if ((rc = mt_backend_cpu_create(&be, 1)) < 0) die("backend", rc);
+    mt_trainer *ref;
+    if ((rc = mt_trainer_create(&ref, &j1, be)) < 0) die("reference trainer", rc);
+
+    double worst_loss = 0;
+    for (int s = 0; s < STEPS; s++) {
+        mt_step_metrics mp, m1;
+        if ((rc = mt_job_step(job, &mp)) < 0) die("pipeline step", rc);
+        if ((rc = mt_trainer_step(ref, &m1)) < 0) die("reference step", rc);
+        const double dl = fabs(mp.loss - m1.loss) / fabs(m1.loss);
+        const double dn = fabs(mp.grad_norm - m1.grad_norm) / m1.grad_norm;
+        const double dm = fabs(mp.mtp_loss - m1.mtp_loss) / fabs(m1.mtp_loss);
+        worst_loss = fmax(worst_loss, fmax(dl, fmax(dn, dm)));
+        CHECK(dl <= 1e-6 && dm <= 1e-6, "%s step %d: loss %.9g mtp %.9g vs one rank %.9g %.9g",
+              name, s + 1, mp.loss, mp.mtp_loss, m1.loss, m1.mtp_loss);
+        CHECK(dn <= 1e-6, "%s step %d: grad norm %.9g vs one rank %.9g", name, s + 1,
+              mp.grad_norm, m1.grad_norm);
+        CHECK(mp.pp_idle >= 0 && mp.pp_idle <= 1 && mp.pp_bubble >= 0 && mp.pp_bubble < 1,
+              "%s step %d: idle %.3f predicted bubble %.3f", name, s + 1, mp.pp_idle,
+              mp.pp_bubble);
+        if (rt->rank == 0)
+            printf("%s step %d: loss %.9f (one rank %.9f), mtp %.9f (%.9f), grad norm %.9g "
+                   "(%.9g), idle %.3f (predicted %.3f)\n", name, s + 1, mp.loss, m1.loss,
+                   mp.mtp_loss, m1.mtp_loss, mp.grad_norm, m1.grad_norm, mp.pp_idle,
+                   mp.pp_bubble);
+    }
+    mt_trainer *t = job->trainer;
+    double worst = params_diff(t, ref);
+    CHECK(worst <= 3e-5, "%s: parameters differ from one rank's by up to %.3g", name, worst);
+    /* the stages' decoder layers are disjoint and cover the model */
+    const int L = t->job.model.num_hidden_layers;
+    int *have = calloc((size_t)L, sizeof *have), *sum = calloc((size_t)L, sizeof *sum);
+    for (int l = 0; l < L; l++) have[l] = t->model->local[l] && t->dp_rank == 0;
+    if (mt_comm_all_reduce(rt->world, have, sum, (size_t)L, MT_COMM_I32, MT_COMM_SUM) < 0)
+        die("all_reduce", MT_EGENERIC);
+    for (int l = 0; l < L; l++) CHECK(sum[l] == 1, "%s: layer %d is on %d stages", name, l, sum[l]);
+    /* an explicit stage layout is the one the stages hold */
+    const mt_layout *lay = &t->job.parallel;
+    if (lay->n_pp_layers > 0) {
+        int want = 0, held = 0;
+        for (int k = 0; k < lay->n_pp_layers; k++)
+            if (mt_layout_stage_of_chunk(lay, k) == t->pipe->stage) want += lay->pp_layers[k];
+        for (int l = 0; l < L; l++) held += t->model->local[l];
+        CHECK(held == want, "%s: stage %d holds %d decoder layers, parallel.pp_layers gives %d",
+              name, t->pipe->stage, held, want);
+    }
+    free(have);
+    free(sum);
+    /* validation through the stages */
+    double vp, v1;
+    if ((rc = mt_trainer_validate(t, &vp)) < 0) die("validate", rc);
+    if ((rc = mt_trainer_validate(ref, &v1)) < 0) die("validate (one rank)", rc);
+    CHECK(fabs(vp - v1) <= 1e-6 * fabs(v1), "%s: valid loss %.9g vs one rank %.9g", name, vp, v1);
+    double w[2] = {worst, worst_loss}, wmax[2];
+    if (mt_comm_all_reduce(rt->world, w, wmax, 2, MT_COMM_F64, MT_COMM_MAX) < 0)
+        die("all_reduce", MT_EGENERIC);
+    if (rt->rank == 0)
+        printf("%s: largest relative loss / mtp / norm difference %.3g, largest parameter "
+               "difference %.3g (all ranks), valid loss %.9f (one rank %.9f)\n", name, wmax[1],
+               wmax[0], vp, v1);
+    mt_trainer_destroy(ref);
+    be->destroy(be);
+    if ((rc = mt_job_end(job)) < 0) die("mt_job_end", rc);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fprintf(stderr, "usage: test_trainer_pp EXAMPLES_DIR\n");
+        return 2;
+    }
+    int provided;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    mt_runtime *rt;
+    int rc = mt_runtime_create(&rt);
+    if (rc < 0) die("runtime", rc);
+    rank_ = rt->rank;
+    mt_log_set_rank(rt->rank);
+    if (rt->size != 2 && rt->size != 4) {
+        if (rt->rank == 0) fprintf(stderr, "SKIP: needs 2 or 4 ranks, not %d\n", rt->size);
+        mt_runtime_destroy(rt);
+        MPI_Finalize();
+        return 77;
+    }
+    char tmp[1024], corpus[1100];
+    mt_test_tmpdir(tmp, sizeof tmp, "test_trainer_pp");
+    snprintf(corpus, sizeof corpus, "%s/syn", tmp);
+    if (mt_test_synth(corpus, "--vocab 64 --tokens 60000 --seed 11") != 0) die("synth", MT_EIO);
+
+    if (rt->size == 2) {
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.schedule=1f1b", "pp2-1f1b");
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.schedule=interleaved",
+                   "pp2-vpp2-interleaved");
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.schedule=dualpipev",
+                   "pp2-dualpipev");
+        /* flexible stage layouts: 1 + 3 layers; DualPipeV with the embedding
+         * and the head + MTP in chunks of their own (no decoder layer) */
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.pp_layers=1,3",
+                   "pp2-layers-1,3");
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.schedule=dualpipev "
+                   "parallel.pp_layers=0,2,2,0", "pp2-dualpipev-layers-0,2,2,0");
+    } else {
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.dp=2", "pp2xdp2-1f1b");
+        run_layout(rt, argv[1], corpus, "parallel.pp=4 parallel.dp=1", "pp4-1f1b");
+    }
+
+    int all_ok = mt_runtime_agree(rt, failures == 0);
+    if (rt->rank == 0)
+        printf("test_trainer_pp: %d ranks: %s\n", rt->size,
+               all_ok == 1 ? "equal to one rank" : "FAILED");
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
+    if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", tmp);
+    mt_runtime_destroy(rt);
+    MPI_Finalize();
+    return all_ok == 1 ? 0 : 1;
+}
