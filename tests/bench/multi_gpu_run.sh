@@ -16,11 +16,17 @@
 #          all-to-all bandwidth over NCCL (the ceilings)
 #   eq     tiny-cpu on CUDA (fp8), EQ_STEPS steps (default 20), once on one
 #          GPU and once per layout in EQ_LAYOUTS (default for 2 GPUs:
-#          "dp=2 ep=2 pp=2 tp=2"; for 4: those plus "ep=4 pp=2,ep=2
-#          dp=2,ep=2"); prints the largest relative loss difference per
-#          layout. A layout the program refuses is reported as refused.
+#          "dp=2 ep=2 pp=2 tp=2"; for 4: those plus "ep=4 dp=4,ep=2
+#          tp=2,dp=2 tp=2,pp=2 pp=2,ep=2"; EQ_SETS: more settings for every
+#          run, e.g. "--set precision.recipe=bf16"); prints the largest
+#          relative loss difference per layout. A layout the program refuses
+#          is reported as refused. Layouts with pp use parallel.comm=staged
+#          (pipeline messages have no NCCL path yet).
 #   proxy  deploy/examples/dsv3-proxy.json, PROXY_STEPS (default 20) steps:
-#          one GPU, then ep=N over N GPUs (dp=N for the dense part);
+#          one GPU, then ep=N over N GPUs (dp=N for the dense part), each
+#          GPU with the one-GPU run's micro-batches (global batch PROXY_GBS,
+#          default 4, times N); PROXY_SETS: settings for every proxy run
+#          (e.g. fewer layers to fit an 80 GB GPU);
 #          median step time, tokens/s and model TFLOPS per GPU of steps
 #          3..N from the metrics stream.
 #   ckpt   the proxy at CKPT_LAYOUT (default ep=N) on N GPUs saves at steps 2
@@ -92,10 +98,10 @@ if want eq; then
   layouts="${EQ_LAYOUTS:-}"
   if [ -z "$layouts" ]; then
     layouts="dp=2 ep=2 pp=2 tp=2"
-    [ "$ngpu" -ge 4 ] && layouts="$layouts ep=4 pp=2,ep=2 dp=2,ep=2"
+    [ "$ngpu" -ge 4 ] && layouts="$layouts ep=4 dp=4,ep=2 tp=2,dp=2 tp=2,pp=2 pp=2,ep=2"
   fi
   tiny=(--job "$ex/tiny-cpu.json" --set backend=cuda --set data.path="$bundle/data/synth-tiny"
-        --set train.steps="$steps" --set data.valid_interval=0 --set checkpoint.dir=)
+        --set train.steps="$steps" --set data.valid_interval=0 --set checkpoint.dir= ${EQ_SETS:-})
   echo "== eq: tiny-cpu on CUDA, $steps steps, one GPU"
   CUDA_VISIBLE_DEVICES=0 "$bin/moetraind" "${tiny[@]}" --metrics-jsonl "$out/eq-1.jsonl" > "$out/eq-1.log" 2>&1
   echo "one GPU rc=$?: $(losses "$out/eq-1.jsonl" | tail -n 1)"
@@ -104,6 +110,8 @@ if want eq; then
     # dp when given, else times what ep needs (ep folds into tp * dp)
     np=1; sets=()
     for kv in ${l//,/ }; do sets+=(--set "parallel.$kv"); done
+    # pipeline messages have no NCCL path yet: MPI through host memory
+    case ",$l," in *,pp=*) sets+=(--set parallel.comm=staged) ;; esac
     np=$(echo "$l" | awk -F, '{ tp = 1; pp = 1; dp = 0; ep = 1
       for (i = 1; i <= NF; i++) { split($i, a, "="); if (a[1] == "tp") tp = a[2]; if (a[1] == "pp") pp = a[2];
         if (a[1] == "dp") dp = a[2]; if (a[1] == "ep") ep = a[2] }
@@ -136,7 +144,9 @@ if want proxy; then
   for ep in 2 4 8; do
     [ "$ep" -gt "$ngpu" ] && break
     echo "== proxy: ep=$ep on $ep GPUs"
+    # weak scaling: every GPU runs the one-GPU run's micro-batches
     mpi "$ep" "$bin/moetraind" "${proxy[@]}" ${PROXY_SETS:-} --set parallel.ep="$ep" --set parallel.dp=0 \
+      --set batch.global_batch_size=$((ep * ${PROXY_GBS:-4})) \
       --metrics-jsonl "$out/proxy-ep$ep.jsonl" > "$out/proxy-ep$ep.log" 2>&1 ||
       echo "ep=$ep rc=$?: $(grep -m1 -E ' E ' "$out/proxy-ep$ep.log" | cut -c1-200)"
     report "ep=$ep" "$ep" "$out/proxy-ep$ep.jsonl"
@@ -148,7 +158,7 @@ if want ckpt; then
   rm -rf "$dir"; mkdir -p "$dir"
   sets=(); for kv in ${layout//,/ }; do sets+=(--set "parallel.$kv"); done
   ck=(--job "$ex/dsv3-proxy.json" --set data.path="$bundle/data/synth-dsv3" --set data.valid_interval=0
-      --set checkpoint.dir="$dir" --set checkpoint.async=true)
+      --set checkpoint.dir="$dir" --set checkpoint.async=true ${PROXY_SETS:-})
   echo "== ckpt: the proxy at $layout on $ngpu GPUs saves at steps 2 and 4 into $dir"
   mpi "$ngpu" "$bin/moetraind" "${ck[@]}" "${sets[@]}" --set parallel.dp=0 --set train.steps=4 \
     --set checkpoint.interval=2 --metrics-jsonl "$out/ckpt-save.jsonl" > "$out/ckpt-save.log" 2>&1
