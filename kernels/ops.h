@@ -380,6 +380,11 @@ int mt_backend_cuda_create(mt_backend **out, int device, size_t arena_bytes);
  * on one GPU, as the tests run): an arena of total / sharers less the
  * reserve. */
 int mt_backend_cuda_create_shared(mt_backend **out, int device, int sharers);
+/* As mt_backend_cuda_create_shared, leaving `reserve` bytes of the device
+ * outside the arena (0: the default 1.5 GB). A rank among several needs
+ * more beside the arena: NCCL's buffers for each communicator and the comm
+ * layer's stream-ordered temporaries (engine/parallel/comm_nccl.c). */
+int mt_backend_cuda_create_reserve(mt_backend **out, int device, int sharers, size_t reserve);
 /* Number of CUDA devices usable now (0 without a driver or in CPU-only builds). */
 int mt_cuda_device_count(void);
 

@@ -55,8 +55,16 @@ static int make_backend(const mt_jobspec *j, int threads, int rank, int world, m
             return MT_ERR(MT_ENOTSUP, "backend \"cuda\": no CUDA device (this build or this "
                                       "machine); use --set backend=cpu");
         const int sharers = world > n ? (world + n - 1) / n : 1;
-        return sharers > 1 ? mt_backend_cuda_create_shared(be, rank % n, sharers)
-                           : mt_backend_cuda_create(be, rank % n, 0);
+        /* memory left outside the arena: NCCL allocates buffers for each
+         * communicator of a multi-rank job (world, dp, tp, pp, ep, edp) and
+         * the nccl comm backend its temporaries, beside the arena; 1.5 GB
+         * was too little for ep = 2 on an H200 (2026-11-26: "unhandled cuda
+         * error" in ncclGroupEnd, cudaMallocAsync out of memory).
+         * MOETRAIN_CUDA_RESERVE_MB overrides. */
+        const char *r = getenv("MOETRAIN_CUDA_RESERVE_MB");
+        size_t reserve = world > 1 && sharers == 1 ? (size_t)4096 << 20 : 0;
+        if (r && *r) reserve = (size_t)strtoull(r, NULL, 10) << 20;
+        return mt_backend_cuda_create_reserve(be, rank % n, sharers, reserve);
     }
     return mt_backend_cpu_create(be, threads);
 }

@@ -22,6 +22,12 @@ int mt_backend_cuda_create_shared(mt_backend **out, int device, int sharers)
     return mt_backend_cuda_create(out, device, 0);
 }
 
+int mt_backend_cuda_create_reserve(mt_backend **out, int device, int sharers, size_t reserve)
+{
+    (void)sharers, (void)reserve;
+    return mt_backend_cuda_create(out, device, 0);
+}
+
 int mt_cuda_device_count(void) { return 0; }
 
 /* The op profile times the CUDA backend's ops only. */

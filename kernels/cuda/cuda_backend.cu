@@ -300,7 +300,8 @@ static size_t env_mb(const char *name, size_t dflt)
     return v && *v ? (size_t)strtoull(v, NULL, 10) << 20 : dflt;
 }
 
-static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes, int sharers)
+static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes, int sharers,
+                  size_t reserve)
 {
     cudaDeviceProp prop;
     c->device = device;
@@ -331,7 +332,7 @@ static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes, 
         /* all but a reserve for the CUDA context growth, cuDNN and cuBLAS;
          * processes sharing the device take equal parts of its total, so
          * that ranks starting at once agree */
-        size_t reserve = (size_t)1536 << 20;
+        if (!reserve) reserve = (size_t)1536 << 20;
         size_t want = sharers > 1 ? total_b / (size_t)sharers : free_b;
         if (want <= 2 * reserve || free_b <= 2 * reserve)
             return MT_ERR(MT_ENOMEM, "cuda backend: only %zu MB free on %s (%zu MB for each of "
@@ -370,19 +371,24 @@ static int create(mt_backend *be, cuda_impl *c, int device, size_t arena_bytes, 
     return MT_OK;
 }
 
-static int make(mt_backend **out, int device, size_t arena_bytes, int sharers);
+static int make(mt_backend **out, int device, size_t arena_bytes, int sharers, size_t reserve);
 
 int mt_backend_cuda_create(mt_backend **out, int device, size_t arena_bytes)
 {
-    return make(out, device, arena_bytes, 1);
+    return make(out, device, arena_bytes, 1, 0);
 }
 
 int mt_backend_cuda_create_shared(mt_backend **out, int device, int sharers)
 {
-    return make(out, device, 0, sharers > 1 ? sharers : 1);
+    return make(out, device, 0, sharers > 1 ? sharers : 1, 0);
 }
 
-static int make(mt_backend **out, int device, size_t arena_bytes, int sharers)
+int mt_backend_cuda_create_reserve(mt_backend **out, int device, int sharers, size_t reserve)
+{
+    return make(out, device, 0, sharers > 1 ? sharers : 1, reserve);
+}
+
+static int make(mt_backend **out, int device, size_t arena_bytes, int sharers, size_t reserve)
 {
     *out = NULL;
     int n = mt_cuda_device_count();
@@ -397,7 +403,7 @@ static int make(mt_backend **out, int device, size_t arena_bytes, int sharers)
     }
     be->impl = c;
     be->destroy = cuda_destroy;
-    int rc = create(be, c, device, arena_bytes, sharers);
+    int rc = create(be, c, device, arena_bytes, sharers, reserve);
     if (rc < 0) {
         cuda_destroy(be);
         return rc;
