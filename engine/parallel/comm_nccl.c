@@ -288,7 +288,9 @@ static int nccl_sync(mt_comm *c)
  * sum as the host backends, bit for bit. gather_owned: ncclSend of the
  * packed own bytes to every peer, ncclRecv of each owner's, unpacked by
  * device copies. Temporary buffers are stream-ordered (cudaMallocAsync /
- * cudaFreeAsync). wait: nothing left but the join comm.c does. */
+ * cudaFreeAsync), bounded by cutting the segments into pieces that run one
+ * after another (owned_piece_elems). wait: nothing left but the join
+ * comm.c does. */
 typedef struct nccl_req {
     mt_comm_req h;
     mt_comm *dev;
@@ -320,20 +322,19 @@ static int nccl_req_wait(mt_comm_req *r)
         }                                                                              \
     } while (0)
 
-static int nccl_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int reduce,
-                            mt_comm_dtype wire, mt_comm_req **out)
+/* One piece of an owner op, enqueued on the side stream (see above). */
+static int nccl_owned_piece(mt_comm *c, const mt_comm_seg *segs, int n, int reduce,
+                            mt_comm_dtype wire)
 {
     const int me = c->rank, size = c->size, bf16 = wire == MT_COMM_BF16;
     const size_t es = reduce ? mt_comm_dtype_size(wire) : 1;
     mt_comm_owned_plan plan = {0};
     size_t *off = NULL, others = 0;
-    nccl_req *q = NULL;
     char *sendbuf = NULL, *rows = NULL;
     BEGIN(c);
     MT_GOTO(mt_comm_owned_plan_make(&plan, segs, n, size), out);
     off = calloc((size_t)size, sizeof *off);
-    q = calloc(1, sizeof *q);
-    if (!off || !q) {
+    if (!off) {
         rc = MT_ERR(MT_ENOMEM, "out of memory");
         goto out;
     }
@@ -389,16 +390,61 @@ out:
     if (rows) cudaFreeAsync(rows, S(c));
     free(off);
     mt_comm_owned_plan_free(&plan);
-    if (rc == MT_OK) {
-        q->h.test = nccl_req_test;
-        q->h.wait = nccl_req_wait;
-        q->h.free = nccl_req_free;
-        q->dev = c;
-        *out = &q->h;
-    } else {
-        free(q);
-    }
     END(c);
+}
+
+/* Elements of buf one piece moves at most (MT_COMM_OWNED_PIECE overrides,
+ * for tests): the temporaries of a piece are about size x piece x wire
+ * bytes on an owner (every rank's row) and a piece's worth to send, all
+ * stream-ordered beside the backend's arena; a 926 M-element embedding in
+ * one piece asked for 7.4 GB (the DSV3 proxy at ep = 2 on H200s,
+ * 2026-11-26). Cutting a segment is exact: the sums are elementwise. */
+static size_t owned_piece_elems(int reduce)
+{
+    const char *e = getenv("MT_COMM_OWNED_PIECE");
+    size_t v = e && *e ? (size_t)strtoull(e, NULL, 10) : 0;
+    return v ? v : reduce ? (size_t)16 << 20 : (size_t)64 << 20;
+}
+
+/* The segments cut into pieces of at most owned_piece_elems() elements,
+ * each enqueued in turn (the same cuts on every rank: they depend on the
+ * counts alone); one request, done when the side stream is. */
+static int nccl_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int reduce,
+                            mt_comm_dtype wire, mt_comm_req **out)
+{
+    const size_t cap = owned_piece_elems(reduce);
+    const size_t bes = reduce ? 4 : 1; /* bytes of a buf element: f32 gradients, or bytes */
+    mt_comm_seg *piece = malloc((size_t)(n > 0 ? n : 1) * sizeof *piece);
+    nccl_req *q = calloc(1, sizeof *q);
+    int rc = MT_OK;
+    if (!piece || !q) rc = MT_ERR(MT_ENOMEM, "comm nccl: owner op: out of memory");
+    int k = 0;
+    size_t at = 0; /* elements of segs[k] already in earlier pieces */
+    while (rc == MT_OK && k < n) {
+        int m = 0;
+        size_t tot = 0;
+        while (k < n && tot < cap) {
+            const mt_comm_seg *g = &segs[k];
+            size_t take = g->count - at;
+            if (take > cap - tot) take = cap - tot;
+            piece[m++] = (mt_comm_seg){(char *)g->buf + at * bes, take, g->owner};
+            tot += take;
+            at += take;
+            if (at == g->count) k++, at = 0;
+        }
+        rc = nccl_owned_piece(c, piece, m, reduce, wire);
+    }
+    free(piece);
+    if (rc != MT_OK) {
+        free(q);
+        return rc;
+    }
+    q->h.test = nccl_req_test;
+    q->h.wait = nccl_req_wait;
+    q->h.free = nccl_req_free;
+    q->dev = c;
+    *out = &q->h;
+    return MT_OK;
 }
 
 static int nccl_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
