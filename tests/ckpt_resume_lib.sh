@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2154  # bin, src, tmp and shape come from the sourcing test
 # ckpt_resume_lib.sh - sourced by the resume tests across layouts
 # (ckpt_dp_resume.sh, ckpt_tp_resume.sh, ckpt_pp_resume.sh) after they set
 # bin, src, tmp and, optionally, `shape` (settings of the model and the
