@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "engine/model/model.h"
@@ -221,6 +223,139 @@ static void test_a_stage_refuses_the_whole_model_step(void **state)
     mt_model_destroy(s);
 }
 
+static int hook_calls;
+static int count_layer_hook(void *arg, int layer)
+{
+    (void)arg;
+    (void)layer;
+    hook_calls++;
+    return MT_OK;
+}
+
+/* Host copy of every parameter gradient of m (f32, the CPU backend's
+ * memory), in table order. */
+static float *grads_copy(const mt_model *m)
+{
+    float *g = malloc((size_t)m->n_grad * sizeof *g);
+    assert_non_null(g);
+    memcpy(g, m->buf_grad, (size_t)m->n_grad * sizeof *g);
+    return g;
+}
+
+static const float *grad_of(const mt_model *m, const float *all, const char *name)
+{
+    int i = mt_params_find(&m->table, name);
+    assert_true(i >= 0);
+    return all + m->params[i].index;
+}
+
+static int grad_equal(const mt_model *m, const float *a, const float *b, const char *name)
+{
+    int i = mt_params_find(&m->table, name);
+    assert_true(i >= 0);
+    return memcmp(grad_of(m, a, name), grad_of(m, b, name),
+                  (size_t)mt_param_numel(&m->params[i].d) * sizeof *a) == 0;
+}
+
+/* The backward split (DualPipeV's BWD_IN and BWD_W) on the whole tiny model
+ * (dense layer 0, MoE layer 1, MTP), fp32 and fp8-blockwise recipes, two
+ * micro-batches whose input parts both run before either weight part.
+ * Properties: after the input parts alone the input gradient (dh, the
+ * embedding's) is bit-identical to the whole backward's, every linear
+ * weight's gradient is as the forward left it (attention, dense FFN,
+ * experts, shared experts, MTP projection; the head's comes with the
+ * loss in the forward), the norms' and the router's gradients already
+ * moved, and no layer has reported final gradients (on_layer_grads); after
+ * the weight parts, in the same order, every gradient is bit-identical to
+ * two whole backwards' and every layer reported once per micro-batch. */
+static void test_backward_split_defers_weight_gradients_and_gives_the_whole_backward(void **state)
+{
+    (void)state;
+    const mt_recipe recipes[2] = {MT_RECIPE_FP32, MT_RECIPE_FP8_BLOCKWISE};
+    for (int ri = 0; ri < 2; ri++) {
+        mt_model_config c;
+        mt_test_tiny_config(&c);
+        mt_model_opts o;
+        opts_fp32(&o);
+        o.recipe = recipes[ri];
+        o.on_layer_grads = count_layer_hook;
+        mt_model *whole = make(&c, &o), *split = make(&c, &o);
+        const int B = o.micro_batch, T = o.seq_len, N = B * T, D = c.hidden_size;
+        const size_t nd = (size_t)N * D * 4;
+        int32_t tok[2][2 * 9];
+        for (int k = 0; k < 2; k++)
+            for (int i = 0; i < B * (T + 1); i++)
+                tok[k][i] = (int32_t)((i * 7 + 3 + 11 * k) % c.vocab_size);
+        ok(mt_model_zero_grads(whole));
+        ok(mt_model_zero_grads(split));
+        mt_mb_stats st;
+        float *dh_whole = malloc(2 * nd);
+        assert_non_null(dh_whole);
+        hook_calls = 0;
+        for (int k = 0; k < 2; k++) {
+            ok(mt_model_step(whole, tok[k], 1, 0.5, &st));
+            memcpy((char *)dh_whole + k * nd, whole->chunks[0].slots[0].dh, nd);
+        }
+        const int layers = c.num_hidden_layers + split->n_mtp + 1; /* + the embedding's -1 */
+        assert_int_equal(hook_calls, 2 * layers);
+
+        /* mb 0: forward and input part; mb 1 likewise (the slot is free again) */
+        hook_calls = 0;
+        int h[2];
+        float *after_fwd = NULL, *after_in = NULL;
+        for (int k = 0; k < 2; k++) {
+            ok(mt_model_chunk_fwd(split, 0, 0, tok[k], 1, 0.5, &st));
+            free(after_fwd);
+            after_fwd = grads_copy(split);
+            ok(mt_model_chunk_bwd_in(split, 0, 0, &h[k]));
+            if (memcmp(split->chunks[0].slots[0].dh, (char *)dh_whole + k * nd, nd) != 0)
+                fail_msg("recipe %d mb %d: the input gradient after BWD_IN differs from the "
+                         "whole backward's", (int)o.recipe, k);
+        }
+        assert_true(h[0] != h[1]);
+        assert_int_equal(hook_calls, 0);
+        after_in = grads_copy(split);
+        const char *deferred[] = {"model.layers.0.self_attn.o_proj.weight",
+                                  "model.layers.0.self_attn.kv_b_proj.weight",
+                                  "model.layers.0.mlp.down_proj.weight",
+                                  "model.layers.1.mlp.shared_experts.up_proj.weight",
+                                  "model.layers.1.mlp.experts.0.gate_proj.weight",
+                                  "model.layers.2.eh_proj.weight"};
+        for (size_t i = 0; i < sizeof deferred / sizeof deferred[0]; i++)
+            if (!grad_equal(split, after_fwd, after_in, deferred[i]))
+                fail_msg("recipe %d: %s's gradient moved in BWD_IN", (int)o.recipe, deferred[i]);
+        const char *in_part[] = {"model.layers.0.input_layernorm.weight",
+                                 "model.layers.1.mlp.gate.weight", "model.embed_tokens.weight"};
+        for (size_t i = 0; i < sizeof in_part / sizeof in_part[0]; i++)
+            if (grad_equal(split, after_fwd, after_in, in_part[i]))
+                fail_msg("recipe %d: %s's gradient did not move in BWD_IN", (int)o.recipe,
+                         in_part[i]);
+
+        for (int k = 0; k < 2; k++) ok(mt_model_chunk_bwd_w(split, h[k]));
+        assert_int_equal(hook_calls, 2 * layers);
+        assert_int_equal(split->n_grad, whole->n_grad);
+        for (int i = 0; i < split->table.n; i++) {
+            const mt_param *p = &split->params[i];
+            if (memcmp((float *)split->buf_grad + p->index, (float *)whole->buf_grad + p->index,
+                       (size_t)mt_param_numel(&p->d) * 4) != 0)
+                fail_msg("recipe %d: %s's gradient after BWD_W differs from the whole "
+                         "backward's", (int)o.recipe, p->d.name);
+        }
+        /* a handle runs once */
+        assert_int_equal(mt_model_chunk_bwd_w(split, h[0]), MT_EINVAL);
+        mt_err_clear();
+        /* the memory of the deferral: two micro-batches pending at once */
+        assert_true(split->defer_peak > 0 && mt_model_defer_bytes(split) >= split->defer_peak);
+        printf("recipe %d: two pending weight parts held %zu bytes (N = %d rows, D = %d)\n",
+               (int)o.recipe, split->defer_peak, N, D);
+        free(after_fwd);
+        free(after_in);
+        free(dh_whole);
+        mt_model_destroy(whole);
+        mt_model_destroy(split);
+    }
+}
+
 int main(void)
 {
     if (mt_backend_cpu_create(&be, 1) != MT_OK) return 1;
@@ -228,6 +363,7 @@ int main(void)
         cmocka_unit_test(test_two_stages_with_two_micro_batches_in_flight_equal_the_whole_model),
         cmocka_unit_test(test_a_chunk_without_layers_embeds_or_passes_through),
         cmocka_unit_test(test_a_stage_refuses_the_whole_model_step),
+        cmocka_unit_test(test_backward_split_defers_weight_gradients_and_gives_the_whole_backward),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     be->destroy(be);

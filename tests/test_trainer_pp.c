@@ -4,14 +4,19 @@
  * (dense layer 0, MoE 1-3) and MTP depth 1, the fp32 recipe, 4 micro-batches
  * per step, 3 steps. Each layout trains through the runtime and is compared
  * with the same job on one rank (run by each rank by itself):
- *   np 2: pp=2 1F1B; pp=2 vpp=2 interleaved; pp=2 DualPipeV; explicit
+ *   np 2: pp=2 1F1B; pp=2 vpp=2 interleaved; pp=2 DualPipeV (also with whole
+ *         backwards in its BWD_IN, property 5); explicit
  *         stage layouts (parallel.pp_layers): 1F1B with 1 + 3 layers,
  *         DualPipeV with 0,2,2,0 (stage 0: the embedding and the head +
  *         MTP only; stage 1: every decoder layer)
- *   np 4: pp=2 x dp=2 (1F1B); pp=4 1F1B (one layer per stage)
+ *   np 4: pp=2 x dp=2 (1F1B); pp=4 1F1B (one layer per stage); pp=2 x dp=2
+ *         DualPipeV (global batch 8, one rank's too: 4 micro-batches a stage)
  * Properties:
  *   1. every rank logs the global loss and gradient norm of each step, equal
- *      to one rank's within 1e-6 relative (the losses come from the last
+ *      to one rank's within 1e-6 relative (the norm of pp=2 x dp=2 DualPipeV
+ *      within 2e-6: its third step's is 1.3e-6 off with whole backwards as
+ *      with the split, from 8 micro-batches summed over two orders and the
+ *      dp reduction) (the losses come from the last
  *      stage; the norm sums each stage's part: only the summation order of
  *      the norm and of the embedding gradient (first stage + the last
  *      stage's replica) differ from one rank);
@@ -27,7 +32,13 @@
  *   4. the stages hold disjoint parts of the model's decoder layers that
  *      cover them all (with parallel.pp_layers: as many as it gives each
  *      stage), and the step reports a measured idle fraction in
- *      [0, 1] next to the table's predicted bubble.
+ *      [0, 1] next to the table's predicted bubble;
+ *   5. DualPipeV's backward split (BWD_IN defers the weight-gradient GEMMs,
+ *      BWD_W runs them) trains bit for bit as the same table run with whole
+ *      backwards in BWD_IN (the pipeline's bwd_whole): every step's loss,
+ *      MTP loss and gradient norm, and every parameter after the last step
+ *      (pp=2, and pp=2 x dp=2 where BWD_W's layer marks start the gradient
+ *      buckets' reductions).
  */
 #include <math.h>
 #include <mpi.h>
@@ -68,7 +79,7 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
     char path[1200], data[1200];
     snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
     snprintf(data, sizeof data, "data.path=%s", corpus);
-    const char *sets[16] = {data, "precision.recipe=fp32", "model.num_hidden_layers=4",
+    const char *sets[20] = {data, "precision.recipe=fp32", "model.num_hidden_layers=4",
                             "model.hidden_size=64", "model.intermediate_size=128",
                             "batch.seq_len=16", "batch.micro_batch_size=1",
                             "batch.global_batch_size=4", "train.steps=3",
@@ -77,7 +88,7 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
     int n = 13;
     static char buf[256]; /* the sets point into it until mt_jobspec_load returns */
     snprintf(buf, sizeof buf, "%s", layout_sets);
-    for (char *tok = strtok(buf, " "); tok && n < 16; tok = strtok(NULL, " ")) sets[n++] = tok;
+    for (char *tok = strtok(buf, " "); tok && n < 20; tok = strtok(NULL, " ")) sets[n++] = tok;
     int rc = mt_jobspec_load(j, path, sets, n);
     if (rc == MT_OK) rc = mt_jobspec_admit(j, world);
     if (rc < 0) die("job", rc);
@@ -105,16 +116,59 @@ static double params_diff(mt_trainer *t, mt_trainer *ref)
     return worst;
 }
 
+/* What a run leaves for the next one to compare with (property 5). */
+static struct {
+    double loss[STEPS], mtp[STEPS], norm[STEPS];
+    float *params;
+    int64_t n;
+} prev;
+
+/* Every parameter this rank holds, in table order, as host f32. */
+static float *params_flat(mt_model *m, int64_t *n_out)
+{
+    int64_t n = 0;
+    for (int i = 0; i < m->table.n; i++) n += mt_param_numel(&m->params[i].d);
+    float *a = malloc((size_t)(n > 0 ? n : 1) * sizeof *a);
+    if (!a) die("out of memory", MT_ENOMEM);
+    int64_t at = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        if (mt_model_get_param(m, i, a + at) < 0) die("get_param", MT_EGENERIC);
+        at += mt_param_numel(&m->params[i].d);
+    }
+    *n_out = n;
+    return a;
+}
+
+/* how: 0 as configured; 1 the split run with whole backwards (kept for the
+ * next run); 2 compared bit for bit with the previous run (property 5). */
+static void run_layout_how(mt_runtime *rt, const char *examples, const char *corpus,
+                           const char *layout_sets, const char *name, int how, double norm_tol);
+
 static void run_layout(mt_runtime *rt, const char *examples, const char *corpus,
                        const char *layout_sets, const char *name)
 {
+    run_layout_how(rt, examples, corpus, layout_sets, name, 0, 1e-6);
+}
+
+static void run_layout_how(mt_runtime *rt, const char *examples, const char *corpus,
+                           const char *layout_sets, const char *name, int how, double norm_tol)
+{
     mt_jobspec jp, j1;
     load_job(&jp, examples, corpus, layout_sets, rt->size);
-    load_job(&j1, examples, corpus, "", 1);
+    char ref_sets[256] = ""; /* the one-rank job takes the layout's batch.* settings */
+    char copy[256];
+    snprintf(copy, sizeof copy, "%s", layout_sets);
+    for (char *tok = strtok(copy, " "); tok; tok = strtok(NULL, " "))
+        if (strncmp(tok, "batch.", 6) == 0) {
+            strncat(ref_sets, " ", sizeof ref_sets - strlen(ref_sets) - 1);
+            strncat(ref_sets, tok, sizeof ref_sets - strlen(ref_sets) - 1);
+        }
+    load_job(&j1, examples, corpus, ref_sets, 1);
     mt_job_opts jo = {.threads = 1};
     mt_job *job;
     int rc = mt_job_start(&job, rt, &jp, &jo);
     if (rc < 0) die("mt_job_start", rc);
+    if (how == 1) job->trainer->pipe->bwd_whole = 1;
     mt_backend *be;
     if ((rc = mt_backend_cpu_create(&be, 1)) < 0) die("backend", rc);
     mt_trainer *ref;
@@ -125,13 +179,24 @@ static void run_layout(mt_runtime *rt, const char *examples, const char *corpus,
         mt_step_metrics mp, m1;
         if ((rc = mt_job_step(job, &mp)) < 0) die("pipeline step", rc);
         if ((rc = mt_trainer_step(ref, &m1)) < 0) die("reference step", rc);
+        if (how == 1) {
+            prev.loss[s] = mp.loss;
+            prev.mtp[s] = mp.mtp_loss;
+            prev.norm[s] = mp.grad_norm;
+        } else if (how == 2) {
+            CHECK(mp.loss == prev.loss[s] && mp.mtp_loss == prev.mtp[s] &&
+                      mp.grad_norm == prev.norm[s],
+                  "%s step %d: split backward loss %.17g mtp %.17g norm %.17g, whole backward "
+                  "%.17g %.17g %.17g", name, s + 1, mp.loss, mp.mtp_loss, mp.grad_norm,
+                  prev.loss[s], prev.mtp[s], prev.norm[s]);
+        }
         const double dl = fabs(mp.loss - m1.loss) / fabs(m1.loss);
         const double dn = fabs(mp.grad_norm - m1.grad_norm) / m1.grad_norm;
         const double dm = fabs(mp.mtp_loss - m1.mtp_loss) / fabs(m1.mtp_loss);
         worst_loss = fmax(worst_loss, fmax(dl, fmax(dn, dm)));
         CHECK(dl <= 1e-6 && dm <= 1e-6, "%s step %d: loss %.9g mtp %.9g vs one rank %.9g %.9g",
               name, s + 1, mp.loss, mp.mtp_loss, m1.loss, m1.mtp_loss);
-        CHECK(dn <= 1e-6, "%s step %d: grad norm %.9g vs one rank %.9g", name, s + 1,
+        CHECK(dn <= norm_tol, "%s step %d: grad norm %.9g vs one rank %.9g", name, s + 1,
               mp.grad_norm, m1.grad_norm);
         CHECK(mp.pp_idle >= 0 && mp.pp_idle <= 1 && mp.pp_bubble >= 0 && mp.pp_bubble < 1,
               "%s step %d: idle %.3f predicted bubble %.3f", name, s + 1, mp.pp_idle,
@@ -143,6 +208,20 @@ static void run_layout(mt_runtime *rt, const char *examples, const char *corpus,
                    mp.pp_bubble);
     }
     mt_trainer *t = job->trainer;
+    if (how == 1) {
+        free(prev.params);
+        prev.params = params_flat(t->model, &prev.n);
+    } else if (how == 2) {
+        int64_t n;
+        float *a = params_flat(t->model, &n);
+        CHECK(n == prev.n && memcmp(a, prev.params, (size_t)n * sizeof *a) == 0,
+              "%s: parameters after the split backward differ from the whole backward's "
+              "(%lld vs %lld values)", name, (long long)n, (long long)prev.n);
+        if (rt->rank == 0 && n == prev.n)
+            printf("%s: split backward bit-identical to whole backward (%lld parameter values "
+                   "on rank 0)\n", name, (long long)n);
+        free(a);
+    }
     double worst = params_diff(t, ref);
     CHECK(worst <= 3e-5, "%s: parameters differ from one rank's by up to %.3g", name, worst);
     /* the stages' decoder layers are disjoint and cover the model */
@@ -209,8 +288,10 @@ int main(int argc, char **argv)
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.schedule=1f1b", "pp2-1f1b");
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.schedule=interleaved",
                    "pp2-vpp2-interleaved");
-        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.schedule=dualpipev",
-                   "pp2-dualpipev");
+        run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 "
+                       "parallel.schedule=dualpipev", "pp2-dualpipev-whole-bwd", 1, 1e-6);
+        run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 "
+                       "parallel.schedule=dualpipev", "pp2-dualpipev", 2, 1e-6);
         /* flexible stage layouts: 1 + 3 layers; DualPipeV with the embedding
          * and the head + MTP in chunks of their own (no decoder layer) */
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.pp_layers=1,3",
@@ -220,8 +301,16 @@ int main(int argc, char **argv)
     } else {
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.dp=2", "pp2xdp2-1f1b");
         run_layout(rt, argv[1], corpus, "parallel.pp=4 parallel.dp=1", "pp4-1f1b");
+        /* the split's layer marks start the gradient buckets in BWD_W */
+        run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.dp=2 "
+                       "parallel.schedule=dualpipev batch.global_batch_size=8",
+                       "pp2xdp2-dualpipev-whole-bwd", 1, 2e-6);
+        run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.dp=2 "
+                       "parallel.schedule=dualpipev batch.global_batch_size=8",
+                       "pp2xdp2-dualpipev", 2, 2e-6);
     }
 
+    free(prev.params);
     int all_ok = mt_runtime_agree(rt, failures == 0);
     if (rt->rank == 0)
         printf("test_trainer_pp: %d ranks: %s\n", rt->size,

@@ -79,6 +79,14 @@ int mt_linear_grouped_fwd2_q(const mt_ctx *c, const mt_param *w1, void *y1, int 
 int mt_linear_grouped_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int lddy1,
                            mt_param *w2, const void *dy2, int lddy2, void *dx, int lddx,
                            int accumulate, const void *x, int ldx, const int *rows, int G);
+/* The backward split (model.h, mt_wdefer): with c->defer set the backwards
+ * above record their weight-gradient GEMMs instead of running them. */
+int mt_wdefer_mark(mt_wdefer *d, int layer);
+/* Runs a GEMM record (not a mark) as the backward would have. */
+int mt_wdefer_replay(const mt_ctx *c, const mt_wdefer_rec *r);
+void mt_wdefer_free(mt_wdefer *d, mt_backend *be);
+/* Backend bytes the list holds (capacity). */
+size_t mt_wdefer_bytes(const mt_wdefer *d);
 /* Does this parameter compute in FP8 under the context's recipe? */
 int mt_linear_is_fp8(const mt_ctx *c, const mt_param *w);
 /* Transient bytes a linear of [M, in] -> [M, out] needs at most. */

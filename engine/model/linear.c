@@ -17,6 +17,9 @@
 #include "kernels/mt_fp8.h"
 #include "base/mt_status.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 int mt_linear_is_fp8(const mt_ctx *c, const mt_param *w)
 {
     return c->recipe == MT_RECIPE_FP8_BLOCKWISE && mt_param_kind_is_fp8(w->d.kind);
@@ -157,7 +160,7 @@ static int lin_dgrad(const mt_ctx *c, const lin_set *l, void *dx, int lddx, int 
 
 /* dW_i += dy_i^T x with both operands quantised along the M (token) axis;
  * Q_colT(x) once for the set when it shares FP8. */
-static int lin_wgrad(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
+static int lin_wgrad_now(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
 {
     mt_backend *be = c->be;
     const int64_t M = rows_total(l->rows, l->G);
@@ -167,7 +170,7 @@ static int lin_wgrad(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
             const int N = (int)w->d.rows, K = (int)w->d.cols;
             if (mt_linear_is_fp8(c, w)) {
                 lin_set one = {1, {l->w[i]}, {l->y[i]}, {l->ldy[i]}, l->rows, l->G, l->grouped};
-                MT_CHECK(lin_wgrad(c, &one, x, ldx));
+                MT_CHECK(lin_wgrad_now(c, &one, x, ldx));
             } else if (l->grouped) {
                 MT_CHECK(be->gemm_grouped(be, 1, w->grad, c->grad_type, K, expert_stride(w),
                                           l->y[i], l->ldy[i], 0, x, ldx, 0, 0, l->rows, l->G, N,
@@ -205,6 +208,111 @@ static int lin_wgrad(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
     }
     mt_ws_release(c->ws, mark);
     return rc;
+}
+
+/* ---- the backward split: weight gradients deferred (model.h, mt_wdefer) ---- */
+
+static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
+
+/* The next record of d, grown as needed (kept zeroed past d->n). */
+static mt_wdefer_rec *defer_next(mt_wdefer *d)
+{
+    if (d->n == d->cap) {
+        int cap = d->cap ? 2 * d->cap : 16;
+        mt_wdefer_rec *r = realloc(d->r, (size_t)cap * sizeof *r);
+        if (!r) return NULL;
+        memset(r + d->cap, 0, (size_t)(cap - d->cap) * sizeof *r);
+        d->r = r;
+        d->cap = cap;
+    }
+    mt_wdefer_rec *r = &d->r[d->n++];
+    r->mark = 0;
+    return r;
+}
+
+int mt_wdefer_mark(mt_wdefer *d, int layer)
+{
+    mt_wdefer_rec *r = defer_next(d);
+    if (!r) return MT_ERR(MT_ENOMEM, "backward split: out of memory for a layer mark");
+    r->mark = 1;
+    r->layer = layer;
+    return MT_OK;
+}
+
+/* Records dW_i += dy_i^T x of the set: packed copies of dy_i [M, N_i] and
+ * x [M, K] (act) in the record's own memory, the segment rows on the host. */
+static int lin_wgrad_defer(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
+{
+    mt_backend *be = c->be;
+    mt_wdefer *d = c->defer;
+    const int64_t M = rows_total(l->rows, l->G);
+    const int K = (int)l->w[0]->d.cols;
+    const size_t act = mt_act_size(be);
+    size_t need = align256((size_t)M * K * act);
+    for (int i = 0; i < l->n; i++) need += align256((size_t)M * l->w[i]->d.rows * act);
+    mt_wdefer_rec *r = defer_next(d);
+    if (!r) return MT_ERR(MT_ENOMEM, "backward split: out of memory for a record");
+    if (r->cap < need) {
+        if (r->buf) be->free(be, r->buf);
+        r->buf = NULL;
+        r->cap = 0;
+        MT_CHECK(be->alloc(be, need, &r->buf));
+        r->cap = need;
+    }
+    if (r->rows_cap < l->G) {
+        int *rows = realloc(r->rows, (size_t)l->G * sizeof *rows);
+        if (!rows) return MT_ERR(MT_ENOMEM, "backward split: out of memory (%d segments)", l->G);
+        r->rows = rows;
+        r->rows_cap = l->G;
+    }
+    memcpy(r->rows, l->rows, (size_t)l->G * sizeof *r->rows);
+    r->n = l->n;
+    r->G = l->G;
+    r->grouped = l->grouped;
+    char *p = r->buf;
+    r->x = p;
+    p += align256((size_t)M * K * act);
+    if (M > 0) MT_CHECK(be->copy2d(be, r->x, K, x, ldx, (int)M, K, 0));
+    for (int i = 0; i < l->n; i++) {
+        const int N = (int)l->w[i]->d.rows;
+        r->w[i] = l->w[i];
+        r->dy[i] = p;
+        p += align256((size_t)M * N * act);
+        if (M > 0) MT_CHECK(be->copy2d(be, r->dy[i], N, l->y[i], l->ldy[i], (int)M, N, 0));
+    }
+    d->used += need;
+    return MT_OK;
+}
+
+/* dW_i += dy_i^T x now, or recorded for later under a split backward. */
+static int lin_wgrad(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
+{
+    return c->defer ? lin_wgrad_defer(c, l, x, ldx) : lin_wgrad_now(c, l, x, ldx);
+}
+
+int mt_wdefer_replay(const mt_ctx *c, const mt_wdefer_rec *r)
+{
+    lin_set l = {r->n, {r->w[0], r->w[1]}, {r->dy[0], r->dy[1]}, {0, 0}, r->rows, r->G,
+                 r->grouped};
+    for (int i = 0; i < r->n; i++) l.ldy[i] = (int)r->w[i]->d.rows;
+    return lin_wgrad_now(c, &l, r->x, (int)r->w[0]->d.cols);
+}
+
+void mt_wdefer_free(mt_wdefer *d, mt_backend *be)
+{
+    for (int i = 0; i < d->cap; i++) {
+        if (d->r[i].buf) be->free(be, d->r[i].buf);
+        free(d->r[i].rows);
+    }
+    free(d->r);
+    memset(d, 0, sizeof *d);
+}
+
+size_t mt_wdefer_bytes(const mt_wdefer *d)
+{
+    size_t b = 0;
+    for (int i = 0; i < d->cap; i++) b += d->r[i].cap;
+    return b;
 }
 
 int mt_linear_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x, int ldx,

@@ -600,6 +600,9 @@ void mt_model_destroy(mt_model *m)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) be->free(be, bufs[i]);
     if (m->disp && m->own_disp) m->disp->destroy(m->disp);
+    for (int i = 0; i < m->n_defer; i++) mt_wdefer_free(&m->defer[i], be);
+    free(m->defer);
+    free(m->defer_busy);
     free(m->chunks);
     free(m->local);
     free(m->global_param);
@@ -763,7 +766,15 @@ int mt_model_chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int
     return chunk_fwd(m, ci, slot, tokens, backward, loss_scale, st, NULL);
 }
 
-int mt_model_chunk_bwd(mt_model *m, int ci, int slot)
+/* Layer `layer`'s gradients are final once the work recorded so far has
+ * run: now, or as a mark in the deferral list of a split backward. */
+static int layer_done(mt_model *m, int layer)
+{
+    if (m->ctx.defer) return mt_wdefer_mark(m->ctx.defer, layer);
+    return layer_grads_final(m, layer);
+}
+
+static int chunk_bwd(mt_model *m, int ci, int slot)
 {
     mt_backend *be = m->be;
     mt_ctx *c = &m->ctx;
@@ -780,12 +791,12 @@ int mt_model_chunk_bwd(mt_model *m, int ci, int slot)
             void *dprev = k == 0 ? sl->dh : sl->dmtp[k - 1];
             const void *hprev = k == 0 ? sl->h[n] : sl->mtp[k - 1].hout;
             MT_CHECK(mt_mtp_bwd(c, p, m->embed, dprev, sl->dmtp[k], hprev));
-            MT_CHECK(layer_grads_final(m, p->block.layer));
+            MT_CHECK(layer_done(m, p->block.layer));
         }
     }
     for (int i = n - 1; i >= 0; i--) {
         MT_CHECK(mt_block_bwd(c, &sl->blocks[i], sl->dh, sl->dh, sl->h[i]));
-        MT_CHECK(layer_grads_final(m, sl->blocks[i].layer));
+        MT_CHECK(layer_done(m, sl->blocks[i].layer));
     }
     if (ch->s.first) {
         mt_op_profile_mark(be, "bwd.embed");
@@ -796,9 +807,78 @@ int mt_model_chunk_bwd(mt_model *m, int ci, int slot)
         } else {
             MT_CHECK(be->embedding_bwd(be, m->embed->grad, m->grad_type, sl->dh, sl->ids, c->N, D));
         }
-        MT_CHECK(layer_grads_final(m, -1));
+        MT_CHECK(layer_done(m, -1));
     }
     return MT_OK;
+}
+
+int mt_model_chunk_bwd(mt_model *m, int ci, int slot)
+{
+    return chunk_bwd(m, ci, slot);
+}
+
+int mt_model_chunk_bwd_in(mt_model *m, int ci, int slot, int *handle)
+{
+    int h = 0;
+    while (h < m->n_defer && m->defer_busy[h]) h++;
+    if (h == m->n_defer) { /* the pool grows to the most pending at once */
+        mt_wdefer *d = realloc(m->defer, (size_t)(h + 1) * sizeof *d);
+        if (d) m->defer = d;
+        unsigned char *b = realloc(m->defer_busy, (size_t)(h + 1));
+        if (b) m->defer_busy = b;
+        if (!d || !b) return MT_ERR(MT_ENOMEM, "model: out of memory for a deferral list");
+        memset(&m->defer[h], 0, sizeof m->defer[h]);
+        m->defer_busy[h] = 0;
+        m->n_defer = h + 1;
+    }
+    mt_wdefer *d = &m->defer[h];
+    d->n = 0;
+    d->used = 0;
+    m->ctx.defer = d;
+    int rc = chunk_bwd(m, ci, slot);
+    m->ctx.defer = NULL;
+    MT_CHECK(rc);
+    m->defer_busy[h] = 1;
+    *handle = h;
+    size_t pending = 0;
+    for (int i = 0; i < m->n_defer; i++)
+        if (m->defer_busy[i]) pending += m->defer[i].used;
+    if (pending > m->defer_peak) m->defer_peak = pending;
+    return MT_OK;
+}
+
+int mt_model_chunk_bwd_w(mt_model *m, int handle)
+{
+    if (handle < 0 || handle >= m->n_defer || !m->defer_busy[handle])
+        return MT_ERR(MT_EINVAL, "model: weight-gradient part of deferral %d, which is not "
+                      "pending (%d lists)", handle, m->n_defer);
+    mt_wdefer *d = &m->defer[handle];
+    m->ws.top = 0;
+    for (int i = 0; i < d->n; i++) {
+        const mt_wdefer_rec *r = &d->r[i];
+        if (r->mark) MT_CHECK(layer_grads_final(m, r->layer));
+        else MT_CHECK(mt_wdefer_replay(&m->ctx, r));
+    }
+    d->n = 0;
+    d->used = 0;
+    m->defer_busy[handle] = 0;
+    return MT_OK;
+}
+
+void mt_model_defer_reset(mt_model *m)
+{
+    for (int i = 0; i < m->n_defer; i++) {
+        m->defer[i].n = 0;
+        m->defer[i].used = 0;
+        m->defer_busy[i] = 0;
+    }
+}
+
+size_t mt_model_defer_bytes(const mt_model *m)
+{
+    size_t b = 0;
+    for (int i = 0; i < m->n_defer; i++) b += mt_wdefer_bytes(&m->defer[i]);
+    return b;
 }
 
 /* The whole model on one rank: its one chunk. */

@@ -48,6 +48,37 @@ typedef struct mt_ws {
     size_t cap, top, peak;
 } mt_ws;
 
+/* Weight-gradient deferral (the backward split of DualPipeV, issue 15).
+ * While a context's `defer` is set, every linear layer's backward computes
+ * its input gradient and, instead of the weight-gradient GEMMs dW += dy^T x,
+ * appends a record holding packed copies of dy and x (its own backend
+ * memory: the workspace and the slot's saved state are reused before the
+ * deferred work runs); mt_model_chunk_bwd_w replays the records in order,
+ * the same GEMMs on the same values, so the gradients are bit-identical to
+ * the whole backward's. What stays in the input-gradient part: RMSNorm
+ * weight gradients (one kernel with the data gradient), the router's
+ * gradient and the embedding's. A record may also be a layer mark: the
+ * model's on_layer_grads hook at that point, since a layer's gradients are
+ * final only after its deferred GEMMs. */
+typedef struct mt_wdefer_rec {
+    int mark;               /* 1: a layer mark (layer), no GEMM */
+    int layer;
+    int n, G, grouped;      /* one or two projections of one x; expert segments */
+    mt_param *w[2];
+    void *dy[2];            /* act [M, N_i] packed, in buf */
+    void *x;                /* act [M, K] packed, in buf */
+    int *rows;              /* host [G] segment rows (M = their sum) */
+    int rows_cap;
+    void *buf;              /* backend memory of this record, kept between uses */
+    size_t cap;             /* bytes of buf */
+} mt_wdefer_rec;
+
+typedef struct mt_wdefer {
+    int n, cap;             /* records in use / allocated */
+    mt_wdefer_rec *r;
+    size_t used;            /* backend bytes the current records need */
+} mt_wdefer;
+
 /* What every layer needs to run. */
 typedef struct mt_ctx {
     mt_backend *be;
@@ -66,6 +97,9 @@ typedef struct mt_ctx {
      * FFN columns and the vocabulary are this rank's part; every region
      * ends in a sum over the group. */
     mt_tp *tp;
+    /* Non-NULL during the input-gradient part of a split backward: the
+     * linear layers record their weight-gradient work here (mt_wdefer). */
+    mt_wdefer *defer;
 } mt_ctx;
 
 /* Multi-head latent attention with its input norm (one decoder layer's). */
@@ -308,6 +342,12 @@ typedef struct mt_model {
     int64_t n_grad;         /* elements of buf_grad */
     int grad_type;          /* MT_C_F32 or MT_C_BF16 (opts.grads_bf16): ops.h's mt_c_type */
     size_t param_bytes;     /* backend bytes of compute copies and gradients */
+    /* Deferred weight-gradient lists of split backwards (mt_model_chunk_bwd_in):
+     * a pool, each list kept with its memory for reuse. */
+    int n_defer;
+    mt_wdefer *defer;       /* [n_defer] */
+    unsigned char *defer_busy; /* [n_defer] */
+    size_t defer_peak;      /* most backend bytes pending deferrals held at once */
 } mt_model;
 
 /* Builds the model for B x T micro-batches on a backend. Weights are zero
@@ -379,6 +419,21 @@ int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_
 int mt_model_chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int backward,
                        double loss_scale, mt_mb_stats *st);
 int mt_model_chunk_bwd(mt_model *m, int ci, int slot);
+/* mt_model_chunk_bwd split in two (DualPipeV's BWD_IN and BWD_W): the
+ * input-gradient part leaves dh complete and the parameter gradients of
+ * everything but the linear layers' weights accumulated; it defers the
+ * weight-gradient GEMMs (and the on_layer_grads calls) into a list of the
+ * model's pool whose handle it returns in *handle. The slot is free again
+ * after it (the list holds its own copies). The weight part runs a
+ * handle's list in the order the whole backward would, and frees the
+ * handle; afterwards the gradients equal mt_model_chunk_bwd's bit for bit
+ * (where no other backward touched the same gradients in between). */
+int mt_model_chunk_bwd_in(mt_model *m, int ci, int slot, int *handle);
+int mt_model_chunk_bwd_w(mt_model *m, int handle);
+/* Drops every pending deferral (a failed step); the memory stays for reuse. */
+void mt_model_defer_reset(mt_model *m);
+/* Backend bytes held by the deferral pool now (capacity). */
+size_t mt_model_defer_bytes(const mt_model *m);
 
 /* Index of the embedding parameter in m->params, or -1 (not on this rank). */
 int mt_model_embed_index(const mt_model *m);

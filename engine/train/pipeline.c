@@ -155,7 +155,11 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
             sl = slot_at(m, p, mb, c);
             if (!sl) return MT_ERR(MT_ESTATE, "pipeline: backward of mb %d chunk %d before its "
                                    "forward", mb, c);
-            MT_CHECK(mt_model_chunk_bwd(m, p->local_of[c], p->slot_of[mb * C + c]));
+            if (a->op == MT_SCHED_BWD_IN && !p->bwd_whole)
+                MT_CHECK(mt_model_chunk_bwd_in(m, p->local_of[c], p->slot_of[mb * C + c],
+                                               &p->defer_of[mb * C + c]));
+            else
+                MT_CHECK(mt_model_chunk_bwd(m, p->local_of[c], p->slot_of[mb * C + c]));
             if (prev_local) {
                 mt_chunk_slot *pv = slot_at(m, p, mb, c - 1);
                 if (!pv) return MT_ERR(MT_ESTATE, "pipeline: mb %d chunk %d lost its slot", mb,
@@ -166,8 +170,15 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
         /* the input gradient stays until SEND_GRAD takes it */
         if (c == 0 || prev_local) release(w, mb, c);
         return MT_OK;
-    case MT_SCHED_BWD_W:
-        return MT_OK; /* done with BWD_IN (pipeline.h) */
+    case MT_SCHED_BWD_W: {
+        if (w->dry || p->bwd_whole) return MT_OK; /* bwd_whole: done with BWD_IN */
+        int *h = &p->defer_of[mb * C + c];
+        if (*h < 0) return MT_ERR(MT_ESTATE, "pipeline: weight gradients of mb %d chunk %d "
+                                  "before its input gradients", mb, c);
+        MT_CHECK(mt_model_chunk_bwd_w(m, *h));
+        *h = -1;
+        return MT_OK;
+    }
     case MT_SCHED_SEND_GRAD:
         if (!w->dry) {
             sl = slot_at(m, p, mb, c);
@@ -183,7 +194,7 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
 
 static void slots_reset(mt_pipeline *p)
 {
-    for (int i = 0; i < p->n_mb * p->C; i++) p->slot_of[i] = -1;
+    for (int i = 0; i < p->n_mb * p->C; i++) p->slot_of[i] = p->defer_of[i] = -1;
     if (p->busy) memset(p->busy, 0, (size_t)p->n_local * p->max_slots);
 }
 
@@ -199,6 +210,7 @@ void mt_pipeline_free(mt_pipeline *p)
     free(p->local_chunks);
     free(p->local_of);
     free(p->slot_of);
+    free(p->defer_of);
     free(p->busy);
     free(p->tokens);
     free(p->predicted_idle);
@@ -232,9 +244,10 @@ int mt_pipeline_create(mt_pipeline *p, const mt_layout *l, const mt_model_config
     p->local_slots = calloc((size_t)C, sizeof *p->local_slots);
     p->local_chunks = calloc((size_t)C, sizeof *p->local_chunks);
     p->slot_of = malloc((size_t)n_mb * C * sizeof *p->slot_of);
+    p->defer_of = malloc((size_t)n_mb * C * sizeof *p->defer_of);
     p->predicted_idle = calloc((size_t)l->pp, sizeof *p->predicted_idle);
     if (!p->chunk || !p->local_of || !p->local_ids || !p->local_slots || !p->local_chunks ||
-        !p->slot_of || !p->predicted_idle) {
+        !p->slot_of || !p->defer_of || !p->predicted_idle) {
         mt_pipeline_free(p);
         return MT_ERR(MT_ENOMEM, "pipeline: out of memory");
     }
@@ -371,6 +384,7 @@ int mt_pipeline_step(mt_pipeline *p, mt_model *m, mt_pipeline_batch_fn fn, void 
     double idle = 0;
     walk w = {p, 0, NULL, NULL};
     slots_reset(p);
+    mt_model_defer_reset(m); /* nothing pending survives a failed step */
     int rc = MT_OK;
     for (int i = 0; rc == MT_OK && i < p->sched.n_actions[p->stage]; i++) {
         const mt_sched_action *a = &p->sched.actions[p->stage][i];

@@ -18,9 +18,14 @@
  * or the end of its backward on chunk 0). The number of slots per chunk is
  * the most a walk of the table holds at once (mt_pipeline_create).
  *
- * Backward split: BWD_IN runs the whole backward of the chunk (input and
- * weight gradients) and BWD_W does nothing: the same gradients, without
- * the split's overlap (the layers have no separate weight-gradient pass).
+ * Backward split: BWD_IN runs the input-gradient part of the chunk's
+ * backward (mt_model_chunk_bwd_in: the weight-gradient GEMMs of its linear
+ * layers recorded with copies of their dy and x) and frees the slot as a
+ * whole backward would; BWD_W runs the recorded GEMMs of the same (mb,
+ * chunk) (mt_model_chunk_bwd_w). The gradients are those of the whole
+ * backward, bit for bit where the table keeps each chunk's weight parts in
+ * the order of its input parts. bwd_whole (tests) runs BWD_IN as the whole
+ * backward and BWD_W as nothing, for comparing.
  *
  * Idle time: the wall time spent blocked in receives and in the final wait
  * for the sends, over the step's pipeline time (mt_pipeline_stats).
@@ -51,6 +56,9 @@ typedef struct mt_pipeline {
     mt_stage *local_chunks;   /* [n_local] */
     int *local_of;            /* [C] index into the model's chunks, -1 elsewhere */
     int *slot_of;             /* [n_mb * C] slot held by (mb, chunk), -1 none */
+    int *defer_of;            /* [n_mb * C] the model's deferral handle between BWD_IN and
+                                 BWD_W, -1 none */
+    int bwd_whole;            /* BWD_IN runs the whole backward, BWD_W nothing (tests) */
     unsigned char *busy;      /* [n_local * max slots] */
     int max_slots;
     int32_t *tokens;          /* host [B, T + 1] */
