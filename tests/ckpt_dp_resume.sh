@@ -10,31 +10,7 @@
 #     which the ranks' gradients are summed.
 set -euo pipefail
 bin=$1 src=$2 tmp=$3
-command -v mpirun > /dev/null || { echo "SKIP: no mpirun"; exit 77; }
-rm -rf "$tmp" && mkdir -p "$tmp"
-"$bin/engine/moetrain-data" synth --output "$tmp/syn" --vocab 64 --tokens 60000 --seed 4 > /dev/null
-common=(--job "$src/deploy/examples/tiny-cpu.json" --threads 1 --set data.path="$tmp/syn"
-        --set precision.recipe=fp32 --set batch.seq_len=32 --set batch.micro_batch_size=1
-        --set batch.global_batch_size=4 --set train.steps=6 --set lr_schedule.warmup_steps=1
-        --set data.valid_interval=0 --set train.log_interval=100)
-run() {
-    local np=$1 name=$2; shift 2
-    mpirun --allow-run-as-root --oversubscribe -np "$np" "$bin/tests/ckpt_run" "${common[@]}" \
-        --metrics-jsonl "$tmp/$name.jsonl" "$@" 2> "$tmp/$name.log" || { cat "$tmp/$name.log"; exit 1; }
-}
-# "step loss grad_norm" per line, from step $2 on
-losses() {
-    grep -o '"step":[0-9]*\|"loss":[^,]*\|"grad_norm":[^,]*' "$1" | cut -d: -f2 | paste -d' ' - - - |
-        awk -v s="${2:-1}" '$1 >= s'
-}
-close() { # close A B TOL: every loss and norm of B within TOL relative of A's
-    paste -d' ' <(losses "$1" 4) <(losses "$2") | awk -v tol="$3" '
-        { n++; if ($1 != $4) bad = 1
-          for (i = 2; i <= 3; i++) { d = $i - $(i + 3); if (d < 0) d = -d
-            r = d / ($i < 0 ? -$i : $i); if (r > worst) worst = r } }
-        END { printf "  worst relative difference %.3g over %d steps\n", worst, n
-              exit (bad || n != 3 || worst > tol) }'
-}
+. "$src/tests/ckpt_resume_lib.sh"
 run 1 one                                     # dp = 1, uninterrupted
 run 2 two --set checkpoint.dir="$tmp/ck" --set checkpoint.interval=3
 ck=$tmp/ck/step_00000003

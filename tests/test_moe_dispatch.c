@@ -49,28 +49,14 @@
 #include "engine/parallel/moe_a2a.h"
 #include "kernels/mt_fp8.h"
 #include "kernels/ops.h"
+#include "mpi_check.h"
 
 #define E 12
 #define K 3
 #define D 20
 
-static int rank_, size_, failures;
+static int size_;
 
-#define CHECK(cond, ...)                                                                  \
-    do {                                                                                  \
-        if (!(cond)) {                                                                    \
-            fprintf(stderr, "rank %d: FAIL %s:%d: ", rank_, __FILE__, __LINE__);          \
-            fprintf(stderr, __VA_ARGS__);                                                 \
-            fprintf(stderr, "\n");                                                        \
-            failures++;                                                                   \
-        }                                                                                 \
-    } while (0)
-
-static void die(const char *what, int rc)
-{
-    fprintf(stderr, "rank %d: %s: %d %s\n", rank_, what, rc, mt_errmsg());
-    MPI_Abort(MPI_COMM_WORLD, 1);
-}
 #define MUST(x)                                                                           \
     do {                                                                                  \
         int rc_ = (x);                                                                    \

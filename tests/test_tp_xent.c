@@ -29,28 +29,13 @@
 #include "engine/model/layers.h"
 #include "engine/parallel/comm.h"
 #include "engine/parallel/tp_comm.h"
+#include "mpi_check.h"
 
 #define NT 23
 #define NV 37
 #define ND 6
 
-static int rank_, failures;
 
-#define CHECK(cond, ...)                                                                  \
-    do {                                                                                  \
-        if (!(cond)) {                                                                    \
-            fprintf(stderr, "rank %d: FAIL %s:%d: ", rank_, __FILE__, __LINE__);          \
-            fprintf(stderr, __VA_ARGS__);                                                 \
-            fprintf(stderr, "\n");                                                        \
-            failures++;                                                                   \
-        }                                                                                 \
-    } while (0)
-
-static void die(const char *what, int rc)
-{
-    fprintf(stderr, "rank %d: %s: %d %s\n", rank_, what, rc, mt_errmsg());
-    MPI_Abort(MPI_COMM_WORLD, 1);
-}
 #define MUST(x)                                                                           \
     do {                                                                                  \
         int rc_ = (x);                                                                    \

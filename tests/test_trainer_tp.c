@@ -67,27 +67,11 @@
 #include "base/mt_status.h"
 #include "engine/train/trainer.h"
 #include "runtime/runtime.h"
+#include "mpi_check.h"
 #include "test_util.h"
 
 #define STEPS 3
 
-static int failures, rank_;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "rank %d: FAIL %s:%d: ", rank_, __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-            failures++;                                                    \
-        }                                                                  \
-    } while (0)
-
-static void die(const char *what, int rc)
-{
-    fprintf(stderr, "rank %d: %s: %d %s\n", rank_, what, rc, mt_errmsg());
-    MPI_Abort(MPI_COMM_WORLD, 1);
-}
 
 /* FP8 needs splits of whole 128x128 blocks: the tiny model widened so that
  * every tp = 2 part is (4 heads of 64 + 64 rope / 64 value dims: q_b and
