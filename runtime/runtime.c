@@ -147,8 +147,11 @@ int mt_job_start(mt_job **out, mt_runtime *rt, const mt_jobspec *spec, const mt_
     if (rc == MT_OK) {
         mt_trainer_groups tg = {
             .dp = l->dp > 1 ? j->groups.g[MT_GROUP_DP] : NULL,
-            .ep = l->ep > 1 ? j->groups.g[MT_GROUP_EP] : NULL,
-            .edp = l->ep > 1 || l->tp > 1 ? j->groups.g[MT_GROUP_EDP] : NULL,
+            /* the token exchange: ep, or ep x etp (groups.h) */
+            .ep = l->etp > 1  ? j->groups.g[MT_GROUP_EXP]
+                  : l->ep > 1 ? j->groups.g[MT_GROUP_EP]
+                              : NULL,
+            .edp = l->ep > 1 || l->etp > 1 || l->tp > 1 ? j->groups.g[MT_GROUP_EDP] : NULL,
             .tp = l->tp > 1 ? j->groups.g[MT_GROUP_TP] : NULL,
             .pp = l->pp > 1 ? j->groups.g[MT_GROUP_PP] : NULL,
         };

@@ -15,7 +15,13 @@
 #   4. a checkpoint saved by one rank (ep = 1) resumes at ep = 4 likewise;
 #   5. under the fp8-blockwise recipe, an ep = 4 checkpoint continues at
 #      ep = 2 and ep = 1 within 1e-3 (gradient norm 1e-2) of the
-#      uninterrupted ep = 4 run.
+#      uninterrupted ep = 4 run;
+#   6. expert tensor parallelism (etp = 2 x ep = 2 on 4 ranks, fp32): its
+#      checkpoint verifies and holds the single-rank checkpoint's tensors
+#      (each rank writes its slice of its experts), continues at ep = 1 on
+#      one rank within 1e-5 of the uninterrupted etp = 2 run, and the
+#      single-rank checkpoint continues at etp = 2 within 1e-5 of the
+#      one-rank run.
 set -euo pipefail
 bin=$1 src=$2 tmp=$3
 command -v mpirun > /dev/null || { echo "SKIP: no mpirun"; exit 77; }
@@ -120,4 +126,27 @@ for cfg in "2 2" "1 1"; do
     echo "fp8-blockwise: the ep=4 checkpoint resumed at ep=$2 on $1 rank(s): steps 4-6 within 1e-3 (norm 1e-2) of the ep=4 run"
     cat "$tmp/f$2.cmp"
 done
+
+# 6. expert tensor parallelism: etp = 2 -> one rank, one rank -> etp = 2
+etp=(--set parallel.etp=2)
+run g 4 2 "${etp[@]}" --set checkpoint.dir="$tmp/g" --set checkpoint.interval=3
+"$ck" verify --quiet "$tmp/g/step_00000003" > /dev/null
+"$ck" inspect --json "$tmp/g/step_00000003" | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+print(d["step"], d["consumed_samples"])
+for t in d["tensors"]: print(t["name"], t["dtype"], t["shape"])' > "$tmp/g.tensors"
+cmp -s "$tmp/g.tensors" "$tmp/one.tensors" || {
+    echo "FAIL: the etp = 2 checkpoint holds other tensors than the single-rank one"
+    diff "$tmp/g.tensors" "$tmp/one.tensors" | head; exit 1; }
+run g1 1 1 --set init.kind=checkpoint --set init.path="$tmp/g/step_00000003"
+compare "$tmp/g.jsonl" "$tmp/g1.jsonl" 4 1e-5 > "$tmp/g1.cmp" || {
+    cat "$tmp/g1.cmp"; echo "FAIL: the etp=2 checkpoint resumed on one rank"; exit 1; }
+echo "etp=2 x ep=2 on 4 ranks: same tensors as one rank; resumed on one rank: steps 4-6 within 1e-5"
+cat "$tmp/g1.cmp"
+run g2 4 2 "${etp[@]}" --set init.kind=checkpoint --set init.path="$tmp/one/step_00000003"
+compare "$tmp/one.jsonl" "$tmp/g2.jsonl" 4 1e-5 > "$tmp/g2.cmp" || {
+    cat "$tmp/g2.cmp"; echo "FAIL: the ep=1 checkpoint resumed at etp=2"; exit 1; }
+echo "the ep=1 checkpoint resumed at etp=2 x ep=2: steps 4-6 within 1e-5 of the one-rank run"
+cat "$tmp/g2.cmp"
 rm -rf "$tmp"

@@ -837,8 +837,15 @@ static void t_groups(mt_comm *c)
                     mt_rank_coords me_c, rc_;
                     mt_layout_coords(&l, me, &me_c);
                     const int mine[MT_GROUP_COUNT] = {me_c.tp, me_c.dp, me_c.pp,
-                                                      me_c.etp, me_c.ep, me_c.edp};
+                                                      me_c.etp, me_c.ep, me_c.edp,
+                                                      me_c.etp + etp * me_c.ep};
                     for (int k = 0; k < MT_GROUP_COUNT; k++) {
+                        /* the ep x etp exchange exists only under etp */
+                        if (k == MT_GROUP_EXP && etp == 1) {
+                            if (g.g[k]) FAIL("%sgroups %s: an exchange group without etp",
+                                             LABEL, name);
+                            continue;
+                        }
                         /* expected members: ranks agreeing on every other
                          * coordinate of the group's family, by coordinate */
                         int members[64], m = 0;
@@ -846,11 +853,14 @@ static void t_groups(mt_comm *c)
                             for (int r = 0; r < n; r++) {
                                 mt_layout_coords(&l, r, &rc_);
                                 const int co[MT_GROUP_COUNT] = {rc_.tp, rc_.dp, rc_.pp,
-                                                                rc_.etp, rc_.ep, rc_.edp};
+                                                                rc_.etp, rc_.ep, rc_.edp,
+                                                                rc_.etp + etp * rc_.ep};
                                 int same = 1;
                                 int fam = k < 3 ? 0 : 3;
                                 for (int j = fam; j < fam + 3; j++)
                                     if (j != k && co[j] != mine[j]) same = 0;
+                                if (k == MT_GROUP_EXP) /* etp and ep vary together */
+                                    same = rc_.edp == me_c.edp;
                                 if (k >= 3 && rc_.pp != me_c.pp) same = 0;
                                 if (same && co[k] == pos) members[m++] = r;
                             }

@@ -27,6 +27,11 @@
  *      payload given in the source layout (xp) identically;
  *   4. the byte counters count only what left this rank;
  *   5. the FP8 payload (dispatch_fp8, run_fp8_case);
+ *   7. expert tensor parallelism (etp 2 where the ranks are even): the
+ *      same properties with two slices per owner: each slice receives all
+ *      of its owner's rows (1., 3.: the same layout), combine sums the
+ *      slices' halves into the whole (2.), and each owner's run leaves the
+ *      source once per slice (4.);
  *   6. --gpu: the dispatcher ordered the ep group's device ops on the
  *      backend's stream (no host waits around exchanges; the properties
  *      above hold by device-side events alone), unless MT_COMM_HOST_SYNC=1.
@@ -146,12 +151,14 @@ static void from_act(mt_backend *be, float *host, const void *src, size_t n)
     be->free(be, f);
 }
 
-static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, int align)
+static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, int align, int T)
 {
-    const int El = E / size_, round = wire == MT_COMM_BF16;
+    /* T slices per owner (etp): rank t + T o holds slice t of owner o's
+     * experts and receives all of their rows */
+    const int El = E / (size_ / T), round = wire == MT_COMM_BF16;
     char what[96];
-    snprintf(what, sizeof what, "%s, %s wire, align %d", PAT_NAME[pat], mt_comm_dtype_name(wire),
-             align);
+    snprintf(what, sizeof what, "%s, %s wire, align %d, etp %d", PAT_NAME[pat],
+             mt_comm_dtype_name(wire), align, T);
     /* every rank's routes */
     routed *all = calloc((size_t)size_, sizeof *all);
     if (!all) die("out of memory", MT_ENOMEM);
@@ -164,9 +171,10 @@ static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, in
 
     if (be->kind == MT_BE_CPU) be->round_bf16 = round;
     mt_moe_dispatcher *d;
-    MUST(mt_moe_dispatch_a2a(&d, c, E, wire));
-    CHECK(d->e_lo == rank_ * El && d->E_local == El && d->ep == size_, "%s: experts [%d, +%d)",
-          what, d->e_lo, d->E_local);
+    MUST(mt_moe_dispatch_a2a_etp(&d, c, E, T, wire));
+    CHECK(d->e_lo == rank_ / T * El && d->E_local == El && d->ep == size_ && d->etp == T &&
+          d->etp_rank == rank_ % T, "%s: experts [%d, +%d), slice %d of %d", what, d->e_lo,
+          d->E_local, d->etp_rank, d->etp);
     mt_moe_plan plan;
     MUST(mt_moe_plan_init(&plan, size_, El, align));
     plan.Rl_cap = mt_moe_local_rows_cap(d, 64, K, align);
@@ -244,14 +252,22 @@ static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, in
               "%s: the local layout differs from the plain one", what);
     int64_t s1, r1;
     mt_moe_a2a_bytes(d, &s1, &r1);
-    int64_t expect_sent = R - plan.sent[rank_];
+    int64_t expect_sent = 0; /* each owner's run once per slice */
+    for (int q = 0; q < size_; q++)
+        if (q != rank_) expect_sent += plan.sent[q];
+    for (int q = 0; q < size_; q++)
+        CHECK(plan.sent[q] == plan.sent[q / T * T], "%s: slices %d and %d of one owner get %lld "
+              "and %lld rows", what, q / T * T, q, (long long)plan.sent[q / T * T],
+              (long long)plan.sent[q]);
     const int64_t cnt_bytes = (int64_t)(size_ - 1) * El * 8, ws = (int64_t)mt_comm_dtype_size(wire);
     CHECK(s1 - s0 == expect_sent * D * ws + cnt_bytes && r1 - r0 == expect_recv * D * ws + cnt_bytes,
           "%s: byte counters %lld sent, %lld received; want %lld, %lld", what,
           (long long)(s1 - s0), (long long)(r1 - r0), (long long)(expect_sent * D * ws + cnt_bytes),
           (long long)(expect_recv * D * ws + cnt_bytes));
 
-    /* 2. the scaling "experts", padding poisoned, then combine and unpermute */
+    /* 2. the scaling "experts", padding poisoned, then combine and unpermute;
+     * with T slices each returns 1 / T of the output (exact: T is 1 or 2),
+     * and combine's sum over the slices gives the whole */
     at = 0;
     for (int e = 0; e < El; e++)
         for (int q = 0; q < size_; q++) {
@@ -259,7 +275,8 @@ static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, in
             for (int64_t i = 0; i < padded_of(used, align); i++, at++)
                 for (int j = 0; j < D; j++) {
                     float v = xl_h[at * D + j] * (float)(d->e_lo + e + 1);
-                    yl[at * D + j] = i < used ? (round ? mt_bf16_round(v) : v) : NAN;
+                    v = round ? mt_bf16_round(v) : v;
+                    yl[at * D + j] = i < used ? v / (float)T : NAN;
                 }
         }
     to_act(be, b_yl, yl, (size_t)at * D);
@@ -510,7 +527,9 @@ int main(int argc, char **argv)
     for (int pat = 0; pat < PAT_COUNT; pat++)
         for (int wi = gpu ? 1 : 0; wi < 2; wi++)
             for (int align = 1; align <= 8; align += 7)
-                run_case(c, be, pat, wi ? MT_COMM_BF16 : MT_COMM_F32, align);
+                for (int T = 1; T <= 2; T++)
+                    if (size_ % T == 0 && E % (size_ / T) == 0)
+                        run_case(c, be, pat, wi ? MT_COMM_BF16 : MT_COMM_F32, align, T);
     for (int pat = 0; pat < PAT_COUNT; pat++) {
         run_fp8_case(c, be, pat, 8, 300);
         run_fp8_case(c, be, pat, 128, 258);

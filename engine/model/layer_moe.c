@@ -44,7 +44,9 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
     const size_t act = mt_act_size(be);
     const int E = cfg->n_routed_experts, K = cfg->num_experts_per_tok;
     m->D = cfg->hidden_size;
-    m->F = cfg->moe_intermediate_size;
+    /* expert tensor parallelism: this rank's F / etp columns of every local
+     * expert (gate / up rows, down columns: mt_params_etp_local) */
+    m->F = cfg->moe_intermediate_size / (disp->etp > 1 ? disp->etp : 1);
     m->disp = disp;
     m->E_local = disp->E_local;
     int64_t R_cap, Rl_cap;
@@ -95,7 +97,8 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
     m->plan.Rl_cap = m->Rl_cap;
     m->has_shared = cfg->n_shared_experts > 0;
     if (m->has_shared)
-        MT_CHECK(mt_ffn_init(&m->shared, be, N, m->D, m->F * cfg->n_shared_experts,
+        MT_CHECK(mt_ffn_init(&m->shared, be, N, m->D,
+                             cfg->moe_intermediate_size * cfg->n_shared_experts,
                              o->recompute_moe_act));
     return MT_OK;
 }

@@ -526,6 +526,14 @@ int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_o
         }
         mt_params_tp_local(&m->table, tp, opts->tp->rank);
     }
+    if (m->disp->etp > 1) { /* this rank's slice of every local expert */
+        if (cfg->moe_intermediate_size % m->disp->etp) {
+            rc = MT_ERR(MT_EINVAL, "model: etp %d must divide moe_intermediate_size %d",
+                        m->disp->etp, cfg->moe_intermediate_size);
+            goto fail;
+        }
+        mt_params_etp_local(&m->table, m->disp->etp, m->disp->etp_rank);
+    }
     /* this rank's vocabulary rows: the embedding's, or the head's on a last
      * stage without an embedding (the two split alike) */
     m->v_lo = 0;

@@ -75,6 +75,7 @@ int mt_moe_dispatch_identity(mt_moe_dispatcher **out, int E)
     d->e_lo = 0;
     d->E_local = E;
     d->ep = 1;
+    d->etp = 1;
     d->dispatch = identity_dispatch;
     d->combine = identity_combine;
     d->destroy = identity_destroy;

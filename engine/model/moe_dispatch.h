@@ -52,7 +52,12 @@ struct mt_moe_dispatcher {
     int E;        /* global experts */
     int e_lo;     /* first local expert */
     int E_local;  /* local experts */
-    int ep;       /* ranks the experts are spread over; 1: the identity */
+    int ep;       /* ranks of the exchange (ep x etp, moe_a2a.h); 1: the identity */
+    /* Expert tensor parallelism: each local expert is one of etp slices
+     * (gate / up rows, down columns: part etp_rank of etp); every slice
+     * receives all the expert's rows and combine sums the slices' partial
+     * outputs. 1 / 0: whole experts. */
+    int etp, etp_rank;
     /* xl = rows of the local experts gathered from every rank's source
      * layout (rows[E] host): xp [R, D], or, when x is not NULL, row r taken
      * from x [N, D] at src[r] (the layer's permutation fused into the pack:

@@ -179,6 +179,20 @@ void mt_params_tp_local(mt_param_table *t, int tp, int rank)
     }
 }
 
+void mt_params_etp_local(mt_param_table *t, int etp, int rank)
+{
+    for (int i = 0; i < t->n; i++) {
+        mt_param_desc *d = &t->p[i];
+        const int dim = mt_param_role_tp_dim(d->role);
+        if (dim < 0 || d->expert < 0 || etp <= 1) continue;
+        int64_t lo, cnt;
+        mt_param_part(dim == 0 ? d->full_rows : d->full_cols, etp, rank, &lo, &cnt);
+        d->off[dim] = lo;
+        if (dim == 0) d->rows = cnt;
+        else d->cols = cnt;
+    }
+}
+
 void mt_params_free(mt_param_table *t)
 {
     free(t->p);

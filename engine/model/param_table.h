@@ -94,6 +94,11 @@ static inline void mt_param_part(int64_t N, int n, int k, int64_t *lo, int64_t *
  * offset (off) in the full tensor. */
 void mt_params_tp_local(mt_param_table *t, int tp, int rank);
 
+/* Expert tensor parallelism: narrows every routed expert's gate / up (rows)
+ * and down (columns) to part `rank` of `etp`, recording the offset (off) in
+ * the full tensor, as mt_params_tp_local does for the dense ones. */
+void mt_params_etp_local(mt_param_table *t, int etp, int rank);
+
 /* Index of a name in the table, or -1. */
 int mt_params_find(const mt_param_table *t, const char *name);
 

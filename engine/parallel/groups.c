@@ -6,7 +6,7 @@
 #include "base/mt_status.h"
 #include "engine/parallel/groups.h"
 
-static const char *const NAMES[MT_GROUP_COUNT] = {"tp", "dp", "pp", "etp", "ep", "edp"};
+static const char *const NAMES[MT_GROUP_COUNT] = {"tp", "dp", "pp", "etp", "ep", "edp", "exp"};
 
 const char *mt_group_name(mt_group_kind k)
 {
@@ -42,9 +42,12 @@ int mt_groups_build(mt_groups *g, mt_comm *world, const mt_layout *l)
         c->ep + l->ep * (c->edp + edp * c->pp),  /* etp */
         c->etp + l->etp * (c->edp + edp * c->pp),/* ep */
         c->etp + l->etp * (c->ep + l->ep * c->pp), /* edp */
+        c->edp + edp * c->pp,                    /* exp */
     };
-    const int key[MT_GROUP_COUNT] = {c->tp, c->dp, c->pp, c->etp, c->ep, c->edp};
+    const int key[MT_GROUP_COUNT] = {c->tp, c->dp, c->pp, c->etp, c->ep, c->edp,
+                                     c->etp + l->etp * c->ep};
     for (int k = 0; k < MT_GROUP_COUNT; k++) {
+        if (k == MT_GROUP_EXP && l->etp == 1) continue; /* the ep group is the exchange */
         rc = mt_comm_split(world, color[k], key[k], &g->g[k]);
         if (rc < 0) {
             mt_groups_free(g);

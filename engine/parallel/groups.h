@@ -7,6 +7,9 @@
  *   etp  same (ep, edp, pp), ordered by etp               size ETP
  *   ep   same (etp, edp, pp), ordered by ep               size EP
  *   edp  same (etp, ep, pp), ordered by edp               size EDP
+ *   exp  same (edp, pp), ordered by etp + ETP ep          size ETP x EP
+ *        (the token exchange of expert tensor parallelism, moe_a2a.h;
+ *        built only when etp > 1, NULL otherwise: the ep group serves)
  * so a rank's position in each group is its coordinate there. Every group
  * is split from `world` and has its backend and memory kind.
  */
@@ -23,9 +26,10 @@ typedef enum {
     MT_GROUP_ETP,
     MT_GROUP_EP,
     MT_GROUP_EDP,
+    MT_GROUP_EXP,
     MT_GROUP_COUNT
 } mt_group_kind;
-_Static_assert(MT_GROUP_COUNT == 6, "update mt_group_name and groups.c");
+_Static_assert(MT_GROUP_COUNT == 7, "update mt_group_name and groups.c");
 
 typedef struct mt_groups {
     mt_layout layout;

@@ -11,6 +11,7 @@ typedef struct a2a {
     mt_comm_dtype wire;
     size_t wsize;                 /* bytes of one wire element */
     int P, me;
+    int T;                        /* etp: peers q = t + T o hold slice t of owner o's experts */
     size_t *sc, *sd, *rc, *rd;    /* [P] element counts and displacements */
     int64_t *cnt_send, *cnt_recv; /* [P * E_local] row counts */
     int64_t *seg;                 /* [E_local + 1] first row of each local segment */
@@ -188,6 +189,15 @@ static int map_upload(a2a *x, int64_t n)
 
 static int64_t padded(int64_t n, int align) { return (n + align - 1) / align * align; }
 
+/* First row, in the source layout, of the run of peer q's owner's experts
+ * (the runs of the owners before it; each owner's once, whatever T). */
+static int64_t run_off(const a2a *x, const mt_moe_plan *p, int q)
+{
+    int64_t off = 0;
+    for (int q2 = 0; q2 < q / x->T * x->T; q2 += x->T) off += p->sent[q2];
+    return off;
+}
+
 /* Counts of the forward: to peer p the rows of p's experts; from peer q
  * the rows q routes to each local expert. Fills the plan. */
 static int exchange_counts(mt_moe_dispatcher *d, mt_moe_plan *p, const int *rows)
@@ -195,12 +205,13 @@ static int exchange_counts(mt_moe_dispatcher *d, mt_moe_plan *p, const int *rows
     a2a *x = impl_of(d);
     const int P = x->P, El = d->E_local;
     for (int q = 0; q < P; q++) {
+        const int o = q / x->T; /* every slice of owner o gets o's rows */
         x->sc[q] = x->rc[q] = (size_t)El;
         x->sd[q] = x->rd[q] = (size_t)q * El;
         p->sent[q] = 0;
         for (int e = 0; e < El; e++) {
-            x->cnt_send[q * El + e] = rows[q * El + e];
-            p->sent[q] += rows[q * El + e];
+            x->cnt_send[q * El + e] = rows[o * El + e];
+            p->sent[q] += rows[o * El + e];
         }
     }
     /* host arrays: the rows came to the host with the layer's index (the
@@ -210,7 +221,7 @@ static int exchange_counts(mt_moe_dispatcher *d, mt_moe_plan *p, const int *rows
     x->bytes_sent += (int64_t)(P - 1) * El * 8;
     x->bytes_recv += (int64_t)(P - 1) * El * 8;
     int64_t R = 0, Rl = 0;
-    for (int q = 0; q < P; q++) R += p->sent[q];
+    for (int q = 0; q < P; q += x->T) R += p->sent[q]; /* each owner once */
     for (int e = 0; e < El; e++) {
         int64_t n = 0;
         for (int q = 0; q < P; q++) {
@@ -280,8 +291,18 @@ static int direct_dispatch(mt_moe_dispatcher *d, mt_moe_plan *p, void *xl_buf, c
     const void *send = xp;
     if (x_tok) {
         MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s * x->wsize + 1));
-        MT_CHECK(be->moe_permute(be, x->bsend, x_tok, src, p->R, D));
+        if (x->T == 1) {
+            MT_CHECK(be->moe_permute(be, x->bsend, x_tok, src, p->R, D));
+        } else { /* each owner's run once per slice */
+            for (int q = 0; q < P; q++)
+                if (p->sent[q] > 0)
+                    MT_CHECK(be->moe_permute(be, (char *)x->bsend + x->sd[q] * x->wsize, x_tok,
+                                             src + run_off(x, p, q), (int)p->sent[q], D));
+        }
         send = x->bsend;
+    } else {
+        /* xp as it is: the slices of one owner read the same run */
+        for (int q = 0; q < P; q++) x->sd[q] = (size_t)run_off(x, p, q) * D;
     }
     MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, r * x->wsize + 1));
     MT_CHECK(exchange_begin(x));
@@ -355,12 +376,18 @@ static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, in
         const void *send = xp;
         if (x_tok) { /* the permutation and the conversion in one pass */
             MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
-            MT_CHECK(pack_gather(x, x->sbuf, x_tok, src, p->R, D));
+            for (int q = 0; q < P; q++) /* each owner's run once per slice */
+                MT_CHECK(pack_gather(x, (char *)x->sbuf + x->sd[q] * x->wsize, x_tok,
+                                     src + run_off(x, p, q), p->sent[q], D));
             send = x->sbuf;
-        } else if (x->wire != MT_COMM_F32) {
-            MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
-            to_wire(x, x->sbuf, xp, p->R, D);
-            send = x->sbuf;
+        } else {
+            if (x->wire != MT_COMM_F32) {
+                MT_CHECK(grow(&x->sbuf, &x->scap, (size_t)p->R * D * x->wsize + 1));
+                to_wire(x, x->sbuf, xp, p->R, D);
+                send = x->sbuf;
+            }
+            /* R rows: the slices of one owner read the same run */
+            for (int q = 0; q < P; q++) x->sd[q] = (size_t)run_off(x, p, q) * D;
         }
         MT_CHECK(mt_comm_all_to_all_v(x->c, send, x->sc, x->sd, x->rbuf, x->rc, x->rd, x->wire));
         /* unpack expert-contiguous: segment e = peer 0's chunk of rows for e,
@@ -409,7 +436,14 @@ static int a2a_dispatch_fp8(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p
         r += x->rc[q];
     }
     MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s + 1));
-    MT_CHECK(be->moe_pack_fp8(be, x->bsend, xq, xs, src, N, p->R, D));
+    if (x->T == 1) {
+        MT_CHECK(be->moe_pack_fp8(be, x->bsend, xq, xs, src, N, p->R, D));
+    } else { /* each owner's run once per slice */
+        for (int q = 0; q < P; q++)
+            if (p->sent[q] > 0)
+                MT_CHECK(be->moe_pack_fp8(be, (uint8_t *)x->bsend + x->sd[q], xq, xs,
+                                          src + run_off(x, p, q), N, (int)p->sent[q], D));
+    }
     MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, r + 1));
     MT_CHECK(exchange_begin(x));
     MT_CHECK(mt_comm_all_to_all_v(x->c, x->bsend, x->sc, x->sd, x->brecv, x->rc, x->rd,
@@ -444,6 +478,11 @@ static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *
     a2a *x = impl_of(d);
     const int P = x->P, El = d->E_local;
     MT_CHECK(check_backend(d, be));
+    /* receive: slice t's partial outputs of every owner's run land in
+     * block t [R, D] at the run's rows; yp = block 0 + block 1 + ... (in
+     * slice order; T = 1: block 0 is yp) */
+    const int T = x->T;
+    const size_t RD = (size_t)p->R * D;
     size_t s = 0, r = 0;
     for (int q = 0; q < P; q++) {
         int64_t out = 0;
@@ -451,12 +490,20 @@ static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *
         x->sc[q] = (size_t)out * D;
         x->sd[q] = s;
         x->rc[q] = (size_t)p->sent[q] * D;
-        x->rd[q] = r;
+        x->rd[q] = (size_t)(q % T) * RD + (size_t)run_off(x, p, q) * D;
         s += x->sc[q];
         r += x->rc[q];
     }
     if (x->direct) {
-        MT_CHECK(direct_combine(d, p, yp, yl, D, s));
+        void *dst = yp;
+        if (T > 1) {
+            MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, T * RD * x->wsize + 1));
+            dst = x->brecv;
+        }
+        MT_CHECK(direct_combine(d, p, dst, yl, D, s));
+        for (int t = 1; t < T && RD > 0; t++)
+            MT_CHECK(be->add(be, yp, t == 1 ? x->brecv : yp,
+                             (char *)x->brecv + t * RD * x->wsize, (int64_t)RD));
         x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
         x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
         return MT_OK;
@@ -475,14 +522,29 @@ static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *
         }
     }
     void *recv = yp;
-    if (x->wire != MT_COMM_F32) {
-        MT_CHECK(grow(&x->rbuf, &x->rcap, r * x->wsize + 1));
+    if (x->wire != MT_COMM_F32 || T > 1) {
+        MT_CHECK(grow(&x->rbuf, &x->rcap, T * RD * x->wsize + 1));
         recv = x->rbuf;
     }
     MT_CHECK(mt_comm_all_to_all_v(x->c, x->sbuf, x->sc, x->sd, recv, x->rc, x->rd, x->wire));
     x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
     x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
     if (recv != yp) from_wire(x, yp, recv, p->R, D);
+    if (T > 1) { /* the slices' partial sums in slice order, each sum an act value */
+        float *y = yp, tmp;
+        uint16_t h;
+        for (int t = 1; t < T; t++) {
+            const char *blk = (const char *)recv + t * RD * x->wsize;
+            for (size_t i = 0; i < RD; i++) {
+                from_wire(x, &tmp, blk + i * x->wsize, 1, 1);
+                y[i] += tmp;
+                if (be->round_bf16) {
+                    f32_to_bf16(&h, &y[i], 1);
+                    bf16_to_f32(&y[i], &h, 1);
+                }
+            }
+        }
+    }
     return MT_OK;
 }
 
@@ -513,10 +575,20 @@ static void a2a_destroy(mt_moe_dispatcher *d)
 
 int mt_moe_dispatch_a2a(mt_moe_dispatcher **out, mt_comm *ep, int E, mt_comm_dtype wire)
 {
+    return mt_moe_dispatch_a2a_etp(out, ep, E, 1, wire);
+}
+
+int mt_moe_dispatch_a2a_etp(mt_moe_dispatcher **out, mt_comm *ep, int E, int etp,
+                            mt_comm_dtype wire)
+{
     *out = NULL;
     const int P = mt_comm_size(ep);
-    if (E < 1 || E % P != 0)
-        return MT_ERR(MT_EINVAL, "expert dispatch: ep %d does not divide %d experts", P, E);
+    if (etp < 1 || P % etp != 0)
+        return MT_ERR(MT_EINVAL, "expert dispatch: etp %d does not divide the %d ranks of the "
+                      "exchange", etp, P);
+    const int EP = P / etp;
+    if (E < 1 || E % EP != 0)
+        return MT_ERR(MT_EINVAL, "expert dispatch: ep %d does not divide %d experts", EP, E);
     if (wire != MT_COMM_F32 && wire != MT_COMM_BF16)
         return MT_ERR(MT_EINVAL, "expert dispatch: wire type %s (f32 or bf16)",
                       mt_comm_dtype_name(wire));
@@ -530,8 +602,10 @@ int mt_moe_dispatch_a2a(mt_moe_dispatcher **out, mt_comm *ep, int E, mt_comm_dty
     d->impl = x;
     d->E = E;
     d->ep = P;
-    d->E_local = E / P;
-    d->e_lo = mt_comm_rank(ep) * d->E_local;
+    d->etp = etp;
+    d->etp_rank = mt_comm_rank(ep) % etp;
+    d->E_local = E / EP;
+    d->e_lo = mt_comm_rank(ep) / etp * d->E_local;
     d->dispatch = a2a_dispatch;
     d->dispatch_fp8 = a2a_dispatch_fp8;
     d->combine = a2a_combine;
@@ -540,13 +614,14 @@ int mt_moe_dispatch_a2a(mt_moe_dispatcher **out, mt_comm *ep, int E, mt_comm_dty
     x->wire = wire;
     x->wsize = mt_comm_dtype_size(wire);
     x->P = P;
+    x->T = etp;
     x->me = mt_comm_rank(ep);
     x->sc = calloc((size_t)P, sizeof *x->sc);
     x->sd = calloc((size_t)P, sizeof *x->sd);
     x->rc = calloc((size_t)P, sizeof *x->rc);
     x->rd = calloc((size_t)P, sizeof *x->rd);
-    x->cnt_send = calloc((size_t)E, sizeof *x->cnt_send);
-    x->cnt_recv = calloc((size_t)E, sizeof *x->cnt_recv);
+    x->cnt_send = calloc((size_t)P * d->E_local, sizeof *x->cnt_send);
+    x->cnt_recv = calloc((size_t)P * d->E_local, sizeof *x->cnt_recv);
     x->seg = calloc((size_t)d->E_local + 1, sizeof *x->seg);
     if (!x->sc || !x->sd || !x->rc || !x->rd || !x->cnt_send || !x->cnt_recv || !x->seg) {
         a2a_destroy(d);

@@ -72,6 +72,21 @@
  * whose memory or act type the communicator or wire cannot carry. */
 int mt_moe_dispatch_a2a(mt_moe_dispatcher **out, mt_comm *ep, int E, mt_comm_dtype wire);
 
+/* Expert tensor parallelism (etp > 1): `ep` is the exchange group of the
+ * EP x etp ranks of a stage with the same edp, rank t + etp o holding
+ * slice t of owner o's experts [o E / EP, (o + 1) E / EP) (the layout's
+ * folding, etp fastest). Every routed row travels to each slice of its
+ * owner (the source sends an owner's run once per slice: forward rows and
+ * the backward's output gradients alike), and combine sums the slices'
+ * partial outputs (forward: down's partial sums over the F / etp columns;
+ * backward: the input gradients of each slice) into the source layout in
+ * slice order, 0 + 1 + ..., each sum an act value (rounded to bf16 where
+ * the act values are). The plan's peers are the EP x etp ranks. etp = 1
+ * is mt_moe_dispatch_a2a. Errors: etp not dividing the group, EP = size /
+ * etp not dividing E. */
+int mt_moe_dispatch_a2a_etp(mt_moe_dispatcher **out, mt_comm *ep, int E, int etp,
+                            mt_comm_dtype wire);
+
 /* Bytes sent and received by this rank's exchanges so far (payload and
  * counts), for benchmarks and logs. */
 void mt_moe_a2a_bytes(const mt_moe_dispatcher *d, int64_t *sent, int64_t *received);

@@ -113,7 +113,8 @@ static int own_params(mt_trainer *t, mt_comm *edp)
         const int gi = m->global_param ? m->global_param[i] : i;
         t->owner[i] = all[gi];
         /* with ep 1 and tp 1 the edp group is the dp group */
-        const int me = m->params[i].d.expert >= 0 && (t->job.parallel.ep > 1 || t->tp_size > 1)
+        const int me = m->params[i].d.expert >= 0 &&
+                               (t->job.parallel.ep > 1 || t->job.parallel.etp > 1 || t->tp_size > 1)
                            ? edp_rank : t->dp_rank;
         t->keep[i] = t->owner[i] >= 0 && t->owner[i] == me;
     }
@@ -159,9 +160,10 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     MT_CHECK(mt_jobspec_check_runnable(l));
     mt_comm *dp = g ? g->dp : NULL, *ep = g ? g->ep : NULL, *edp = g ? g->edp : NULL;
     mt_comm *tp = g ? g->tp : NULL;
-    if (l->ep > 1 && !ep)
-        return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d needs the expert-parallel group "
-                      "(mt_trainer_create_in; the runtime builds it from the layout)", l->ep);
+    if ((l->ep > 1 || l->etp > 1) && !ep)
+        return MT_ERR(MT_EINVAL, "trainer: parallel.ep %d, etp %d needs the expert-parallel "
+                      "group (mt_trainer_create_in; the runtime builds it from the layout)",
+                      l->ep, l->etp);
     mt_comm *pp = g ? g->pp : NULL;
     if (l->pp > 1 && !pp)
         return MT_ERR(MT_EINVAL, "trainer: parallel.pp %d needs the pipeline group "
@@ -174,8 +176,9 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
         return MT_ERR(MT_EINVAL, "trainer: parallel.tp %d needs the tensor-parallel group "
                       "(mt_trainer_create_in; the runtime builds it from the layout)", l->tp);
     MT_CHECK(check_group("data-parallel", dp, l->dp, be));
-    MT_CHECK(check_group("expert-parallel", ep, l->ep, be));
-    if (l->ep > 1 || l->tp > 1)
+    /* the token exchange: ep x etp ranks (groups.h: exp) */
+    MT_CHECK(check_group("expert-parallel", ep, l->ep * l->etp, be));
+    if (l->ep > 1 || l->etp > 1 || l->tp > 1)
         MT_CHECK(check_group("expert-data-parallel", edp, mt_layout_edp(l), be));
     MT_CHECK(check_group("tensor-parallel", tp, l->tp, be));
     mt_trainer *t = calloc(1, sizeof *t);
@@ -195,10 +198,10 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     MT_GOTO(open_data(t), fail);
     mt_model_opts mo;
     mt_trainer_model_opts(&mo, job);
-    if (l->ep > 1) MT_GOTO(mt_trainer_ep_init(t, ep, edp, &mo), fail);
+    if (l->ep > 1 || l->etp > 1) MT_GOTO(mt_trainer_ep_init(t, ep, edp, &mo), fail);
     if (l->pp > 1) MT_GOTO(pipeline_init(t, pp, &mo), fail);
     /* routed experts go over edp under ep or tp (the sharding map's folding) */
-    const int expert_split = l->ep > 1 || l->tp > 1;
+    const int expert_split = l->ep > 1 || l->etp > 1 || l->tp > 1;
     if (dp || (expert_split && edp)) { /* gradients reduced in buckets from inside the backward */
         if (!(t->gb = calloc(1, sizeof *t->gb))) {
             rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");

@@ -49,7 +49,16 @@
  * trainer_tp.c's fixes, then the buckets'); what is left, after it.
  * With pipeline parallelism (below) the buckets are not started inside
  * the backward, so all of these fixes run after the step's last backward,
- * before the buckets. etp > 1 is refused.
+ * before the buckets.
+ *
+ * Expert tensor parallelism (parallel.etp = ETP > 1, with tp 1 and pp 1,
+ * CPU backend): the ep group handed in is the exchange group of the
+ * EP x ETP ranks with the same edp (groups.h: exp); the model holds slice
+ * etp_rank of each of its experts (mt_params_etp_local) and the
+ * dispatcher sends each routed row to every slice and sums the slices'
+ * outputs (moe_a2a.h). The slices' gradients are whole parameters of
+ * their own: reduced over edp, owned within edp, each counted once in the
+ * norm (the etp ranks hold different slices).
  *
  * Reductions (which one each global quantity uses):
  *  - gradients: F32 sums at the owner in rank order x_0 + x_1 + ... on
@@ -215,7 +224,8 @@ void mt_trainer_destroy(mt_trainer *t);
  * the same experts. Host memory for the CPU backend, device memory for
  * CUDA (expert parallelism: CPU backend with host groups for now). */
 typedef struct mt_trainer_groups {
-    mt_comm *dp, *ep, *edp;
+    mt_comm *dp, *edp;
+    mt_comm *ep;                  /* the token exchange: ep, or ep x etp (groups.h: exp) */
     mt_comm *pp;                  /* pipeline group (size parallel.pp), ordered by stage */
     mt_comm *tp;                  /* tensor-parallel group (size parallel.tp) */
 } mt_trainer_groups;

@@ -9,10 +9,10 @@
 int mt_trainer_ep_init(mt_trainer *t, mt_comm *ep, mt_comm *edp, mt_model_opts *mo)
 {
     const mt_jobspec *j = &t->job;
-    const int EP = j->parallel.ep, E = j->model.n_routed_experts;
-    if (mt_comm_size(ep) != EP)
+    const int EP = j->parallel.ep, ETP = j->parallel.etp, E = j->model.n_routed_experts;
+    if (mt_comm_size(ep) != EP * ETP)
         return MT_ERR(MT_EINVAL, "trainer: the expert-parallel group has %d ranks, the layout "
-                      "ep %d", mt_comm_size(ep), EP);
+                      "ep %d x etp %d", mt_comm_size(ep), EP, ETP);
     const int edp_size = edp ? mt_comm_size(edp) : 1;
     if (edp_size != mt_layout_edp(&j->parallel))
         return MT_ERR(MT_EINVAL, "trainer: the expert-data-parallel group has %d ranks, the "
@@ -20,10 +20,14 @@ int mt_trainer_ep_init(mt_trainer *t, mt_comm *ep, mt_comm *edp, mt_model_opts *
     /* rows travel as bf16: the CUDA backend's act values are bf16; the CPU's
      * are bf16 numbers under the bf16 and fp8 recipes (exact, half the
      * bytes), floats under fp32 (f32 wire) */
+    if (ETP > 1 && t->be->kind != MT_BE_CPU)
+        return MT_ERR(MT_ENOTSUP, "parallel.etp %d: expert tensor parallelism runs on the cpu "
+                      "backend only so far (the %s backend's is not tested yet); use etp = 1",
+                      ETP, t->be->name);
     const mt_comm_dtype wire = t->be->kind == MT_BE_CPU && j->precision.recipe == MT_RECIPE_FP32
                                    ? MT_COMM_F32
                                    : MT_COMM_BF16;
-    MT_CHECK(mt_moe_dispatch_a2a(&t->disp, ep, E, wire));
+    MT_CHECK(mt_moe_dispatch_a2a_etp(&t->disp, ep, E, ETP, wire));
     t->ep = ep;
     t->edp = edp;
     t->ep_size = EP;
