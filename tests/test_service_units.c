@@ -425,12 +425,12 @@ static void test_admit(void **state)
     assert_contains(mt_errmsg(), "batch.global_batch_size");
     /* a layout the trainer does not implement is refused at admission,
      * naming the field, not started and failed on every rank */
-    const char *tp2[] = {"parallel.tp=2", "precision.recipe=bf16"};
-    r.sets = tp2;
-    r.n_sets = 2;
+    const char *etp_tp[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16"};
+    r.sets = etp_tp;
+    r.n_sets = 3;
     r.world = 2;
     assert_int_equal(job_admit(root, &r, &j), MT_EINVAL);
-    assert_contains(mt_errmsg(), "parallel.tp: 2: the trainer runs data and expert parallelism only");
+    assert_contains(mt_errmsg(), "parallel.etp 2 with parallel.tp 2, pp 1: expert tensor");
     r.n_sets = 1; /* the same world with dp = 2 is fine */
     r.sets = (const char *[]){"parallel.dp=2"};
     assert_int_equal(job_admit(root, &r, &j), MT_OK);
