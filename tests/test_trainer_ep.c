@@ -88,28 +88,10 @@
 #include "base/mt_status.h"
 #include "engine/train/trainer.h"
 #include "runtime/runtime.h"
+#include "mpi_check.h"
 #include "test_util.h"
 
 #define STEPS 3
-
-static int failures;
-static int rank_;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "rank %d: FAIL %s:%d: ", rank_, __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-            failures++;                                                    \
-        }                                                                  \
-    } while (0)
-
-static void die(const char *what, int rc)
-{
-    fprintf(stderr, "rank %d: %s: %d %s\n", rank_, what, rc, mt_errmsg());
-    MPI_Abort(MPI_COMM_WORLD, 1);
-}
 
 /* cuda: the job on the CUDA backend; ranks that share a GPU talk through
  * the staged backend (device -> pinned host -> MPI). */

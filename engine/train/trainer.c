@@ -168,9 +168,6 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
     if (l->pp > 1 && !pp)
         return MT_ERR(MT_EINVAL, "trainer: parallel.pp %d needs the pipeline group "
                       "(mt_trainer_create_in; the runtime builds it from the layout)", l->pp);
-    if (l->pp > 1 && l->ep > 1)
-        return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.ep %d: pipeline and expert "
-                      "parallelism together are not implemented yet", l->pp, l->ep);
     MT_CHECK(check_group("pipeline", l->pp > 1 ? pp : NULL, l->pp, be));
     if (l->tp > 1 && !tp)
         return MT_ERR(MT_EINVAL, "trainer: parallel.tp %d needs the tensor-parallel group "
