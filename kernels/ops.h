@@ -115,6 +115,17 @@ struct mt_backend {
      * orders a device communicator's ops with the backend's kernels
      * without host waits. NULL on the CPU backend (ops complete on return). */
     void *(*stream)(mt_backend *be);
+    /* Host memory the backend copies to and from at full speed: page-locked
+     * on CUDA (cudaHostAlloc: device copies run at PCIe / NVLink-C2C speed,
+     * ~20 GB/s on H100, against ~1-2 GB/s through pageable memory, which
+     * the driver stages in pieces); plain 64-byte aligned malloc on the CPU.
+     * For large host copies of device state that are reused (checkpoint
+     * snapshots, restore staging); not counted by mem_stats. host_free
+     * takes NULL. An upload from such memory is truly asynchronous: the
+     * caller must not overwrite the source before a sync (pageable sources
+     * are staged before upload returns). */
+    int (*host_alloc)(mt_backend *be, size_t bytes, void **p);
+    void (*host_free)(mt_backend *be, void *p);
     /* Bytes the backend holds now and at most so far (arena use on CUDA). */
     void (*mem_stats)(mt_backend *be, size_t *in_use, size_t *peak);
     void (*destroy)(mt_backend *be);

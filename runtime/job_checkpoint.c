@@ -60,6 +60,7 @@ struct mt_job_ckpt {
     char err[1024];
     double t_start;
     double t_call;             /* when the save was asked for */
+    double wait_ms, copy_ms;   /* of the stall: waiting for the previous save, the host copy */
     int foreground;            /* training waits for the whole save */
     mt_job_ckpt_stats st;
     pthread_mutex_t mu;        /* guards st */
@@ -283,6 +284,19 @@ int mt_job_ckpt_restore(mt_job_ckpt *jc, mt_trainer *t)
         jc->st.last_step = newest;
         mt_ckpt_step_path(jc->st.last_path, sizeof jc->st.last_path, jc->root, newest, 0);
     }
+    /* On a device the snapshot is page-locked host memory; locking ~14 GB
+     * takes seconds, which would be the first save's stall: done now. */
+    if (jc->job.checkpoint.interval > 0 && t->model->be->kind != MT_BE_CPU) {
+        double t0 = now_ms();
+        if (mt_train_state_snapshot_reserve(t, &jc->snap) == MT_OK) {
+            MT_LOGI("checkpoint: %.2f GB of %s host memory for the snapshot in %.1f s",
+                    (double)jc->snap.slab_bytes / 1e9, jc->snap.slab_pinned ? "page-locked" : "pageable",
+                    (now_ms() - t0) / 1e3);
+        } else {
+            MT_LOGW("checkpoint: %s; the first save allocates its snapshot", mt_errmsg());
+            mt_err_clear();
+        }
+    }
     return MT_OK;
 }
 
@@ -388,9 +402,11 @@ static int finish(mt_job_ckpt *jc)
     }
     pthread_mutex_unlock(&jc->mu);
     if (rc == MT_OK && jc->rank == 0)
-        MT_LOGI("checkpoint step_%08lld committed in %s: stall %.1f ms, written in %.1f ms "
+        MT_LOGI("checkpoint step_%08lld committed in %s: stall %.1f ms (waiting for the previous "
+                "save %.1f ms, host copy %.1f ms at %.2f GB/s), written in %.1f ms "
                 "(%.1f MB, %.0f MB/s)",
-                (long long)jc->step, jc->root, jc->st.last_stall_ms, ms,
+                (long long)jc->step, jc->root, jc->st.last_stall_ms, jc->wait_ms, jc->copy_ms,
+                (double)jc->st.last_bytes / 1e6 / (jc->copy_ms > 0 ? jc->copy_ms : 1), ms,
                 (double)jc->st.last_bytes / 1e6, (double)jc->st.last_bytes / 1e3 / (ms > 0 ? ms : 1));
     else if (rc < 0)
         MT_LOGE("checkpoint step_%08lld failed: %s; the previous checkpoint stays the newest",
@@ -498,6 +514,7 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
     if (prev < 0) MT_LOGW("%s", mt_errmsg());
     jc->t_start = now_ms();
     jc->t_call = t0;
+    jc->wait_ms = jc->t_start - t0;
     jc->foreground = !background;
     jc->step = t->step;
     jc->rc = MT_OK;
@@ -512,6 +529,7 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
         jc->cur = &jc->snap;
         rc = mt_train_state_snapshot(t, jc->cur);
     }
+    jc->copy_ms = now_ms() - jc->t_start;
     if (rc == MT_OK) {
         jc->meta.step = jc->cur->step;
         jc->meta.consumed_samples = jc->cur->consumed_samples;

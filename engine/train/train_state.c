@@ -75,38 +75,35 @@ static char *state_json(const mt_trainer *t)
     return text;
 }
 
+static void slab_free(mt_train_snapshot *s)
+{
+    if (s->slab) {
+        if (s->slab_pinned) s->be->host_free(s->be, s->slab);
+        else free(s->slab);
+    }
+    s->slab = NULL;
+    s->slab_bytes = 0;
+    s->slab_pinned = 0;
+}
+
 void mt_train_snapshot_free(mt_train_snapshot *s)
 {
     if (!s) return;
     free(s->params);
-    if (!s->borrowed) {
-        free(s->act);
-        free(s->q);
-        free(s->s);
-        free(s->f32);
-        free(s->m);
-        free(s->v);
-        free(s->master);
-    }
+    slab_free(s); /* act, q, s, f32, m, v, master point into it (or, borrowed, at the trainer) */
     free(s->state_json);
     free(s->config_json);
     free(s->job_json);
     memset(s, 0, sizeof *s);
 }
 
-/* Host copy of `bytes` of backend memory into *dst, reusing a buffer of a
- * previous snapshot (same trainer, same size) when there is one; a view
- * (borrowed) points at the backend's host memory instead. */
-static int grab(mt_backend *be, void **dst, const void *src, size_t bytes, size_t *total, int borrow)
+/* The regions of a snapshot, in slab order. */
+enum { R_ACT, R_Q, R_S, R_F32, R_M, R_V, R_MAIN, R_N };
+
+/* Host copy of `bytes` of backend memory at src into dst. */
+static int copy_region(mt_backend *be, void *dst, const void *src, size_t bytes)
 {
-    if (borrow) {
-        *dst = (void *)src;
-        *total += bytes;
-        return MT_OK;
-    }
-    if (!*dst) *dst = malloc(bytes ? bytes : 1);
-    if (!*dst) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of host memory (%zu bytes)", bytes);
-    *total += bytes;
+    if (!bytes) return MT_OK;
     if (be->kind == MT_BE_CPU && bytes >= ((size_t)64 << 20)) {
         /* host to host: the stall of an async save is this copy; split it
          * over the cores in 16 MB blocks */
@@ -116,21 +113,65 @@ static int grab(mt_backend *be, void **dst, const void *src, size_t bytes, size_
 #pragma omp parallel for schedule(static) reduction(min : rc)
         for (int64_t k = 0; k < nb; k++) {
             const size_t o = (size_t)k * blk, n = bytes - o < blk ? bytes - o : blk;
-            int r = be->download(be, (char *)*dst + o, (const char *)src + o, n);
+            int r = be->download(be, (char *)dst + o, (const char *)src + o, n);
             rc = r < rc ? r : rc;
         }
         return rc < 0 ? MT_ERR(rc, "checkpoint snapshot: host copy failed") : MT_OK;
     }
-    return bytes ? be->download(be, *dst, src, bytes) : MT_OK;
+    /* device to host: one DMA at link speed into the page-locked slab (a
+     * pageable destination would be staged by the driver at a fraction) */
+    int rc = be->download(be, dst, src, bytes);
+    return rc < 0 ? mt_err_wrap(rc, "checkpoint snapshot: copy of %zu MB to the host", bytes >> 20)
+                  : MT_OK;
 }
 
-static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
+/* The slab for regions of bytes[R_N]: kept when the previous snapshot's is
+ * the same size, else allocated from the backend's host memory (plain
+ * memory, with a warning, where page-locking fails). dst[r]: where region
+ * r starts (page aligned; NULL for an empty region). */
+static int slab_reserve(mt_backend *be, mt_train_snapshot *s, const size_t bytes[R_N],
+                        void *dst[R_N])
+{
+    const size_t align = 4096;
+    size_t off[R_N], total = 0;
+    for (int r = 0; r < R_N; r++) {
+        off[r] = total;
+        total += (bytes[r] + align - 1) / align * align;
+    }
+    if (!s->slab || s->slab_bytes != total || s->be != be) {
+        slab_free(s);
+        void *p = NULL;
+        int rc = be->host_alloc(be, total, &p);
+        if (rc == MT_OK) {
+            s->slab_pinned = 1;
+        } else {
+            MT_LOGW("checkpoint snapshot: %s; the snapshot goes through pageable memory "
+                    "(slower device-to-host copies)", mt_errmsg());
+            mt_err_clear();
+            p = aligned_alloc(align, total ? total : align);
+            if (!p)
+                return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of host memory (%zu MB)",
+                              total >> 20);
+            s->slab_pinned = 0;
+        }
+        s->slab = p;
+        s->slab_bytes = total;
+        s->be = be;
+    }
+    for (int r = 0; r < R_N; r++) dst[r] = bytes[r] ? (char *)s->slab + off[r] : NULL;
+    return MT_OK;
+}
+
+/* Fills s->params (offsets of every parameter in the state buffers) and
+ * the bytes of each region and its source in the backend's memory; a
+ * snapshot of another trainer (or a view turned copy) is freed first. */
+static int prepare(mt_trainer *t, mt_train_snapshot *s, int borrow, size_t bytes[R_N],
+                   const void *src[R_N])
 {
     mt_model *m = t->model;
     mt_optimizer *o = t->opt;
     mt_backend *be = m->be;
     const size_t act = (size_t)be->act_bytes;
-    int rc = MT_OK;
     if (s->borrowed != borrow) mt_train_snapshot_free(s); /* a view's buffers are not ours */
     /* indexed like the sharding map (the full table): under expert
      * parallelism the other ranks' experts are absent here (offsets -1) */
@@ -141,13 +182,8 @@ static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
         if (!s->params) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of memory");
     }
     s->borrowed = borrow; /* after any free (which zeroes s) */
-    free(s->state_json);
-    free(s->config_json);
-    free(s->job_json);
-    s->state_json = s->config_json = s->job_json = NULL;
     s->trainer = t;
     s->n_params = n_glob;
-    s->bytes = 0;
     for (int g = 0; g < n_glob; g++) {
         mt_snap_param *sp = &s->params[g];
         sp->q_off = sp->s_off = sp->act_off = sp->f32_off = sp->opt_off = -1;
@@ -179,15 +215,45 @@ static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
     s->act_bytes = (int)act;
     s->master_bytes = o->main == MT_MAIN_FP32 ? 4 : 2;
     const size_t nopt = (size_t)o->n_state;
+    bytes[R_ACT] = (size_t)n_act * act, src[R_ACT] = m->buf_act;
+    bytes[R_Q] = (size_t)n_q, src[R_Q] = m->buf_q;
+    bytes[R_S] = (size_t)n_s * 4, src[R_S] = m->buf_s;
+    bytes[R_F32] = (size_t)n_f * 4, src[R_F32] = m->buf_f32;
+    bytes[R_M] = nopt * 2, src[R_M] = o->m;
+    bytes[R_V] = nopt * 2, src[R_V] = o->v;
+    bytes[R_MAIN] = o->master ? nopt * (size_t)s->master_bytes : 0, src[R_MAIN] = o->master;
+    return MT_OK;
+}
+
+static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
+{
+    mt_backend *be = t->model->be;
+    size_t bytes[R_N];
+    const void *src[R_N];
+    void *dst[R_N];
+    int rc = MT_OK;
+    MT_CHECK(prepare(t, s, borrow, bytes, src));
+    free(s->state_json);
+    free(s->config_json);
+    free(s->job_json);
+    s->state_json = s->config_json = s->job_json = NULL;
+    s->bytes = 0;
+    for (int r = 0; r < R_N; r++) s->bytes += bytes[r];
+    if (borrow) {
+        /* a view: the backend's buffers are host memory */
+        for (int r = 0; r < R_N; r++) dst[r] = bytes[r] ? (void *)src[r] : NULL;
+    } else {
+        MT_GOTO(slab_reserve(be, s, bytes, dst), fail);
+    }
+    s->act = dst[R_ACT];
+    s->q = dst[R_Q];
+    s->s = dst[R_S];
+    s->f32 = dst[R_F32];
+    s->m = dst[R_M];
+    s->v = dst[R_V];
+    s->master = dst[R_MAIN];
     MT_GOTO(be->sync(be), fail);
-    MT_GOTO(grab(be, &s->act, m->buf_act, (size_t)n_act * act, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->q, m->buf_q, (size_t)n_q, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->s, m->buf_s, (size_t)n_s * 4, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->f32, m->buf_f32, (size_t)n_f * 4, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->m, o->m, nopt * 2, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->v, o->v, nopt * 2, &s->bytes, borrow), fail);
-    if (o->master)
-        MT_GOTO(grab(be, &s->master, o->master, nopt * (size_t)s->master_bytes, &s->bytes, borrow), fail);
+    for (int r = 0; r < R_N && !borrow; r++) MT_GOTO(copy_region(be, dst[r], src[r], bytes[r]), fail);
     s->step = t->step;
     s->consumed_samples = t->consumed_samples;
     s->consumed_tokens = t->consumed_samples * t->job.batch.seq_len;
@@ -203,6 +269,17 @@ static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
     return MT_OK;
 fail:
     mt_train_snapshot_free(s);
+    return rc;
+}
+
+int mt_train_state_snapshot_reserve(mt_trainer *t, mt_train_snapshot *s)
+{
+    size_t bytes[R_N];
+    const void *src[R_N];
+    void *dst[R_N];
+    int rc = prepare(t, s, 0, bytes, src);
+    if (rc == MT_OK) rc = slab_reserve(t->model->be, s, bytes, dst);
+    if (rc < 0) mt_train_snapshot_free(s);
     return rc;
 }
 
@@ -439,6 +516,60 @@ static void *read_into(const mt_backend *be, void *dev, void *host)
     return be->kind == MT_BE_CPU ? dev : host;
 }
 
+/* The staging buffers of a restore (the largest parameter's values and
+ * block scales: bounded, never the whole model) come from the backend's
+ * host memory, page-locked on CUDA: the reader fills them and the uploads
+ * from them are DMA at link speed instead of the driver's pageable staging.
+ * Such an upload is asynchronous, so a staging buffer is written again
+ * only after stage_wait (the previous uploads from it are done). */
+typedef struct stage {
+    mt_backend *be;
+    void *host;      /* largest parameter x 4 bytes */
+    float *hs;       /* its block scales */
+    int pinned;      /* from be->host_alloc (else malloc: pinning failed) */
+} stage;
+
+static int stage_open(stage *st, mt_backend *be, size_t host_bytes, size_t scale_bytes)
+{
+    memset(st, 0, sizeof *st);
+    st->be = be;
+    int rc = be->host_alloc(be, host_bytes, &st->host);
+    if (rc == MT_OK) rc = be->host_alloc(be, scale_bytes, (void **)&st->hs);
+    if (rc == MT_OK) {
+        st->pinned = 1;
+        return MT_OK;
+    }
+    MT_LOGW("restore: %s; staging through pageable memory (slower uploads)", mt_errmsg());
+    mt_err_clear();
+    be->host_free(be, st->host);
+    st->host = malloc(host_bytes);
+    st->hs = malloc(scale_bytes);
+    if (!st->host || !st->hs) {
+        free(st->host);
+        free(st->hs);
+        st->host = st->hs = NULL;
+        return MT_ERR(MT_ENOMEM, "restore: out of host memory (%zu MB of staging)",
+                      (host_bytes + scale_bytes) >> 20);
+    }
+    return MT_OK;
+}
+
+static void stage_close(stage *st)
+{
+    if (st->pinned) {
+        st->be->host_free(st->be, st->host);
+        st->be->host_free(st->be, st->hs);
+    } else {
+        free(st->host);
+        free(st->hs);
+    }
+    st->host = st->hs = NULL;
+}
+
+/* Before the staging buffers are written: the uploads from them are over
+ * (no-op on the CPU, whose uploads complete on return). */
+static int stage_wait(mt_backend *be) { return be->kind == MT_BE_CPU ? MT_OK : be->sync(be); }
+
 /* Uploads n bytes from src to dev unless they were read there. */
 static int upload_unless(mt_backend *be, void *dev, const void *src, size_t n)
 {
@@ -453,6 +584,7 @@ static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host,
     const mt_param_desc *pd = &p->d;
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
+    MT_CHECK(stage_wait(be));
     if (p->q) {
         void *q = read_into(be, p->q, host);
         float *sc = read_into(be, p->s, hs);
@@ -496,6 +628,7 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     const int64_t off = o->off[i];
     const size_t mb = o->main == MT_MAIN_FP32 ? 4 : 2;
     char name[MT_TENSOR_NAME_CAP];
+    MT_CHECK(stage_wait(be));
     if (!sc->has_opt) {
         /* weights only (an import): zero moments, main params = the weights */
         MT_CHECK(be->zero(be, o->m + off, (size_t)n * 2));
@@ -515,12 +648,14 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     MT_CHECK(read_whole(r, &d));
     MT_CHECK(upload_unless(be, o->m + off, mv, (size_t)n * 2));
     MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg_sq", pd->name));
+    MT_CHECK(stage_wait(be));
     mv = read_into(be, o->v + off, host);
     param_desc(&d, pd, name, MT_DT_BF16, mv);
     MT_CHECK(read_whole(r, &d));
     MT_CHECK(upload_unless(be, o->v + off, mv, (size_t)n * 2));
     if (!o->master) return MT_OK;
     MT_CHECK(mt_param_optim_name(name, sizeof name, "main", pd->name));
+    MT_CHECK(stage_wait(be));
     void *master = (char *)o->master + (size_t)off * mb, *mm = read_into(be, master, host);
     param_desc(&d, pd, name, o->main == MT_MAIN_FP32 ? MT_DT_F32 : MT_DT_BF16, mm);
     int rc = r->read(r->ctx, &d);
@@ -555,20 +690,19 @@ int mt_train_state_load_weights(mt_model *m, const mt_tensor_reader *r,
 {
     int64_t mx, mxs;
     largest_param(m, &mx, &mxs);
-    void *host = malloc((size_t)mx * 4);
-    float *hs = malloc((size_t)mxs * 4);
+    stage st;
     float *dev = NULL;
     const int64_t dn = mt_params_stage_elems(&m->table);
-    int rc = host && hs ? m->be->alloc(m->be, (size_t)dn * 4, (void **)&dev)
-                        : MT_ERR(MT_ENOMEM, "loading weights: out of memory");
+    int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4);
+    if (rc == MT_OK) rc = m->be->alloc(m->be, (size_t)dn * 4, (void **)&dev);
     for (int i = 0; i < m->table.n && rc == MT_OK; i++) {
-        rc = load_param(m, r, i, host, hs, dev, dn);
+        rc = load_param(m, r, i, st.host, st.hs, dev, dn);
         if (progress) progress(ctx, i + 1, m->table.n);
     }
-    if (rc == MT_OK) rc = m->be->sync(m->be);
+    int rs = m->be->sync(m->be); /* also before the staging is freed */
+    if (rc == MT_OK) rc = rs;
     if (dev) m->be->free(m->be, dev);
-    free(host);
-    free(hs);
+    stage_close(&st);
     return rc;
 }
 
@@ -579,19 +713,14 @@ int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char 
     MT_CHECK(parse_state(state_json, &sc));
     int64_t mx, mxs;
     largest_param(m, &mx, &mxs);
-    void *host = malloc((size_t)mx * 4);
-    float *hs = malloc((size_t)mxs * 4);
-    if (!host || !hs) {
-        free(host);
-        free(hs);
-        return MT_ERR(MT_ENOMEM, "restore: out of memory");
-    }
-    int rc = MT_OK;
-    for (int i = 0; i < m->table.n && rc == MT_OK; i++) rc = restore_param(t, r, i, &sc, host, hs);
-    free(host);
-    free(hs);
+    stage st;
+    int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4);
+    for (int i = 0; i < m->table.n && rc == MT_OK; i++)
+        rc = restore_param(t, r, i, &sc, st.host, st.hs);
+    int rs = m->be->sync(m->be); /* the last uploads, before the staging is freed */
+    stage_close(&st);
     MT_CHECK(rc);
-    MT_CHECK(m->be->sync(m->be));
+    MT_CHECK(rs);
     const mt_jobspec *j = &t->job;
     t->step = sc.step;
     t->consumed_samples = sc.samples;
