@@ -154,7 +154,15 @@ static int agree(const mt_job_ckpt *jc, int rc)
     return MT_ERR(worst, "rank %d: %s", who, msg);
 }
 
-static int restore_from(mt_trainer *t, const char *path, int rank)
+/* The reserved snapshot, when no save writes from it: its slab may stage
+ * a restore's reads. */
+static const mt_train_snapshot *idle_snapshot(const mt_job_ckpt *jc)
+{
+    return jc->snap.slab && !jc->busy ? &jc->snap : NULL;
+}
+
+/* stage: a reserved snapshot whose slab stages the reads (or NULL). */
+static int restore_from(mt_trainer *t, const char *path, int rank, const mt_train_snapshot *stage)
 {
     double t0 = now_ms();
     mt_ckpt *ck;
@@ -163,7 +171,9 @@ static int restore_from(mt_trainer *t, const char *path, int rank)
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
     int rc = same_config(m->config_json, &t->job.model, mt_ckpt_dir(ck));
     mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn};
-    if (rc == MT_OK) rc = mt_train_state_restore(t, &r, m->state_json);
+    if (rc == MT_OK)
+        rc = mt_train_state_restore_staged(t, &r, m->state_json, stage ? stage->slab : NULL,
+                                           stage ? stage->slab_bytes : 0);
     if (rc == MT_OK) {
         MT_LOGI("restored step %lld (%lld samples) from %s: %.2f GB in %.1f s", (long long)t->step,
                 (long long)t->consumed_samples, mt_ckpt_dir(ck), (double)mt_ckpt_bytes(ck) / 1e9,
@@ -201,7 +211,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
     char first[MT_PATH_CAP + 32], root[MT_PATH_CAP + 32];
     int rc = agree(jc, mt_ckpt_resolve(jc->job.init.path, first, sizeof first));
     if (rc < 0) return mt_err_wrap(rc, "init.path %s", jc->job.init.path);
-    rc = agree(jc, restore_from(t, first, jc->rank));
+    rc = agree(jc, restore_from(t, first, jc->rank, idle_snapshot(jc)));
     if (rc == MT_OK || !jc->job.init.fallback || !is_damage(rc))
         return rc < 0 ? mt_err_wrap(rc, "init.path %s", jc->job.init.path) : rc;
     /* the older steps of its root, newest first; a step the daemon holds
@@ -225,7 +235,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
         char path[MT_PATH_CAP + 32];
         mt_ckpt_step_path(path, sizeof path, root, steps[i], 0);
         MT_LOGW("checkpoint: %s cannot be loaded (%s); init.fallback: trying %s", tried, why, path);
-        rc = agree(jc, restore_from(t, path, jc->rank));
+        rc = agree(jc, restore_from(t, path, jc->rank, idle_snapshot(jc)));
         if (rc < 0) snprintf(why, sizeof why, "%s", mt_errmsg());
         snprintf(tried, sizeof tried, "%s", path);
     }
@@ -253,7 +263,9 @@ static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
     int rc = cj ? same_config(cj, &t->job.model, jc->job.init.path) : MT_ERR(MT_ENOMEM, "out of memory");
     free(cj);
     mt_tensor_reader r = {h, mt_hf_read_fn, mt_hf_read_fp8_fn};
-    if (rc == MT_OK) rc = mt_train_state_restore(t, &r, NULL);
+    if (rc == MT_OK)
+        rc = mt_train_state_restore_staged(t, &r, NULL, idle_snapshot(jc) ? jc->snap.slab : NULL,
+                                           jc->snap.slab_bytes);
     if (rc == MT_OK)
         MT_LOGI("imported the weights of %s in %.1f s", jc->job.init.path, (now_ms() - t0) / 1e3);
     else
@@ -262,9 +274,29 @@ static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
     return rc;
 }
 
+/* On a device the snapshot is page-locked host memory; locking ~14 GB
+ * takes seconds, which would be the first save's stall: done when the job
+ * starts, before its state loads (the slab, idle until the first save,
+ * then stages the restore's reads: no page-locked buffers of its own). */
+static void reserve_snapshot(mt_job_ckpt *jc, mt_trainer *t)
+{
+    if (!jc->root[0] || jc->job.checkpoint.interval <= 0 || t->model->be->kind == MT_BE_CPU)
+        return;
+    double t0 = now_ms();
+    if (mt_train_state_snapshot_reserve(t, &jc->snap) == MT_OK) {
+        MT_LOGI("checkpoint: %.2f GB of %s host memory for the snapshot in %.1f s",
+                (double)jc->snap.slab_bytes / 1e9, jc->snap.slab_pinned ? "page-locked" : "pageable",
+                (now_ms() - t0) / 1e3);
+    } else {
+        MT_LOGW("checkpoint: %s; the first save allocates its snapshot", mt_errmsg());
+        mt_err_clear();
+    }
+}
+
 int mt_job_ckpt_restore(mt_job_ckpt *jc, mt_trainer *t)
 {
     MT_CHECK(mt_job_resume_auto(&jc->job, jc->comm)); /* issue 20 */
+    reserve_snapshot(jc, t);
     if (jc->job.init.kind == MT_INIT_CHECKPOINT) MT_CHECK(restore_checkpoint(jc, t));
     if (jc->job.init.kind == MT_INIT_HF) MT_CHECK(restore_hf(jc, t));
     if (jc->job.init.kind != MT_INIT_RANDOM) jc->st.restored_step = t->step;
@@ -283,19 +315,6 @@ int mt_job_ckpt_restore(mt_job_ckpt *jc, mt_trainer *t)
     if (newest == t->step) { /* resumed from it: do not save it again */
         jc->st.last_step = newest;
         mt_ckpt_step_path(jc->st.last_path, sizeof jc->st.last_path, jc->root, newest, 0);
-    }
-    /* On a device the snapshot is page-locked host memory; locking ~14 GB
-     * takes seconds, which would be the first save's stall: done now. */
-    if (jc->job.checkpoint.interval > 0 && t->model->be->kind != MT_BE_CPU) {
-        double t0 = now_ms();
-        if (mt_train_state_snapshot_reserve(t, &jc->snap) == MT_OK) {
-            MT_LOGI("checkpoint: %.2f GB of %s host memory for the snapshot in %.1f s",
-                    (double)jc->snap.slab_bytes / 1e9, jc->snap.slab_pinned ? "page-locked" : "pageable",
-                    (now_ms() - t0) / 1e3);
-        } else {
-            MT_LOGW("checkpoint: %s; the first save allocates its snapshot", mt_errmsg());
-            mt_err_clear();
-        }
     }
     return MT_OK;
 }

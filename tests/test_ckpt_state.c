@@ -285,6 +285,48 @@ static void test_snapshot_slab_reused(void **state)
     mt_trainer_destroy(t);
 }
 
+/* A restore staged in memory the caller lends (the job's reserved
+ * snapshot slab) loads the same state as one with its own staging, and
+ * does stage there (the lent bytes change); a lend too small for the
+ * largest parameter is not used. */
+static void test_restore_staged_in_lent_memory(void **state)
+{
+    (void)state;
+    char dir[1300], step[1400], set_init[1400];
+    snprintf(dir, sizeof dir, "%s/fp8_fp32", tmp); /* step 3 from the first test */
+    ok(mt_ckpt_resolve(dir, step, sizeof step));
+    snprintf(set_init, sizeof set_init, "init.path=%s", dir);
+    const char *sa[] = {"init.kind=checkpoint", set_init};
+    mt_jobspec ja, jb;
+    tiny_job(&ja, sa, 2);
+    mt_job_ckpt *ca;
+    mt_trainer *a = make(&ja, &ca); /* the job's own restore */
+    tiny_job(&jb, NULL, 0);
+    mt_trainer *b;
+    ok(mt_trainer_create(&b, &jb, be));
+    const size_t lend_bytes = (size_t)64 << 20;
+    unsigned char *lend;
+    ok(be->host_alloc(be, lend_bytes, (void **)&lend));
+    for (int small = 1; small >= 0; small--) {
+        memset(lend, 0xA5, lend_bytes);
+        mt_ckpt *ck;
+        ok(mt_ckpt_open(&ck, step));
+        mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn};
+        ok(mt_train_state_restore_staged(b, &r, mt_ckpt_get_meta(ck)->state_json, lend,
+                                         small ? 4096 : lend_bytes));
+        mt_ckpt_close(ck);
+        size_t touched = 0;
+        for (size_t k = 0; k < lend_bytes; k++) touched += lend[k] != 0xA5;
+        if (small) assert_int_equal(touched, 0);
+        else assert_true(touched > 0);
+        assert_same_state(a, b);
+    }
+    be->host_free(be, lend);
+    ok(mt_job_ckpt_close(ca));
+    mt_trainer_destroy(a);
+    mt_trainer_destroy(b);
+}
+
 /* Async saves every 2 steps while training continues: committed, stall
  * and write time reported, the newest one equals the trainer's state. */
 static void test_async_saves(void **state)
@@ -476,7 +518,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_exact_fp8_main_fp32), cmocka_unit_test(test_exact_fp8_main_bf16),
         cmocka_unit_test(test_exact_fp8_main_none), cmocka_unit_test(test_exact_bf16_recipe),
         cmocka_unit_test(test_exact_fp32_recipe),   cmocka_unit_test(test_snapshot_slab_reused),
-        cmocka_unit_test(test_async_saves),
+        cmocka_unit_test(test_restore_staged_in_lent_memory), cmocka_unit_test(test_async_saves),
         cmocka_unit_test(test_hf_into_trainer),     cmocka_unit_test(test_refuses_newer_history),
         cmocka_unit_test(test_damaged_checkpoint_fallback),
     };

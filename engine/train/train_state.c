@@ -527,12 +527,21 @@ typedef struct stage {
     void *host;      /* largest parameter x 4 bytes */
     float *hs;       /* its block scales */
     int pinned;      /* from be->host_alloc (else malloc: pinning failed) */
+    int borrowed;    /* carved from the caller's memory: not ours to free */
 } stage;
 
-static int stage_open(stage *st, mt_backend *be, size_t host_bytes, size_t scale_bytes)
+static int stage_open(stage *st, mt_backend *be, size_t host_bytes, size_t scale_bytes,
+                      void *lend, size_t lend_bytes)
 {
     memset(st, 0, sizeof *st);
     st->be = be;
+    host_bytes = (host_bytes + 4095) / 4096 * 4096;
+    if (lend && lend_bytes >= host_bytes + scale_bytes) {
+        st->host = lend;
+        st->hs = (float *)((char *)lend + host_bytes);
+        st->borrowed = 1;
+        return MT_OK;
+    }
     int rc = be->host_alloc(be, host_bytes, &st->host);
     if (rc == MT_OK) rc = be->host_alloc(be, scale_bytes, (void **)&st->hs);
     if (rc == MT_OK) {
@@ -556,6 +565,10 @@ static int stage_open(stage *st, mt_backend *be, size_t host_bytes, size_t scale
 
 static void stage_close(stage *st)
 {
+    if (st->borrowed) { /* the caller's memory */
+        st->host = st->hs = NULL;
+        return;
+    }
     if (st->pinned) {
         st->be->host_free(st->be, st->host);
         st->be->host_free(st->be, st->hs);
@@ -693,7 +706,7 @@ int mt_train_state_load_weights(mt_model *m, const mt_tensor_reader *r,
     stage st;
     float *dev = NULL;
     const int64_t dn = mt_params_stage_elems(&m->table);
-    int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4);
+    int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4, NULL, 0);
     if (rc == MT_OK) rc = m->be->alloc(m->be, (size_t)dn * 4, (void **)&dev);
     for (int i = 0; i < m->table.n && rc == MT_OK; i++) {
         rc = load_param(m, r, i, st.host, st.hs, dev, dn);
@@ -708,13 +721,19 @@ int mt_train_state_load_weights(mt_model *m, const mt_tensor_reader *r,
 
 int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char *state_json)
 {
+    return mt_train_state_restore_staged(t, r, state_json, NULL, 0);
+}
+
+int mt_train_state_restore_staged(mt_trainer *t, const mt_tensor_reader *r,
+                                  const char *state_json, void *stage_mem, size_t stage_bytes)
+{
     mt_model *m = t->model;
     scalars sc;
     MT_CHECK(parse_state(state_json, &sc));
     int64_t mx, mxs;
     largest_param(m, &mx, &mxs);
     stage st;
-    int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4);
+    int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4, stage_mem, stage_bytes);
     for (int i = 0; i < m->table.n && rc == MT_OK; i++)
         rc = restore_param(t, r, i, &sc, st.host, st.hs);
     int rs = m->be->sync(m->be); /* the last uploads, before the staging is freed */

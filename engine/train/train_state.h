@@ -117,6 +117,12 @@ typedef struct mt_tensor_reader {
  * Compute copies are written exactly (FP8 bytes and scales as stored),
  * optimizer buffers as stored; the trainer continues bit-identically. */
 int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char *state_json);
+/* The same, staging the reads in stage_mem (stage_bytes of the backend's
+ * host memory, e.g. the slab of a reserved snapshot, idle until the first
+ * save) when it holds the largest parameter's values and scales; else in
+ * buffers of its own. */
+int mt_train_state_restore_staged(mt_trainer *t, const mt_tensor_reader *r,
+                                  const char *state_json, void *stage_mem, size_t stage_bytes);
 
 /* Loads only the weights into a model (scoring, no optimizer): the compute
  * copies exactly as mt_train_state_restore writes them. progress (may be
