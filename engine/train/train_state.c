@@ -518,15 +518,20 @@ static void *read_into(const mt_backend *be, void *dev, void *host)
 
 /* The staging buffers of a restore (the largest parameter's values and
  * block scales: bounded, never the whole model) come from the backend's
- * host memory, page-locked on CUDA: the reader fills them and the uploads
- * from them are DMA at link speed instead of the driver's pageable staging.
- * Such an upload is asynchronous, so a staging buffer is written again
- * only after stage_wait (the previous uploads from it are done). */
+ * host memory, page-locked on CUDA (or from memory the caller lends: the
+ * job's reserved snapshot slab): the reader fills them and the uploads
+ * from them are DMA at link speed instead of the driver's pageable
+ * staging. Such an upload is asynchronous: a buffer is written again only
+ * once its uploads are done. With two sets (lent memory that holds two)
+ * the reads alternate between them and wait, before their own uploads,
+ * for the previous ones (stage_ready), so each upload runs during the
+ * next read; with one set stage_next waits before the set is rewritten. */
 typedef struct stage {
     mt_backend *be;
-    void *host;      /* largest parameter x 4 bytes */
-    float *hs;       /* its block scales */
-    int pinned;      /* from be->host_alloc (else malloc: pinning failed) */
+    void *host[2];   /* largest parameter x 4 bytes */
+    float *hs[2];    /* its block scales */
+    int n, cur;      /* sets (1 or 2), the one in use */
+    int pinned;      /* own sets from be->host_alloc (else malloc: pinning failed) */
     int borrowed;    /* carved from the caller's memory: not ours to free */
 } stage;
 
@@ -536,52 +541,68 @@ static int stage_open(stage *st, mt_backend *be, size_t host_bytes, size_t scale
     memset(st, 0, sizeof *st);
     st->be = be;
     host_bytes = (host_bytes + 4095) / 4096 * 4096;
-    if (lend && lend_bytes >= host_bytes + scale_bytes) {
-        st->host = lend;
-        st->hs = (float *)((char *)lend + host_bytes);
+    scale_bytes = (scale_bytes + 4095) / 4096 * 4096;
+    const size_t set = host_bytes + scale_bytes;
+    if (lend && lend_bytes >= set) {
+        st->n = lend_bytes >= 2 * set ? 2 : 1;
+        for (int k = 0; k < st->n; k++) {
+            st->host[k] = (char *)lend + (size_t)k * set;
+            st->hs[k] = (float *)((char *)lend + (size_t)k * set + host_bytes);
+        }
         st->borrowed = 1;
         return MT_OK;
     }
-    int rc = be->host_alloc(be, host_bytes, &st->host);
-    if (rc == MT_OK) rc = be->host_alloc(be, scale_bytes, (void **)&st->hs);
+    st->n = 1;
+    int rc = be->host_alloc(be, host_bytes, &st->host[0]);
+    if (rc == MT_OK) rc = be->host_alloc(be, scale_bytes, (void **)&st->hs[0]);
     if (rc == MT_OK) {
         st->pinned = 1;
         return MT_OK;
     }
     MT_LOGW("restore: %s; staging through pageable memory (slower uploads)", mt_errmsg());
     mt_err_clear();
-    be->host_free(be, st->host);
-    st->host = malloc(host_bytes);
-    st->hs = malloc(scale_bytes);
-    if (!st->host || !st->hs) {
-        free(st->host);
-        free(st->hs);
-        st->host = st->hs = NULL;
-        return MT_ERR(MT_ENOMEM, "restore: out of host memory (%zu MB of staging)",
-                      (host_bytes + scale_bytes) >> 20);
+    be->host_free(be, st->host[0]);
+    st->host[0] = malloc(host_bytes);
+    st->hs[0] = malloc(scale_bytes);
+    if (!st->host[0] || !st->hs[0]) {
+        free(st->host[0]);
+        free(st->hs[0]);
+        st->host[0] = st->hs[0] = NULL;
+        return MT_ERR(MT_ENOMEM, "restore: out of host memory (%zu MB of staging)", set >> 20);
     }
     return MT_OK;
 }
 
 static void stage_close(stage *st)
 {
-    if (st->borrowed) { /* the caller's memory */
-        st->host = st->hs = NULL;
-        return;
+    if (!st->borrowed && st->pinned) {
+        st->be->host_free(st->be, st->host[0]);
+        st->be->host_free(st->be, st->hs[0]);
+    } else if (!st->borrowed) {
+        free(st->host[0]);
+        free(st->hs[0]);
     }
-    if (st->pinned) {
-        st->be->host_free(st->be, st->host);
-        st->be->host_free(st->be, st->hs);
-    } else {
-        free(st->host);
-        free(st->hs);
-    }
-    st->host = st->hs = NULL;
+    memset(st->host, 0, sizeof st->host);
+    memset(st->hs, 0, sizeof st->hs);
 }
 
-/* Before the staging buffers are written: the uploads from them are over
+/* The set the next read fills (values, block scales), free of uploads. */
+static int stage_next(stage *st, void **host, float **hs)
+{
+    if (st->n == 2) st->cur ^= 1; /* its uploads were waited for by stage_ready since */
+    else if (st->be->kind != MT_BE_CPU) MT_CHECK(st->be->sync(st->be));
+    *host = st->host[st->cur];
+    if (hs) *hs = st->hs[st->cur];
+    return MT_OK;
+}
+
+/* After a read, before its uploads: the previous set's uploads are over
+ * (they ran during the read), so the next stage_next may hand that set out
  * (no-op on the CPU, whose uploads complete on return). */
-static int stage_wait(mt_backend *be) { return be->kind == MT_BE_CPU ? MT_OK : be->sync(be); }
+static int stage_ready(stage *st)
+{
+    return st->n == 2 && st->be->kind != MT_BE_CPU ? st->be->sync(st->be) : MT_OK;
+}
 
 /* Uploads n bytes from src to dev unless they were read there. */
 static int upload_unless(mt_backend *be, void *dev, const void *src, size_t n)
@@ -589,15 +610,17 @@ static int upload_unless(mt_backend *be, void *dev, const void *src, size_t n)
     return src == dev ? MT_OK : be->upload(be, dev, src, n);
 }
 
-static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host, float *hs,
-                      float *dev_tmp, int64_t tmp_n)
+static int load_param(mt_model *m, const mt_tensor_reader *r, int i, stage *st, float *dev_tmp,
+                      int64_t tmp_n)
 {
     mt_backend *be = m->be;
     mt_param *p = &m->params[i];
     const mt_param_desc *pd = &p->d;
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
-    MT_CHECK(stage_wait(be));
+    void *host;
+    float *hs;
+    MT_CHECK(stage_next(st, &host, &hs));
     if (p->q) {
         void *q = read_into(be, p->q, host);
         float *sc = read_into(be, p->s, hs);
@@ -605,6 +628,7 @@ static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host,
         int rc = r->read_fp8(r->ctx, &d, sc);
         if (rc < 0) return mt_err_wrap(rc, "restoring %s", pd->name);
         const int64_t nb = ((pd->rows + 127) / 128) * ((pd->cols + 127) / 128);
+        MT_CHECK(stage_ready(st));
         MT_CHECK(upload_unless(be, p->q, q, (size_t)n));
         MT_CHECK(upload_unless(be, p->s, sc, (size_t)nb * 4));
         return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)pd->rows, (int)pd->cols);
@@ -613,10 +637,12 @@ static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host,
         void *w = read_into(be, p->wf, host);
         param_desc(&d, pd, pd->name, MT_DT_F32, w);
         MT_CHECK(read_whole(r, &d));
+        MT_CHECK(stage_ready(st));
         return upload_unless(be, p->wf, w, (size_t)n * 4);
     }
     param_desc(&d, pd, pd->name, MT_DT_F32, host);
     MT_CHECK(read_whole(r, &d));
+    MT_CHECK(stage_ready(st));
     /* through the scratch in pieces of tmp_n elements (element-wise) */
     for (int64_t k = 0; k < n; k += tmp_n) {
         const int64_t c = n - k < tmp_n ? n - k : tmp_n;
@@ -627,7 +653,7 @@ static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host,
 }
 
 static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const scalars *sc,
-                         void *host, float *hs)
+                         stage *st)
 {
     mt_model *m = t->model;
     mt_optimizer *o = t->opt;
@@ -636,39 +662,44 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     const mt_param_desc *pd = &p->d;
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
-    MT_CHECK(load_param(m, r, i, host, hs, o->tmp, o->tmp_n));
+    void *host;
+    MT_CHECK(load_param(m, r, i, st, o->tmp, o->tmp_n));
     if (o->off[i] < 0) return MT_OK; /* another rank keeps its state (ZeRO-1) */
     const int64_t off = o->off[i];
     const size_t mb = o->main == MT_MAIN_FP32 ? 4 : 2;
     char name[MT_TENSOR_NAME_CAP];
-    MT_CHECK(stage_wait(be));
     if (!sc->has_opt) {
         /* weights only (an import): zero moments, main params = the weights */
         MT_CHECK(be->zero(be, o->m + off, (size_t)n * 2));
         MT_CHECK(be->zero(be, o->v + off, (size_t)n * 2));
         if (!o->master) return MT_OK;
+        MT_CHECK(stage_next(st, &host, NULL));
         float *f = host;
         MT_CHECK(mt_model_get_param(m, i, f));
         if (o->main == MT_MAIN_BF16) {
             uint16_t *h = host;
             for (int64_t k = 0; k < n; k++) h[k] = mt_bf16_from_f32(f[k]);
         }
+        MT_CHECK(stage_ready(st));
         return be->upload(be, (char *)o->master + (size_t)off * mb, host, (size_t)n * mb);
     }
     MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg", pd->name));
+    MT_CHECK(stage_next(st, &host, NULL));
     void *mv = read_into(be, o->m + off, host);
     param_desc(&d, pd, name, MT_DT_BF16, mv);
     MT_CHECK(read_whole(r, &d));
+    MT_CHECK(stage_ready(st));
     MT_CHECK(upload_unless(be, o->m + off, mv, (size_t)n * 2));
     MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg_sq", pd->name));
-    MT_CHECK(stage_wait(be));
+    MT_CHECK(stage_next(st, &host, NULL));
     mv = read_into(be, o->v + off, host);
     param_desc(&d, pd, name, MT_DT_BF16, mv);
     MT_CHECK(read_whole(r, &d));
+    MT_CHECK(stage_ready(st));
     MT_CHECK(upload_unless(be, o->v + off, mv, (size_t)n * 2));
     if (!o->master) return MT_OK;
     MT_CHECK(mt_param_optim_name(name, sizeof name, "main", pd->name));
-    MT_CHECK(stage_wait(be));
+    MT_CHECK(stage_next(st, &host, NULL));
     void *master = (char *)o->master + (size_t)off * mb, *mm = read_into(be, master, host);
     param_desc(&d, pd, name, o->main == MT_MAIN_FP32 ? MT_DT_F32 : MT_DT_BF16, mm);
     int rc = r->read(r->ctx, &d);
@@ -683,6 +714,7 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     } else if (rc < 0) {
         return mt_err_wrap(rc, "restoring %s", name);
     }
+    MT_CHECK(stage_ready(st));
     return upload_unless(be, master, mm, (size_t)n * mb);
 }
 
@@ -709,7 +741,7 @@ int mt_train_state_load_weights(mt_model *m, const mt_tensor_reader *r,
     int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4, NULL, 0);
     if (rc == MT_OK) rc = m->be->alloc(m->be, (size_t)dn * 4, (void **)&dev);
     for (int i = 0; i < m->table.n && rc == MT_OK; i++) {
-        rc = load_param(m, r, i, st.host, st.hs, dev, dn);
+        rc = load_param(m, r, i, &st, dev, dn);
         if (progress) progress(ctx, i + 1, m->table.n);
     }
     int rs = m->be->sync(m->be); /* also before the staging is freed */
@@ -735,7 +767,7 @@ int mt_train_state_restore_staged(mt_trainer *t, const mt_tensor_reader *r,
     stage st;
     int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4, stage_mem, stage_bytes);
     for (int i = 0; i < m->table.n && rc == MT_OK; i++)
-        rc = restore_param(t, r, i, &sc, st.host, st.hs);
+        rc = restore_param(t, r, i, &sc, &st);
     int rs = m->be->sync(m->be); /* the last uploads, before the staging is freed */
     stage_close(&st);
     MT_CHECK(rc);
