@@ -609,6 +609,13 @@ int mt_job_ckpt_save_now(mt_job_ckpt *jc, mt_trainer *t)
 
 int mt_job_ckpt_wait(mt_job_ckpt *jc) { return jc ? progress(jc, 1) : MT_OK; }
 
+void mt_job_ckpt_stage_mem(mt_job_ckpt *jc, void **mem, size_t *bytes)
+{
+    const mt_train_snapshot *s = jc ? idle_snapshot(jc) : NULL;
+    *mem = s ? s->slab : NULL;
+    *bytes = s ? s->slab_bytes : 0;
+}
+
 void mt_job_ckpt_get_stats(mt_job_ckpt *jc, mt_job_ckpt_stats *s)
 {
     pthread_mutex_lock(&jc->mu);
