@@ -420,12 +420,14 @@ static int finish(mt_job_ckpt *jc)
         jc->st.failures++;
     }
     pthread_mutex_unlock(&jc->mu);
+    char copy[96] = "written from the trainer's memory";
+    if (jc->cur != &jc->view)
+        snprintf(copy, sizeof copy, "host copy %.1f ms at %.2f GB/s", jc->copy_ms,
+                 (double)jc->st.last_bytes / 1e6 / (jc->copy_ms > 0 ? jc->copy_ms : 1));
     if (rc == MT_OK && jc->rank == 0)
         MT_LOGI("checkpoint step_%08lld committed in %s: stall %.1f ms (waiting for the previous "
-                "save %.1f ms, host copy %.1f ms at %.2f GB/s), written in %.1f ms "
-                "(%.1f MB, %.0f MB/s)",
-                (long long)jc->step, jc->root, jc->st.last_stall_ms, jc->wait_ms, jc->copy_ms,
-                (double)jc->st.last_bytes / 1e6 / (jc->copy_ms > 0 ? jc->copy_ms : 1), ms,
+                "save %.1f ms, %s), written in %.1f ms (%.1f MB, %.0f MB/s)",
+                (long long)jc->step, jc->root, jc->st.last_stall_ms, jc->wait_ms, copy, ms,
                 (double)jc->st.last_bytes / 1e6, (double)jc->st.last_bytes / 1e3 / (ms > 0 ? ms : 1));
     else if (rc < 0)
         MT_LOGE("checkpoint step_%08lld failed: %s; the previous checkpoint stays the newest",
