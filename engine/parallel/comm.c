@@ -291,18 +291,18 @@ int mt_comm_gather_v(mt_comm *c, const void *send, size_t send_count, void *recv
     return gather_v_common(c, what, send, send_count, recv, counts, displs, dt, root);
 }
 
-int mt_comm_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts,
-                         const size_t *send_displs, void *recv, const size_t *recv_counts,
-                         const size_t *recv_displs, mt_comm_dtype dt)
+/* The checks of all_to_all_v (and its started form); names the op in what. */
+static int a2a_check(mt_comm *c, char *what, size_t what_cap, const char *op, const void *send,
+                     const size_t *send_counts, const size_t *send_displs, const void *recv,
+                     const size_t *recv_counts, const size_t *recv_displs, mt_comm_dtype dt)
 {
-    char what[128];
     size_t ns = 0, nr = 0;
     if (send_counts && recv_counts)
         for (int p = 0; p < c->size; p++) {
             ns += send_counts[p];
             nr += recv_counts[p];
         }
-    snprintf(what, sizeof what, "all_to_all_v(%s, %zu elements sent, %zu received)",
+    snprintf(what, what_cap, "%s(%s, %zu elements sent, %zu received)", op,
              mt_comm_dtype_name(dt), ns, nr);
     MT_CHECK(check_dt(c, what, dt));
     if (!send_counts || !send_displs || !recv_counts || !recv_displs)
@@ -313,10 +313,44 @@ int mt_comm_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts
     if (send_counts[c->rank] != recv_counts[c->rank])
         return MT_ERR(MT_EINVAL, CTX_FMT "%s: to itself %zu sent but %zu received", CTX_ARGS(c), what,
                       send_counts[c->rank], recv_counts[c->rank]);
+    return MT_OK;
+}
+
+int mt_comm_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts,
+                         const size_t *send_displs, void *recv, const size_t *recv_counts,
+                         const size_t *recv_displs, mt_comm_dtype dt)
+{
+    char what[128];
+    MT_CHECK(a2a_check(c, what, sizeof what, "all_to_all_v", send, send_counts, send_displs, recv,
+                       recv_counts, recv_displs, dt));
     return finish(c,
                   c->iface->all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts,
                                          recv_displs, dt),
                   what);
+}
+
+int mt_comm_all_to_all_v_start(mt_comm *c, const void *send, const size_t *send_counts,
+                               const size_t *send_displs, void *recv, const size_t *recv_counts,
+                               const size_t *recv_displs, mt_comm_dtype dt, mt_comm_req **req)
+{
+    *req = NULL;
+    char what[80]; /* a request's what[] */
+    MT_CHECK(a2a_check(c, what, sizeof what, "all_to_all_v_start", send, send_counts, send_displs,
+                       recv, recv_counts, recv_displs, dt));
+    if (!c->iface->all_to_all_v_start) /* done at once (local) */
+        return finish(c,
+                      c->iface->all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts,
+                                             recv_displs, dt),
+                      what);
+    int rc = c->iface->all_to_all_v_start(c, send, send_counts, send_displs, recv, recv_counts,
+                                          recv_displs, dt, req);
+    if (rc < 0) {
+        *req = NULL;
+        return mt_err_wrap(rc, CTX_FMT "%s", CTX_ARGS(c), what);
+    }
+    (*req)->c = c;
+    snprintf((*req)->what, sizeof (*req)->what, "%s", what);
+    return MT_OK;
 }
 
 int mt_comm_broadcast(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int root)

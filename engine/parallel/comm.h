@@ -255,6 +255,25 @@ int mt_comm_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_co
  * Volume per rank: sends (size - 1) x own bytes, receives total - own. */
 int mt_comm_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req);
 
+/* all_to_all_v, started: the exchange runs while the caller computes, and
+ * mt_comm_wait completes it (then the receive blocks hold the data and the
+ * send buffer may be reused). Arguments as all_to_all_v; the count and
+ * displacement arrays are read at start only, the buffers must not be
+ * touched between start and wait. *req may come back NULL (done already:
+ * the local backend, nothing to move); mt_comm_wait(NULL) is a no-op.
+ * Per backend: mpi posts every message at start (MPI progresses them in
+ * mt_comm_test and the wait); staged copies the send blocks down at start
+ * (the host waits for the compute stream's work so far), starts the mpi
+ * exchange on a host mirror of its own, and copies the received blocks up
+ * at wait; nccl enqueues the grouped send / recv on the side stream after
+ * the compute stream's work so far and the compute stream waits for it at
+ * mt_comm_wait only (device-side): kernels enqueued between start and wait
+ * run beside the exchange. Collective: every rank starts its exchanges in
+ * the same order. */
+int mt_comm_all_to_all_v_start(mt_comm *c, const void *send, const size_t *send_counts,
+                               const size_t *send_displs, void *recv, const size_t *recv_counts,
+                               const size_t *recv_displs, mt_comm_dtype dt, mt_comm_req **req);
+
 /* Lets a started operation progress without blocking (MPI progress for
  * host backends); *done = 1 once it has completed (wait still frees it). */
 int mt_comm_test(mt_comm_req *r, int *done);

@@ -48,6 +48,11 @@ typedef struct mt_comm_iface {
     int (*reduce_owned_start)(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
                               mt_comm_req **req);
     int (*gather_owned_start)(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req);
+    /* all_to_all_v started (comm.h); arguments checked. NULL: comm.c runs
+     * the blocking op and returns no request (local). */
+    int (*all_to_all_v_start)(mt_comm *c, const void *send, const size_t *send_counts,
+                              const size_t *send_displs, void *recv, const size_t *recv_counts,
+                              const size_t *recv_displs, mt_comm_dtype dt, mt_comm_req **req);
     /* device backends; NULL on host backends */
     int (*join)(mt_comm *c);  /* compute stream waits for the ops issued so far */
     int (*sync)(mt_comm *c);  /* the host waits for them */

@@ -447,6 +447,30 @@ static int nccl_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int redu
     return MT_OK;
 }
 
+/* all_to_all_v started: enqueued on the side stream as the blocking form
+ * is; the compute stream waits for it at mt_comm_wait (comm.c's join), so
+ * the kernels enqueued meanwhile run beside it. */
+static int nccl_all_to_all_v_start(mt_comm *c, const void *send, const size_t *send_counts,
+                                   const size_t *send_displs, void *recv,
+                                   const size_t *recv_counts, const size_t *recv_displs,
+                                   mt_comm_dtype dt, mt_comm_req **out)
+{
+    nccl_req *q = calloc(1, sizeof *q);
+    if (!q) return MT_ERR(MT_ENOMEM, "comm nccl: out of memory");
+    int rc = nccl_all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                               dt);
+    if (rc != MT_OK) {
+        free(q);
+        return rc;
+    }
+    q->h.test = nccl_req_test;
+    q->h.wait = nccl_req_wait;
+    q->h.free = nccl_req_free;
+    q->dev = c;
+    *out = &q->h;
+    return MT_OK;
+}
+
 static int nccl_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
                                    mt_comm_req **req)
 {
@@ -466,6 +490,7 @@ static const mt_comm_iface NCCL_IFACE = {
     .broadcast = nccl_broadcast,
     .reduce_owned_start = nccl_reduce_owned_start,
     .gather_owned_start = nccl_gather_owned_start,
+    .all_to_all_v_start = nccl_all_to_all_v_start,
     .sendrecv = nccl_sendrecv,
     .barrier = nccl_barrier,
     .split = nccl_split,
