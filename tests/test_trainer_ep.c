@@ -45,7 +45,16 @@
  *   4. the replicas agree: dense parameters are bit-identical on every
  *      rank, expert parameters on the ranks holding the same experts;
  *   5. a trainer for an ep > 1 job without the expert group is refused,
- *      naming what it needs (not silently built with every expert).
+ *      naming what it needs (not silently built with every expert);
+ *   6. parallel.ep_overlap = halves (each MoE layer's exchanges in two
+ *      parts of the local experts, pipelined with the experts' compute)
+ *      trains exactly as none: the same losses, balance loss and gradient
+ *      norm at every step and the same main parameters after the last,
+ *      bit for bit (every row travels to the same place and is computed
+ *      alike; each expert's weight gradient sums its own rows in one
+ *      GEMM either way), and so like one rank within property 1's bounds.
+ *      (etp 1 only: halves with etp > 1 is refused, as property 5's
+ *      refusals are.)
  * The reference trainer runs on each rank by itself (no communicator).
  *
  * ETP > 1 (expert tensor parallelism; N = 4, EP = 2, ETP = 2: tp 1, dp 4,
@@ -100,17 +109,30 @@ static int cuda_mode;
 static int etp_ = 1;
 static const char *cuda_comm = "staged"; /* or nccl: a GPU per rank */
 
+/* parallel.ep_overlap of the ep job ("none" or "halves") */
+static const char *overlap_ = "none";
+
+/* Property 6: what the job with ep_overlap = none ended with (this rank's
+ * view), for the halves run to match bit for bit. */
+static struct {
+    int have;
+    mt_step_metrics m[STEPS];
+    float *main; /* this rank's main parameters in table order */
+    int64_t n;
+} none_run;
+
 static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                      const char *recipe, int world, int ep, int etp)
 {
-    char path[1200], data[1200], rec[64], eps[32], etps[32], comm[64];
+    char path[1200], data[1200], rec[64], eps[32], etps[32], comm[64], ovl[64];
+    snprintf(ovl, sizeof ovl, "parallel.ep_overlap=%s", ep > 1 ? overlap_ : "none");
     snprintf(comm, sizeof comm, "parallel.comm=%s", cuda_comm);
     snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
     snprintf(data, sizeof data, "data.path=%s", corpus);
     snprintf(rec, sizeof rec, "precision.recipe=%s", recipe);
     snprintf(eps, sizeof eps, "parallel.ep=%d", ep);
     snprintf(etps, sizeof etps, "parallel.etp=%d", etp);
-    const char *sets[] = {data, rec, eps, etps, "batch.seq_len=32", "batch.micro_batch_size=1",
+    const char *sets[] = {data, rec, eps, etps, ovl, "batch.seq_len=32", "batch.micro_batch_size=1",
                           "batch.global_batch_size=4", "train.steps=3",
                           "lr_schedule.warmup_steps=1", "data.valid_interval=0",
                           "train.log_interval=1000", "backend=cuda", comm};
@@ -195,9 +217,12 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
               (long long)d->off[1], Fl, F, down ? "columns" : "rows", etp_rank * Fl);
     }
 
+    const int halves = !strcmp(overlap_, "halves");
+    mt_step_metrics mine[STEPS];
     for (int s = 0; s < STEPS; s++) {
         mt_step_metrics me, m1;
         if ((rc = mt_job_step(job, &me)) < 0) die("ep step", rc);
+        mine[s] = me;
         if (ref) {
             if ((rc = mt_trainer_step(ref, &m1)) < 0) die("reference step", rc);
         } else {
@@ -233,10 +258,11 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
         CHECK(t->consumed_samples == (int64_t)(s + 1) * 4, "%s step %d: consumed %lld samples",
               recipe, s + 1, (long long)t->consumed_samples);
         if (rt->rank == 0)
-            printf("%s%s ep=%d etp=%d step %d: loss %.9f (one rank %.9f), mtp %.9f (%.9f), aux "
-                   "%.6g (%.6g), grad norm %.6g (%.6g)\n",
-                   cuda_mode ? "cuda " : "", recipe, ep, etp_, s + 1, me.loss, m1.loss, me.mtp_loss, m1.mtp_loss, me.aux_loss,
-                   m1.aux_loss, me.grad_norm, m1.grad_norm);
+            printf("%s%s ep=%d etp=%d%s step %d: loss %.9f (one rank %.9f), mtp %.9f (%.9f), "
+                   "aux %.6g (%.6g), grad norm %.6g (%.6g)\n",
+                   cuda_mode ? "cuda " : "", recipe, ep, etp_, halves ? " halves" : "", s + 1,
+                   me.loss, m1.loss, me.mtp_loss, m1.mtp_loss, me.aux_loss, m1.aux_loss,
+                   me.grad_norm, m1.grad_norm);
     }
 
     /* 1. parameters against one rank's, by name (CPU) */
@@ -279,6 +305,52 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
         printf("%s ep=%d etp=%d: parameters differ from one rank's by up to %.3g, %.3g on "
                "average; rank 0: %lld E4M3 weights differ\n", recipe, ep, etp_, all_max[0], all_max[1],
                (long long)flips);
+
+    /* 6. halves against none, bit for bit (CPU): the none run keeps what it
+     * ended with, the halves run after it compares */
+    if (!cuda_mode && ep > 1) {
+        int64_t n = 0;
+        for (int i = 0; i < m->table.n; i++)
+            if (m->params[i].grad && main_of(t, i)) n += mt_param_numel(&m->params[i].d);
+        float *cur = malloc((size_t)n * 4 + 4);
+        if (!cur) die("out of memory", MT_ENOMEM);
+        int64_t at = 0;
+        for (int i = 0; i < m->table.n; i++)
+            if (m->params[i].grad && main_of(t, i)) {
+                memcpy(cur + at, main_of(t, i), (size_t)mt_param_numel(&m->params[i].d) * 4);
+                at += mt_param_numel(&m->params[i].d);
+            }
+        if (!halves) {
+            free(none_run.main);
+            none_run.have = 1;
+            memcpy(none_run.m, mine, sizeof mine);
+            none_run.main = cur;
+            none_run.n = n;
+        } else {
+            CHECK(none_run.have, "%s: halves without a none run before it", recipe);
+            for (int s = 0; s < STEPS && none_run.have; s++) {
+                const mt_step_metrics *a = &mine[s], *b = &none_run.m[s];
+                CHECK(a->loss == b->loss && a->mtp_loss == b->mtp_loss &&
+                          a->aux_loss == b->aux_loss && a->grad_norm == b->grad_norm,
+                      "%s step %d: halves loss %.17g mtp %.17g aux %.17g norm %.17g; none "
+                      "%.17g %.17g %.17g %.17g", recipe, s + 1, a->loss, a->mtp_loss,
+                      a->aux_loss, a->grad_norm, b->loss, b->mtp_loss, b->aux_loss, b->grad_norm);
+            }
+            int64_t differ = 0;
+            if (none_run.have && none_run.n == n)
+                for (int64_t k = 0; k < n; k++) differ += memcmp(&cur[k], &none_run.main[k], 4) != 0;
+            CHECK(none_run.have && none_run.n == n && differ == 0,
+                  "%s: halves vs none: %lld of %lld main parameter values differ (%lld held by "
+                  "none)", recipe, (long long)differ, (long long)n, (long long)none_run.n);
+            if (rt->rank == 0 && none_run.have)
+                printf("%s ep=%d halves: %d steps and %lld main parameter values (rank 0) equal "
+                       "to none, bit for bit: %s\n", recipe, ep, STEPS, (long long)n,
+                       differ == 0 ? "yes" : "NO");
+            free(cur);
+            free(none_run.main);
+            memset(&none_run, 0, sizeof none_run);
+        }
+    }
 
     /* 4. replicas bit-identical: the compute copies, over the world for the
      * dense parameters, over edp for this rank's experts (min and max agree) */
@@ -361,15 +433,40 @@ int main(int argc, char **argv)
         mt_err_clear();
         be->destroy(be);
     }
+    /* 6.: halves where there are two parts of at least one expert each */
+    const int try_halves = ep > 1 && etp_ == 1;
+    if (try_halves && !cuda_mode) { /* refused with etp > 1, naming the setting */
+        mt_jobspec j;
+        char data[1200];
+        snprintf(data, sizeof data, "data.path=%s", corpus);
+        char path[1200];
+        snprintf(path, sizeof path, "%s/tiny-cpu.json", argv[1]);
+        const char *sets[] = {data, "parallel.ep=2", "parallel.etp=2",
+                              "parallel.ep_overlap=halves"};
+        rc = mt_jobspec_load(&j, path, sets, 4);
+        if (rc == MT_OK) rc = mt_jobspec_validate(&j, 0);
+        CHECK(rc == MT_EINVAL && strstr(mt_errmsg(), "parallel.ep_overlap"),
+              "halves with etp 2: %d %s", rc, mt_errmsg());
+        mt_err_clear();
+    }
     if (cuda_mode) { /* parameters: no bounds (not compared) */
-        run_recipe(rt, argv[1], corpus, "bf16", ep, 2e-3, 0, 0);
-        run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 2e-3, 0, 0);
+        for (int h = 0; h <= try_halves; h++) {
+            overlap_ = h ? "halves" : "none";
+            run_recipe(rt, argv[1], corpus, "bf16", ep, 2e-3, 0, 0);
+            run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 2e-3, 0, 0);
+        }
     } else if (etp_ > 1) { /* the tiny model's F = 64 cuts FP8 128-blocks: bf16 */
         run_recipe(rt, argv[1], corpus, "fp32", ep, 1e-5, 3e-5, 3e-7);
         run_recipe(rt, argv[1], corpus, "bf16", ep, 1e-3, 2e-2, 3e-4);
     } else {
-        run_recipe(rt, argv[1], corpus, "fp32", ep, 1e-5, 3e-5, 3e-7);
-        run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 1e-3, 2e-2, 3e-4);
+        for (int h = 0; h <= try_halves; h++) { /* none, then halves (6. compares) */
+            overlap_ = h ? "halves" : "none";
+            run_recipe(rt, argv[1], corpus, "fp32", ep, 1e-5, 3e-5, 3e-7);
+        }
+        for (int h = 0; h <= try_halves; h++) {
+            overlap_ = h ? "halves" : "none";
+            run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 1e-3, 2e-2, 3e-4);
+        }
     }
 
     int all_ok = mt_runtime_agree(rt, failures == 0);

@@ -49,6 +49,7 @@ void mt_trainer_model_opts(mt_model_opts *o, const mt_jobspec *j)
     o->mtp_weight = j->loss.mtp_weight;
     o->aux_alpha = j->loss.aux_alpha;
     o->expert_align = 0;
+    o->ep_overlap = j->ep_overlap == MT_EP_OVERLAP_HALVES;
 }
 
 static int open_data(mt_trainer *t)
