@@ -17,7 +17,8 @@
  *    same bits on every rank (gathered and compared);
  *  - all_gather (in and out of place), all_gather_v and gather_v (every
  *    root, zero counts, displacements out of order with gaps: the gaps stay
- *    untouched), all_to_all_v (per-pair counts with zeros, gaps), broadcast
+ *    untouched), all_to_all_v and its started form (per-pair counts with
+ *    zeros, gaps; start, test, wait), broadcast
  *    from every root, send / recv around a ring, sendrecv both ways;
  *    pipeline messages (tagged, buffered isend; receives in another order);
  *  - split: group sizes, ranks ordered by key, NO_COLOR gives none, ops on
@@ -461,7 +462,9 @@ static void t_gather_v(mt_comm *c, mt_comm_dtype dt, int k, int root, uint64_t s
  * Element j of the block p -> q is gen(seed, p, 1000 q + j). */
 static size_t cnt_pq(int p, int q, int k) { return (size_t)((p + 2 * q + k) % 4); }
 
-static void t_all_to_all_v(mt_comm *c, mt_comm_dtype dt, int k, uint64_t seed)
+/* started: through mt_comm_all_to_all_v_start, a test and the wait (the
+ * same blocks, the same gaps) */
+static void t_all_to_all_v(mt_comm *c, mt_comm_dtype dt, int k, int started, uint64_t seed)
 {
     const int n = mt_comm_size(c), me = mt_comm_rank(c);
     const size_t es = mt_comm_dtype_size(dt);
@@ -477,7 +480,8 @@ static void t_all_to_all_v(mt_comm *c, mt_comm_dtype dt, int k, uint64_t seed)
         roff += rcn[p] + 2;
     }
     char what[80];
-    snprintf(what, sizeof what, "all_to_all_v %s pattern %d", mt_comm_dtype_name(dt), k);
+    snprintf(what, sizeof what, "all_to_all_v%s %s pattern %d", started ? "_start" : "",
+             mt_comm_dtype_name(dt), k);
     char *in = malloc(soff * es + 1), *out = malloc(roff * es + 1), *want = malloc(roff * es + 1);
     unsigned char *mask = calloc(roff * es + 1, 1);
     memset(in, 0, soff * es);
@@ -491,7 +495,16 @@ static void t_all_to_all_v(mt_comm *c, mt_comm_dtype dt, int k, uint64_t seed)
     char *ds = buf_alloc(soff * es), *dr = buf_alloc(roff * es);
     buf_put(ds, in, soff * es);
     buf_put(dr, out, roff * es);
-    int rc = mt_comm_all_to_all_v(c, ds, sc, sd, dr, rcn, rd, dt);
+    int rc;
+    if (started) {
+        mt_comm_req *r = NULL;
+        int done = 0;
+        rc = mt_comm_all_to_all_v_start(c, ds, sc, sd, dr, rcn, rd, dt, &r);
+        if (rc == 0) rc = mt_comm_test(r, &done);
+        if (rc == 0) rc = mt_comm_wait(r);
+    } else {
+        rc = mt_comm_all_to_all_v(c, ds, sc, sd, dr, rcn, rd, dt);
+    }
     if (rc < 0) FAIL("%s%s: %s", LABEL, what, mt_errmsg());
     buf_get(out, dr, roff * es);
     if (rc == 0 && memcmp(out, want, roff * es) == 0) n_pass++;
@@ -666,7 +679,9 @@ static void run_ops(mt_comm *c, int big, uint64_t seed)
             t_gather_v(c, move[t], k, -1, seed + (uint64_t)k);
             for (int root = 0; root < n; root++) t_gather_v(c, move[t], k, root, seed + 5 + (uint64_t)k);
         }
-        for (int k = 0; k < 4; k++) t_all_to_all_v(c, move[t], k, seed + 11 + (uint64_t)k);
+        for (int k = 0; k < 4; k++)
+            for (int st = 0; st < 2; st++)
+                t_all_to_all_v(c, move[t], k, st, seed + 11 + (uint64_t)k);
         for (int root = 0; root < n; root++) {
             t_broadcast(c, move[t], 0, root, seed);
             t_broadcast(c, move[t], 1, root, seed + 1);
@@ -807,7 +822,8 @@ static void t_split(mt_comm *c, uint64_t seed)
     const char *saved = LABEL;
     LABEL = "[split] ";
     t_all_reduce(s, MT_COMM_BF16, MT_COMM_SUM, 33, 0, 0, seed);
-    t_all_to_all_v(s, MT_COMM_F32, 1, seed);
+    t_all_to_all_v(s, MT_COMM_F32, 1, 0, seed);
+    t_all_to_all_v(s, MT_COMM_F32, 1, 1, seed);
     LABEL = saved;
     mt_comm_destroy(s);
 }
