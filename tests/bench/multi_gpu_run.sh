@@ -158,7 +158,7 @@ if want ckpt; then
   rm -rf "$dir"; mkdir -p "$dir"
   sets=(); for kv in ${layout//,/ }; do sets+=(--set "parallel.$kv"); done
   ck=(--job "$ex/dsv3-proxy.json" --set data.path="$bundle/data/synth-dsv3" --set data.valid_interval=0
-      --set checkpoint.dir="$dir" --set checkpoint.async=true ${PROXY_SETS:-})
+      --set checkpoint.dir="$dir" --set checkpoint.async=true --set lr_schedule.warmup_steps=2 ${PROXY_SETS:-})
   echo "== ckpt: the proxy at $layout on $ngpu GPUs saves at steps 2 and 4 into $dir"
   mpi "$ngpu" "$bin/moetraind" "${ck[@]}" "${sets[@]}" --set parallel.dp=0 --set train.steps=4 \
     --set checkpoint.interval=2 --metrics-jsonl "$out/ckpt-save.jsonl" > "$out/ckpt-save.log" 2>&1
