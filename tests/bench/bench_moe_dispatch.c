@@ -212,10 +212,12 @@ static void layer_bench(mt_comm *c, mt_moe_dispatcher *d, mt_backend *be, mt_moe
     int same = memcmp(a, b, act * R * D) == 0, all_same;
     free(a);
     free(b);
-    MUST(mt_comm_all_reduce(c, &same, &all_same, 1, MT_COMM_I32, MT_COMM_MIN));
+    /* host values: through the host side of a device communicator */
+    mt_comm *hc = mt_comm_host(c);
+    MUST(mt_comm_all_reduce(hc, &same, &all_same, 1, MT_COMM_I32, MT_COMM_MIN));
     double tmax[4];
     for (int k = 0; k < 4; k++) t[k] /= iters;
-    MUST(mt_comm_all_reduce(c, t, tmax, 4, MT_COMM_F64, MT_COMM_MAX));
+    MUST(mt_comm_all_reduce(hc, t, tmax, 4, MT_COMM_F64, MT_COMM_MAX));
     if (rank_ == 0) {
         printf("MoE layer forward (--layer): ranks %d, tokens/rank %d, hidden %d, ffn %d, top-%d "
                "of %d experts (%d per rank), %s wire, %d iterations, %s\n", P, N, D, F, K,
