@@ -197,13 +197,14 @@ static int experts_fwd(const mt_ctx *c, mt_moe *m, int e0, int e1, void *yl, con
 
 /* The forward's exchanges and experts in two parts (parallel.ep_overlap =
  * halves), A = local experts [0, h), B = [h, E_local):
- *   dispatch A | dispatch B beside experts A | combine A beside experts B
- *   | combine B.
+ *   dispatch A beside the shared expert (y_shared not NULL: y = shared(xn)
+ *   is computed there) | dispatch B beside experts A | combine A beside
+ *   experts B | combine B.
  * Every row lands where the plain path puts it and is computed alike, so
  * yp is the plain path's, bit for bit. xq, xs: the tokens quantised (the
  * FP8 payload), else NULL. */
 static int moe_fwd_halves(const mt_ctx *c, mt_moe *m, void *yl, const void *xn,
-                          const uint8_t *xq, const float *xs)
+                          const uint8_t *xq, const float *xs, void *y_shared)
 {
     mt_backend *be = c->be;
     mt_moe_dispatcher *d = m->disp;
@@ -216,6 +217,7 @@ static int moe_fwd_halves(const mt_ctx *c, mt_moe *m, void *yl, const void *xn,
         else
             MT_CHECK(d->dispatch_start(d, be, &m->plan, lo[k], hi[k], m->xl_buf, NULL, xn,
                                        m->src, D));
+        if (k == 0 && y_shared) MT_CHECK(mt_ffn_fwd(c, &m->shared, y_shared, 0, xn));
         if (k == 0) MT_CHECK(d->finish(d)); /* A arrived; B travels from here */
     }
     m->xl = m->xl_buf;
@@ -262,9 +264,12 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
         MT_CHECK(m->disp->counts(m->disp, be, &m->plan, m->rows));
         void *yl;
         MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
-        MT_CHECK(moe_fwd_halves(c, m, yl, xn, xq, xs));
+        /* the shared expert beside the first dispatch (not under tp: its
+         * sums over the tp group stay out of an exchange's way) */
+        const int shared_beside = m->has_shared && !mt_tp_on(c);
+        MT_CHECK(moe_fwd_halves(c, m, yl, xn, xq, xs, shared_beside ? y : NULL));
         mt_ws_release(c->ws, mark);
-        if (m->has_shared) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
+        if (m->has_shared && !shared_beside) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
         return be->moe_unpermute(be, y, m->has_shared, m->yp, m->slot, m->w, N, K, D);
     }
     if (m->fp8_wire) {
@@ -327,15 +332,19 @@ static int experts_bwd(const mt_ctx *c, mt_moe *m, int e0, int e1, void *dxl, co
 }
 
 /* The backward's exchanges and experts in two parts (as moe_fwd_halves):
- * dispatch dyp A | dispatch B beside experts A's backward | combine dxl A
- * beside B's | combine B. dyl_buf [Rl, D] holds dyl, then dxl in place. */
-static int moe_bwd_halves(const mt_ctx *c, mt_moe *m, void *dxp, void *dyl_buf, const void *dyp)
+ * dispatch dyp A beside the shared expert's backward (shared: dxn =
+ * shared's input gradient of dy is computed there) | dispatch B beside
+ * experts A's backward | combine dxl A beside B's | combine B. dyl_buf
+ * [Rl, D] holds dyl, then dxl in place. */
+static int moe_bwd_halves(const mt_ctx *c, mt_moe *m, void *dxp, void *dyl_buf, const void *dyp,
+                          int shared, void *dxn, const void *dy, const void *xn)
 {
     mt_backend *be = c->be;
     mt_moe_dispatcher *d = m->disp;
     const int D = m->D, h = m->half, El = m->E_local;
     const int lo[2] = {0, h}, hi[2] = {h, El};
     MT_CHECK(d->dispatch_start(d, be, &m->plan, 0, h, dyl_buf, dyp, NULL, NULL, D));
+    if (shared) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
     MT_CHECK(d->finish(d));
     MT_CHECK(d->dispatch_start(d, be, &m->plan, h, El, dyl_buf, dyp, NULL, NULL, D));
     for (int k = 0; k < 2; k++) {
@@ -361,12 +370,16 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
     MT_WS(dlogits, c->ws, (size_t)N * E * 4);
     MT_WS(dlog_act, c->ws, (size_t)N * E * act);
 
-    if (m->has_shared) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
+    /* halves: the shared expert's backward beside the first dispatch (not
+     * under tp, as in the forward); dxn is written (=) before the routed
+     * part adds to it either way */
+    const int shared_beside = m->halves && m->has_shared && !mt_tp_on(c);
+    if (m->has_shared && !shared_beside) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
     MT_CHECK(be->moe_unpermute_bwd(be, dyp, dw, dy, m->yp, m->slot, m->w, N, K, D, m->R));
     /* The reverse of combine is a dispatch of the gradients (with the
      * forward's plan), and the reverse of dispatch a combine. */
     if (m->halves) {
-        MT_CHECK(moe_bwd_halves(c, m, dxp, dyl_buf, dyp));
+        MT_CHECK(moe_bwd_halves(c, m, dxp, dyl_buf, dyp, shared_beside, dxn, dy, xn));
     } else {
         void *dyl;
         MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 0, &dyl, dyl_buf, dyp, NULL, NULL,

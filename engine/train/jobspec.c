@@ -64,7 +64,7 @@ static const mt_field job_fields[] = {
     E("parallel.ep_overlap", ep_overlap, "none", ep_overlap_names,
       "expert parallelism: none, or halves (each MoE layer's exchanges in two parts, the "
       "first half of every rank's experts and the second, so that one part travels while "
-      "the other's experts compute; bit-identical results)"),
+      "the other's experts (or the shared expert) compute; bit-identical results)"),
     E("precision.recipe", precision.recipe, "fp8-blockwise", recipe_names,
       "linear-layer precision"),
     E("precision.main_params", precision.main_params, "fp32", main_names,
