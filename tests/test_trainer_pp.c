@@ -255,6 +255,7 @@ int main(int argc, char **argv)
     if (rc < 0) die("runtime", rc);
     rank_ = rt->rank;
     mt_log_set_rank(rt->rank);
+    const int ep_mode = argc > 2 && strcmp(argv[2], "ep") == 0;
     if (rt->size != 2 && rt->size != 4) {
         if (rt->rank == 0) fprintf(stderr, "SKIP: needs 2 or 4 ranks, not %d\n", rt->size);
         mt_runtime_destroy(rt);
@@ -266,7 +267,18 @@ int main(int argc, char **argv)
     snprintf(corpus, sizeof corpus, "%s/syn", tmp);
     if (mt_test_synth(corpus, "--vocab 64 --tokens 60000 --seed 11") != 0) die("synth", MT_EIO);
 
-    if (rt->size == 2) {
+    if (ep_mode) {
+        /* pp x ep: each stage's 2 ranks exchange their tokens over the
+         * stage's ep group, at the same actions of the stage's table */
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.dp=2 parallel.ep=2",
+                   "pp2xep2-1f1b");
+        run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.dp=2 "
+                       "parallel.ep=2 parallel.schedule=dualpipev batch.global_batch_size=8",
+                       "pp2xep2-dualpipev-whole-bwd", 1, 2e-6);
+        run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.dp=2 "
+                       "parallel.ep=2 parallel.schedule=dualpipev batch.global_batch_size=8",
+                       "pp2xep2-dualpipev", 2, 2e-6);
+    } else if (rt->size == 2) {
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.schedule=1f1b", "pp2-1f1b");
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.schedule=interleaved",
                    "pp2-vpp2-interleaved");
