@@ -29,7 +29,8 @@
  * transfer is cut into many pieces (the path of counts above INT_MAX).
  * Device memory (--mem device, GPU build): buffers live on the GPU,
  * checked after download; also an overlapped op on a side stream, and ops
- * ordered on a non-blocking compute stream with no host wait.
+ * ordered on a non-blocking compute stream with no host wait (collectives,
+ * and two pipeline messages received back to back).
  * Exit: 0 all passed, 1 a check failed (on any rank), 77 skipped (no GPU,
  * or fewer GPUs than ranks for nccl).
  */
@@ -1017,6 +1018,53 @@ static void t_stream_ordered(mt_comm *c, uint64_t seed)
     cudaStreamDestroy(s);
     free(h), free(want), free(got);
 }
+
+/* Pipeline messages in the runtime's pattern (a non-blocking compute
+ * stream, no host wait): two messages received back to back into two
+ * device buffers while the compute stream is still busy land each in its
+ * own buffer (the staged copy up of the first must leave the pinned
+ * buffer before the second receive writes it). Backends with pipeline
+ * messages only (mpi through staged on device memory). */
+static void t_pipe_stream_ordered(mt_comm *c, uint64_t seed)
+{
+    const int n = mt_comm_size(c), me = mt_comm_rank(c);
+    if (n < 2 || mt_comm_backend_of(c) != MT_COMM_STAGED) return;
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    const size_t count = 4099, b = count * 4, big = (size_t)32 << 20;
+    float *h = malloc(b), *want = malloc(b), *got = malloc(b);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    float *ds = buf_alloc(b), *dr[2] = {buf_alloc(b), buf_alloc(b)};
+    char *slow = buf_alloc(2 * big);
+    MUST(mt_comm_set_stream(c, s));
+    for (int k = 0; k < 2; k++) {
+        gen(h, MT_COMM_F32, count, seed + (uint64_t)k, me, 0, 1);
+        buf_put(ds, h, b);
+        int rc = mt_comm_isend(c, ds, count, MT_COMM_F32, next, 11 + k);
+        if (rc < 0) FAIL("pipeline isend tag %d, stream ordered: %s", 11 + k, mt_errmsg());
+    }
+    /* ~2 ms of device copies ahead of the receives' copies up */
+    for (int k = 0; k < 32; k++) cudaMemcpyAsync(slow + big, slow, big, cudaMemcpyDeviceToDevice, s);
+    int rc = 0;
+    for (int k = 0; k < 2 && rc == 0; k++)
+        rc = mt_comm_recv_tag(c, dr[k], count, MT_COMM_F32, prev, 11 + k);
+    for (int k = 0; k < 2; k++) {
+        memset(got, 0, b);
+        if (rc == 0) cudaMemcpyAsync(got, dr[k], b, cudaMemcpyDeviceToHost, s);
+        cudaError_t e = cudaStreamSynchronize(s);
+        gen(want, MT_COMM_F32, count, seed + (uint64_t)k, prev, 0, 1);
+        if (rc == 0 && e == cudaSuccess && memcmp(got, want, b) == 0) n_pass++;
+        else FAIL("pipeline receive %d of 2 back to back on a busy non-blocking compute stream: "
+                  "%s", k + 1, rc ? mt_errmsg() : e != cudaSuccess ? cudaGetErrorString(e)
+                                                  : "wrong data (the other message's?)");
+    }
+    MUST(mt_comm_wait_sends(c));
+    MUST(mt_comm_sync(c));
+    MUST(mt_comm_set_stream(c, NULL));
+    buf_free(ds), buf_free(dr[0]), buf_free(dr[1]), buf_free(slow);
+    cudaStreamDestroy(s);
+    free(h), free(want), free(got);
+}
 #endif
 
 int main(int argc, char **argv)
@@ -1106,6 +1154,7 @@ int main(int argc, char **argv)
 #ifdef TEST_COMM_GPU
         if (MEM_DEVICE && !pass) t_overlap(C, seed + 7);
         if (MEM_DEVICE && !pass) t_stream_ordered(C, seed + 8);
+        if (MEM_DEVICE && !pass) t_pipe_stream_ordered(C, seed + 9);
 #endif
         mt_comm_destroy(C);
         C = NULL;

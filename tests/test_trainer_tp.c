@@ -1,6 +1,6 @@
 /* test_trainer_tp.c - tensor parallelism is one rank, spread out.
  *
- *   test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp]
+ *   test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp|pp2ep2]
  *
  * Run under mpirun with N = 2 or 4 ranks: tp = 2, dp = N / 2 (with "sp":
  * parallel.sequence_parallel on; with "ep2": ep = 2 folded over the tp x dp
@@ -8,7 +8,11 @@
  * N = 4: tp = 2 x pp = 2 (1F1B, layer 0 and the embedding on stage 0,
  * layer 1, head, MTP and the embedding's replica on stage 1), the same
  * bounds (fp32 measured 1.2e-7 and 3.2e-5, bf16 1.2e-4 and 1.0e-2:
- * as tp alone); "pp2sp" with sequence parallelism). The tiny example's model (4 heads, dense
+ * as tp alone); "pp2sp" with sequence parallelism; "pp2ep2", N = 4: tp 2
+ * x pp 2 x ep 2 (dp 1, edp 1: each stage's two tp ranks are its ep group,
+ * each holding 4 of the 8 experts; the MoE layer 1 and the MTP block on
+ * stage 1 dispatch over it, stage 0 has only the dense layer 0), the same bounds (fp32 measured 1.2e-7 and 3.2e-5, bf16 1.2e-4
+ * and 1.0e-2)). The tiny example's model (4 heads, dense
  * FFN 256, one shared expert of 64, vocabulary 64, MTP depth 1, 8 routed
  * experts replicated over tp) runs through the runtime; each rank holds half
  * of every split parameter. Properties, for the fp32 recipe (the only

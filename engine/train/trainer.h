@@ -100,7 +100,15 @@
  * stage's embedding and the last stage's head and replica split by
  * vocabulary rows alike); activations and their gradients go between the
  * same tp rank of neighbouring stages (under sequence parallelism, its
- * rows). Pipeline with expert parallelism is not run yet: refused.
+ * rows). With expert parallelism each stage's TP x DP ranks refold as
+ * ETP x EP x EDP (layout.h; etp 1 under pp): the stage's MoE layers (its
+ * chunks' decoder layers, and MTP's on the last stage) dispatch over the
+ * stage's ep group from inside the executor's FWD and BWD / BWD_IN
+ * actions (per-slot plans: several micro-batches in flight per chunk).
+ * Every ep rank of a stage runs the same action list, so their exchanges
+ * pair up in the same order; BWD_W only replays local GEMMs. The rules
+ * above hold per stage: expert gradients over edp, dense over dp, loads
+ * over dp (each stage its own layers), norm over dp, tp, then pp.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or
