@@ -230,6 +230,12 @@ int mt_pipeline_create(mt_pipeline *p, const mt_layout *l, const mt_model_config
     if (pp && mt_comm_size(pp) != l->pp)
         return MT_ERR(MT_EINVAL, "pipeline: the pp group has %d ranks, the layout %d",
                       mt_comm_size(pp), l->pp);
+    /* collective over the group: every stage creates its plan at once, and
+     * before anything that could fail on one stage alone */
+    if (pp) {
+        int ro = mt_comm_pipe_open(pp);
+        if (ro < 0) return mt_err_wrap(ro, "pipeline: opening the pp group for messages");
+    }
     int rc = mt_schedule_build(&p->sched, l, n_mb);
     if (rc < 0) return mt_err_wrap(rc, "pipeline: the schedule for %d micro-batches", n_mb);
     char err[256];
