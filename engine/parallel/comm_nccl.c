@@ -819,10 +819,13 @@ static int nccl_wait_sends(mt_comm *c)
 }
 
 /* mt_comm_sync: the receives too (they need no host: each was posted
- * after its send), not the sends (wait_sends). */
+ * after its send) and the compute stream, where recv_tag copies a message
+ * out (a caller fencing on the host, MT_COMM_HOST_SYNC, reads it after
+ * the sync); not the sends (wait_sends). */
 static int pipe_sync(mt_comm *c)
 {
     nccl_pipe *p = CTX(c)->pipe;
+    if (p) MT_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)c->stream));
     for (int l = 0; p && l < p->n_link; l++) {
         pipe_link *L = &p->link[l];
         MT_CUDA_CHECK(cudaStreamSynchronize(L->sfrom));
