@@ -514,7 +514,14 @@ static int nccl_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, m
  * reaches the call that MPI's buffered sends need too: a schedule that
  * runs on the mpi backend runs here. Not covered: device-wide waits
  * (cudaDeviceSynchronize, cudaFree) during a step, which would wait for an
- * undelivered send and so for the peer's host; the engine waits on streams.
+ * undelivered send and so for the peer's host (the engine waits on
+ * streams); NCCL_LAUNCH_ORDER_IMPLICIT=1, which runs the kernels of all
+ * communicators of the device in launch order (a later receive behind an
+ * earlier send); and streams that share a hardware queue (more streams
+ * than CUDA_DEVICE_MAX_CONNECTIONS, default 8), where work queued behind a
+ * waiting send may wait with it - if a run hangs with sends "not taken"
+ * (wait_sends warns), CUDA_DEVICE_MAX_CONNECTIONS=32 is the first thing
+ * to try.
  * Pool (bounded): a buffer is held by a send until its ncclSend has
  * completed (an event query, never a wait), by a receive from its post
  * until recv_tag copies it out (free at once then: later users wait for
@@ -945,8 +952,11 @@ static void pipe_close(mt_comm *c)
         if (!stuck && L->sto) cudaStreamSynchronize(L->sto);
         if (!stuck && L->sfrom) cudaStreamSynchronize(L->sfrom);
         ncclComm_t order[2] = {L->lo_first ? L->to : L->from, L->lo_first ? L->from : L->to};
-        for (int d = 0; d < 2; d++)
-            if (order[d]) stuck ? ncclCommAbort(order[d]) : ncclCommDestroy(order[d]);
+        for (int d = 0; d < 2; d++) {
+            if (!order[d]) continue;
+            if (stuck) ncclCommAbort(order[d]);
+            else ncclCommDestroy(order[d]);
+        }
     }
     for (int i = 0; i < p->n_buf; i++) {
         if (p->buf[i].dev) cudaFree(p->buf[i].dev);
