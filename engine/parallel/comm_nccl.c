@@ -696,6 +696,8 @@ static int nccl_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype d
     b->tag = tag;
     b->bytes = bytes;
     b->seq = L->sent++;
+    MT_LOGD("comm nccl %d/%d: pipeline send %lld to rank %d: tag %d, %zu bytes (pool buffer %d "
+            "of %d)", c->rank, c->size, b->seq, peer, tag, bytes, k, p->n_buf);
     const pipe_note note = {tag, (int64_t)bytes};
     rc = p->ann->iface->isend(p->ann, &note, sizeof note, MT_COMM_BYTE, peer, PIPE_NOTE_TAG);
     if (rc < 0)
@@ -748,6 +750,9 @@ static int nccl_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, 
         b->tag = (int)note.tag;
         b->bytes = (size_t)note.bytes;
         b->seq = L->received++;
+        MT_LOGD("comm nccl %d/%d: pipeline receive %lld from rank %d posted: tag %d, %zu bytes "
+                "(pool buffer %d of %d; wanted: tag %d)", c->rank, c->size, b->seq, peer, b->tag,
+                b->bytes, j, p->n_buf, tag);
         if (b->tag == tag) k = pool_find(p, peer, tag);
     }
     pipe_buf *b = &p->buf[k];
@@ -929,6 +934,13 @@ static int nccl_pipe_open(mt_comm *c)
 out:
     if (byte) cudaFree(byte);
     dev_leave(x, saved);
+    if (rc == MT_OK && p->n_link > 0) {
+        char who[48];
+        if (p->n_link > 1) snprintf(who, sizeof who, "ranks %d and %d", p->link[0].peer, p->link[1].peer);
+        else snprintf(who, sizeof who, "rank %d", p->link[0].peer);
+        MT_LOGI("comm nccl %d/%d: pipeline links with %s ready (two 2-rank NCCL communicators "
+                "each)", me, n, who);
+    }
     return rc;
 }
 
