@@ -936,8 +936,10 @@ out:
     dev_leave(x, saved);
     if (rc == MT_OK && p->n_link > 0) {
         char who[48];
-        if (p->n_link > 1) snprintf(who, sizeof who, "ranks %d and %d", p->link[0].peer, p->link[1].peer);
-        else snprintf(who, sizeof who, "rank %d", p->link[0].peer);
+        if (p->n_link > 1)
+            snprintf(who, sizeof who, "ranks %d and %d", p->link[0].peer, p->link[1].peer);
+        else
+            snprintf(who, sizeof who, "rank %d", p->link[0].peer);
         MT_LOGI("comm nccl %d/%d: pipeline links with %s ready (two 2-rank NCCL communicators "
                 "each)", me, n, who);
     }
