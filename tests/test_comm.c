@@ -687,7 +687,8 @@ static void t_pipe_echo(mt_comm *c, size_t count, uint64_t seed)
         }
 #define ECHO_FILL(dst, src) (MEM_DEVICE ? (void)cudaMemcpyAsync(dst, src, b, cudaMemcpyDefault, s) \
                                         : (void)memcpy(dst, src, b))
-#define ECHO_CLOBBER(dst) (MEM_DEVICE ? (void)cudaMemsetAsync(dst, 0x5a, b, s) : (void)memset(dst, 0x5a, b))
+#define ECHO_CLOBBER(dst) \
+    (MEM_DEVICE ? (void)cudaMemsetAsync(dst, 0x5a, b, s) : (void)memset(dst, 0x5a, b))
 #define ECHO_SYNC() (MEM_DEVICE ? (void)cudaStreamSynchronize(s) : (void)0)
 #else
 #define ECHO_FILL(dst, src) memcpy(dst, src, b)

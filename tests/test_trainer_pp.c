@@ -44,9 +44,9 @@
  *
  * --gpu COMM: the CUDA backend, parallel.comm COMM (nccl: a GPU per rank,
  * pipeline messages over NCCL links; staged: through host memory, ranks
- * sharing a GPU where there are fewer GPUs than ranks), the bf16 recipe (CUDA activations are bf16), the layouts
- * above except property 5's bit-identity (GPU kernels may add in any
- * order); the one-rank reference runs on the rank's GPU in a 2 GB arena
+ * sharing a GPU where there are fewer GPUs than ranks), the bf16 recipe
+ * (CUDA activations are bf16), the layouts above except property 5's
+ * bit-identity (GPU kernels may add in any order); the one-rank reference runs on the rank's GPU in a 2 GB arena
  * made before the job's. Bounds are test_trainer_dp_gpu's for bf16 (loss,
  * mtp and valid loss 1e-3 relative, norm 1e-2, parameters 1e-2): a wrong
  * or stale message moves the loss by far more. Exit 77 without a CUDA

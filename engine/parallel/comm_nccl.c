@@ -635,7 +635,8 @@ static int pool_take(nccl_pipe *p, size_t bytes, cudaStream_t s, int *out)
         if (p->n_buf == p->cap_buf) {
             int nc = p->cap_buf ? 2 * p->cap_buf : 8;
             pipe_buf *nb = realloc(p->buf, (size_t)nc * sizeof *nb);
-            if (!nb) return MT_ERR(MT_ENOMEM, "comm nccl: out of memory for %d pipeline buffers", nc);
+            if (!nb)
+                return MT_ERR(MT_ENOMEM, "comm nccl: out of memory for %d pipeline buffers", nc);
             p->buf = nb;
             p->cap_buf = nc;
         }
@@ -686,8 +687,8 @@ static int nccl_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype d
     CU(cudaStreamWaitEvent(L->sto, b->ev, 0));
     ncclResult_t e = ncclSend(b->dev, bytes, ncclUint8, 1, L->to, L->sto);
     if (e != ncclSuccess) {
-        rc = MT_ERR(MT_ENCCL, "ncclSend of pipeline message %lld to rank %d (tag %d, %zu bytes): %s",
-                    L->sent, peer, tag, bytes, ncclGetErrorString(e));
+        rc = MT_ERR(MT_ENCCL, "ncclSend of pipeline message %lld to rank %d (tag %d, %zu "
+                    "bytes): %s", L->sent, peer, tag, bytes, ncclGetErrorString(e));
         goto out;
     }
     CU(cudaEventRecord(b->ev, L->sto));
@@ -845,7 +846,8 @@ static int pipe_sync(mt_comm *c)
         for (int d = 0; d < 2; d++) {
             ncclResult_t async = ncclSuccess;
             ncclResult_t e = both[d] ? ncclCommGetAsyncError(both[d], &async) : ncclSuccess;
-            if (e != ncclSuccess) return nccl_fail(e, "ncclCommGetAsyncError (pipeline link)", L->peer);
+            if (e != ncclSuccess)
+                return nccl_fail(e, "ncclCommGetAsyncError (pipeline link)", L->peer);
             if (async != ncclSuccess && async != ncclInProgress)
                 return nccl_fail(async, d ? "pipeline receives" : "pipeline sends", L->peer);
         }
@@ -889,7 +891,8 @@ static int pipe_comm_init(mt_comm *c, nccl_pipe *p, int src, int dst, ncclComm_t
         return MT_ERR(MT_ENCCL, "pipeline link %d -> %d: ncclCommInitRank(2 ranks, rank %d): %s",
                       src, dst, sender ? 0 : 1, ncclGetErrorString(e));
     }
-    e = sender ? ncclSend(byte, 1, ncclUint8, 1, *out, s) : ncclRecv(byte, 1, ncclUint8, 0, *out, s);
+    e = sender ? ncclSend(byte, 1, ncclUint8, 1, *out, s)
+               : ncclRecv(byte, 1, ncclUint8, 0, *out, s);
     if (e != ncclSuccess)
         return MT_ERR(MT_ENCCL, "pipeline link %d -> %d: connecting (%s of one byte): %s", src, dst,
                       sender ? "ncclSend" : "ncclRecv", ncclGetErrorString(e));
