@@ -130,10 +130,10 @@ static int pipeline_init(mt_trainer *t, mt_comm *pp, mt_model_opts *mo)
     const mt_layout *l = &t->job.parallel;
     const mt_model_config *c = &t->job.model;
     const int stage = mt_comm_rank(pp), last = mt_layout_stage_of_chunk(l, mt_layout_chunks(l) - 1);
-    if (mt_comm_backend_of(pp) == MT_COMM_NCCL || mt_comm_backend_of(pp) == MT_COMM_LOCAL)
-        return MT_ERR(MT_ENOTSUP, "parallel.pp %d: the %s backend has no pipeline messages yet "
-                      "(engine/parallel/comm.h); use parallel.comm=staged on CUDA, mpi on the "
-                      "cpu", l->pp, mt_comm_backend_name(mt_comm_backend_of(pp)));
+    if (mt_comm_backend_of(pp) == MT_COMM_LOCAL)
+        return MT_ERR(MT_ENOTSUP, "parallel.pp %d: the local backend has no pipeline messages "
+                      "(engine/parallel/comm.h); use parallel.comm=nccl or staged on CUDA, mpi "
+                      "on the cpu", l->pp);
     t->pp = pp;
     t->pipe = calloc(1, sizeof *t->pipe);
     t->mb_stats = calloc((size_t)t->accum, sizeof *t->mb_stats);
