@@ -45,7 +45,13 @@
  *      up to the one rank's (split parameters' parts counted per tp rank;
  *      pp2: plus the embedding replica's parts, kept on the last stage).
  *   5. a trainer for a tp > 1 job without the tensor-parallel group is
- *      refused, naming it (not silently built with whole parameters).
+ *      refused, naming it (not silently built with whole parameters);
+ *   6. no expert work is duplicated over tp: each tp rank routes and
+ *      dispatches its half of a micro-batch's rows (N K / 2 source rows of
+ *      the MoE layer where the one rank has N K; fp32 and bf16, whose
+ *      source segments carry no padding), and the step's expert loads,
+ *      summed over tp and dp, count every token of the global batch K
+ *      times, as the one rank's do.
  * With "sp" the same bounds hold (measured the same to two digits: the
  * gathers and reduce-scatters move or sum the same values as the
  * all-reduces; the norms' gradients are summed over tp by the trainer).
@@ -223,6 +229,31 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
             printf("%s%s step %d: loss %.9f (one rank %.9f), mtp %.9f (%.9f), grad norm %.7g "
                    "(%.7g)\n", recipe, sp ? " sp" : "", s + 1, mt.loss, m1.loss, mt.mtp_loss,
                    m1.mtp_loss, mt.grad_norm, m1.grad_norm);
+    }
+    /* 6. the share of the rows (the MoE layer's last micro-batch) */
+    const int K = c->num_experts_per_tok, N = jt.batch.micro_batch_size * jt.batch.seq_len;
+    if (m->local[1] && m->blocks[1].moe.src_align == 1) {
+        const int R = m->blocks[1].moe.R, R1 = ref->model->blocks[1].moe.R;
+        CHECK(R == N / 2 * K && R1 == N * K, "%s: the MoE layer's source rows: %d on tp rank "
+              "%d (its %d of %d tokens x top-%d), %d on one rank", recipe, R, tpr, N / 2, N, K,
+              R1);
+    }
+    const int64_t tokens = (int64_t)jt.batch.global_batch_size * jt.batch.seq_len;
+    const int E = c->n_routed_experts;
+    for (int i = 0; i < t->n_moe_rec; i++) {
+        int k = 0;
+        while (k < ref->n_moe_rec && ref->moe_layer[k] != t->moe_layer[i]) k++;
+        CHECK(k < ref->n_moe_rec, "%s: MoE layer %d has no record on one rank", recipe,
+              t->moe_layer[i]);
+        if (k == ref->n_moe_rec) continue;
+        int64_t sum = 0, sum1 = 0;
+        for (int e = 0; e < E; e++) {
+            sum += t->moe_load[(size_t)i * E + e];
+            sum1 += ref->moe_load[(size_t)k * E + e];
+        }
+        CHECK(sum == tokens * K && sum1 == tokens * K, "%s: layer %d's expert loads add up to "
+              "%lld (one rank %lld), not %lld tokens x top-%d", recipe, t->moe_layer[i],
+              (long long)sum, (long long)sum1, (long long)tokens, K);
     }
     /* 1. parameters */
     double mean;
