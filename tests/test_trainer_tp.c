@@ -32,8 +32,10 @@
  *      128x128 blocks; 1x128 activation tiles fall on the same columns as
  *      on one rank): the bf16 rounding of the partial sums moves some
  *      activations across an E4M3 rounding boundary (a 6 % step), so
- *      losses within 2e-3 and gradient norms within 2e-2 (measured 6.7e-4
- *      and 1.2 % by step 3), parameters within 3e-2 and 2e-3 on average
+ *      losses within 2e-3 and gradient norms within 2e-2 (measured 6.9e-4
+ *      and 1.8 % by step 3; 1.2 % when every tp rank ran every row through
+ *      the experts: a rank's share of the rows falls into other 1x128 token
+ *      tiles of the experts' FP8 weight-gradient GEMMs), parameters within 3e-2 and 2e-3 on average
  *      (measured 1.8e-2 and 8.9e-4: the compute copies are E4M3);
  *   2. the model holds its part: half the heads, FFN columns and
  *      vocabulary rows, the replicated parameters whole;
