@@ -54,7 +54,8 @@
  *      the MoE layer where the one rank has N K; fp32 and bf16, whose
  *      source segments carry no padding), and the step's expert loads,
  *      summed over tp and dp, count every token of the global batch K
- *      times, as the one rank's do.
+ *      times, as the one rank's do; the MoE layer's row buffers are sized
+ *      for the share (its source row capacity N K / 2 + padding).
  * With "sp" the same bounds hold (measured the same to two digits: the
  * gathers and reduce-scatters move or sum the same values as the
  * all-reduces; the norms' gradients are summed over tp by the trainer).
@@ -243,6 +244,13 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
         CHECK(R == N / 2 * K && R1 == N * K, "%s: the MoE layer's source rows: %d on tp rank "
               "%d (its %d of %d tokens x top-%d), %d on one rank", recipe, R, tpr, N / 2, N, K,
               R1);
+    }
+    if (m->local[1]) { /* and its buffers are the share's */
+        const mt_moe *mo = &m->blocks[1].moe, *m1 = &ref->model->blocks[1].moe;
+        const int pad = c->n_routed_experts * (mo->src_align - 1);
+        const int pad1 = c->n_routed_experts * (m1->src_align - 1);
+        CHECK(mo->R_cap == N / 2 * K + pad && m1->R_cap == N * K + pad1, "%s: source row "
+              "capacity %d on tp rank %d, %d on one rank", recipe, mo->R_cap, tpr, m1->R_cap);
     }
     const int64_t tokens = (int64_t)jt.batch.global_batch_size * jt.batch.seq_len;
     const int E = c->n_routed_experts;

@@ -34,6 +34,10 @@ void mt_moe_caps(const mt_model_config *cfg, const mt_model_opts *o, int N,
                  int64_t *Rl_cap)
 {
     const int E = cfg->n_routed_experts, K = cfg->num_experts_per_tok;
+    /* tensor parallelism: a rank routes its share of the rows, ceil(N / tp)
+     * at most (mt_tp_share), and so does every source of its ep group */
+    const int tp = o->tp ? o->tp->size : 1;
+    N = (N + tp - 1) / tp;
     *align = o->expert_align > 0 ? o->expert_align
              : o->recipe == MT_RECIPE_FP8_BLOCKWISE ? 128
                                                     : 1;

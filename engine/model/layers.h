@@ -145,7 +145,7 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
 int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void *xn);
 /* Expert segment padding (align: local layout, src_align: source layout)
  * and the row capacities of the source and local layouts of a micro-batch
- * of N tokens under a dispatcher. */
+ * of N tokens under a dispatcher (under tp of a rank's share of them). */
 void mt_moe_caps(const mt_model_config *cfg, const mt_model_opts *o, int N,
                  const mt_moe_dispatcher *disp, int *align, int *src_align, int64_t *R_cap,
                  int64_t *Rl_cap);
