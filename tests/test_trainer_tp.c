@@ -1,6 +1,6 @@
 /* test_trainer_tp.c - tensor parallelism is one rank, spread out.
  *
- *   test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp]
+ *   test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp|pp2ep2]
  *
  * Run under mpirun with N = 2 or 4 ranks: tp = 2, dp = N / 2 (with "sp":
  * parallel.sequence_parallel on; with "ep2": ep = 2 folded over the tp x dp
@@ -8,7 +8,14 @@
  * N = 4: tp = 2 x pp = 2 (1F1B, layer 0 and the embedding on stage 0,
  * layer 1, head, MTP and the embedding's replica on stage 1), the same
  * bounds (fp32 measured 1.2e-7 and 3.2e-5, bf16 1.2e-4 and 1.0e-2:
- * as tp alone); "pp2sp" with sequence parallelism). The tiny example's model (4 heads, dense
+ * as tp alone); "pp2sp" with sequence parallelism; "pp2ep2", N = 4: tp 2
+ * x pp 2 x ep 2 (dp 1, edp 1: each stage's two tp ranks are its ep group,
+ * each holding 4 of the 8 experts; the MoE layer 1 and the MTP block on
+ * stage 1 dispatch over it, stage 0 has only the dense layer 0), the same bounds (fp32 measured 1.2e-7 and 3.2e-5, bf16 1.2e-4
+ * and 1.0e-2)); "ep2h": ep2 with parallel.ep_overlap = halves (each MoE
+ * layer's exchanges in two parts of the local experts, pipelined with
+ * them: the tp share's rows, the shared expert outside the exchanges
+ * under tp), the same properties and bounds as ep2. The tiny example's model (4 heads, dense
  * FFN 256, one shared expert of 64, vocabulary 64, MTP depth 1, 8 routed
  * experts replicated over tp) runs through the runtime; each rank holds half
  * of every split parameter. Properties, for the fp32 recipe (the only
@@ -32,28 +39,41 @@
  *      128x128 blocks; 1x128 activation tiles fall on the same columns as
  *      on one rank): the bf16 rounding of the partial sums moves some
  *      activations across an E4M3 rounding boundary (a 6 % step), so
- *      losses within 2e-3 and gradient norms within 2e-2 (measured 6.7e-4
- *      and 1.2 % by step 3), parameters within 3e-2 and 2e-3 on average
+ *      losses within 2e-3 and gradient norms within 2e-2 (measured 6.9e-4
+ *      and 1.8 % by step 3; 1.2 % when every tp rank ran every row through
+ *      the experts: a rank's share of the rows falls into other 1x128 token
+ *      tiles of the experts' FP8 weight-gradient GEMMs), parameters within 3e-2 and 2e-3 on average
  *      (measured 1.8e-2 and 8.9e-4: the compute copies are E4M3);
  *   2. the model holds its part: half the heads, FFN columns and
  *      vocabulary rows, the replicated parameters whole;
  *   3. the replicated parameters (norms, q_a, kv_a, router, eh_proj, the
  *      routed experts) are bit-identical on the two tp ranks (pp2: of each
- *      stage), without a
- *      reduction of their gradients of their own (trainer.h);
+ *      stage): the same gradients on every tp rank, or (the router's,
+ *      each rank routing its share of the rows; the sequence-split norms')
+ *      summed over tp (trainer.h);
  *   4. ZeRO-1: the ranks keep disjoint parts of the optimizer state that add
  *      up to the one rank's (split parameters' parts counted per tp rank;
  *      pp2: plus the embedding replica's parts, kept on the last stage).
  *   5. a trainer for a tp > 1 job without the tensor-parallel group is
- *      refused, naming it (not silently built with whole parameters).
+ *      refused, naming it (not silently built with whole parameters);
+ *   6. no expert work is duplicated over tp: each tp rank routes and
+ *      dispatches its half of a micro-batch's rows (N K / 2 source rows of
+ *      the MoE layer where the one rank has N K; fp32 and bf16, whose
+ *      source segments carry no padding), and the step's expert loads,
+ *      summed over tp and dp, count every token of the global batch K
+ *      times, as the one rank's do; the MoE layer's row buffers are sized
+ *      for the share (its source row capacity N K / 2 + padding).
  * With "sp" the same bounds hold (measured the same to two digits: the
  * gathers and reduce-scatters move or sum the same values as the
  * all-reduces; the norms' gradients are summed over tp by the trainer).
+ * (Routing each tp rank's share of the rows only, property 6, measured: fp32
+ * losses within 6.5e-8, parameters 2.65e-5 (mean 1.9e-8); bf16 1.1e-4,
+ * 1.2e-2 (2.1e-4); fp8 6.9e-4, 1.8e-2 (8.9e-4): the bounds above hold.)
  * "sp" and "ep2" run with parallel.bucket_mb = 0: each layer's gradients
  * are reduced into their owners (dp; routed experts over edp) as soon as
  * the last micro-batch's backward has finished the layer, so the trainer's
- * tp fixes of that layer (the sequence-split norms summed over tp, the
- * experts divided by tp) must come first; with 4 ranks a fix made after
+ * tp fixes of that layer (the sequence-split norms and the router summed
+ * over tp) must come first; with 4 ranks a fix made after
  * the reduction gives a wrong gradient and fails property 1.
  * The reference trainer runs on each rank by itself (no communicator).
  */
@@ -84,6 +104,7 @@ static const char *const fp8_model[] = {
 #define N_FP8_MODEL ((int)(sizeof fp8_model / sizeof *fp8_model))
 
 static int ep_, pp_;
+static int halves_; /* "ep2h": parallel.ep_overlap = halves with ep2 */
 
 static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                      const char *recipe, int tp, int sp, int world)
@@ -101,6 +122,7 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
     int n = 11;
     snprintf(eps, sizeof eps, "parallel.ep=%d", tp > 1 ? ep_ : 1);
     sets[n++] = eps;
+    if (tp > 1 && halves_) sets[n++] = "parallel.ep_overlap=halves";
     snprintf(pps, sizeof pps, "parallel.pp=%d", tp > 1 ? pp_ : 1);
     sets[n++] = pps;
     /* sp, ep2: one gradient bucket per layer, started from inside the
@@ -224,6 +246,38 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
                    "(%.7g)\n", recipe, sp ? " sp" : "", s + 1, mt.loss, m1.loss, mt.mtp_loss,
                    m1.mtp_loss, mt.grad_norm, m1.grad_norm);
     }
+    /* 6. the share of the rows (the MoE layer's last micro-batch) */
+    const int K = c->num_experts_per_tok, N = jt.batch.micro_batch_size * jt.batch.seq_len;
+    if (m->local[1] && m->blocks[1].moe.src_align == 1) {
+        const int R = m->blocks[1].moe.R, R1 = ref->model->blocks[1].moe.R;
+        CHECK(R == N / 2 * K && R1 == N * K, "%s: the MoE layer's source rows: %d on tp rank "
+              "%d (its %d of %d tokens x top-%d), %d on one rank", recipe, R, tpr, N / 2, N, K,
+              R1);
+    }
+    if (m->local[1]) { /* and its buffers are the share's */
+        const mt_moe *mo = &m->blocks[1].moe, *m1 = &ref->model->blocks[1].moe;
+        const int pad = c->n_routed_experts * (mo->src_align - 1);
+        const int pad1 = c->n_routed_experts * (m1->src_align - 1);
+        CHECK(mo->R_cap == N / 2 * K + pad && m1->R_cap == N * K + pad1, "%s: source row "
+              "capacity %d on tp rank %d, %d on one rank", recipe, mo->R_cap, tpr, m1->R_cap);
+    }
+    const int64_t tokens = (int64_t)jt.batch.global_batch_size * jt.batch.seq_len;
+    const int E = c->n_routed_experts;
+    for (int i = 0; i < t->n_moe_rec; i++) {
+        int k = 0;
+        while (k < ref->n_moe_rec && ref->moe_layer[k] != t->moe_layer[i]) k++;
+        CHECK(k < ref->n_moe_rec, "%s: MoE layer %d has no record on one rank", recipe,
+              t->moe_layer[i]);
+        if (k == ref->n_moe_rec) continue;
+        int64_t sum = 0, sum1 = 0;
+        for (int e = 0; e < E; e++) {
+            sum += t->moe_load[(size_t)i * E + e];
+            sum1 += ref->moe_load[(size_t)k * E + e];
+        }
+        CHECK(sum == tokens * K && sum1 == tokens * K, "%s: layer %d's expert loads add up to "
+              "%lld (one rank %lld), not %lld tokens x top-%d", recipe, t->moe_layer[i],
+              (long long)sum, (long long)sum1, (long long)tokens, K);
+    }
     /* 1. parameters */
     double mean;
     const double wp = parts_diff(t, ref, &mean);
@@ -305,11 +359,12 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
 int main(int argc, char **argv)
 {
     if (argc < 2) {
-        fprintf(stderr, "usage: test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp]\n");
+        fprintf(stderr, "usage: test_trainer_tp EXAMPLES_DIR [sp|ep2|ep2h|pp2|pp2sp|pp2ep2]\n");
         return 2;
     }
     const int sp = argc > 2 && strstr(argv[2], "sp") != NULL;
     ep_ = argc > 2 && strstr(argv[2], "ep2") ? 2 : 1;
+    halves_ = argc > 2 && strstr(argv[2], "ep2h") != NULL;
     pp_ = argc > 2 && strstr(argv[2], "pp2") ? 2 : 1;
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);

@@ -14,6 +14,12 @@
  *   yl     = down_e(silu(gate_e(xl)) * up_e(xl))  per local expert segment
  *   yp     = combine(yl)                          [R, D]
  *   y      = shared(xn) + sum_k w[n, k] yp[slot[n, k]]
+ *
+ * Tensor parallelism (layers.h, mt_moe_fwd): the router and the balance
+ * loss on all N rows, everything from the index on (permute, dispatch,
+ * experts, combine, unpermute) on this rank's share [lo, lo + Ns) only,
+ * with slot / src / idx / w of the share; y and dxn are this rank's terms
+ * of a sum over tp (the shared experts' columns, the share's rows).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +34,10 @@ void mt_moe_caps(const mt_model_config *cfg, const mt_model_opts *o, int N,
                  int64_t *Rl_cap)
 {
     const int E = cfg->n_routed_experts, K = cfg->num_experts_per_tok;
+    /* tensor parallelism: a rank routes its share of the rows, ceil(N / tp)
+     * at most (mt_tp_share), and so does every source of its ep group */
+    const int tp = o->tp ? o->tp->size : 1;
+    N = (N + tp - 1) / tp;
     *align = o->expert_align > 0 ? o->expert_align
              : o->recipe == MT_RECIPE_FP8_BLOCKWISE ? 128
                                                     : 1;
@@ -201,21 +211,22 @@ static int experts_fwd(const mt_ctx *c, mt_moe *m, int e0, int e1, void *yl, con
  *   is computed there) | dispatch B beside experts A | combine A beside
  *   experts B | combine B.
  * Every row lands where the plain path puts it and is computed alike, so
- * yp is the plain path's, bit for bit. xq, xs: the tokens quantised (the
- * FP8 payload), else NULL. */
-static int moe_fwd_halves(const mt_ctx *c, mt_moe *m, void *yl, const void *xn,
-                          const uint8_t *xq, const float *xs, void *y_shared)
+ * yp is the plain path's, bit for bit. xt [Nt, D]: the tokens this rank
+ * routes (its tp share); xq, xs: them quantised (the FP8 payload), else
+ * NULL. */
+static int moe_fwd_halves(const mt_ctx *c, mt_moe *m, void *yl, const void *xt, int Nt,
+                          const uint8_t *xq, const float *xs, void *y_shared, const void *xn)
 {
     mt_backend *be = c->be;
     mt_moe_dispatcher *d = m->disp;
-    const int N = c->N, D = m->D, h = m->half, El = m->E_local;
+    const int N = Nt, D = m->D, h = m->half, El = m->E_local;
     const int lo[2] = {0, h}, hi[2] = {h, El};
     for (int k = 0; k < 2; k++) {
         if (m->fp8_wire)
             MT_CHECK(d->dispatch_fp8_start(d, be, &m->plan, lo[k], hi[k], m->xl_q, m->xl_s,
                                            m->xl_buf, xq, xs, N, m->src, D));
         else
-            MT_CHECK(d->dispatch_start(d, be, &m->plan, lo[k], hi[k], m->xl_buf, NULL, xn,
+            MT_CHECK(d->dispatch_start(d, be, &m->plan, lo[k], hi[k], m->xl_buf, NULL, xt,
                                        m->src, D));
         if (k == 0 && y_shared) MT_CHECK(mt_ffn_fwd(c, &m->shared, y_shared, 0, xn));
         if (k == 0) MT_CHECK(d->finish(d)); /* A arrived; B travels from here */
@@ -235,6 +246,9 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     mt_backend *be = c->be;
     const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
     const size_t act = mt_act_size(be);
+    int lo, Ns; /* the rows this rank routes (all N without tp) */
+    mt_tp_share(c, &lo, &Ns);
+    const void *xs_in = (const char *)xn + (size_t)lo * D * act;
     MT_CHECK(be->gemm(be, m->logits, 1, E, xn, D, 0, m->router->w, D, 0, N, E, D, 1.0f, 0));
     MT_CHECK(be->router_fwd(be, m->idx, m->w, m->scores, m->logits, m->bias ? m->bias->wf : NULL,
                             N, &m->rc));
@@ -242,62 +256,64 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     if (m->aux_on)
         MT_CHECK(be->aux_loss(be, m->aux_loss, m->dscores, m->scores, m->idx, c->B, c->T,
                               (float)aux_alpha, grad_scale, &m->rc));
-    MT_CHECK(be->moe_index(be, m->slot, m->src, m->counts, m->rows, m->idx, N, K, E,
-                           m->src_align, m->R_cap));
+    MT_CHECK(be->moe_index(be, m->slot, m->src, m->counts, m->rows, m->idx + (size_t)lo * K,
+                           Ns, K, E, m->src_align, m->R_cap));
     int32_t counts[4096];
     if (E > 4096) return MT_ERR(MT_ENOTSUP, "moe: more than 4096 experts");
     MT_CHECK(be->download(be, counts, m->counts, (size_t)E * 4));
     for (int e = 0; e < E; e++) m->load[e] += counts[e];
     m->R = sum_rows(m->rows, E);
     const int moves = m->disp->ep > 1;
-    if (!moves) MT_CHECK(be->moe_permute(be, m->xp, xn, m->src, m->R, D));
+    if (!moves) MT_CHECK(be->moe_permute(be, m->xp, xs_in, m->src, m->R, D));
+    /* halves: the shared expert beside the first dispatch (not under tp:
+     * its sums over the tp group stay out of an exchange's way) */
+    const int shared_beside = m->halves && m->has_shared && !mt_tp_on(c);
     if (m->halves) {
-        size_t mark = mt_ws_mark(c->ws);
+        size_t mk = mt_ws_mark(c->ws);
         uint8_t *xq = NULL;
         float *xs = NULL;
         if (m->fp8_wire) { /* quantised once, before the rows travel (as below) */
-            const int KB = (D + 127) / 128, one[1] = {N};
-            MT_WS(xq, c->ws, (size_t)N * D + 1);
-            MT_WS(xs, c->ws, (size_t)KB * N * 4 + 4);
-            if (N > 0) MT_CHECK(be->quant_rows(be, xq, xs, xn, D, one, 1, D));
+            const int KB = (D + 127) / 128, one[1] = {Ns};
+            MT_WS(xq, c->ws, (size_t)Ns * D + 1);
+            MT_WS(xs, c->ws, (size_t)KB * Ns * 4 + 4);
+            if (Ns > 0) MT_CHECK(be->quant_rows(be, xq, xs, xs_in, D, one, 1, D));
         }
         MT_CHECK(m->disp->counts(m->disp, be, &m->plan, m->rows));
         void *yl;
         MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
-        /* the shared expert beside the first dispatch (not under tp: its
-         * sums over the tp group stay out of an exchange's way) */
-        const int shared_beside = m->has_shared && !mt_tp_on(c);
-        MT_CHECK(moe_fwd_halves(c, m, yl, xn, xq, xs, shared_beside ? y : NULL));
-        mt_ws_release(c->ws, mark);
-        if (m->has_shared && !shared_beside) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
-        return be->moe_unpermute(be, y, m->has_shared, m->yp, m->slot, m->w, N, K, D);
-    }
-    if (m->fp8_wire) {
-        /* quantised once, before the rows travel (1x128 tiles per token:
-         * the tiles quant_rows of the local rows would make) */
-        const int KB = (D + 127) / 128, one[1] = {N};
-        size_t mk = mt_ws_mark(c->ws);
-        uint8_t *xq;
-        float *xs;
-        MT_WS(xq, c->ws, (size_t)N * D + 1);
-        MT_WS(xs, c->ws, (size_t)KB * N * 4 + 4);
-        if (N > 0) MT_CHECK(be->quant_rows(be, xq, xs, xn, D, one, 1, D));
-        MT_CHECK(m->disp->dispatch_fp8(m->disp, be, &m->plan, m->xl_q, m->xl_s, m->xl_buf, xq,
-                                       xs, N, m->src, m->rows, D));
+        MT_CHECK(moe_fwd_halves(c, m, yl, xs_in, Ns, xq, xs, shared_beside ? y : NULL, xn));
         mt_ws_release(c->ws, mk);
-        m->xl = m->xl_buf;
     } else {
-        MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp,
-                                   moves ? xn : NULL, m->src, m->rows, D));
+        if (m->fp8_wire) {
+            /* quantised once, before the rows travel (1x128 tiles per
+             * token: the tiles quant_rows of the local rows would make) */
+            const int KB = (D + 127) / 128, one[1] = {Ns};
+            size_t mk = mt_ws_mark(c->ws);
+            uint8_t *xq;
+            float *xs;
+            MT_WS(xq, c->ws, (size_t)Ns * D + 1);
+            MT_WS(xs, c->ws, (size_t)KB * Ns * 4 + 4);
+            if (Ns > 0) MT_CHECK(be->quant_rows(be, xq, xs, xs_in, D, one, 1, D));
+            MT_CHECK(m->disp->dispatch_fp8(m->disp, be, &m->plan, m->xl_q, m->xl_s, m->xl_buf,
+                                           xq, xs, Ns, m->src, m->rows, D));
+            mt_ws_release(c->ws, mk);
+            m->xl = m->xl_buf;
+        } else {
+            MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp,
+                                       moves ? xs_in : NULL, m->src, m->rows, D));
+        }
+        size_t mark = mt_ws_mark(c->ws);
+        void *yl = m->yp; /* identity: the experts write yp directly */
+        if (moves) MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
+        MT_CHECK(experts_fwd(c, m, 0, m->E_local, yl, m->xl));
+        MT_CHECK(m->disp->combine(m->disp, be, &m->plan, m->yp, yl, D));
+        mt_ws_release(c->ws, mark);
     }
-    size_t mark = mt_ws_mark(c->ws);
-    void *yl = m->yp; /* identity: the experts write yp directly */
-    if (moves) MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
-    MT_CHECK(experts_fwd(c, m, 0, m->E_local, yl, m->xl));
-    MT_CHECK(m->disp->combine(m->disp, be, &m->plan, m->yp, yl, D));
-    mt_ws_release(c->ws, mark);
-    if (m->has_shared) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
-    return be->moe_unpermute(be, y, m->has_shared, m->yp, m->slot, m->w, N, K, D);
+    /* the rows outside the share are the shared experts' alone (or zero) */
+    if (m->has_shared && !shared_beside) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
+    else if (!m->has_shared && Ns < N) MT_CHECK(be->zero(be, y, (size_t)N * D * act));
+    return be->moe_unpermute(be, (char *)y + (size_t)lo * D * act, m->has_shared, m->yp,
+                             m->slot, m->w + (size_t)lo * K, Ns, K, D);
 }
 
 /* Local experts [e0, e1)'s backward on their segments: dyl [Rl, D] ->
@@ -360,22 +376,27 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
     mt_backend *be = c->be;
     const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
     const size_t act = mt_act_size(be), R = (size_t)m->R;
+    int lo, Ns; /* the forward's share (mt_tp_share) */
+    mt_tp_share(c, &lo, &Ns);
+    const size_t lo_d = (size_t)lo * D * act;
     size_t mark = mt_ws_mark(c->ws);
     void *dyp, *dxp, *dlog_act, *dyl_buf = NULL;
     float *dw, *dlogits;
     MT_WS(dyp, c->ws, R * D * act);
     MT_WS(dxp, c->ws, R * D * act);
     if (m->disp->ep > 1) MT_WS(dyl_buf, c->ws, (size_t)m->plan.Rl * D * act);
-    MT_WS(dw, c->ws, (size_t)N * K * 4);
-    MT_WS(dlogits, c->ws, (size_t)N * E * 4);
-    MT_WS(dlog_act, c->ws, (size_t)N * E * act);
+    MT_WS(dw, c->ws, (size_t)Ns * K * 4 + 4);
+    MT_WS(dlogits, c->ws, (size_t)Ns * E * 4 + 4);
+    MT_WS(dlog_act, c->ws, (size_t)Ns * E * act + 4);
 
     /* halves: the shared expert's backward beside the first dispatch (not
      * under tp, as in the forward); dxn is written (=) before the routed
      * part adds to it either way */
     const int shared_beside = m->halves && m->has_shared && !mt_tp_on(c);
     if (m->has_shared && !shared_beside) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
-    MT_CHECK(be->moe_unpermute_bwd(be, dyp, dw, dy, m->yp, m->slot, m->w, N, K, D, m->R));
+    else if (!m->has_shared && Ns < N) MT_CHECK(be->zero(be, dxn, (size_t)N * D * act));
+    MT_CHECK(be->moe_unpermute_bwd(be, dyp, dw, (const char *)dy + lo_d, m->yp, m->slot,
+                                   m->w + (size_t)lo * K, Ns, K, D, m->R));
     /* The reverse of combine is a dispatch of the gradients (with the
      * forward's plan), and the reverse of dispatch a combine. */
     if (m->halves) {
@@ -388,14 +409,16 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
         MT_CHECK(experts_bwd(c, m, 0, m->E_local, dxl, dyl, m->xl));
         MT_CHECK(m->disp->combine(m->disp, be, &m->plan, dxp, dxl, D));
     }
-    MT_CHECK(be->moe_permute_bwd(be, dxn, m->has_shared, dxp, m->slot, N, K, D));
-    /* router: gradient through the chosen weights and the balance loss */
-    MT_CHECK(be->router_bwd(be, dlogits, dw, m->aux_on ? m->dscores : NULL, m->scores, m->idx, N,
-                            &m->rc));
-    MT_CHECK(be->act_from_f32(be, dlog_act, dlogits, (int64_t)N * E));
-    MT_CHECK(be->gemm(be, dxn, 0, D, dlog_act, E, 0, m->router->w, D, 1, N, D, E, 1.0f, 1));
-    MT_CHECK(be->gemm(be, m->router->grad, c->grad_type, D, dlog_act, E, 1, xn, D, 1, E, D, N,
-                      1.0f, 1));
+    void *dxs = (char *)dxn + lo_d;
+    MT_CHECK(be->moe_permute_bwd(be, dxs, m->has_shared || Ns < N, dxp, m->slot, Ns, K, D));
+    /* router: gradient through the chosen weights and the balance loss, of
+     * the share's rows (each row's is its own: the other ranks do theirs) */
+    MT_CHECK(be->router_bwd(be, dlogits, dw, m->aux_on ? m->dscores + (size_t)lo * E : NULL,
+                            m->scores + (size_t)lo * E, m->idx + (size_t)lo * K, Ns, &m->rc));
+    MT_CHECK(be->act_from_f32(be, dlog_act, dlogits, (int64_t)Ns * E));
+    MT_CHECK(be->gemm(be, dxs, 0, D, dlog_act, E, 0, m->router->w, D, 1, Ns, D, E, 1.0f, 1));
+    MT_CHECK(be->gemm(be, m->router->grad, c->grad_type, D, dlog_act, E, 1,
+                      (const char *)xn + lo_d, D, 1, E, D, Ns, 1.0f, 1));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

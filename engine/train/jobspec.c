@@ -331,10 +331,6 @@ int mt_jobspec_check_runnable(const mt_layout *l)
         return MT_ERR(MT_ENOTSUP, "parallel.etp %d with parallel.tp %d, pp %d: expert tensor "
                       "parallelism runs with tp = 1 and pp = 1 only so far (ep and dp "
                       "fold the experts); use etp = 1", l->etp, l->tp, l->pp);
-    if (l->pp > 1 && l->ep > 1)
-        return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.ep %d: pipeline and expert "
-                      "parallelism together are not implemented yet; use one of them", l->pp,
-                      l->ep);
     if (l->sequence_parallel && l->tp < 2)
         return MT_ERR(MT_EINVAL, "parallel.sequence_parallel needs parallel.tp > 1 (it is %d)",
                       l->tp);
