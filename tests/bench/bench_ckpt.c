@@ -186,10 +186,25 @@ static void quiet_barrier(void)
 
 extern char **environ;
 
+/* VmHWM of process pid in MB, or -1 (gone). */
+static double pid_hwm_mb(pid_t pid)
+{
+    char p[64], line[256];
+    snprintf(p, sizeof p, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(p, "r");
+    double v = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmHWM:", 6)) v = atof(line + 6) / 1024.0;
+    if (f) fclose(f);
+    return v;
+}
+
 /* Runs `tool verify --quiet dir` as its own process, as an operator does:
  * the environment less the MPI job's (an mpirun rank's local-size
  * variables would make the tool's pool share the host with ranks that are
- * idle now). Its seconds, or -1; *peak_mb its peak resident set. */
+ * idle now). Its seconds, or -1; *peak_mb its peak resident set, sampled
+ * every 2 ms from /proc (the rusage of a child counts the memory of the
+ * process it was spawned from: this job's). */
 static double run_verify(const char *tool, const char *dir, double *peak_mb)
 {
     const char *drop[] = {"OMPI_", "PMIX_", "MPI_LOCALNRANKS=", "SLURM_NTASKS_PER_NODE="};
@@ -214,15 +229,25 @@ static double run_verify(const char *tool, const char *dir, double *peak_mb)
         return -1;
     }
     int st = 0;
-    struct rusage u;
-    if (wait4(pid, &st, 0, &u) != pid) return -1;
-    const double s = now_s() - t0;
+    double peak = 0, s = -1;
+    for (;;) {
+        const double h = pid_hwm_mb(pid);
+        peak = h > peak ? h : peak;
+        pid_t w = waitpid(pid, &st, WNOHANG);
+        if (w == pid) {
+            s = now_s() - t0;
+            break;
+        }
+        if (w < 0) return -1;
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+    }
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
         fprintf(stderr, "bench_ckpt: %s verify %s: exit status %d\n", tool, dir,
                 WIFEXITED(st) ? WEXITSTATUS(st) : -1);
         return -1;
     }
-    *peak_mb = (double)u.ru_maxrss / 1024.0;
+    *peak_mb = peak;
     return s;
 }
 
