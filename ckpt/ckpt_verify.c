@@ -330,13 +330,17 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
             flush(&run, &rep, v, prog, &shown);
             continue;
         }
-        /* chunks of the piece, window permitting; an entry is always free
-         * here (each busy one holds a slot, but for this thread's) */
+        /* chunks of the piece, window permitting; an entry is free here
+         * (every busy one holds a slot), the wait is for safety's sake */
         const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
         pthread_mutex_lock(&run.mu);
         vact *a = NULL;
-        for (int i = 0; i <= run.window && !a; i++)
-            if (run.acts[i].p < 0) a = &run.acts[i];
+        for (;;) {
+            for (int i = 0; i <= run.window && !a; i++)
+                if (run.acts[i].p < 0) a = &run.acts[i];
+            if (a) break;
+            pthread_cond_wait(&run.cv, &run.mu);
+        }
         a->p = p;
         a->fi = fi;
         a->cr = cr;
@@ -368,7 +372,13 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
             for (int i = 0; i < run.window && !s; i++)
                 if (run.slots[i].state == SLOT_FREE) s = &run.slots[i];
             run.free_slots--;
+            /* claimed with its chunk under the lock: a hasher looking for
+             * chunk c finds it (not ready yet) or nothing stale */
             s->state = SLOT_READING;
+            s->a = a;
+            s->c = c;
+            s->addr = addr[c];
+            s->data = NULL;
             pthread_mutex_unlock(&run.mu);
             if (s->cap < a->cb + 4) {
                 free(s->buf);
@@ -380,6 +390,7 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
                      * verify fails with this error, not a damage */
                     pthread_mutex_lock(&run.mu);
                     s->state = SLOT_FREE;
+                    s->a = NULL;
                     run.free_slots++;
                     a->n = c;
                     a->cut = 1;
@@ -388,10 +399,6 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
                 }
                 s->cap = a->cb + 4;
             }
-            s->a = a;
-            s->c = c;
-            s->addr = addr[c];
-            s->data = NULL;
             ck_pool_submit(chunk_task, s);
         }
         free(addr);
