@@ -481,12 +481,18 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
                              "batch.micro_batch_size=1"};
     expect_admission(4, tp2_ep2, 4, NULL, &j);
     assert_int_equal(mt_layout_edp(&j.parallel), 2);
+    /* ... and expert tensor parallelism on the tp ranks (etp 2 x tp 2, edp 2) */
+    const char *etp2[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16",
+                          "batch.micro_batch_size=1"};
+    expect_admission(4, etp2, 4, NULL, &j);
+    assert_int_equal(mt_layout_edp(&j.parallel), 2);
     /* a layout that fits the ranks and the model but that the trainer does
      * not run yet is refused too, naming the field: expert tensor parallelism
-     * with tensor parallelism */
-    const char *etp2[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16"};
-    const char *etp_err[] = {"parallel.etp 2 with parallel.tp 2", NULL};
-    expect_admission(4, etp2, 3, etp_err, NULL);
+     * with pipeline parallelism */
+    const char *etp_pp[] = {"parallel.tp=2", "parallel.pp=2", "parallel.etp=2",
+                            "precision.recipe=bf16", "batch.micro_batch_size=1"};
+    const char *etp_pp_err[] = {"parallel.etp 2 with parallel.pp 2", NULL};
+    expect_admission(4, etp_pp, 5, etp_pp_err, NULL);
     /* ... but expert tensor parallelism over ep and dp runs: etp 2 x ep 2
      * fold the 4 data-parallel ranks (edp 1) */
     const char *etp2_ep2[] = {"parallel.etp=2", "parallel.ep=2", "batch.micro_batch_size=1",

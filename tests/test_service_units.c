@@ -425,13 +425,15 @@ static void test_admit(void **state)
     assert_contains(mt_errmsg(), "batch.global_batch_size");
     /* a layout the trainer does not implement is refused at admission,
      * naming the field, not started and failed on every rank */
-    const char *etp_tp[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16"};
-    r.sets = etp_tp;
-    r.n_sets = 3;
-    r.world = 2;
+    const char *etp_pp[] = {"parallel.tp=2", "parallel.pp=2", "parallel.etp=2",
+                            "precision.recipe=bf16", "batch.micro_batch_size=1"};
+    r.sets = etp_pp;
+    r.n_sets = 5;
+    r.world = 4;
     assert_int_equal(job_admit(root, &r, &j), MT_EINVAL);
-    assert_contains(mt_errmsg(), "parallel.etp 2 with parallel.tp 2, pp 1: expert tensor");
-    r.n_sets = 1; /* the same world with dp = 2 is fine */
+    assert_contains(mt_errmsg(), "parallel.etp 2 with parallel.pp 2: expert tensor");
+    r.n_sets = 1; /* 2 ranks with dp = 2 are fine */
+    r.world = 2;
     r.sets = (const char *[]){"parallel.dp=2"};
     assert_int_equal(job_admit(root, &r, &j), MT_OK);
     assert_int_equal(j.parallel.dp, 2);
