@@ -426,9 +426,10 @@ static void test_admit(void **state)
     /* a layout the trainer does not implement is refused at admission,
      * naming the field, not started and failed on every rank */
     const char *etp_pp[] = {"parallel.tp=2", "parallel.pp=2", "parallel.etp=2",
-                            "precision.recipe=bf16", "batch.micro_batch_size=1"};
+                            "precision.recipe=bf16", "batch.micro_batch_size=1",
+                            "parallel.schedule=dualpipev", "model.num_hidden_layers=4"};
     r.sets = etp_pp;
-    r.n_sets = 5;
+    r.n_sets = 7;
     r.world = 4;
     assert_int_equal(job_admit(root, &r, &j), MT_EINVAL);
     assert_contains(mt_errmsg(), "parallel.etp 2 with parallel.pp 2: expert tensor");

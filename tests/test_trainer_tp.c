@@ -1,6 +1,6 @@
 /* test_trainer_tp.c - tensor parallelism is one rank, spread out.
  *
- *   test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp|etp2|etp2sp|ep2etp2|ep2etp2sp]
+ *   test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp|etp2|etp2sp|ep2etp2|ep2etp2sp|pp2etp2]
  *
  * Run under mpirun with N = 2 or 4 ranks: tp = 2, dp = N / 2 (with "sp":
  * parallel.sequence_parallel on; with "ep2": ep = 2 folded over the tp x dp
@@ -71,7 +71,12 @@
  * of 256 (slices of one 128-block); this model leaves one rank further by
  * step 3 with tp alone (measured without etp: losses 2.6e-3, norm 2.2 %),
  * so losses within 3e-3 and norms within 3e-2 (measured with etp: 1.35e-3
- * and 2.5 %), parameters as above (1.8e-2, 9.6e-4).
+ * and 2.5 %), parameters as above (1.8e-2, 9.6e-4). "pp2etp2" (4 ranks:
+ * tp 2 x pp 2 x etp 2, 1F1B): both decoder layers on stage 0
+ * (parallel.pp_layers=2,0), so that its MoE layer exchanges with two
+ * micro-batches in flight (two slots, each with its own dispatch plan;
+ * checked), the last stage's MTP block being MoE too; the same bounds
+ * (measured as etp2: fp32 5.3e-8 and 2.4e-5; bf16 1.3e-4 and 1.3e-2).
  * The reference trainer runs on each rank by itself (no communicator).
  */
 #include <math.h>
@@ -122,6 +127,11 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
     sets[n++] = pps;
     snprintf(etps, sizeof etps, "parallel.etp=%d", tp > 1 ? etp_ : 1);
     sets[n++] = etps;
+    /* pp2etp2: both layers on stage 0, so that its MoE layer runs with
+     * micro-batches in flight (1F1B's warm-up: two forwards before the
+     * first backward, each slot its own dispatch plan); stage 1 keeps the
+     * head and MTP (whose block is MoE too) */
+    if (tp > 1 && pp_ > 1 && etp_ > 1) sets[n++] = "parallel.pp_layers=2,0";
     /* sp, ep2: one gradient bucket per layer, started from inside the
      * backward, so a layer's tp fixes must precede its bucket (trainer.h) */
     if (tp > 1 && (sp || ep_ > 1 || etp_ > 1)) sets[n++] = "parallel.bucket_mb=0";
@@ -234,7 +244,11 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
               (long long)gd->rows, (long long)gd->off[0], (long long)dd->cols,
               (long long)dd->off[1], Fl, (long long)lo);
     }
-    CHECK(m->local[0] + m->local[1] == (pp_ > 1 ? 1 : 2), "%d of the 2 layers here with pp %d",
+    const int want_local = pp_ == 1 ? 2 : etp_ == 1 ? 1 : job->groups.me.pp == 0 ? 2 : 0;
+    if (pp_ > 1 && etp_ > 1 && job->groups.me.pp == 0) /* the MoE layer's micro-batches in flight */
+        CHECK(m->n_chunks == 1 && m->chunks[0].n_slots == 2, "stage 0: %d chunk(s), %d slot(s)",
+              m->n_chunks, m->n_chunks > 0 ? m->chunks[0].n_slots : 0);
+    CHECK(m->local[0] + m->local[1] == want_local, "%d of the 2 layers here with pp %d",
           m->local[0] + m->local[1], pp_);
     CHECK(m->V_local == c->vocab_size / 2 && m->v_lo == tpr * c->vocab_size / 2,
           "vocabulary rows [%d, %d)", m->v_lo, m->v_lo + m->V_local);
