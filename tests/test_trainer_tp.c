@@ -1,6 +1,7 @@
 /* test_trainer_tp.c - tensor parallelism is one rank, spread out.
  *
- *   test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp|etp2|etp2sp|ep2etp2|ep2etp2sp|pp2etp2]
+ *   test_trainer_tp EXAMPLES_DIR [sp|ep2|pp2|pp2sp|etp2|etp2sp|ep2etp2|ep2etp2sp|pp2etp2|
+ *                                 pp2vpp2etp2|pp2dvetp2]
  *
  * Run under mpirun with N = 2 or 4 ranks: tp = 2, dp = N / 2 (with "sp":
  * parallel.sequence_parallel on; with "ep2": ep = 2 folded over the tp x dp
@@ -77,6 +78,11 @@
  * micro-batches in flight (two slots, each with its own dispatch plan;
  * checked), the last stage's MTP block being MoE too; the same bounds
  * (measured as etp2: fp32 5.3e-8 and 2.4e-5; bf16 1.3e-4 and 1.3e-2).
+ * "pp2vpp2etp2" (interleaved, vpp 2) and "pp2dvetp2" (DualPipeV, its
+ * backward split: the experts' weight-gradient GEMMs deferred to BWD_W):
+ * four chunks, layer 1 (MoE) alone in chunk 1 on stage 1, MTP's MoE block
+ * in chunk 3 (interleaved: stage 1; DualPipeV: stage 0); the same bounds
+ * (measured: fp32 5.2e-8 and 2.4e-5, bf16 1.3e-4 and 1.1e-2).
  * The reference trainer runs on each rank by itself (no communicator).
  */
 #include <math.h>
@@ -106,6 +112,8 @@ static const char *const fp8_model[] = {
 #define N_FP8_MODEL ((int)(sizeof fp8_model / sizeof *fp8_model))
 
 static int ep_, pp_, etp_;
+/* pp2: the schedule ("1f1b", "interleaved" with vpp 2, "dualpipev") */
+static const char *sched_ = "1f1b";
 
 static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                      const char *recipe, int tp, int sp, int world)
@@ -131,7 +139,17 @@ static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
      * micro-batches in flight (1F1B's warm-up: two forwards before the
      * first backward, each slot its own dispatch plan); stage 1 keeps the
      * head and MTP (whose block is MoE too) */
-    if (tp > 1 && pp_ > 1 && etp_ > 1) sets[n++] = "parallel.pp_layers=2,0";
+    if (tp > 1 && pp_ > 1 && etp_ > 1 && !strcmp(sched_, "1f1b"))
+        sets[n++] = "parallel.pp_layers=2,0";
+    /* pp2vpp2etp2, pp2dvetp2: four chunks, layer 0 in chunk 0 (stage 0),
+     * layer 1 (MoE) in chunk 1 (stage 1); the head and MTP in chunk 3
+     * (interleaved: stage 1; DualPipeV: stage 0, with the embedding) */
+    if (tp > 1 && pp_ > 1 && strcmp(sched_, "1f1b") != 0) {
+        sets[n++] = !strcmp(sched_, "interleaved") ? "parallel.schedule=interleaved"
+                                                   : "parallel.schedule=dualpipev";
+        sets[n++] = "parallel.vpp=2";
+        sets[n++] = "parallel.pp_layers=1,1,0,0";
+    }
     /* sp, ep2: one gradient bucket per layer, started from inside the
      * backward, so a layer's tp fixes must precede its bucket (trainer.h) */
     if (tp > 1 && (sp || ep_ > 1 || etp_ > 1)) sets[n++] = "parallel.bucket_mb=0";
@@ -244,14 +262,20 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
               (long long)gd->rows, (long long)gd->off[0], (long long)dd->cols,
               (long long)dd->off[1], Fl, (long long)lo);
     }
-    const int want_local = pp_ == 1 ? 2 : etp_ == 1 ? 1 : job->groups.me.pp == 0 ? 2 : 0;
-    if (pp_ > 1 && etp_ > 1 && job->groups.me.pp == 0) /* the MoE layer's micro-batches in flight */
+    const int one_f = !strcmp(sched_, "1f1b"), stage = job->groups.me.pp;
+    const int want_local = pp_ == 1 ? 2 : etp_ == 1 || !one_f ? 1 : stage == 0 ? 2 : 0;
+    if (pp_ > 1 && etp_ > 1 && one_f && stage == 0) /* the MoE layer's micro-batches in flight */
         CHECK(m->n_chunks == 1 && m->chunks[0].n_slots == 2, "stage 0: %d chunk(s), %d slot(s)",
               m->n_chunks, m->n_chunks > 0 ? m->chunks[0].n_slots : 0);
     CHECK(m->local[0] + m->local[1] == want_local, "%d of the 2 layers here with pp %d",
           m->local[0] + m->local[1], pp_);
-    CHECK(m->V_local == c->vocab_size / 2 && m->v_lo == tpr * c->vocab_size / 2,
-          "vocabulary rows [%d, %d)", m->v_lo, m->v_lo + m->V_local);
+    if (pp_ > 1)
+        CHECK(m->n_chunks == (one_f ? 1 : 2), "%d chunk(s) on this stage under %s", m->n_chunks,
+              sched_);
+    /* (DualPipeV: stage 1 holds neither the embedding nor the head) */
+    if (strcmp(sched_, "dualpipev") != 0 || stage == 0)
+        CHECK(m->V_local == c->vocab_size / 2 && m->v_lo == tpr * c->vocab_size / 2,
+              "vocabulary rows [%d, %d)", m->v_lo, m->v_lo + m->V_local);
     CHECK(t->tp->sp == sp && t->tp->size == 2, "tp %d, sequence parallel %d", t->tp->size,
           t->tp->sp);
 
@@ -362,6 +386,8 @@ int main(int argc, char **argv)
     ep_ = argc > 2 && strstr(argv[2], "ep2") ? 2 : 1;
     etp_ = argc > 2 && strstr(argv[2], "etp2") ? 2 : 1;
     pp_ = argc > 2 && strstr(argv[2], "pp2") ? 2 : 1;
+    if (pp_ > 1 && strstr(argv[2], "vpp2")) sched_ = "interleaved";
+    if (pp_ > 1 && strstr(argv[2], "dv")) sched_ = "dualpipev";
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     mt_runtime *rt;

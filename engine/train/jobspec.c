@@ -319,17 +319,10 @@ static int check_layout(const mt_jobspec *j)
 
 int mt_jobspec_check_runnable(const mt_layout *l)
 {
-    /* expert tensor parallelism: proven with tp, ep and dp, with and
-     * without sequence parallelism, on the cpu backend and on cuda
-     * (tests/test_trainer_ep.c, test_trainer_tp.c), and with pp (ep 1,
-     * below) in 1F1B only: no test has run the other schedules' tables (the
-     * interleaved chunks, DualPipeV's split backward) with the ep x etp
-     * exchange inside a stage */
-    if (l->etp > 1 && l->pp > 1 && (l->vpp > 1 || l->schedule != MT_PP_1F1B))
-        return MT_ERR(MT_ENOTSUP, "parallel.etp %d with parallel.pp %d: expert tensor "
-                      "parallelism runs with the 1f1b schedule only so far (vpp %d, schedule "
-                      "%s); use parallel.schedule=1f1b, vpp 1, or etp = 1", l->etp, l->pp,
-                      l->vpp, mt_pp_schedule_names[l->schedule]);
+    /* expert tensor parallelism runs with every layout the rest runs (tp,
+     * sequence parallelism, dp, ep; pp under each schedule, where ep is 1:
+     * below), on the cpu and cuda backends (tests/test_trainer_ep.c,
+     * tests/test_trainer_tp.c) */
     if (l->pp > 1 && l->ep > 1)
         return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.ep %d: pipeline and expert "
                       "parallelism together are not implemented yet; use one of them", l->pp,

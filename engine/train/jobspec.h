@@ -170,8 +170,8 @@ int mt_jobspec_admit(mt_jobspec *j, int world);
 
 /* MT_OK when the trainer can run layout `l` (sizes > 1 only where it
  * implements that parallelism: data, tensor (with sequence parallelism),
- * pipeline and expert parallelism so far; pipeline not with expert
- * parallelism, and with expert tensor parallelism under 1F1B only), else
+ * pipeline, expert and expert tensor parallelism so far; pipeline not with
+ * expert parallelism), else
  * MT_ENOTSUP naming the field. Admission refuses such a layout (EINVAL)
  * before any rank builds anything; the trainer checks it again. */
 int mt_jobspec_check_runnable(const mt_layout *l);

@@ -51,8 +51,8 @@
  * the backward, so all of these fixes run after the step's last backward,
  * before the buckets.
  *
- * Expert tensor parallelism (parallel.etp = ETP > 1, with dp, ep and tp,
- * with pp under 1F1B; CPU and CUDA backends): the ep group handed in is the
+ * Expert tensor parallelism (parallel.etp = ETP > 1, with dp, ep, tp and
+ * pp; CPU and CUDA backends): the ep group handed in is the
  * exchange group of the EP x ETP ranks with the same edp (groups.h: exp);
  * the model holds slice etp_rank of each of its experts
  * (mt_params_etp_local) and the dispatcher sends each routed row to every
