@@ -14,6 +14,12 @@
  *   yl     = down_e(silu(gate_e(xl)) * up_e(xl))  per local expert segment
  *   yp     = combine(yl)                          [R, D]
  *   y      = shared(xn) + sum_k w[n, k] yp[slot[n, k]]
+ *
+ * Tensor parallelism (layers.h, mt_moe_fwd): the router and the balance
+ * loss on all N rows, everything from the index on (permute, dispatch,
+ * experts, combine, unpermute) on this rank's share [lo, lo + Ns) only,
+ * with slot / src / idx / w of the share; y and dxn are this rank's terms
+ * of a sum over tp (the shared experts' columns, the share's rows).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +34,10 @@ void mt_moe_caps(const mt_model_config *cfg, const mt_model_opts *o, int N,
                  int64_t *Rl_cap)
 {
     const int E = cfg->n_routed_experts, K = cfg->num_experts_per_tok;
+    /* tensor parallelism: a rank routes its share of the rows, ceil(N / tp)
+     * at most (mt_tp_share), and so does every source of its ep group */
+    const int tp = o->tp ? o->tp->size : 1;
+    N = (N + tp - 1) / tp;
     *align = o->expert_align > 0 ? o->expert_align
              : o->recipe == MT_RECIPE_FP8_BLOCKWISE ? 128
                                                     : 1;
@@ -172,6 +182,9 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     mt_backend *be = c->be;
     const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
     const size_t act = mt_act_size(be);
+    int lo, Ns; /* the rows this rank routes (all N without tp) */
+    mt_tp_share(c, &lo, &Ns);
+    const void *xs_in = (const char *)xn + (size_t)lo * D * act;
     MT_CHECK(be->gemm(be, m->logits, 1, E, xn, D, 0, m->router->w, D, 0, N, E, D, 1.0f, 0));
     MT_CHECK(be->router_fwd(be, m->idx, m->w, m->scores, m->logits, m->bias ? m->bias->wf : NULL,
                             N, &m->rc));
@@ -179,32 +192,32 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     if (m->aux_on)
         MT_CHECK(be->aux_loss(be, m->aux_loss, m->dscores, m->scores, m->idx, c->B, c->T,
                               (float)aux_alpha, grad_scale, &m->rc));
-    MT_CHECK(be->moe_index(be, m->slot, m->src, m->counts, m->rows, m->idx, N, K, E,
-                           m->src_align, m->R_cap));
+    MT_CHECK(be->moe_index(be, m->slot, m->src, m->counts, m->rows, m->idx + (size_t)lo * K,
+                           Ns, K, E, m->src_align, m->R_cap));
     int32_t counts[4096];
     if (E > 4096) return MT_ERR(MT_ENOTSUP, "moe: more than 4096 experts");
     MT_CHECK(be->download(be, counts, m->counts, (size_t)E * 4));
     for (int e = 0; e < E; e++) m->load[e] += counts[e];
     m->R = sum_rows(m->rows, E);
     const int moves = m->disp->ep > 1;
-    if (!moves) MT_CHECK(be->moe_permute(be, m->xp, xn, m->src, m->R, D));
+    if (!moves) MT_CHECK(be->moe_permute(be, m->xp, xs_in, m->src, m->R, D));
     if (m->fp8_wire) {
         /* quantised once, before the rows travel (1x128 tiles per token:
          * the tiles quant_rows of the local rows would make) */
-        const int KB = (D + 127) / 128, one[1] = {N};
+        const int KB = (D + 127) / 128, one[1] = {Ns};
         size_t mk = mt_ws_mark(c->ws);
         uint8_t *xq;
         float *xs;
-        MT_WS(xq, c->ws, (size_t)N * D + 1);
-        MT_WS(xs, c->ws, (size_t)KB * N * 4 + 4);
-        if (N > 0) MT_CHECK(be->quant_rows(be, xq, xs, xn, D, one, 1, D));
+        MT_WS(xq, c->ws, (size_t)Ns * D + 1);
+        MT_WS(xs, c->ws, (size_t)KB * Ns * 4 + 4);
+        if (Ns > 0) MT_CHECK(be->quant_rows(be, xq, xs, xs_in, D, one, 1, D));
         MT_CHECK(m->disp->dispatch_fp8(m->disp, be, &m->plan, m->xl_q, m->xl_s, m->xl_buf, xq,
-                                       xs, N, m->src, m->rows, D));
+                                       xs, Ns, m->src, m->rows, D));
         mt_ws_release(c->ws, mk);
         m->xl = m->xl_buf;
     } else {
         MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp,
-                                   moves ? xn : NULL, m->src, m->rows, D));
+                                   moves ? xs_in : NULL, m->src, m->rows, D));
     }
     size_t mark = mt_ws_mark(c->ws);
     void *yl = m->yp; /* identity: the experts write yp directly */
@@ -212,8 +225,11 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     MT_CHECK(experts_fwd(c, m, yl, m->xl));
     MT_CHECK(m->disp->combine(m->disp, be, &m->plan, m->yp, yl, D));
     mt_ws_release(c->ws, mark);
+    /* the rows outside the share are the shared experts' alone (or zero) */
     if (m->has_shared) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
-    return be->moe_unpermute(be, y, m->has_shared, m->yp, m->slot, m->w, N, K, D);
+    else if (Ns < N) MT_CHECK(be->zero(be, y, (size_t)N * D * act));
+    return be->moe_unpermute(be, (char *)y + (size_t)lo * D * act, m->has_shared, m->yp,
+                             m->slot, m->w + (size_t)lo * K, Ns, K, D);
 }
 
 /* Local experts' backward: dyl [Rl, D] -> dxl [Rl, D]; expert gradients +=.
@@ -246,18 +262,23 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
     mt_backend *be = c->be;
     const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
     const size_t act = mt_act_size(be), R = (size_t)m->R;
+    int lo, Ns; /* the forward's share (mt_tp_share) */
+    mt_tp_share(c, &lo, &Ns);
+    const size_t lo_d = (size_t)lo * D * act;
     size_t mark = mt_ws_mark(c->ws);
     void *dyp, *dxp, *dlog_act, *dyl_buf = NULL;
     float *dw, *dlogits;
     MT_WS(dyp, c->ws, R * D * act);
     MT_WS(dxp, c->ws, R * D * act);
     if (m->disp->ep > 1) MT_WS(dyl_buf, c->ws, (size_t)m->plan.Rl * D * act);
-    MT_WS(dw, c->ws, (size_t)N * K * 4);
-    MT_WS(dlogits, c->ws, (size_t)N * E * 4);
-    MT_WS(dlog_act, c->ws, (size_t)N * E * act);
+    MT_WS(dw, c->ws, (size_t)Ns * K * 4 + 4);
+    MT_WS(dlogits, c->ws, (size_t)Ns * E * 4 + 4);
+    MT_WS(dlog_act, c->ws, (size_t)Ns * E * act + 4);
 
     if (m->has_shared) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
-    MT_CHECK(be->moe_unpermute_bwd(be, dyp, dw, dy, m->yp, m->slot, m->w, N, K, D, m->R));
+    else if (Ns < N) MT_CHECK(be->zero(be, dxn, (size_t)N * D * act));
+    MT_CHECK(be->moe_unpermute_bwd(be, dyp, dw, (const char *)dy + lo_d, m->yp, m->slot,
+                                   m->w + (size_t)lo * K, Ns, K, D, m->R));
     /* The reverse of combine is a dispatch of the gradients (with the
      * forward's plan), and the reverse of dispatch a combine. */
     void *dyl;
@@ -266,14 +287,16 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
     void *dxl = dyl == dyp ? dxp : dyl;
     MT_CHECK(experts_bwd(c, m, dxl, dyl, m->xl));
     MT_CHECK(m->disp->combine(m->disp, be, &m->plan, dxp, dxl, D));
-    MT_CHECK(be->moe_permute_bwd(be, dxn, m->has_shared, dxp, m->slot, N, K, D));
-    /* router: gradient through the chosen weights and the balance loss */
-    MT_CHECK(be->router_bwd(be, dlogits, dw, m->aux_on ? m->dscores : NULL, m->scores, m->idx, N,
-                            &m->rc));
-    MT_CHECK(be->act_from_f32(be, dlog_act, dlogits, (int64_t)N * E));
-    MT_CHECK(be->gemm(be, dxn, 0, D, dlog_act, E, 0, m->router->w, D, 1, N, D, E, 1.0f, 1));
-    MT_CHECK(be->gemm(be, m->router->grad, c->grad_type, D, dlog_act, E, 1, xn, D, 1, E, D, N,
-                      1.0f, 1));
+    void *dxs = (char *)dxn + lo_d;
+    MT_CHECK(be->moe_permute_bwd(be, dxs, m->has_shared || Ns < N, dxp, m->slot, Ns, K, D));
+    /* router: gradient through the chosen weights and the balance loss, of
+     * the share's rows (each row's is its own: the other ranks do theirs) */
+    MT_CHECK(be->router_bwd(be, dlogits, dw, m->aux_on ? m->dscores + (size_t)lo * E : NULL,
+                            m->scores + (size_t)lo * E, m->idx + (size_t)lo * K, Ns, &m->rc));
+    MT_CHECK(be->act_from_f32(be, dlog_act, dlogits, (int64_t)Ns * E));
+    MT_CHECK(be->gemm(be, dxs, 0, D, dlog_act, E, 0, m->router->w, D, 1, Ns, D, E, 1.0f, 1));
+    MT_CHECK(be->gemm(be, m->router->grad, c->grad_type, D, dlog_act, E, 1,
+                      (const char *)xn + lo_d, D, 1, E, D, Ns, 1.0f, 1));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

@@ -391,9 +391,21 @@ static int p2p_tag(mt_comm *c, const char *what, const void *buf, size_t count,
         return MT_ERR(MT_EINVAL, CTX_FMT "%s: tag %d outside [0, %d)", CTX_ARGS(c), what, tag,
                       MT_COMM_MAX_TAG);
     if (!have)
-        return MT_ERR(MT_ENOTSUP, CTX_FMT "%s: the %s backend has no pipeline messages yet",
+        return MT_ERR(MT_ENOTSUP, CTX_FMT "%s: the %s backend has no pipeline messages",
                       CTX_ARGS(c), what, mt_comm_backend_name(c->backend));
+    if (!c->pipe_open)
+        return MT_ERR(MT_ESTATE, CTX_FMT "%s: pipeline messages need mt_comm_pipe_open first "
+                      "(collective over the group)", CTX_ARGS(c), what);
     return check_buf(c, what, "buffer", buf, count);
+}
+
+int mt_comm_pipe_open(mt_comm *c)
+{
+    if (c->pipe_open) return MT_OK;
+    int rc = c->iface->pipe_open ? c->iface->pipe_open(c) : MT_OK;
+    if (rc < 0) return mt_err_wrap(rc, CTX_FMT "pipe_open", CTX_ARGS(c));
+    c->pipe_open = 1;
+    return MT_OK;
 }
 
 int mt_comm_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer, int tag)

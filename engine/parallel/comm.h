@@ -196,14 +196,23 @@ int mt_comm_sendrecv(mt_comm *c, const void *send, size_t send_count, int dst, v
                      size_t recv_count, int src, mt_comm_dtype dt);
 
 /* Pipeline messages (engine/train/pipeline.c): matched by (peer, tag), tag
- * in [0, MT_COMM_MAX_TAG). mt_comm_isend does not wait for the receiver: the
- * message is copied out of buf (which may change at once) and delivered in
- * the background; mt_comm_wait_sends waits until every isend so far has
- * been delivered (before the communicator is used for anything else that
- * could wait on the peers, and at the end of a pipeline step). recv_tag
- * blocks until the message has arrived. Backends: mpi, staged (through
- * host memory); nccl and local refuse (MT_ENOTSUP). */
+ * in [0, MT_COMM_MAX_TAG). mt_comm_pipe_open(c) first: collective over c,
+ * once (later calls do nothing); isend / recv_tag on a communicator not
+ * opened are refused (MT_ESTATE). mt_comm_isend does not wait for the
+ * receiver: the message is copied out of buf (which may change at once:
+ * on a device communicator, work enqueued on the compute stream after the
+ * call) and delivered in the background; mt_comm_wait_sends waits until
+ * every isend so far has been delivered (before the communicator is used
+ * for anything else that could wait on the peers, and at the end of a
+ * pipeline step). recv_tag returns once the message has arrived (device
+ * communicators: once its arrival is ordered before the compute stream's
+ * later work; the host waits for the sender's isend call, not for its
+ * data). Receives may ask for tags in another order than they were sent.
+ * Backends: mpi, staged (through host memory), nccl (device buffers; the
+ * peer must be a ring neighbour, rank +-1 mod size: comm_nccl.c); local
+ * refuses (MT_ENOTSUP). */
 #define MT_COMM_MAX_TAG 2700
+int mt_comm_pipe_open(mt_comm *c);
 int mt_comm_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
 int mt_comm_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
 int mt_comm_wait_sends(mt_comm *c);

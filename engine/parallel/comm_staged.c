@@ -225,6 +225,11 @@ static int staged_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt
     char *H = NULL;
     BEGIN(c);
     MT_GOTO(pinned(c, bytes, &H), out);
+    /* the previous op's copy up may still read H (it waits on the side
+     * stream behind the compute stream's work): two receives in a row, as
+     * a pipeline stage does, would land the second message in the first's
+     * buffer */
+    MT_GOTO(wait_down(c), out);
     MT_GOTO(h->iface->recv_tag(h, H, count, dt, peer, tag), out);
     MT_GOTO(up(c, buf, H, bytes), out);
 out:

@@ -78,6 +78,31 @@ static int layers_of(const mt_pipeline *p, int c)
 
 /* ---- the walk ------------------------------------------------------------------------ */
 
+/* Messages are ordered with the backend's kernels on the device when the
+ * pp group runs on the backend's compute stream (the runtime sets it).
+ * Otherwise (MT_COMM_HOST_SYNC=1, or a group left on the default stream)
+ * nothing orders a device message with the kernels that write or read
+ * its buffer, and the host fences each one (comm.h): the backend's
+ * kernels done before an isend, the message in before a recv's data is
+ * used. The CPU backend (no stream) needs neither. */
+static int msg_fenced(const mt_pipeline *p, mt_backend *be)
+{
+    void *s = be->stream ? be->stream(be) : NULL;
+    return s && (mt_comm_host_sync_forced() || mt_comm_stream(p->pp) != s);
+}
+
+static int msg_send(mt_pipeline *p, mt_backend *be, const void *buf, int peer, int tag)
+{
+    if (msg_fenced(p, be)) MT_CHECK(be->sync(be));
+    return mt_comm_isend(p->pp, buf, p->msg_bytes, MT_COMM_BYTE, peer, tag);
+}
+
+static int msg_recv(mt_pipeline *p, mt_backend *be, void *buf, int peer, int tag)
+{
+    MT_CHECK(mt_comm_recv_tag(p->pp, buf, p->msg_bytes, MT_COMM_BYTE, peer, tag));
+    return msg_fenced(p, be) ? mt_comm_sync(p->pp) : MT_OK;
+}
+
 /* The table's tag folded into the communicator's range: two messages
  * between the same stages share a tag only MT_COMM_MAX_TAG / 2 boundaries
  * apart, far more than a stage keeps in flight, and MPI keeps the order of
@@ -108,7 +133,7 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
         if (w->dry) return MT_OK;
         sl = slot_at(m, p, mb, c);
         t = now_s();
-        MT_CHECK(mt_comm_recv_tag(p->pp, sl->h[0], p->msg_bytes, MT_COMM_BYTE, a->peer, tag));
+        MT_CHECK(msg_recv(p, be, sl->h[0], a->peer, tag));
         *idle += now_s() - t;
         return MT_OK;
     case MT_SCHED_FWD: {
@@ -138,15 +163,14 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
         sl = slot_at(m, p, mb, c);
         if (!sl) return MT_ERR(MT_ESTATE, "pipeline: send_act of mb %d chunk %d before its "
                                "forward", mb, c);
-        return mt_comm_isend(p->pp, sl->h[layers_of(p, c)], p->msg_bytes, MT_COMM_BYTE, a->peer,
-                             tag);
+        return msg_send(p, be, sl->h[layers_of(p, c)], a->peer, tag);
     case MT_SCHED_RECV_GRAD:
         if (w->dry) return MT_OK;
         sl = slot_at(m, p, mb, c);
         if (!sl) return MT_ERR(MT_ESTATE, "pipeline: recv_grad of mb %d chunk %d before its "
                                "forward", mb, c);
         t = now_s();
-        MT_CHECK(mt_comm_recv_tag(p->pp, sl->dh, p->msg_bytes, MT_COMM_BYTE, a->peer, tag));
+        MT_CHECK(msg_recv(p, be, sl->dh, a->peer, tag));
         *idle += now_s() - t;
         return MT_OK;
     case MT_SCHED_BWD:
@@ -184,7 +208,7 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
             sl = slot_at(m, p, mb, c);
             if (!sl) return MT_ERR(MT_ESTATE, "pipeline: send_grad of mb %d chunk %d without "
                                    "its backward", mb, c);
-            MT_CHECK(mt_comm_isend(p->pp, sl->dh, p->msg_bytes, MT_COMM_BYTE, a->peer, tag));
+            MT_CHECK(msg_send(p, be, sl->dh, a->peer, tag));
         }
         release(w, mb, c);
         return MT_OK;
@@ -230,6 +254,12 @@ int mt_pipeline_create(mt_pipeline *p, const mt_layout *l, const mt_model_config
     if (pp && mt_comm_size(pp) != l->pp)
         return MT_ERR(MT_EINVAL, "pipeline: the pp group has %d ranks, the layout %d",
                       mt_comm_size(pp), l->pp);
+    /* collective over the group: every stage creates its plan at once, and
+     * before anything that could fail on one stage alone */
+    if (pp) {
+        int ro = mt_comm_pipe_open(pp);
+        if (ro < 0) return mt_err_wrap(ro, "pipeline: opening the pp group for messages");
+    }
     int rc = mt_schedule_build(&p->sched, l, n_mb);
     if (rc < 0) return mt_err_wrap(rc, "pipeline: the schedule for %d micro-batches", n_mb);
     char err[256];
@@ -322,8 +352,7 @@ static int forward_only(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch
             if (c > 0 && p->local_of[c - 1] < 0) {
                 const int from = mt_layout_stage_of_chunk(&p->layout, c - 1);
                 double t = now_s();
-                MT_CHECK(mt_comm_recv_tag(p->pp, sl->h[0], p->msg_bytes, MT_COMM_BYTE, from,
-                                          msg_tag(&ra, p->C)));
+                MT_CHECK(msg_recv(p, be, sl->h[0], from, msg_tag(&ra, p->C)));
                 *idle += now_s() - t;
             } else if (c > 0) {
                 mt_chunk_slot *pv = &m->chunks[p->local_of[c - 1]].slots[0];
@@ -341,9 +370,8 @@ static int forward_only(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch
             }
             if (c + 1 < p->C && p->local_of[c + 1] < 0) {
                 const mt_sched_action sa = {MT_SCHED_SEND_ACT, mb, c, -1};
-                MT_CHECK(mt_comm_isend(p->pp, sl->h[layers_of(p, c)], p->msg_bytes, MT_COMM_BYTE,
-                                       mt_layout_stage_of_chunk(&p->layout, c + 1),
-                                       msg_tag(&sa, p->C)));
+                MT_CHECK(msg_send(p, be, sl->h[layers_of(p, c)],
+                                  mt_layout_stage_of_chunk(&p->layout, c + 1), msg_tag(&sa, p->C)));
             }
         }
     return MT_OK;

@@ -242,17 +242,19 @@ int main(int argc, char **argv)
     mt_moe_a2a_bytes(d, &s1, &r1);
     double tmax[4];
     for (int k = 0; k < 4; k++) t[k] /= iters;
-    MUST(mt_comm_all_reduce(c, t, tmax, 4, MT_COMM_F64, MT_COMM_MAX));
+    /* host values: through the host side of a device communicator */
+    mt_comm *hc = mt_comm_host(c);
+    MUST(mt_comm_all_reduce(hc, t, tmax, 4, MT_COMM_F64, MT_COMM_MAX));
     double a2a_max, quant_max, tq = tquant / iters;
-    MUST(mt_comm_all_reduce(c, &tq, &quant_max, 1, MT_COMM_F64, MT_COMM_MAX));
-    MUST(mt_comm_all_reduce(c, &best_a2a, &a2a_max, 1, MT_COMM_F64, MT_COMM_MAX));
+    MUST(mt_comm_all_reduce(hc, &tq, &quant_max, 1, MT_COMM_F64, MT_COMM_MAX));
+    MUST(mt_comm_all_reduce(hc, &best_a2a, &a2a_max, 1, MT_COMM_F64, MT_COMM_MAX));
     /* bytes that left this rank per exchange (dispatch = combine in volume
      * when routes are balanced; counts included); the FP8 dispatch is
      * smaller than the bf16 combine: dispatch's share by the row sizes */
     const double per_it = (double)(s1 - s0) / iters;
     const double fd = fp8 ? (double)W / (double)(W + 2 * (size_t)D) : 0.5;
     int64_t mine[2] = {(int64_t)(per_it * fd), (int64_t)(per_it * (1 - fd))}, most2[2];
-    MUST(mt_comm_all_reduce(c, mine, most2, 2, MT_COMM_I64, MT_COMM_MAX));
+    MUST(mt_comm_all_reduce(hc, mine, most2, 2, MT_COMM_I64, MT_COMM_MAX));
     const int64_t most = most2[0], most_c = most2[1];
     if (rank_ == 0) {
         printf("ranks %d, tokens/rank %d, hidden %d, top-%d of %d experts, align %d, %s wire, "
