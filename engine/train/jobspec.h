@@ -176,8 +176,8 @@ int mt_jobspec_admit(mt_jobspec *j, int world);
 
 /* MT_OK when the trainer can run layout `l` (sizes > 1 only where it
  * implements that parallelism: data, tensor (with sequence parallelism),
- * pipeline and expert parallelism so far; pipeline not with expert; expert
- * tensor parallelism with tp = 1 and pp = 1 only), else
+ * pipeline, expert and expert tensor parallelism so far; not all three of
+ * pipeline, expert and expert tensor parallelism together), else
  * MT_ENOTSUP naming the field. Admission refuses such a layout (EINVAL)
  * before any rank builds anything; the trainer checks it again. */
 int mt_jobspec_check_runnable(const mt_layout *l);

@@ -52,14 +52,18 @@
  * the backward, so all of these fixes run after the step's last backward,
  * before the buckets.
  *
- * Expert tensor parallelism (parallel.etp = ETP > 1, with tp 1 and pp 1,
- * CPU backend): the ep group handed in is the exchange group of the
- * EP x ETP ranks with the same edp (groups.h: exp); the model holds slice
- * etp_rank of each of its experts (mt_params_etp_local) and the
- * dispatcher sends each routed row to every slice and sums the slices'
- * outputs (moe_a2a.h). The slices' gradients are whole parameters of
- * their own: reduced over edp, owned within edp, each counted once in the
- * norm (the etp ranks hold different slices).
+ * Expert tensor parallelism (parallel.etp = ETP > 1, with dp, ep, tp and
+ * pp, not with ep and pp both; CPU and CUDA backends): the ep group handed in is the
+ * exchange group of the EP x ETP ranks with the same edp (groups.h: exp);
+ * the model holds slice etp_rank of each of its experts
+ * (mt_params_etp_local) and the dispatcher sends each routed row to every
+ * slice and sums the slices' outputs (moe_a2a.h). The slices' gradients
+ * are whole parameters of their own: reduced over edp, owned within edp,
+ * each counted once in the norm (the etp ranks hold different slices).
+ * With tp > 1 the folding puts the etp ranks on the tp ranks first (etp
+ * fastest: with etp = tp the etp rank is the tp rank); each tp rank
+ * dispatches its share of the tokens to every slice, so each token reaches
+ * a slice's gradient once, as above.
  *
  * Reductions (which one each global quantity uses):
  *  - gradients: F32 sums at the owner in rank order x_0 + x_1 + ... on
