@@ -740,22 +740,20 @@ int mt_schedule_predict_chunks(const mt_schedule *s, const mt_sched_costs *chunk
 
 /* ---- the timeline ---------------------------------------------------------------- */
 
-int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, double unit)
+static int print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, int per_chunk,
+                 double unit)
 {
-    mt_sched_costs def;
-    if (!c) {
-        mt_sched_costs_default(&def);
-        c = &def;
-    }
     if (unit <= 0) {
-        const double k[4] = {c->f, c->b, c->b_in, c->w};
         unit = 0;
-        for (int i = 0; i < 4; i++)
-            if (k[i] > 0 && (unit == 0 || k[i] < unit)) unit = k[i];
+        for (int ci = 0; ci < (per_chunk ? s->pp * s->vpp : 1); ci++) {
+            const double k[4] = {c[ci].f, c[ci].b, c[ci].b_in, c[ci].w};
+            for (int i = 0; i < 4; i++)
+                if (k[i] > 0 && (unit == 0 || k[i] < unit)) unit = k[i];
+        }
         if (unit == 0) unit = 1;
     }
     mt_sched_sim sim;
-    MT_CHECK(mt_schedule_simulate(s, c, &sim));
+    MT_CHECK(simulate(s, c, per_chunk, &sim));
     int digits = 1;
     for (int m = s->n_mb - 1; m >= 10; m /= 10) digits++;
     const int cw = 1 + digits;
@@ -765,9 +763,19 @@ int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, do
         mt_sched_sim_free(&sim);
         return MT_ERR(MT_ENOMEM, "pipeline timeline: out of memory");
     }
-    fprintf(f, "schedule %s: pp %d, vpp %d, %d micro-batches; costs per chunk F %g B %g Bi %g "
-            "W %g p2p %g; one cell = %g\n", mt_pp_schedule_names[s->kind], s->pp, s->vpp,
-            s->n_mb, c->f, c->b, c->b_in, c->w, c->p2p, unit);
+    if (!per_chunk)
+        fprintf(f, "schedule %s: pp %d, vpp %d, %d micro-batches; costs per chunk F %g B %g Bi "
+                "%g W %g p2p %g; one cell = %g\n", mt_pp_schedule_names[s->kind], s->pp, s->vpp,
+                s->n_mb, c->f, c->b, c->b_in, c->w, c->p2p, unit);
+    else {
+        fprintf(f, "schedule %s: pp %d, vpp %d, %d micro-batches; p2p %g; one cell = %g; costs "
+                "of each chunk (F B Bi W):", mt_pp_schedule_names[s->kind], s->pp, s->vpp,
+                s->n_mb, c[0].p2p, unit);
+        for (int ci = 0; ci < s->pp * s->vpp; ci++)
+            fprintf(f, "%s %d: %g %g %g %g", ci ? ";" : "", ci, c[ci].f, c[ci].b, c[ci].b_in,
+                    c[ci].w);
+        fprintf(f, "\n");
+    }
     for (int st = 0; st < s->pp; st++) {
         memset(row, '.', (size_t)ncell * cw);
         row[(size_t)ncell * cw] = '\0';
@@ -793,4 +801,20 @@ int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, do
     free(row);
     mt_sched_sim_free(&sim);
     return MT_OK;
+}
+
+int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, double unit)
+{
+    mt_sched_costs def;
+    if (!c) {
+        mt_sched_costs_default(&def);
+        c = &def;
+    }
+    return print(f, s, c, 0, unit);
+}
+
+int mt_schedule_print_chunks(FILE *f, const mt_schedule *s, const mt_sched_costs *chunk_costs,
+                             double unit)
+{
+    return print(f, s, chunk_costs, 1, unit);
 }

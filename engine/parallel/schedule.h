@@ -174,6 +174,10 @@ const char *mt_sched_op_name(mt_sched_op op);
  * are idle. Then the step time, each stage's idle fraction and peak
  * activations in flight, and the bubble. */
 int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, double unit);
+/* The same with costs per chunk (chunk_costs[pp * vpp], as
+ * mt_schedule_simulate_chunks); the header lists each chunk's costs. */
+int mt_schedule_print_chunks(FILE *f, const mt_schedule *s, const mt_sched_costs *chunk_costs,
+                             double unit);
 
 /* The message a send or receive carries, equal at both ends and distinct
  * for every (kind, mb, chunk boundary) of a table with `n_chunks` chunks:
