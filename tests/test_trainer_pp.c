@@ -40,7 +40,11 @@
  *   4. the stages hold disjoint parts of the model's decoder layers that
  *      cover them all (with parallel.pp_layers: as many as it gives each
  *      stage), and the step reports a measured idle fraction in
- *      [0, 1] next to the table's predicted bubble;
+ *      [0, 1] next to the table's predicted bubble; the measured costs
+ *      (issue 17): every chunk's forward and backward took time, every
+ *      stage holds the same gathered per-chunk costs, the idle predicted
+ *      from them is in [0, 1] and is the simulator's on them, and the
+ *      simulator given equal per-chunk costs predicts the table's idle;
  *   5. DualPipeV's backward split (BWD_IN defers the weight-gradient GEMMs,
  *      BWD_W runs them) trains bit for bit as the same table run with whole
  *      backwards in BWD_IN (the pipeline's bwd_whole): every step's loss,
@@ -80,6 +84,55 @@
 
 /* --gpu COMM: NULL on the CPU */
 static const char *GPU_COMM;
+
+/* Property 4's measured costs on this stage after a step. */
+static void check_measured_costs(const mt_trainer *t, const mt_step_metrics *mp, const char *name,
+                                 int step)
+{
+    const mt_pipeline *pl = t->pipe;
+    const int C = pl->C, pp = pl->layout.pp;
+    CHECK(mp->pp_bubble_measured >= 0 && mp->pp_bubble_measured <= 1 &&
+              mp->pp_bubble_measured == pl->measured_idle[pl->stage],
+          "%s step %d: idle predicted from measured costs %.3f (stage's %.3f)", name, step,
+          mp->pp_bubble_measured, pl->measured_idle[pl->stage]);
+    double v[64], hi[64], lo[64];
+    if (C * 4 > 64 || pp > 16) die("the test keeps 16 chunks", MT_EINVAL);
+    for (int c = 0; c < C; c++) {
+        const mt_sched_costs *k = &pl->chunk_costs[c];
+        CHECK(k->f > 0 && k->b + k->b_in > 0 && k->p2p == 0,
+              "%s step %d: chunk %d's measured costs F %g B %g Bi %g W %g", name, step, c, k->f,
+              k->b, k->b_in, k->w);
+        v[c * 4] = k->f, v[c * 4 + 1] = k->b, v[c * 4 + 2] = k->b_in, v[c * 4 + 3] = k->w;
+    }
+    int rc = mt_comm_all_reduce(mt_comm_host(t->pp), v, hi, C * 4, MT_COMM_F64, MT_COMM_MAX);
+    if (rc == MT_OK)
+        rc = mt_comm_all_reduce(mt_comm_host(t->pp), v, lo, C * 4, MT_COMM_F64, MT_COMM_MIN);
+    if (rc < 0) die("all_reduce of the measured costs", rc);
+    for (int i = 0; i < C * 4; i++)
+        CHECK(hi[i] == lo[i], "%s step %d: the stages hold different costs of chunk %d (kind "
+              "%d): %g .. %g", name, step, i / 4, i % 4, lo[i], hi[i]);
+    double bubble, idle[16], eq_bubble, eq_idle[16];
+    rc = mt_schedule_predict_chunks(&pl->sched, pl->chunk_costs, &bubble, idle);
+    if (rc < 0) die("mt_schedule_predict_chunks", rc);
+    CHECK(bubble == pl->measured_bubble, "%s step %d: measured-cost bubble %.6f, simulated %.6f",
+          name, step, pl->measured_bubble, bubble);
+    for (int st = 0; st < pp; st++)
+        CHECK(idle[st] == pl->measured_idle[st] && idle[st] >= 0 && idle[st] <= 1,
+              "%s step %d: stage %d's idle from measured costs %.6f, simulated %.6f", name,
+              step, st, pl->measured_idle[st], idle[st]);
+    mt_sched_costs eq[16];
+    for (int c = 0; c < C; c++) mt_sched_costs_default(&eq[c]);
+    rc = mt_schedule_predict_chunks(&pl->sched, eq, &eq_bubble, eq_idle);
+    if (rc < 0) die("mt_schedule_predict_chunks", rc);
+    CHECK(fabs(eq_bubble - pl->predicted_bubble) < 1e-12,
+          "%s: equal chunk costs predict bubble %.6f, the table %.6f", name, eq_bubble,
+          pl->predicted_bubble);
+    for (int st = 0; st < pp; st++)
+        CHECK(fabs(eq_idle[st] - pl->predicted_idle[st]) < 1e-12,
+              "%s: equal chunk costs predict stage %d idle %.6f, the table %.6f", name, st,
+              eq_idle[st], pl->predicted_idle[st]);
+}
+
 
 static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                      const char *layout_sets, int world)
@@ -224,11 +277,12 @@ static void run_layout_how(mt_runtime *rt, const char *examples, const char *cor
         CHECK(mp.pp_idle >= 0 && mp.pp_idle <= 1 && mp.pp_bubble >= 0 && mp.pp_bubble < 1,
               "%s step %d: idle %.3f predicted bubble %.3f", name, s + 1, mp.pp_idle,
               mp.pp_bubble);
+        check_measured_costs(job->trainer, &mp, name, s + 1);
         if (rt->rank == 0)
             printf("%s step %d: loss %.9f (one rank %.9f), mtp %.9f (%.9f), grad norm %.9g "
-                   "(%.9g), idle %.3f (predicted %.3f)\n", name, s + 1, mp.loss, m1.loss,
-                   mp.mtp_loss, m1.mtp_loss, mp.grad_norm, m1.grad_norm, mp.pp_idle,
-                   mp.pp_bubble);
+                   "(%.9g), idle %.3f (predicted %.3f from measured costs, %.3f with equal "
+                   "costs)\n", name, s + 1, mp.loss, m1.loss, mp.mtp_loss, m1.mtp_loss,
+                   mp.grad_norm, m1.grad_norm, mp.pp_idle, mp.pp_bubble_measured, mp.pp_bubble);
     }
     mt_trainer *t = job->trainer;
     if (how == 1) {

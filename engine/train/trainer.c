@@ -659,8 +659,9 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     if (!t->dp) mt.compute_ms = mt.step_ms; /* nothing to wait for: the whole step is its own */
     mt.pp_size = t->pipe ? t->pipe->layout.pp : 0;
     mt.pp_stage = t->pipe ? t->pipe->stage : 0;
-    mt.pp_idle = t->pipe ? t->pipe->last_idle_s / dt : NAN;
+    mt.pp_idle = t->pipe ? t->pipe->last_idle : NAN;
     mt.pp_bubble = t->pipe ? t->pipe->predicted_idle[t->pipe->stage] : NAN;
+    mt.pp_bubble_measured = t->pipe ? t->pipe->measured_idle[t->pipe->stage] : NAN;
     const double tokens = (double)n_mb * B * j->batch.seq_len; /* all ranks */
     mt.tokens_per_s = tokens / dt;
     mt.tflops = t->flops_per_token * tokens / dt / 1e12 / t->dp_size /
