@@ -26,15 +26,19 @@
  *    started every 64 MB, one fsync per file;
  *  - reading: chunk addresses from HDF5, the chunks pread and checked by the
  *    workers; whole small pieces of the reader's own shard are read ahead
- *    in file order.
- * Memory stays bounded (about 128 MB for a writer, 128 MB of read-ahead),
- * never the model. Environment: MT_CKPT_THREADS (workers; default the CPUs
+ *    in file order;
+ *  - verify: the chunks of all pieces of all files pread and checked by the
+ *    workers, a window of them in flight, each piece's XXH64 fed in chunk
+ *    order by whichever worker completes its next chunk (ckpt_verify.c).
+ * Memory stays bounded (about 128 MB for a writer, 128 MB of read-ahead,
+ * verify's window: 2 x workers + 2 chunks of at most 4 MB), never the model. Environment: MT_CKPT_THREADS (workers; default the CPUs
  * divided among the host's ranks, clamped to [4, 16]), MT_CKPT_DIRECT=0
  * (shard chunks through the page cache; 1 or unset: O_DIRECT),
  * MT_CKPT_DIRECT_READ=0 / 1 (large chunks of the reader's own shard read
  * with O_DIRECT; default off), and for comparisons MT_CKPT_SERIAL_WRITES=1 (HDF5's own
  * driver), MT_CKPT_NO_READAHEAD=1, MT_CKPT_WRITEBACK=0, MT_CKPT_NO_SIMD=1
- * (Fletcher32 without AVX2). An mt_ckpt is read by one thread at a time.
+ * (Fletcher32 without AVX2), MT_CKPT_VERIFY_CHUNKS=N (verify's chunks in
+ * flight; 1: one at a time). An mt_ckpt is read by one thread at a time.
  */
 #ifndef MT_CKPT_H
 #define MT_CKPT_H
@@ -250,8 +254,11 @@ typedef void (*mt_ckpt_report_fn)(void *ctx, const char *file, const char *tenso
 
 /* Checks everything: index consistency, coverage (no gaps, no overlaps),
  * every shard dataset read in full (Fletcher32) and its xxh64, virtual
- * datasets. Calls report() per problem; returns MT_OK or MT_ECORRUPT (the
- * message names the first problem and the count). */
+ * datasets. Calls report() per problem, in piece order whatever the
+ * workers' timing (from this thread); returns MT_OK or MT_ECORRUPT (the
+ * message names the first problem and the count), or another error that
+ * says nothing about the checkpoint (out of memory). The files and pieces
+ * are read in parallel by the checkpoint workers. */
 int mt_ckpt_verify(const char *path, mt_ckpt_report_fn report, void *ctx, mt_progress *prog);
 
 /* Compares two checkpoints tensor by tensor (bytes of each global tensor,

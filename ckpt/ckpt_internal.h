@@ -239,6 +239,43 @@ void ck_test_crash(const char *point);
  * the read-ahead. 0 if it does not apply (a large piece: read it). */
 int ck_check_piece(mt_ckpt *ck, int p, int *rc);
 
+/* Reads past HDF5 (ckpt_read.c), for the readers and verify. */
+/* Chunk layout of piece p (HDF5 lock held; its file opened with
+ * ck_piece_file): the dataset checked against the index (present, shape,
+ * element size), then for a dataset moetrain wrote (chunked, full-width
+ * chunks, Fletcher32 only) *cr rows per chunk and *addr (malloc'd) the
+ * file offset of each of its ceil(rows / cr) chunks, each stored whole
+ * with its checksum; *cr = 0 for another layout (read it through HDF5). */
+int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr);
+/* A buffer for one stored chunk of n bytes (CK_DIRECT_ALIGN-aligned, room
+ * for the whole blocks an O_DIRECT read takes around it); free() it. */
+char *ck_chunk_buf_alloc(size_t n);
+/* Reads the n stored bytes at offset addr of file fi into buf (of
+ * ck_chunk_buf_alloc(n)): where they start in buf, or NULL with *err =
+ * errno (0: the file ends before them). Large chunks with O_DIRECT as
+ * MT_CKPT_DIRECT_READ and the reader's rank say; thread-safe. */
+char *ck_chunk_pread(const mt_ckpt *ck, int fi, char *buf, size_t n, int64_t addr, int *err);
+/* Checks a chunk ck_chunk_pread returned (buf NULL: unreadable, with err):
+ * cb data bytes then their Fletcher32, little-endian. MT_OK, or MT_EIO /
+ * MT_ECORRUPT with the problem in msg naming path, tensor and the chunk's
+ * first row (the text every reader gives). */
+int ck_chunk_check(const char *buf, int err, size_t cb, const char *path, const char *tensor,
+                   int64_t row, char *msg, size_t cap);
+/* The text of a piece whose bytes hash to `got`, not to its recorded xxh64. */
+void ck_piece_hash_msg(char *msg, size_t cap, const char *path, const mt_ckpt_piece_rec *r,
+                       uint64_t got);
+
+/* Problems found by verify and diff (ckpt_verify.c): each goes to report
+ * (may be NULL); the first is kept as "FILE: tensor T: problem". */
+typedef struct ck_problems {
+    mt_ckpt_report_fn report;
+    void *ctx;
+    int n;
+    char first[1024];
+} ck_problems;
+void ck_problem(ck_problems *v, const char *file, const char *tensor, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
 /* Opens (once) the shard file of piece p; error names the file and tensor. */
 int ck_piece_file(mt_ckpt *ck, int p, hid_t *f);
 int ck_file_index(const mt_ckpt *ck, int rank);

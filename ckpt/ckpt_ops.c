@@ -1,11 +1,10 @@
 /* ckpt_ops.c - whole-checkpoint operations: writing from a tensor source
- * (reshard, import), verify, diff. One process plays every rank; memory is
- * bounded by one band (CK_BAND_BYTES), never the model. */
+ * (reshard, import), diff (verify: ckpt_verify.c). One process plays every
+ * rank; memory is bounded by one band (CK_BAND_BYTES), never the model. */
 #define _POSIX_C_SOURCE 200809L
 #define _DEFAULT_SOURCE
 #include <errno.h>
 #include <jansson.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -186,273 +185,9 @@ out0:
     return rc;
 }
 
-/* ---- verify -------------------------------------------------------------------------- */
-
-typedef struct vstate {
-    mt_ckpt_report_fn report;
-    void *ctx;
-    int problems;
-    char first[1024];
-} vstate;
-
-static void problem(vstate *v, const char *file, const char *tensor, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static void problem(vstate *v, const char *file, const char *tensor, const char *fmt, ...)
-{
-    char msg[900];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (!v->problems)
-        snprintf(v->first, sizeof v->first, "%s%s%s%s%s", file, tensor && tensor[0] ? ": tensor " : "",
-                 tensor ? tensor : "", ": ", msg);
-    v->problems++;
-    if (v->report) v->report(v->ctx, file, tensor ? tensor : "", msg);
-}
-
-/* Reads piece p in bands and checks its xxh64 and attributes. */
-static void verify_piece(mt_ckpt *ck, int p, vstate *v, mt_progress *prog, void **band,
-                         size_t *band_cap)
-{
-    const mt_ckpt_piece_rec *r = &ck->pieces[p];
-    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
-    char name[32], path[4300];
-    ck_shard_name(name, sizeof name, r->rank);
-    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
-    const size_t es = mt_dtype_size(x->dtype);
-    /* attributes against the index */
-    hid_t f;
-    ck_lock();
-    if (ck_piece_file(ck, p, &f) < 0) {
-        ck_unlock();
-        problem(v, path, r->tensor, "%s", mt_errmsg());
-        return;
-    }
-    hid_t ds = H5Dopen2(f, r->tensor, H5P_DEFAULT);
-    if (ds < 0) {
-        char eb[256];
-        problem(v, path, r->tensor, "dataset missing (%s)", ck_h5_errstr(eb, sizeof eb));
-        ck_unlock();
-        return;
-    }
-    int64_t gs[2] = {0, 0}, off[2] = {0, 0};
-    char dt[16] = "";
-    if (ck_attr_read_str(ds, "dtype", dt, sizeof dt) < 0 || strcmp(dt, mt_dtype_name(x->dtype)) ||
-        ck_attr_read_i64(ds, "global_shape", gs, x->ndim) < 0 || gs[0] != x->shape[0] ||
-        (x->ndim == 2 && gs[1] != x->shape[1]) || ck_attr_read_i64(ds, "offset", off, x->ndim) < 0 ||
-        off[0] != r->off[0] || (x->ndim == 2 && off[1] != r->off[1]))
-        problem(v, path, r->tensor, "dataset attributes (dtype %s, global_shape, offset) disagree "
-                                    "with the index",
-                dt);
-    H5Dclose(ds);
-    ck_unlock();
-    /* small pieces: read and checked ahead by the workers */
-    int rc0;
-    if (ck_check_piece(ck, p, &rc0)) {
-        if (rc0 < 0) problem(v, path, r->tensor, "%s", mt_errmsg());
-        mt_progress_add(prog, r->nbytes);
-        return;
-    }
-    /* large ones band by band (their chunks in parallel), one band buffer */
-    const int64_t cols = x->ndim == 2 ? r->count[1] : 1;
-    const int64_t br = ck_band_rows(r->count[0], cols, es);
-    const size_t need = (size_t)br * (size_t)cols * es;
-    if (*band_cap < need) {
-        free(*band);
-        *band_cap = 0;
-        if (!(*band = malloc(need))) {
-            problem(v, path, r->tensor, "out of memory");
-            return;
-        }
-        *band_cap = need;
-    }
-    void *buf = *band;
-    mt_xxh64 h;
-    mt_xxh64_init(&h, 0);
-    int ok = 1;
-    for (int64_t a = 0; a < r->count[0] && ok; a += br) {
-        int64_t nr = r->count[0] - a < br ? r->count[0] - a : br;
-        mt_tensor_desc d;
-        mt_tensor_desc_slab(&d, r->tensor, x->dtype, x->ndim, x->shape, r->off[0] + a, r->off[1],
-                            nr, cols, buf);
-        /* only this piece: other pieces of the tensor do not intersect it */
-        int rc = ck_read_piece(ck, p, &d);
-        if (rc < 0) {
-            problem(v, path, r->tensor, "%s", mt_errmsg());
-            ok = 0;
-            break;
-        }
-        /* one band of the whole piece: ck_read_piece checked its XXH64 */
-        if (nr < r->count[0]) mt_xxh64_update(&h, buf, (size_t)nr * (size_t)cols * es);
-        mt_progress_add(prog, nr * cols * (int64_t)es);
-    }
-    if (ok && br < r->count[0] && mt_xxh64_digest(&h) != r->xxh64)
-        problem(v, path, r->tensor, "xxh64 %016llx, the index records %016llx: data corrupted",
-                (unsigned long long)mt_xxh64_digest(&h), (unsigned long long)r->xxh64);
-}
-
-static herr_t count_cb(hid_t g, const char *name, const H5L_info_t *info, void *data)
-{
-    (void)g;
-    (void)name;
-    (void)info;
-    (*(int *)data)++;
-    return 0;
-}
-
-/* Objects in each shard file beyond the index's pieces. */
-static void verify_extras(mt_ckpt *ck, vstate *v)
-{
-    for (int fi = 0; fi < ck->n_files; fi++) {
-        int want = 0, have = 0;
-        for (int p = 0; p < ck->n_pieces; p++) want += ck->piece_file[p] == fi;
-        int p0 = -1;
-        for (int p = 0; p < ck->n_pieces && p0 < 0; p++)
-            if (ck->piece_file[p] == fi) p0 = p;
-        if (p0 < 0) continue;
-        hid_t f;
-        ck_lock();
-        if (ck_piece_file(ck, p0, &f) == MT_OK) {
-            hsize_t idx = 0;
-            H5Literate(f, H5_INDEX_NAME, H5_ITER_NATIVE, &idx, count_cb, &have);
-        }
-        ck_unlock();
-        char name[32], path[4300];
-        ck_shard_name(name, sizeof name, ck->file_rank[fi]);
-        snprintf(path, sizeof path, "%s/%s", ck->dir, name);
-        if (have != want)
-            problem(v, path, "", "holds %d datasets, the index lists %d pieces in it", have, want);
-    }
-}
-
-/* Virtual datasets of the index against the shard map. */
-static void verify_vds(mt_ckpt *ck, vstate *v)
-{
-    char path[4300], eb[256];
-    snprintf(path, sizeof path, "%s/%s", ck->dir, CK_INDEX);
-    ck_lock();
-    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
-    if (f < 0) {
-        problem(v, path, "", "cannot open (%s)", ck_h5_errstr(eb, sizeof eb));
-        ck_unlock();
-        return;
-    }
-    for (int t = 0; t < ck->n_tensors; t++) {
-        const mt_ckpt_tensor *x = &ck->tensors[t];
-        hid_t ds = H5Dopen2(f, x->name, H5P_DEFAULT);
-        if (ds < 0) {
-            problem(v, path, x->name, "virtual dataset missing");
-            continue;
-        }
-        hid_t dcpl = H5Dget_create_plist(ds), sp = H5Dget_space(ds);
-        hsize_t dims[2] = {0, 0};
-        size_t cnt = 0;
-        int nd = H5Sget_simple_extent_dims(sp, dims, NULL);
-        if (H5Pget_layout(dcpl) != H5D_VIRTUAL || H5Pget_virtual_count(dcpl, &cnt) < 0 ||
-            nd != x->ndim || (int64_t)dims[0] != x->shape[0] ||
-            (nd == 2 && (int64_t)dims[1] != x->shape[1]) || (int)cnt != x->n_pieces) {
-            problem(v, path, x->name, "virtual dataset disagrees with the tensor table (shape or "
-                                      "%zu mappings for %d pieces)",
-                    cnt, x->n_pieces);
-        } else {
-            for (size_t i = 0; i < cnt; i++) {
-                const mt_ckpt_piece_rec *r = &ck->pieces[x->first_piece + (int)i];
-                char fn[64] = "", dn[MT_TENSOR_NAME_CAP + 8] = "", want[32];
-                H5Pget_virtual_filename(dcpl, i, fn, sizeof fn);
-                H5Pget_virtual_dsetname(dcpl, i, dn, sizeof dn);
-                hid_t vs = H5Pget_virtual_vspace(dcpl, i);
-                hsize_t s[2] = {0, 0}, e[2] = {0, 0};
-                H5Sget_select_bounds(vs, s, e);
-                H5Sclose(vs);
-                ck_shard_name(want, sizeof want, r->rank);
-                if (strcmp(fn, want) || strcmp(dn, x->name) || (int64_t)s[0] != r->off[0] ||
-                    (int64_t)e[0] != r->off[0] + r->count[0] - 1 ||
-                    (nd == 2 && ((int64_t)s[1] != r->off[1] ||
-                                 (int64_t)e[1] != r->off[1] + r->count[1] - 1)))
-                    problem(v, path, x->name, "virtual mapping %zu (%s) disagrees with the shard map",
-                            i, fn);
-            }
-        }
-        H5Sclose(sp);
-        H5Pclose(dcpl);
-        H5Dclose(ds);
-    }
-    H5Fclose(f);
-    ck_unlock();
-}
-
-int mt_ckpt_verify(const char *path, mt_ckpt_report_fn report, void *ctx, mt_progress *prog)
-{
-    vstate v = {report, ctx, 0, ""};
-    mt_ckpt *ck = calloc(1, sizeof *ck);
-    if (!ck) return MT_ERR(MT_ENOMEM, "out of memory");
-    ck->lock_fd = -1;
-    int rc = mt_ckpt_resolve(path, ck->dir, sizeof ck->dir);
-    if (rc < 0) {
-        free(ck);
-        return rc;
-    }
-    rc = ck_read_index_locked(ck);
-    if (rc < 0) {
-        problem(&v, ck->dir, "", "%s", mt_errmsg());
-        mt_ckpt_close(ck);
-        return MT_ERR(MT_ECORRUPT, "%s", v.first);
-    }
-    /* the index's own checksum: any byte changed since the commit */
-    char ipath[4300], why[256];
-    snprintf(ipath, sizeof ipath, "%s/%s", ck->dir, CK_INDEX);
-    int seal = ck_index_check(ipath, why, sizeof why);
-    if (seal == -1) problem(&v, ipath, "", "%s", why);
-    else if (seal < 0) problem(&v, ipath, "", "%s", mt_errmsg());
-    /* files: missing or truncated ones are reported, their pieces skipped */
-    char *bad = calloc((size_t)ck->n_files + 1, 1);
-    for (int i = 0; i < ck->n_files; i++) {
-        char name[32], p[4300];
-        ck_shard_name(name, sizeof name, ck->file_rank[i]);
-        snprintf(p, sizeof p, "%s/%s", ck->dir, name);
-        struct stat st;
-        const char *t = "";
-        for (int k = 0; k < ck->n_pieces && !t[0]; k++)
-            if (ck->piece_file[k] == i) t = ck->pieces[k].tensor;
-        if (stat(p, &st) != 0) {
-            problem(&v, p, t, "shard file missing");
-            bad[i] = 1;
-        } else if ((int64_t)st.st_size != ck->file_bytes[i]) {
-            problem(&v, p, t, "%lld bytes, the index records %lld: truncated or replaced",
-                    (long long)st.st_size, (long long)ck->file_bytes[i]);
-            bad[i] = 1;
-        }
-    }
-    mt_progress_start(prog, "verify", mt_ckpt_bytes(ck), prog ? prog->enabled : 0);
-    void *band = NULL;
-    size_t band_cap = 0;
-    for (int p = 0; p < ck->n_pieces; p++) {
-        if (bad && bad[ck->piece_file[p]]) continue;
-        int before = v.problems;
-        verify_piece(ck, p, &v, prog, &band, &band_cap);
-        /* an unopenable file: one report, not one per piece */
-        if (v.problems > before && bad) {
-            hid_t f;
-            ck_lock();
-            if (ck_piece_file(ck, p, &f) < 0) bad[ck->piece_file[p]] = 1;
-            ck_unlock();
-        }
-    }
-    free(band);
-    mt_progress_end(prog);
-    verify_extras(ck, &v);
-    verify_vds(ck, &v);
-    free(bad);
-    mt_ckpt_close(ck);
-    if (v.problems) return MT_ERR(MT_ECORRUPT, "%s (%d problem%s)", v.first, v.problems, v.problems > 1 ? "s" : "");
-    return MT_OK;
-}
-
 /* ---- diff ----------------------------------------------------------------------------------- */
 
-static int diff_tensor(mt_ckpt *a, mt_ckpt *b, const mt_ckpt_tensor *x, vstate *v)
+static int diff_tensor(mt_ckpt *a, mt_ckpt *b, const mt_ckpt_tensor *x, ck_problems *v)
 {
     const size_t es = mt_dtype_size(x->dtype);
     const int64_t cols = x->ndim == 2 ? x->shape[1] : 1;
@@ -475,9 +210,9 @@ static int diff_tensor(mt_ckpt *a, mt_ckpt *b, const mt_ckpt_tensor *x, vstate *
             while (ba[k] == bb[k]) k++;
             int64_t e = (int64_t)(k / es);
             if (x->ndim == 1)
-                problem(v, b->dir, x->name, "differs first at [%lld]", (long long)(r + e));
+                ck_problem(v, b->dir, x->name, "differs first at [%lld]", (long long)(r + e));
             else
-                problem(v, b->dir, x->name, "differs first at [%lld, %lld]",
+                ck_problem(v, b->dir, x->name, "differs first at [%lld, %lld]",
                         (long long)(r + e / cols), (long long)(e % cols));
             break;
         }
@@ -497,19 +232,19 @@ int mt_ckpt_diff(const char *pa, const char *pb, int weights_only, int meta_too,
         mt_ckpt_close(a);
         return rc;
     }
-    vstate v = {report, ctx, 0, ""};
+    ck_problems v = {report, ctx, 0, ""};
     for (int t = 0; t < a->n_tensors && rc == MT_OK; t++) {
         const mt_ckpt_tensor *x = &a->tensors[t];
         if (weights_only && !strncmp(x->name, "optimizer.", 10)) continue;
         int u = mt_ckpt_find(b, x->name);
         if (u < 0) {
-            problem(&v, b->dir, x->name, "missing");
+            ck_problem(&v, b->dir, x->name, "missing");
             continue;
         }
         const mt_ckpt_tensor *y = &b->tensors[u];
         if (y->dtype != x->dtype || y->ndim != x->ndim || y->shape[0] != x->shape[0] ||
             y->shape[1] != x->shape[1]) {
-            problem(&v, b->dir, x->name, "%s [%lld, %lld] vs %s [%lld, %lld]", mt_dtype_name(x->dtype),
+            ck_problem(&v, b->dir, x->name, "%s [%lld, %lld] vs %s [%lld, %lld]", mt_dtype_name(x->dtype),
                     (long long)x->shape[0], (long long)x->shape[1], mt_dtype_name(y->dtype),
                     (long long)y->shape[0], (long long)y->shape[1]);
             continue;
@@ -519,19 +254,19 @@ int mt_ckpt_diff(const char *pa, const char *pb, int weights_only, int meta_too,
     for (int t = 0; t < b->n_tensors && rc == MT_OK; t++) {
         const mt_ckpt_tensor *y = &b->tensors[t];
         if (weights_only && !strncmp(y->name, "optimizer.", 10)) continue;
-        if (mt_ckpt_find(a, y->name) < 0) problem(&v, a->dir, y->name, "missing");
+        if (mt_ckpt_find(a, y->name) < 0) ck_problem(&v, a->dir, y->name, "missing");
     }
     if (rc == MT_OK && meta_too) {
         const mt_ckpt_meta *x = &a->meta, *y = &b->meta;
         if (x->step != y->step || x->consumed_samples != y->consumed_samples ||
             x->consumed_tokens != y->consumed_tokens)
-            problem(&v, b->dir, "", "step / consumed samples / tokens differ");
-        if (strcmp(x->config_json, y->config_json)) problem(&v, b->dir, "", "model config differs");
-        if (strcmp(x->state_json, y->state_json)) problem(&v, b->dir, "", "trainer state differs");
+            ck_problem(&v, b->dir, "", "step / consumed samples / tokens differ");
+        if (strcmp(x->config_json, y->config_json)) ck_problem(&v, b->dir, "", "model config differs");
+        if (strcmp(x->state_json, y->state_json)) ck_problem(&v, b->dir, "", "trainer state differs");
     }
     mt_ckpt_close(a);
     mt_ckpt_close(b);
     if (rc < 0) return rc;
-    if (v.problems) return MT_ERR(MT_ECORRUPT, "%s (%d difference%s)", v.first, v.problems, v.problems > 1 ? "s" : "");
+    if (v.n) return MT_ERR(MT_ECORRUPT, "%s (%d difference%s)", v.first, v.n, v.n > 1 ? "s" : "");
     return MT_OK;
 }

@@ -451,11 +451,11 @@ void mt_ckpt_set_reader_rank(mt_ckpt *ck, int rank) { ck->reader_rank = rank; }
  * left to the page cache and its read-ahead. */
 #define CK_DIRECT_READ_MIN ((size_t)1 << 20)
 
-/* Bytes of a buffer for one stored chunk of n bytes (chunk_pread: whole
+/* Bytes of a buffer for one stored chunk of n bytes (ck_chunk_pread: whole
  * blocks around it); allocate it CK_DIRECT_ALIGN-aligned. */
 static size_t chunk_buf_bytes(size_t n) { return n + 2 * CK_DIRECT_ALIGN; }
 
-static char *chunk_buf_alloc(size_t n)
+char *ck_chunk_buf_alloc(size_t n)
 {
     void *b = NULL;
     return posix_memalign(&b, CK_DIRECT_ALIGN, chunk_buf_bytes(n)) == 0 ? b : NULL;
@@ -466,7 +466,7 @@ static char *chunk_buf_alloc(size_t n)
  * *err = errno (0: the file ends before them). O_DIRECT reads whole blocks
  * around them; a refusal or a short read is retried through the page
  * cache, which then gives the error. */
-static char *chunk_pread(const mt_ckpt *ck, int fi, char *buf, size_t n, int64_t addr, int *err)
+char *ck_chunk_pread(const mt_ckpt *ck, int fi, char *buf, size_t n, int64_t addr, int *err)
 {
     const int dfd = ck->file_dfd[fi];
     if (dfd >= 0 && n >= CK_DIRECT_READ_MIN &&
@@ -501,6 +501,39 @@ static char *chunk_pread(const mt_ckpt *ck, int fi, char *buf, size_t n, int64_t
         got += (size_t)k;
     }
     return buf;
+}
+
+/* A stored chunk as read (buf: NULL if unreadable, err its errno or 0 for
+ * a file that ends before it; cb bytes of data, then their Fletcher32
+ * little-endian) checked: MT_OK, or MT_EIO / MT_ECORRUPT with the problem
+ * in msg, naming the file, the tensor and the chunk's first row. */
+int ck_chunk_check(const char *buf, int err, size_t cb, const char *path, const char *tensor,
+                   int64_t row, char *msg, size_t cap)
+{
+    if (!buf) {
+        snprintf(msg, cap, "%s: tensor %s: chunk at row %lld unreadable: %s", path, tensor,
+                 (long long)row, err ? strerror(err) : "the file ends before it: truncated");
+        return err ? MT_EIO : MT_ECORRUPT;
+    }
+    const uint8_t *t = (const uint8_t *)buf + cb;
+    uint32_t want = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
+    if (ck_fletcher32(buf, cb) != want) {
+        snprintf(msg, cap, "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data corrupted",
+                 path, tensor, (long long)row);
+        return MT_ECORRUPT;
+    }
+    return MT_OK;
+}
+
+void ck_piece_hash_msg(char *msg, size_t cap, const char *path, const mt_ckpt_piece_rec *r,
+                       uint64_t got)
+{
+    snprintf(msg, cap,
+             "%s: tensor %s: piece [%lld:%lld, %lld:%lld] xxh64 %016llx, the index records %016llx: "
+             "data corrupted",
+             path, r->tensor, (long long)r->off[0], (long long)(r->off[0] + r->count[0]),
+             (long long)r->off[1], (long long)(r->off[1] + r->count[1]), (unsigned long long)got,
+             (unsigned long long)r->xxh64);
 }
 
 /* Rows per chunk when a shard dataset can be read chunk by chunk with our
@@ -559,24 +592,9 @@ static void read_task(void *arg)
 {
     rchunk *k = arg;
     rpipe *p = k->p;
-    int rc = MT_OK, err = 0;
-    const char *buf = chunk_pread(p->ck, p->fi, k->buf, p->cb + 4, k->addr, &err);
-    if (!buf) {
-        snprintf(k->msg, sizeof k->msg, "%s: tensor %s: chunk at row %lld unreadable: %s", p->path,
-                 p->r->tensor, (long long)(k->c * p->cr),
-                 err ? strerror(err) : "the file ends before it: truncated");
-        rc = err ? MT_EIO : MT_ECORRUPT;
-    }
-    if (rc == MT_OK) {
-        const uint8_t *t = (const uint8_t *)buf + p->cb;
-        uint32_t want_f = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
-        if (ck_fletcher32(buf, p->cb) != want_f) {
-            snprintf(k->msg, sizeof k->msg,
-                     "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data corrupted",
-                     p->path, p->r->tensor, (long long)(k->c * p->cr));
-            rc = MT_ECORRUPT;
-        }
-    }
+    int err = 0;
+    const char *buf = ck_chunk_pread(p->ck, p->fi, k->buf, p->cb + 4, k->addr, &err);
+    int rc = ck_chunk_check(buf, err, p->cb, p->path, p->r->tensor, k->c * p->cr, k->msg, sizeof k->msg);
     if (rc == MT_OK) {
         const int64_t a = k->c * p->cr > p->r0 ? k->c * p->cr : p->r0;
         const int64_t b = (k->c + 1) * p->cr < p->r1 ? (k->c + 1) * p->cr : p->r1;
@@ -612,7 +630,7 @@ static int ensure_bufs(mt_ckpt *ck, int n, size_t bytes, const char *path)
     if (!b) return MT_ERR(MT_ENOMEM, "%s: out of memory", path);
     ck->bufs = b;
     for (; ck->n_bufs < n; ck->n_bufs++)
-        if (!(ck->bufs[ck->n_bufs] = chunk_buf_alloc(ck->buf_cap)))
+        if (!(ck->bufs[ck->n_bufs] = ck_chunk_buf_alloc(ck->buf_cap)))
             return MT_ERR(MT_ENOMEM, "%s: out of memory for chunk buffers of %zu bytes", path, bytes);
     return MT_OK;
 }
@@ -751,6 +769,33 @@ static int open_piece_ds(mt_ckpt *ck, int p, const char *path, hid_t *out)
     return rc;
 }
 
+int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr)
+{
+    const mt_ckpt_piece_rec *r = &ck->pieces[p];
+    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
+    const size_t es = mt_dtype_size(x->dtype);
+    char name[32], path[4300];
+    ck_shard_name(name, sizeof name, r->rank);
+    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
+    *cr = 0;
+    *addr = NULL;
+    hid_t ds = -1;
+    int rc = open_piece_ds(ck, p, path, &ds);
+    if (rc == MT_OK && (*cr = direct_chunk_rows(ds, x->ndim, r->count[1])) > 0) {
+        *addr = malloc((size_t)((r->count[0] + *cr - 1) / *cr + 1) * sizeof **addr);
+        rc = *addr ? chunk_addrs(ds, path, r, *cr, (size_t)*cr * (size_t)r->count[1] * es,
+                                 ck->file_base[ck->piece_file[p]], 0, r->count[0], *addr)
+                   : MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+    }
+    if (ds >= 0) H5Dclose(ds);
+    if (rc < 0) {
+        free(*addr);
+        *addr = NULL;
+        *cr = 0;
+    }
+    return rc;
+}
+
 /* ---- read-ahead of whole pieces ---------------------------------------------------
  *
  * A load reads its pieces whole, one after another, in about the order they
@@ -802,23 +847,14 @@ static int read_whole_serial(mt_ckpt *ck, int p, char *data)
     if (ds >= 0) H5Dclose(ds);
     ck_unlock();
     const size_t cb = (size_t)cr * (size_t)cols * es, row = (size_t)cols * es;
-    char *raw = cr > 0 && rc == MT_OK ? chunk_buf_alloc(cb + 4) : NULL;
+    char *raw = cr > 0 && rc == MT_OK ? ck_chunk_buf_alloc(cb + 4) : NULL;
     if (cr > 0 && rc == MT_OK && !raw) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
     for (int64_t c = 0; cr > 0 && rc == MT_OK && c * cr < rows; c++) {
         int err = 0;
-        const char *buf = chunk_pread(ck, ck->piece_file[p], raw, cb + 4, addr[c], &err);
-        if (!buf) {
-            rc = MT_ERR(err ? MT_EIO : MT_ECORRUPT, "%s: tensor %s: chunk at row %lld unreadable: %s",
-                        path, r->tensor, (long long)(c * cr),
-                        err ? strerror(err) : "the file ends before it: truncated");
-            break;
-        }
-        const uint8_t *t = (const uint8_t *)buf + cb;
-        uint32_t want = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
-        if (ck_fletcher32(buf, cb) != want) {
-            rc = MT_ERR(MT_ECORRUPT,
-                        "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data corrupted",
-                        path, r->tensor, (long long)(c * cr));
+        char msg[512];
+        const char *buf = ck_chunk_pread(ck, ck->piece_file[p], raw, cb + 4, addr[c], &err);
+        if ((rc = ck_chunk_check(buf, err, cb, path, r->tensor, c * cr, msg, sizeof msg)) < 0) {
+            rc = MT_ERR(rc, "%s", msg);
             break;
         }
         const int64_t n = rows - c * cr < cr ? rows - c * cr : cr;
@@ -828,13 +864,11 @@ static int read_whole_serial(mt_ckpt *ck, int p, char *data)
     free(addr);
     if (rc == MT_OK) {
         uint64_t got = mt_xxh64_oneshot(data, (size_t)r->nbytes, 0);
-        if (got != r->xxh64)
-            rc = MT_ERR(MT_ECORRUPT,
-                        "%s: tensor %s: piece [%lld:%lld, %lld:%lld] xxh64 %016llx, the index "
-                        "records %016llx: data corrupted",
-                        path, r->tensor, (long long)r->off[0], (long long)(r->off[0] + r->count[0]),
-                        (long long)r->off[1], (long long)(r->off[1] + r->count[1]),
-                        (unsigned long long)got, (unsigned long long)r->xxh64);
+        if (got != r->xxh64) {
+            char msg[1024];
+            ck_piece_hash_msg(msg, sizeof msg, path, r, got);
+            rc = MT_ERR(MT_ECORRUPT, "%s", msg);
+        }
     }
     return rc;
 }
@@ -1080,13 +1114,11 @@ unlock:
     }
     if (rc == MT_OK && whole) {
         uint64_t got = mt_xxh64_digest(&h);
-        if (got != r->xxh64)
-            rc = MT_ERR(MT_ECORRUPT,
-                        "%s: tensor %s: piece [%lld:%lld, %lld:%lld] xxh64 %016llx, the index "
-                        "records %016llx: data corrupted",
-                        path, r->tensor, (long long)r->off[0], (long long)(r->off[0] + r->count[0]),
-                        (long long)r->off[1], (long long)(r->off[1] + r->count[1]),
-                        (unsigned long long)got, (unsigned long long)r->xxh64);
+        if (got != r->xxh64) {
+            char msg[1024];
+            ck_piece_hash_msg(msg, sizeof msg, path, r, got);
+            rc = MT_ERR(MT_ECORRUPT, "%s", msg);
+        }
     }
     return rc;
 }

@@ -126,6 +126,15 @@ struct mt_backend {
      * are staged before upload returns). */
     int (*host_alloc)(mt_backend *be, size_t bytes, void **p);
     void (*host_free)(mt_backend *be, void *p);
+    /* Device timestamps (the pipeline's measured idle, issue 15): mark(be, i)
+     * records mark i (0 <= i, growing as needed) at this point of the
+     * compute stream, reached when the backend's earlier ops have completed
+     * (CUDA: a timing event recorded on the stream, no host wait; CPU: the
+     * host clock now, its ops having completed on return). marks_read(be, n,
+     * t) waits for marks 0..n-1, recorded since the last read, and gives
+     * their times t[n] in seconds after mark 0. */
+    int (*mark)(mt_backend *be, int i);
+    int (*marks_read)(mt_backend *be, int n, double *t);
     /* Bytes the backend holds now and at most so far (arena use on CUDA). */
     void (*mem_stats)(mt_backend *be, size_t *in_use, size_t *peak);
     void (*destroy)(mt_backend *be);

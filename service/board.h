@@ -39,8 +39,9 @@ typedef struct board_rank {
     int64_t mem_peak;
     int32_t pp_size;         /* pipeline stages; 0: no pipeline (the pp_ fields unset) */
     int32_t pp_stage;        /* this rank's stage */
-    double pp_idle;          /* measured idle fraction of its last step (blocked in receives) */
+    double pp_idle;          /* measured idle fraction of its last step (device time) */
     double pp_bubble;        /* the schedule's predicted idle fraction of its stage */
+    double pp_bubble_measured; /* the same predicted from the step's measured costs */
 } board_rank;
 
 typedef struct board_ranks {

@@ -704,7 +704,8 @@ static int post_step(control *c)
     board_rank me = {.rank = c->o.rank, .step = m->step, .step_ms = m->step_ms,
                      .compute_ms = m->compute_ms, .mem_in_use = (int64_t)m->mem_in_use,
                      .mem_peak = (int64_t)m->mem_peak, .pp_size = m->pp_size,
-                     .pp_stage = m->pp_stage, .pp_idle = m->pp_idle, .pp_bubble = m->pp_bubble};
+                     .pp_stage = m->pp_stage, .pp_idle = m->pp_idle, .pp_bubble = m->pp_bubble,
+                     .pp_bubble_measured = m->pp_bubble_measured};
     MT_CHECK(board_gather_ranks(c->board, c->o.rt->world, &me));
     const mt_trainer *t = c->t;
     if (!rank0(c) || t->moe_step <= 0 || t->moe_step != m->step) return MT_OK;

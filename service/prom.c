@@ -142,18 +142,22 @@ static void ranks(buf *b, board *bd)
             }
         }
         if (br.r[0].pp_size > 1) { /* pipeline: each stage's idle next to the prediction */
-            static const char *const pn[2] = {"moetrain_rank_pipeline_idle_ratio",
-                                              "moetrain_rank_pipeline_predicted_idle_ratio"};
-            static const char *const ph[2] = {
-                "Fraction of each rank's last step spent blocked in pipeline receives.",
+            static const char *const pn[3] = {
+                "moetrain_rank_pipeline_idle_ratio", "moetrain_rank_pipeline_predicted_idle_ratio",
+                "moetrain_rank_pipeline_measured_cost_idle_ratio"};
+            static const char *const ph[3] = {
+                "Fraction of each rank's last step its device spent outside the pipeline's "
+                "compute actions (waiting for activations, gradients or sends).",
                 "The schedule table's predicted idle fraction of each rank's pipeline stage "
-                "(simulator: forward 1, backward 2 per chunk)."};
-            for (int k = 0; k < 2; k++) {
+                "(simulator: forward 1, backward 2 per chunk, equal stages).",
+                "The predicted idle fraction of each rank's pipeline stage, simulated with "
+                "the last step's measured per-chunk forward and backward times."};
+            for (int k = 0; k < 3; k++) {
                 head(b, pn[k], "gauge", ph[k]);
                 for (int i = 0; i < br.n; i++) {
                     const board_rank *r = &br.r[i];
                     put(b, "%s{rank=\"%d\",stage=\"%d\"}", pn[k], r->rank, r->pp_stage);
-                    value(b, k == 0 ? r->pp_idle : r->pp_bubble);
+                    value(b, k == 0 ? r->pp_idle : k == 1 ? r->pp_bubble : r->pp_bubble_measured);
                 }
             }
         }

@@ -11,6 +11,8 @@
 #   - saved at pp = 2 x dp = 2 (4 ranks), resumed at pp = 1;
 #   - saved at tp = 2 x pp = 2 (4 ranks: each stage's layers in tp parts),
 #     resumed at pp = 1 (one rank), and saved at pp = 1 resumed there;
+#   - saved at pp = 2 x ep = 2 (4 ranks: each stage's experts split over its
+#     two ranks), resumed at pp = 1 (one rank) and at ep = 2 (2 ranks);
 # steps 4-6 log losses and gradient norms within 1e-5 (relative) of the
 # uninterrupted run that saved the checkpoint: the stages hold the layers
 # the sharding map places (the embedding replica of the last stage written
@@ -67,6 +69,18 @@ grep -q '"tp": 2' <<< "$meta" && grep -q '"pp": 2' <<< "$meta" ||
 check tppp tppp_on1 "tp=2 x pp=2 -> pp=1"
 run 4 pp1_on_tppp "${from1[@]}" --set parallel.pp=2 --set parallel.tp=2
 check one pp1_on_tppp "pp=1 -> tp=2 x pp=2"
+# pp x ep: each stage's experts, written by their ep ranks (dp 2 refolded as
+# ep 2 on each stage); continued on one rank and at ep = 2 without a pipeline
+run 4 ppep --set parallel.pp=2 --set parallel.ep=2 --set checkpoint.dir="$tmp/ckpe" \
+    --set checkpoint.interval=3
+meta=$("$bin/ckpt/moetrain-ckpt" inspect --json "$tmp/ckpe/step_00000003")
+grep -q '"ep": 2' <<< "$meta" && grep -q '"pp": 2' <<< "$meta" ||
+    { echo "FAIL: layout pp=2 x ep=2 not recorded"; exit 1; }
+fromep=(--set init.kind=checkpoint --set init.path="$tmp/ckpe/step_00000003")
+run 1 ppep_on1 "${fromep[@]}"
+check ppep ppep_on1 "pp=2 x ep=2 -> pp=1"
+run 2 ppep_on_ep2 "${fromep[@]}" --set parallel.ep=2
+check ppep ppep_on_ep2 "pp=2 x ep=2 -> ep=2"
 echo "step loss grad_norm: pp=1 | pp=2 | pp=2->1 | pp=2->vpp2 | pp=1->DualPipeV (steps 4-6)"
 paste -d'|' <(losses "$tmp/one.jsonl" 4) <(losses "$tmp/pp2.jsonl" 4) \
     <(losses "$tmp/pp2_on1.jsonl") <(losses "$tmp/pp2_on_vpp2.jsonl") <(losses "$tmp/pp1_on2.jsonl")

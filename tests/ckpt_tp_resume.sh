@@ -14,6 +14,10 @@
 #     ranks in steps 4-6. The two uninterrupted runs themselves drift apart
 #     by up to 3.3e-5 in the gradient norm by step 6: compare with the run
 #     that made the state);
+#   - expert tensor parallelism on the tp ranks (tp = 2 x etp = 2: each
+#     rank one slice of every routed expert): saved at tp = 2 x etp = 2,
+#     resumed at tp = 1 within 1e-5 of the run that saved it; saved at
+#     tp = 1, resumed at tp = 2 x etp = 2 within 1e-5 of the tp = 1 run;
 #   - fp8-blockwise (the tiny model widened so that every tp part is whole
 #     128x128 blocks: E4M3 slabs with their scale blocks): saved at tp = 2
 #     after step 2 of 4, resumed at tp = 2 bit-identical, resumed at tp = 1
@@ -47,6 +51,16 @@ run 2 from1_on2 "${tp2[@]}" --set init.kind=checkpoint --set init.path="$ck1"
 check one from1_on2 "tp=1 -> tp=2"
 run 4 from1_on4 "${tp2[@]}" --set init.kind=checkpoint --set init.path="$ck1"
 check one from1_on4 "tp=1 -> tp=2 x dp=2"
+# expert tensor parallelism: the routed experts' slices (etp = tp = 2)
+etp2=("${tp2[@]}" --set parallel.etp=2)
+run 2 two_etp "${etp2[@]}" --set checkpoint.dir="$tmp/cke" --set checkpoint.interval=3
+cke=$tmp/cke/step_00000003
+grep -q '"etp": 2' <<< "$("$bin/ckpt/moetrain-ckpt" inspect --json "$cke")" ||
+    { echo "FAIL: layout etp=2 not recorded"; exit 1; }
+run 1 frometp_on1 --set init.kind=checkpoint --set init.path="$cke"
+check two_etp frometp_on1 "tp=2 x etp=2 -> tp=1"
+run 2 from1_on2etp "${etp2[@]}" --set init.kind=checkpoint --set init.path="$ck1"
+check one from1_on2etp "tp=1 -> tp=2 x etp=2"
 # FP8: the checkpoint's E4M3 slabs and scale blocks across tp
 common=("${common[@]}" --set precision.recipe=fp8-blockwise --set train.steps=4
         --set model.hidden_size=256 --set model.q_lora_rank=128 --set model.kv_lora_rank=128

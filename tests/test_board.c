@@ -255,11 +255,14 @@ static void metrics_page_has_per_rank_series_and_capped_per_expert_ones(void **s
         r[i].pp_stage = i;
         r[i].pp_idle = 0.25 * (i + 1);
         r[i].pp_bubble = 0.125;
+        r[i].pp_bubble_measured = 0.0625 * (i + 1);
     }
     assert_int_equal(board_post_ranks(b, r, 2), MT_OK);
     assert_int_equal(prom_render(&f.sv, &page, &len), MT_OK);
     assert_contains(page, "moetrain_rank_pipeline_idle_ratio{rank=\"1\",stage=\"1\"} 0.5\n");
     assert_contains(page, "moetrain_rank_pipeline_predicted_idle_ratio{rank=\"0\",stage=\"0\"} "
+                          "0.125\n");
+    assert_contains(page, "moetrain_rank_pipeline_measured_cost_idle_ratio{rank=\"1\",stage=\"1\"} "
                           "0.125\n");
     free(page);
     fixture_close(&f);

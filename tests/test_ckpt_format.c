@@ -678,6 +678,169 @@ static void test_inconsistent_index(void **state)
     expect_load_fails(dir, "shard_00001.h5", tn);
 }
 
+/* ---- verify in parallel ------------------------------------------------------------- */
+
+/* Every report of a verify, in order, one line each. */
+typedef struct report_log {
+    int n;
+    char text[16384];
+} report_log;
+
+static void log_report(void *ctx, const char *file, const char *tensor, const char *problem)
+{
+    report_log *l = ctx;
+    size_t u = strlen(l->text);
+    snprintf(l->text + u, sizeof l->text - u, "%s | %s | %s\n", file, tensor, problem);
+    l->n++;
+}
+
+/* mt_ckpt_verify with MT_CKPT_VERIFY_CHUNKS = chunks (NULL: the default). */
+static int verify_with(const char *dir, const char *chunks, report_log *l)
+{
+    if (chunks) setenv("MT_CKPT_VERIFY_CHUNKS", chunks, 1);
+    else unsetenv("MT_CKPT_VERIFY_CHUNKS");
+    memset(l, 0, sizeof *l);
+    mt_progress prog;
+    mt_progress_start(&prog, "verify", 1, 0);
+    int rc = mt_ckpt_verify(dir, log_report, l, &prog);
+    unsetenv("MT_CKPT_VERIFY_CHUNKS");
+    return rc;
+}
+
+/* Rows per chunk of dataset `name` and the file offset of a byte inside
+ * its chunk k. */
+static long chunk_k_byte(const char *file, const char *name, int64_t k, int64_t *rows_per_chunk)
+{
+    hid_t f = H5Fopen(file, H5F_ACC_RDONLY, H5P_DEFAULT);
+    assert_true(f >= 0);
+    hid_t fcpl = H5Fget_create_plist(f);
+    hsize_t ub = 0;
+    assert_true(H5Pget_userblock(fcpl, &ub) >= 0);
+    H5Pclose(fcpl);
+    hid_t ds = H5Dopen2(f, name, H5P_DEFAULT);
+    assert_true(ds >= 0);
+    hid_t dcpl = H5Dget_create_plist(ds);
+    hsize_t ch[2] = {0, 0};
+    assert_true(H5Pget_chunk(dcpl, 2, ch) >= 1);
+    H5Pclose(dcpl);
+    hsize_t off[2] = {(hsize_t)k * ch[0], 0}, size = 0;
+    unsigned mask = 0;
+    haddr_t addr = HADDR_UNDEF;
+    assert_true(H5Dget_chunk_info_by_coord(ds, off, &mask, &addr, &size) >= 0);
+    assert_true(addr != HADDR_UNDEF);
+    H5Dclose(ds);
+    H5Fclose(f);
+    *rows_per_chunk = (int64_t)ch[0];
+    return (long)(ub + addr + size / 3);
+}
+
+/* Verify checks the chunks of every file and piece in parallel and feeds
+ * each piece's XXH64 in chunk order: on a 4-file checkpoint whose large
+ * pieces span 2-4 chunks, a clean copy verifies whatever the number of
+ * chunks in flight (a hash fed out of order would fail it), and a damaged
+ * copy gives the same report, line for line, with one chunk in flight as
+ * with many: for a piece damaged in two chunks, the first in row order;
+ * a recorded XXH64 that does not match; a small piece in another file. */
+static void test_verify_parallel_equals_serial(void **state)
+{
+    (void)state;
+    cfg_vocab = 16384; /* embedding and heads [16384, 256]: main params 16 MB, 4 chunks */
+    char root[1200], base[1300], dir[1300], file[1400];
+    snprintf(root, sizeof root, "%s/vpar", tmp);
+    save_ckpt(root, "pp=2,dp=2", 9, 0);
+    cfg_vocab = 96;
+    snprintf(base, sizeof base, "%s/step_00000009", root);
+    /* two pieces of 3+ chunks in different files, a small one in a third */
+    mt_ckpt *ck;
+    assert_int_equal(mt_ckpt_open(&ck, base), MT_OK);
+    int pa = -1, pb = -1, pc = -1;
+    for (int p = 0; p < mt_ckpt_n_pieces(ck); p++) {
+        const mt_ckpt_piece_rec *r = mt_ckpt_piece_at(ck, p);
+        if (r->nbytes > 2 * (int64_t)CK_CHUNK_BYTES && pa < 0) pa = p;
+        else if (r->nbytes > 2 * (int64_t)CK_CHUNK_BYTES && pb < 0 && r->rank != mt_ckpt_piece_at(ck, pa)->rank)
+            pb = p;
+    }
+    assert_true(pa >= 0 && pb >= 0);
+    for (int p = 0; p < mt_ckpt_n_pieces(ck) && pc < 0; p++) {
+        const mt_ckpt_piece_rec *r = mt_ckpt_piece_at(ck, p);
+        if (r->nbytes < (int64_t)CK_CHUNK_BYTES && r->rank != mt_ckpt_piece_at(ck, pa)->rank &&
+            r->rank != mt_ckpt_piece_at(ck, pb)->rank)
+            pc = p;
+    }
+    assert_true(pc >= 0);
+    mt_ckpt_piece_rec ra = *mt_ckpt_piece_at(ck, pa), rb = *mt_ckpt_piece_at(ck, pb),
+                      rcs = *mt_ckpt_piece_at(ck, pc);
+    mt_ckpt_close(ck);
+    const char *windows[] = {"1", NULL, "3", "64"};
+    report_log one, many;
+    for (int w = 0; w < 4; w++) {
+        assert_int_equal(verify_with(base, windows[w], &many), MT_OK);
+        assert_int_equal(many.n, 0);
+    }
+    /* the damage */
+    snprintf(dir, sizeof dir, "%s/../vpar_case", root);
+    copy_tree(base, dir);
+    char shard[32];
+    int64_t cr;
+    snprintf(shard, sizeof shard, "shard_%05d.h5", ra.rank);
+    snprintf(file, sizeof file, "%s/%s", dir, shard);
+    flip_byte(file, chunk_k_byte(file, ra.tensor, 2, &cr));
+    flip_byte(file, chunk_k_byte(file, ra.tensor, 1, &cr));
+    snprintf(file, sizeof file, "%s/shard_%05d.h5", dir, rcs.rank);
+    flip_byte(file, chunk_k_byte(file, rcs.tensor, 0, &cr));
+    edit_index_row(dir, "moetrain/pieces", sizeof(prow), pb, bad_hash, 1);
+    assert_int_equal(verify_with(dir, "1", &one), MT_ECORRUPT);
+    char first_one[1024];
+    snprintf(first_one, sizeof first_one, "%s", mt_errmsg());
+    assert_int_equal(one.n, 3);
+    /* in piece order, each naming its file, tensor and what is wrong */
+    char want[3][1200];
+    int order[3] = {pa, pb, pc};
+    for (int i = 0; i < 3; i++)
+        for (int j = i + 1; j < 3; j++)
+            if (order[j] < order[i]) {
+                int t = order[i];
+                order[i] = order[j];
+                order[j] = t;
+            }
+    for (int i = 0; i < 3; i++) {
+        const mt_ckpt_piece_rec *r = order[i] == pa ? &ra : order[i] == pb ? &rb : &rcs;
+        snprintf(shard, sizeof shard, "shard_%05d.h5", r->rank);
+        int64_t rpc;
+        snprintf(file, sizeof file, "%s/%s", base, shard);
+        chunk_k_byte(file, r->tensor, 0, &rpc);
+        if (order[i] == pa)
+            snprintf(want[i], sizeof want[i], "%s | %s | %s/%s: tensor %s: chunk at row %lld fails its Fletcher32",
+                     shard, r->tensor, dir, shard, r->tensor, (long long)rpc);
+        else if (order[i] == pb)
+            snprintf(want[i], sizeof want[i], "%s | %s | %s/%s: tensor %s: piece [", shard, r->tensor, dir,
+                     shard, r->tensor);
+        else
+            snprintf(want[i], sizeof want[i], "%s | %s | %s/%s: tensor %s: chunk at row 0 fails its Fletcher32",
+                     shard, r->tensor, dir, shard, r->tensor);
+    }
+    const char *line = one.text;
+    for (int i = 0; i < 3; i++) {
+        const char *nl = strchr(line, '\n');
+        assert_non_null(nl);
+        char got[4096];
+        snprintf(got, sizeof got, "%.*s", (int)(nl - line), line);
+        if (!strstr(got, want[i])) {
+            fprintf(stderr, "report %d:\n  %s\nwants\n  %s\n", i, got, want[i]);
+            fail();
+        }
+        if (order[i] == pb) assert_contains(got, "xxh64");
+        line = nl + 1;
+    }
+    /* many in flight: the same lines, the same first problem */
+    for (int w = 1; w < 4; w++) {
+        assert_int_equal(verify_with(dir, windows[w], &many), MT_ECORRUPT);
+        assert_string_equal(mt_errmsg(), first_one);
+        assert_int_equal(many.n, one.n);
+        assert_string_equal(many.text, one.text);
+    }
+}
+
 /* Issue 21, defect 6: an index damaged after its commit, so that verify
  * fails, is refused by a load too (its seal: XXH64 of every byte), naming
  * index.h5; whatever the damage: a virtual dataset mapping (HDF5 does not
@@ -963,6 +1126,7 @@ int main(void)
         cmocka_unit_test(test_flipped_byte),
         cmocka_unit_test(test_truncated_and_missing_shard),
         cmocka_unit_test(test_inconsistent_index),
+        cmocka_unit_test(test_verify_parallel_equals_serial),
         cmocka_unit_test(test_damaged_index_refused),
         cmocka_unit_test(test_h5dump_vds),
         cmocka_unit_test(test_commit_protocol),

@@ -17,9 +17,12 @@
  *    same bits on every rank (gathered and compared);
  *  - all_gather (in and out of place), all_gather_v and gather_v (every
  *    root, zero counts, displacements out of order with gaps: the gaps stay
- *    untouched), all_to_all_v (per-pair counts with zeros, gaps), broadcast
+ *    untouched), all_to_all_v and its started form (per-pair counts with
+ *    zeros, gaps; start, test, wait), broadcast
  *    from every root, send / recv around a ring, sendrecv both ways;
- *    pipeline messages (tagged, buffered isend; receives in another order);
+ *    pipeline messages (refused before mt_comm_pipe_open; tagged, buffered
+ *    isend; receives in another order; both sides sending first; a
+ *    received message sent on from its buffer with no host wait);
  *  - split: group sizes, ranks ordered by key, NO_COLOR gives none, ops on
  *    the new groups; the process groups of every layout that fits the
  *    world: each rank's position is its coordinate and each group holds
@@ -29,7 +32,8 @@
  * transfer is cut into many pieces (the path of counts above INT_MAX).
  * Device memory (--mem device, GPU build): buffers live on the GPU,
  * checked after download; also an overlapped op on a side stream, and ops
- * ordered on a non-blocking compute stream with no host wait.
+ * ordered on a non-blocking compute stream with no host wait (collectives,
+ * and two pipeline messages received back to back).
  * Exit: 0 all passed, 1 a check failed (on any rank), 77 skipped (no GPU,
  * or fewer GPUs than ranks for nccl).
  */
@@ -461,7 +465,9 @@ static void t_gather_v(mt_comm *c, mt_comm_dtype dt, int k, int root, uint64_t s
  * Element j of the block p -> q is gen(seed, p, 1000 q + j). */
 static size_t cnt_pq(int p, int q, int k) { return (size_t)((p + 2 * q + k) % 4); }
 
-static void t_all_to_all_v(mt_comm *c, mt_comm_dtype dt, int k, uint64_t seed)
+/* started: through mt_comm_all_to_all_v_start, a test and the wait (the
+ * same blocks, the same gaps) */
+static void t_all_to_all_v(mt_comm *c, mt_comm_dtype dt, int k, int started, uint64_t seed)
 {
     const int n = mt_comm_size(c), me = mt_comm_rank(c);
     const size_t es = mt_comm_dtype_size(dt);
@@ -477,7 +483,8 @@ static void t_all_to_all_v(mt_comm *c, mt_comm_dtype dt, int k, uint64_t seed)
         roff += rcn[p] + 2;
     }
     char what[80];
-    snprintf(what, sizeof what, "all_to_all_v %s pattern %d", mt_comm_dtype_name(dt), k);
+    snprintf(what, sizeof what, "all_to_all_v%s %s pattern %d", started ? "_start" : "",
+             mt_comm_dtype_name(dt), k);
     char *in = malloc(soff * es + 1), *out = malloc(roff * es + 1), *want = malloc(roff * es + 1);
     unsigned char *mask = calloc(roff * es + 1, 1);
     memset(in, 0, soff * es);
@@ -491,7 +498,16 @@ static void t_all_to_all_v(mt_comm *c, mt_comm_dtype dt, int k, uint64_t seed)
     char *ds = buf_alloc(soff * es), *dr = buf_alloc(roff * es);
     buf_put(ds, in, soff * es);
     buf_put(dr, out, roff * es);
-    int rc = mt_comm_all_to_all_v(c, ds, sc, sd, dr, rcn, rd, dt);
+    int rc;
+    if (started) {
+        mt_comm_req *r = NULL;
+        int done = 0;
+        rc = mt_comm_all_to_all_v_start(c, ds, sc, sd, dr, rcn, rd, dt, &r);
+        if (rc == 0) rc = mt_comm_test(r, &done);
+        if (rc == 0) rc = mt_comm_wait(r);
+    } else {
+        rc = mt_comm_all_to_all_v(c, ds, sc, sd, dr, rcn, rd, dt);
+    }
     if (rc < 0) FAIL("%s%s: %s", LABEL, what, mt_errmsg());
     buf_get(out, dr, roff * es);
     if (rc == 0 && memcmp(out, want, roff * es) == 0) n_pass++;
@@ -568,12 +584,30 @@ static void t_p2p(mt_comm *c, mt_comm_dtype dt, size_t count, uint64_t seed)
     free(h), free(want), free(got);
 }
 
+/* Pipeline messages before mt_comm_pipe_open are refused (MT_ESTATE),
+ * on every backend that has them (a program that forgets the collective
+ * open fails on the cpu too, not only on nccl). c: a new communicator. */
+static void t_pipe_unopened(mt_comm *c)
+{
+    const int n = mt_comm_size(c), me = mt_comm_rank(c);
+    if (n == 1 || mt_comm_backend_of(c) == MT_COMM_LOCAL) return;
+    char *ds = buf_alloc(8);
+    int rc = mt_comm_isend(c, ds, 8, MT_COMM_BYTE, (me + 1) % n, 0);
+    int rr = mt_comm_recv_tag(c, ds, 8, MT_COMM_BYTE, (me + 1) % n, 0);
+    if (rc == MT_ESTATE && rr == MT_ESTATE && strstr(mt_errmsg(), "mt_comm_pipe_open")) n_pass++;
+    else FAIL("%spipeline messages before mt_comm_pipe_open: isend %d, recv_tag %d (%s)", LABEL,
+              rc, rr, mt_errmsg());
+    mt_err_clear();
+    buf_free(ds);
+}
+
 /* Pipeline messages (isend / recv_tag / wait_sends): every rank sends
  * three tagged messages to the next rank and, with n > 2, two to the one
  * before; the sender overwrites its buffer right after each isend
  * (buffered sends), and the receiver takes them in another order than
- * sent (matched by tag). Backends without them (local, nccl) refuse with
- * MT_ENOTSUP; a message to the own rank is refused. */
+ * sent (matched by tag). On two ranks both sides send before either
+ * receives. The local backend refuses with MT_ENOTSUP; a message to the
+ * own rank is refused. */
 static void t_pipe(mt_comm *c, mt_comm_dtype dt, size_t count, uint64_t seed)
 {
     const int n = mt_comm_size(c), me = mt_comm_rank(c);
@@ -582,7 +616,8 @@ static void t_pipe(mt_comm *c, mt_comm_dtype dt, size_t count, uint64_t seed)
     char *h = malloc(b + 1), *want = malloc(b + 1), *got = malloc(b + 1);
     char *ds = buf_alloc(b), *dr = buf_alloc(b);
     const mt_comm_backend be = mt_comm_backend_of(c);
-    if (be == MT_COMM_LOCAL || be == MT_COMM_NCCL || n == 1) {
+    if (mt_comm_pipe_open(c) < 0) FAIL("%spipe_open: %s", LABEL, mt_errmsg());
+    if (be == MT_COMM_LOCAL || n == 1) {
         int rc = mt_comm_isend(c, ds, count, dt, n > 1 ? next : 0, 0);
         if (rc == (n == 1 ? MT_EINVAL : MT_ENOTSUP)) n_pass++;
         else FAIL("%spipeline isend on %s with %d rank(s): %d", LABEL, mt_comm_backend_name(be),
@@ -635,6 +670,91 @@ out:
     free(h), free(want), free(got);
 }
 
+/* The executor's pattern, harder: each rank sends M "activations" to the
+ * next rank before it receives anything (1F1B's warm-up, both sides at
+ * once on two ranks), takes the ones from the previous rank last sent
+ * first, and sends each straight back as a "gradient" from the buffer it
+ * arrived in (device: with no host wait between: the isend must see the
+ * data of the recv_tag before it), overwriting that buffer at once; then
+ * takes the gradients from the next rank in sent order: each must be the
+ * activation it sent, bit for bit. Device communicators run it on a
+ * non-blocking compute stream set by mt_comm_set_stream (the runtime's
+ * streams; nothing orders it with the legacy stream) and on the default
+ * one. Messages in flight per pair: up to 2M. */
+#define ECHO_M 4
+static void t_pipe_echo(mt_comm *c, size_t count, uint64_t seed)
+{
+    const int n = mt_comm_size(c), me = mt_comm_rank(c);
+    if (n == 1 || mt_comm_backend_of(c) == MT_COMM_LOCAL) return;
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    const size_t b = count * 4;
+    char *h = malloc(b), *want = malloc(b), *got = malloc(b);
+    char *act = buf_alloc(b), *dr[ECHO_M], *dg = buf_alloc(b);
+    for (int k = 0; k < ECHO_M; k++) dr[k] = buf_alloc(b);
+    if (mt_comm_pipe_open(c) < 0) FAIL("%spipe_open: %s", LABEL, mt_errmsg());
+    for (int stream = 0; stream < 1 + MEM_DEVICE; stream++) {
+#ifdef TEST_COMM_GPU
+        cudaStream_t s = NULL;
+        if (stream) {
+            cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+            MUST(mt_comm_set_stream(c, s));
+        }
+#define ECHO_FILL(dst, src) (MEM_DEVICE ? (void)cudaMemcpyAsync(dst, src, b, cudaMemcpyDefault, s) \
+                                        : (void)memcpy(dst, src, b))
+#define ECHO_CLOBBER(dst) \
+    (MEM_DEVICE ? (void)cudaMemsetAsync(dst, 0x5a, b, s) : (void)memset(dst, 0x5a, b))
+#define ECHO_SYNC() (MEM_DEVICE ? (void)cudaStreamSynchronize(s) : (void)0)
+#else
+#define ECHO_FILL(dst, src) memcpy(dst, src, b)
+#define ECHO_CLOBBER(dst) memset(dst, 0x5a, b)
+#define ECHO_SYNC() ((void)0)
+#endif
+        const uint64_t sd = seed + 1000 * (uint64_t)stream;
+        int rc = 0;
+        for (int k = 0; k < ECHO_M && rc == 0; k++) { /* activations, tags 2k */
+            ECHO_SYNC(); /* h is reused: the previous fill has read it */
+            gen(h, MT_COMM_F32, count, sd + (uint64_t)k, me, 0, 0);
+            ECHO_FILL(act, h);
+            rc = mt_comm_isend(c, act, count, MT_COMM_F32, next, 2 * k);
+            ECHO_CLOBBER(act); /* buffered: the message was copied out */
+        }
+        for (int k = ECHO_M - 1; k >= 0 && rc == 0; k--) { /* last sent first, echoed back */
+            rc = mt_comm_recv_tag(c, dr[k], count, MT_COMM_F32, prev, 2 * k);
+            if (rc == 0) rc = mt_comm_isend(c, dr[k], count, MT_COMM_F32, prev, 2 * k + 1);
+            ECHO_CLOBBER(dr[k]);
+        }
+        int ok = rc == 0;
+        if (rc < 0) FAIL("%spipeline echo (stream %d): %s", LABEL, stream, mt_errmsg());
+        for (int k = 0; k < ECHO_M && ok; k++) { /* the gradients, in sent order */
+            rc = mt_comm_recv_tag(c, dg, count, MT_COMM_F32, next, 2 * k + 1);
+            ECHO_SYNC();
+            buf_get(got, dg, b);
+            gen(want, MT_COMM_F32, count, sd + (uint64_t)k, me, 0, 0);
+            if (rc < 0 || memcmp(got, want, b) != 0) {
+                FAIL("%spipeline echo (stream %d): activation %d came back from rank %d %s", LABEL,
+                     stream, k, next, rc < 0 ? mt_errmsg() : "changed");
+                ok = 0;
+            }
+        }
+        if (ok && mt_comm_wait_sends(c) == 0) n_pass++;
+        else if (ok) FAIL("%spipeline echo: wait_sends: %s", LABEL, mt_errmsg());
+        mt_err_clear();
+#undef ECHO_FILL
+#undef ECHO_CLOBBER
+#undef ECHO_SYNC
+#ifdef TEST_COMM_GPU
+        if (stream) {
+            MUST(mt_comm_sync(c));
+            MUST(mt_comm_set_stream(c, NULL));
+            cudaStreamDestroy(s);
+        }
+#endif
+    }
+    for (int k = 0; k < ECHO_M; k++) buf_free(dr[k]);
+    buf_free(act), buf_free(dg);
+    free(h), free(want), free(got);
+}
+
 /* Every collective on communicator c. big: include the large counts. */
 static void run_ops(mt_comm *c, int big, uint64_t seed)
 {
@@ -666,7 +786,9 @@ static void run_ops(mt_comm *c, int big, uint64_t seed)
             t_gather_v(c, move[t], k, -1, seed + (uint64_t)k);
             for (int root = 0; root < n; root++) t_gather_v(c, move[t], k, root, seed + 5 + (uint64_t)k);
         }
-        for (int k = 0; k < 4; k++) t_all_to_all_v(c, move[t], k, seed + 11 + (uint64_t)k);
+        for (int k = 0; k < 4; k++)
+            for (int st = 0; st < 2; st++)
+                t_all_to_all_v(c, move[t], k, st, seed + 11 + (uint64_t)k);
         for (int root = 0; root < n; root++) {
             t_broadcast(c, move[t], 0, root, seed);
             t_broadcast(c, move[t], 1, root, seed + 1);
@@ -678,6 +800,7 @@ static void run_ops(mt_comm *c, int big, uint64_t seed)
         t_pipe(c, move[t], 3, seed + 3);
         t_pipe(c, move[t], 999, seed + 4);
     }
+    t_pipe_echo(c, 1031, seed + 5);
     if (mt_comm_barrier(c) == 0) n_pass++;
     else FAIL("%sbarrier: %s", LABEL, mt_errmsg());
 }
@@ -807,7 +930,8 @@ static void t_split(mt_comm *c, uint64_t seed)
     const char *saved = LABEL;
     LABEL = "[split] ";
     t_all_reduce(s, MT_COMM_BF16, MT_COMM_SUM, 33, 0, 0, seed);
-    t_all_to_all_v(s, MT_COMM_F32, 1, seed);
+    t_all_to_all_v(s, MT_COMM_F32, 1, 0, seed);
+    t_all_to_all_v(s, MT_COMM_F32, 1, 1, seed);
     LABEL = saved;
     mt_comm_destroy(s);
 }
@@ -1017,6 +1141,53 @@ static void t_stream_ordered(mt_comm *c, uint64_t seed)
     cudaStreamDestroy(s);
     free(h), free(want), free(got);
 }
+
+/* Pipeline messages in the runtime's pattern (a non-blocking compute
+ * stream, no host wait): two messages received back to back into two
+ * device buffers while the compute stream is still busy land each in its
+ * own buffer (the staged copy up of the first must leave the pinned
+ * buffer before the second receive writes it). Backends with pipeline
+ * messages only (mpi through staged on device memory). */
+static void t_pipe_stream_ordered(mt_comm *c, uint64_t seed)
+{
+    const int n = mt_comm_size(c), me = mt_comm_rank(c);
+    if (n < 2 || mt_comm_backend_of(c) != MT_COMM_STAGED) return;
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    const size_t count = 4099, b = count * 4, big = (size_t)32 << 20;
+    float *h = malloc(b), *want = malloc(b), *got = malloc(b);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    float *ds = buf_alloc(b), *dr[2] = {buf_alloc(b), buf_alloc(b)};
+    char *slow = buf_alloc(2 * big);
+    MUST(mt_comm_set_stream(c, s));
+    for (int k = 0; k < 2; k++) {
+        gen(h, MT_COMM_F32, count, seed + (uint64_t)k, me, 0, 1);
+        buf_put(ds, h, b);
+        int rc = mt_comm_isend(c, ds, count, MT_COMM_F32, next, 11 + k);
+        if (rc < 0) FAIL("pipeline isend tag %d, stream ordered: %s", 11 + k, mt_errmsg());
+    }
+    /* ~2 ms of device copies ahead of the receives' copies up */
+    for (int k = 0; k < 32; k++) cudaMemcpyAsync(slow + big, slow, big, cudaMemcpyDeviceToDevice, s);
+    int rc = 0;
+    for (int k = 0; k < 2 && rc == 0; k++)
+        rc = mt_comm_recv_tag(c, dr[k], count, MT_COMM_F32, prev, 11 + k);
+    for (int k = 0; k < 2; k++) {
+        memset(got, 0, b);
+        if (rc == 0) cudaMemcpyAsync(got, dr[k], b, cudaMemcpyDeviceToHost, s);
+        cudaError_t e = cudaStreamSynchronize(s);
+        gen(want, MT_COMM_F32, count, seed + (uint64_t)k, prev, 0, 1);
+        if (rc == 0 && e == cudaSuccess && memcmp(got, want, b) == 0) n_pass++;
+        else FAIL("pipeline receive %d of 2 back to back on a busy non-blocking compute stream: "
+                  "%s", k + 1, rc ? mt_errmsg() : e != cudaSuccess ? cudaGetErrorString(e)
+                                                  : "wrong data (the other message's?)");
+    }
+    MUST(mt_comm_wait_sends(c));
+    MUST(mt_comm_sync(c));
+    MUST(mt_comm_set_stream(c, NULL));
+    buf_free(ds), buf_free(dr[0]), buf_free(dr[1]), buf_free(slow);
+    cudaStreamDestroy(s);
+    free(h), free(want), free(got);
+}
 #endif
 
 int main(int argc, char **argv)
@@ -1097,6 +1268,7 @@ int main(int argc, char **argv)
             printf("%sbackend %s (asked %s), %s buffers, %d ranks, rank ordered %d\n", LABEL,
                    mt_comm_backend_name(mt_comm_backend_of(C)), mt_comm_backend_name(o.backend),
                    MEM_DEVICE ? "device" : "host", mt_comm_size(C), mt_comm_rank_ordered(C));
+        t_pipe_unopened(C);
         run_ops(C, !pass, seed + (uint64_t)pass);
         t_split(C, seed + 99);
         t_owned(C, seed + 555, 0);
@@ -1106,6 +1278,7 @@ int main(int argc, char **argv)
 #ifdef TEST_COMM_GPU
         if (MEM_DEVICE && !pass) t_overlap(C, seed + 7);
         if (MEM_DEVICE && !pass) t_stream_ordered(C, seed + 8);
+        if (MEM_DEVICE && !pass) t_pipe_stream_ordered(C, seed + 9);
 #endif
         mt_comm_destroy(C);
         C = NULL;

@@ -481,12 +481,17 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
                              "batch.micro_batch_size=1"};
     expect_admission(4, tp2_ep2, 4, NULL, &j);
     assert_int_equal(mt_layout_edp(&j.parallel), 2);
-    /* a layout that fits the ranks and the model but that the trainer does
-     * not run yet is refused too, naming the field: expert tensor parallelism
-     * with tensor parallelism */
-    const char *etp2[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16"};
-    const char *etp_err[] = {"parallel.etp 2 with parallel.tp 2", NULL};
-    expect_admission(4, etp2, 3, etp_err, NULL);
+    /* ... and expert tensor parallelism on the tp ranks (etp 2 x tp 2, edp 2) */
+    const char *etp2[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16",
+                          "batch.micro_batch_size=1"};
+    expect_admission(4, etp2, 4, NULL, &j);
+    assert_int_equal(mt_layout_edp(&j.parallel), 2);
+    /* ... and with pipeline parallelism (tp 2 x pp 2 x etp 2, DualPipeV) */
+    const char *etp_dv[] = {"parallel.tp=2", "parallel.pp=2", "parallel.etp=2",
+                            "precision.recipe=bf16", "batch.micro_batch_size=1",
+                            "parallel.schedule=dualpipev", "model.num_hidden_layers=4"};
+    expect_admission(4, etp_dv, 7, NULL, &j);
+    assert_int_equal(j.parallel.etp, 2);
     /* ... but expert tensor parallelism over ep and dp runs: etp 2 x ep 2
      * fold the 4 data-parallel ranks (edp 1) */
     const char *etp2_ep2[] = {"parallel.etp=2", "parallel.ep=2", "batch.micro_batch_size=1",
@@ -509,14 +514,20 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
     const char *ppl_sum_err[] = {"parallel.pp_layers places 3 decoder layers",
                                  "num_hidden_layers 2", NULL};
     expect_admission(2, ppl_sum, 3, ppl_sum_err, NULL);
-    /* pipeline parallelism runs, with tensor parallelism too, but not with
-     * expert parallelism yet */
+    /* pipeline parallelism runs, with tensor, expert and expert tensor
+     * parallelism too (each stage's dp ranks refold as ep x edp), but not
+     * with expert and expert tensor parallelism both yet */
     const char *pp2[] = {"parallel.pp=2", "batch.micro_batch_size=1"};
     expect_admission(2, pp2, 2, NULL, &j);
     assert_int_equal(j.parallel.dp, 1);
     const char *pp2ep2[] = {"parallel.pp=2", "parallel.ep=2", "batch.micro_batch_size=1"};
-    const char *ppep_err[] = {"parallel.pp 2 with parallel.ep 2", NULL};
-    expect_admission(4, pp2ep2, 3, ppep_err, NULL);
+    expect_admission(4, pp2ep2, 3, NULL, &j);
+    assert_int_equal(j.parallel.dp, 2);
+    assert_int_equal(mt_layout_edp(&j.parallel), 1);
+    const char *pp2etp2[] = {"parallel.pp=2", "parallel.ep=2", "parallel.etp=2",
+                             "batch.micro_batch_size=1", "precision.recipe=bf16"};
+    const char *ppetp_err[] = {"parallel.etp 2 with parallel.ep 2 and parallel.pp 2", NULL};
+    expect_admission(8, pp2etp2, 5, ppetp_err, NULL);
     const char *pp2tp2[] = {"parallel.pp=2", "parallel.tp=2", "precision.recipe=bf16",
                             "batch.micro_batch_size=1"};
     expect_admission(4, pp2tp2, 4, NULL, &j);

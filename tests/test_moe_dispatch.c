@@ -34,7 +34,13 @@
  *      source once per slice (4.);
  *   6. --gpu: the dispatcher ordered the ep group's device ops on the
  *      backend's stream (no host waits around exchanges; the properties
- *      above hold by device-side events alone), unless MT_COMM_HOST_SYNC=1.
+ *      above hold by device-side events alone), unless MT_COMM_HOST_SYNC=1;
+ *   8. parts (parallel.ep_overlap = halves; etp 1, at least 2 local
+ *      experts): every exchange above run as two parts of the local
+ *      experts, [0, E_local / 2) then the rest, each started and finished
+ *      apart (counts, dispatch_start / dispatch_fp8_start / combine_start,
+ *      finish), meets the same properties 1 to 5 bit for bit: the same
+ *      layouts, sums and byte counts as the whole exchanges.
  */
 #include <math.h>
 #include <mpi.h>
@@ -151,14 +157,65 @@ static void from_act(mt_backend *be, float *host, const void *src, size_t n)
     be->free(be, f);
 }
 
+/* 8.: the exchanges as two parts of the local experts (the MoE layer's
+ * halves), else whole. */
+static int parts_;
+
+static void x_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count,
+                       void **xl, void *xl_buf, const void *xp, const void *x,
+                       const int32_t *src, const int *rows, int Dm)
+{
+    if (!parts_) {
+        MUST(d->dispatch(d, be, p, count, xl, xl_buf, xp, x, src, rows, Dm));
+        return;
+    }
+    const int h = d->E_local / 2, lo[2] = {0, h}, hi[2] = {h, d->E_local};
+    if (count) MUST(d->counts(d, be, p, rows));
+    for (int k = 0; k < 2; k++) {
+        MUST(d->dispatch_start(d, be, p, lo[k], hi[k], xl_buf, xp, x, src, Dm));
+        MUST(d->finish(d));
+    }
+    *xl = xl_buf;
+}
+
+static void x_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,
+                      const void *yl, int Dm)
+{
+    if (!parts_) {
+        MUST(d->combine(d, be, p, yp, yl, Dm));
+        return;
+    }
+    const int h = d->E_local / 2, lo[2] = {0, h}, hi[2] = {h, d->E_local};
+    for (int k = 0; k < 2; k++) {
+        MUST(d->combine_start(d, be, p, lo[k], hi[k], yp, yl, Dm));
+        MUST(d->finish(d));
+    }
+}
+
+static void x_dispatch_fp8(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, uint8_t *ql,
+                           float *sl, void *xl_buf, const uint8_t *xq, const float *xs, int N,
+                           const int32_t *src, const int *rows, int Dm)
+{
+    if (!parts_) {
+        MUST(d->dispatch_fp8(d, be, p, ql, sl, xl_buf, xq, xs, N, src, rows, Dm));
+        return;
+    }
+    const int h = d->E_local / 2, lo[2] = {0, h}, hi[2] = {h, d->E_local};
+    MUST(d->counts(d, be, p, rows));
+    for (int k = 0; k < 2; k++) {
+        MUST(d->dispatch_fp8_start(d, be, p, lo[k], hi[k], ql, sl, xl_buf, xq, xs, N, src, Dm));
+        MUST(d->finish(d));
+    }
+}
+
 static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, int align, int T)
 {
     /* T slices per owner (etp): rank t + T o holds slice t of owner o's
      * experts and receives all of their rows */
     const int El = E / (size_ / T), round = wire == MT_COMM_BF16;
-    char what[96];
-    snprintf(what, sizeof what, "%s, %s wire, align %d, etp %d", PAT_NAME[pat],
-             mt_comm_dtype_name(wire), align, T);
+    char what[112];
+    snprintf(what, sizeof what, "%s, %s wire, align %d, etp %d%s", PAT_NAME[pat],
+             mt_comm_dtype_name(wire), align, T, parts_ ? ", in two parts" : "");
     /* every rank's routes */
     routed *all = calloc((size_t)size_, sizeof *all);
     if (!all) die("out of memory", MT_ENOMEM);
@@ -218,7 +275,7 @@ static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, in
     to_act(be, b_xl, poison, lcap);
     /* the forward gathers from the tokens (the layer's way); xp is poisoned */
     void *b_poisoned = be_act(be, poison, (size_t)R_cap * D);
-    MUST(d->dispatch(d, be, &plan, 1, &xl, b_xl, b_poisoned, b_x, b_src, rows, D));
+    x_dispatch(d, be, &plan, 1, &xl, b_xl, b_poisoned, b_x, b_src, rows, D);
     be->free(be, b_poisoned);
     CHECK(xl == b_xl, "%s: dispatch did not use the local buffer", what);
     int64_t at = 0, expect_recv = 0;
@@ -281,7 +338,7 @@ static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, in
         }
     to_act(be, b_yl, yl, (size_t)at * D);
     to_act(be, b_yp, poison, (size_t)R_cap * D);
-    MUST(d->combine(d, be, &plan, b_yp, b_yl, D));
+    x_combine(d, be, &plan, b_yp, b_yl, D);
     if (N > 0) MUST(be->moe_unpermute(be, b_y, 0, b_yp, b_slot, b_w, N, K, D));
     from_act(be, y, b_y, (size_t)N * D);
     int bad = 0;
@@ -303,7 +360,7 @@ static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, in
     to_act(be, b_xl, poison, lcap);
     int64_t s2, r2;
     mt_moe_a2a_bytes(d, &s2, &r2);
-    MUST(d->dispatch(d, be, &plan, 0, &xl, b_xl, b_xp, NULL, NULL, rows, D));
+    x_dispatch(d, be, &plan, 0, &xl, b_xl, b_xp, NULL, NULL, rows, D);
     for (int64_t i = 0; i < at * D; i++) want[i] = -2.0f * want[i] + 0.0f; /* padding: +0 */
     from_act(be, xl_h, b_xl, (size_t)at * D);
     CHECK(memcmp(xl_h, want, sizeof(float) * (size_t)(at * D)) == 0,
@@ -338,8 +395,9 @@ static void run_case(mt_comm *c, mt_backend *be, int pat, mt_comm_dtype wire, in
 static void run_fp8_case(mt_comm *c, mt_backend *be, int pat, int align, int Dq)
 {
     const int El = E / size_, KB = (Dq + 127) / 128;
-    char what[96];
-    snprintf(what, sizeof what, "fp8 payload, %s, align %d, hidden %d", PAT_NAME[pat], align, Dq);
+    char what[112];
+    snprintf(what, sizeof what, "fp8 payload, %s, align %d, hidden %d%s", PAT_NAME[pat], align,
+             Dq, parts_ ? ", in two parts" : "");
     routed *all = calloc((size_t)size_, sizeof *all);
     if (!all) die("out of memory", MT_ENOMEM);
     for (int r = 0; r < size_; r++) {
@@ -377,7 +435,7 @@ static void run_fp8_case(mt_comm *c, mt_backend *be, int pat, int align, int Dq)
     if (N > 0) MUST(be->quant_rows(be, b_xq, b_xs, b_x, Dq, one, 1, Dq));
     int64_t s0, r0, s1, r1;
     mt_moe_a2a_bytes(d, &s0, &r0);
-    MUST(d->dispatch_fp8(d, be, &plan, b_ql, b_sl, b_xl, b_xq, b_xs, N, b_src, rows, Dq));
+    x_dispatch_fp8(d, be, &plan, b_ql, b_sl, b_xl, b_xq, b_xs, N, b_src, rows, Dq);
     mt_moe_a2a_bytes(d, &s1, &r1);
     /* the plain local layout, then quant_rows over the plan's segments */
     int64_t at = 0, recv = 0;
@@ -523,17 +581,21 @@ int main(int argc, char **argv)
         MPI_Finalize();
         return 77;
     }
-    /* the CUDA backend's act values are bf16: only the bf16 wire fits */
-    for (int pat = 0; pat < PAT_COUNT; pat++)
-        for (int wi = gpu ? 1 : 0; wi < 2; wi++)
-            for (int align = 1; align <= 8; align += 7)
-                for (int T = 1; T <= 2; T++)
-                    if (size_ % T == 0 && E % (size_ / T) == 0)
-                        run_case(c, be, pat, wi ? MT_COMM_BF16 : MT_COMM_F32, align, T);
-    for (int pat = 0; pat < PAT_COUNT; pat++) {
-        run_fp8_case(c, be, pat, 8, 300);
-        run_fp8_case(c, be, pat, 128, 258);
+    /* the CUDA backend's act values are bf16: only the bf16 wire fits;
+     * 8.: parts where etp = 1 leaves two local experts or more */
+    for (parts_ = 0; parts_ <= (E / size_ >= 2); parts_++) {
+        for (int pat = 0; pat < PAT_COUNT; pat++)
+            for (int wi = gpu ? 1 : 0; wi < 2; wi++)
+                for (int align = 1; align <= 8; align += 7)
+                    for (int T = 1; T <= (parts_ ? 1 : 2); T++)
+                        if (size_ % T == 0 && E % (size_ / T) == 0)
+                            run_case(c, be, pat, wi ? MT_COMM_BF16 : MT_COMM_F32, align, T);
+        for (int pat = 0; pat < PAT_COUNT; pat++) {
+            run_fp8_case(c, be, pat, 8, 300);
+            run_fp8_case(c, be, pat, 128, 258);
+        }
     }
+    parts_ = 0;
     if (!gpu) refusals(c);
     else /* 6. */
         CHECK(mt_comm_stream(c) == (mt_comm_host_sync_forced() ? NULL : be->stream(be)),

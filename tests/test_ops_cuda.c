@@ -481,6 +481,44 @@ static void test_memory_and_elementwise(void)
     printf("INFO  mem_stats          cuda in_use %zu bytes, peak %zu bytes\n", in_use, peak);
 }
 
+/* ---- marks (the pipeline's device timing) --------------------------------------------- */
+
+/* Property: on both backends marks_read gives mark 0 at 0 and the marks in
+ * the stream's order (non-decreasing), a mark after queued work later than
+ * the one before it, and marks past the first 64 (more events made on the
+ * way) read as the first ones do; a read past the marks made is refused. */
+static void test_marks(void)
+{
+    const int n = 130;
+    double t[130];
+    for (int s = 0; s < 2; s++) {
+        mt_backend *be = BE[s];
+        const char *who = s ? gpu_label : "cpu";
+        const int64_t len = (int64_t)1 << 22;
+        void *a = NULL, *b = NULL;
+        MUST(be->alloc(be, (size_t)len * be->act_bytes, &a));
+        MUST(be->alloc(be, (size_t)len * be->act_bytes, &b));
+        int rc = be->mark(be, 0);
+        for (int k = 0; rc == MT_OK && k < 20; k++) rc = be->add(be, b, a, b, len);
+        for (int i = 1; rc == MT_OK && i < n; i++) rc = be->mark(be, i);
+        if (rc == MT_OK) rc = be->marks_read(be, n, t);
+        int ok = rc == MT_OK && t[0] == 0 && t[1] > 0;
+        for (int i = 1; ok && i < n; i++) ok = t[i] >= t[i - 1];
+        printf("%s  %-18s %-46s %s: marks 0..%d, the 20 adds before mark 1: %.3g ms\n",
+               ok ? "PASS" : "FAIL", "marks", "130 marks", who, n - 1,
+               rc == MT_OK ? 1e3 * t[1] : -1.0);
+        if (ok) n_pass++;
+        else n_fail++;
+        rc = be->marks_read(be, 100000, t);
+        printf("%s  %-18s %-46s %s: reading 100000 marks %s\n", rc == MT_EINVAL ? "PASS" : "FAIL",
+               "marks", "past the marks made", who, rc == MT_EINVAL ? "refused" : "not refused");
+        if (rc == MT_EINVAL) n_pass++;
+        else n_fail++;
+        be->free(be, a);
+        be->free(be, b);
+    }
+}
+
 /* ---- GEMM --------------------------------------------------------------------------- */
 
 static void test_gemm_one(int M, int N, int K, int ta, int tb_, int c_f32, int acc, float alpha,
@@ -1613,6 +1651,7 @@ int main(void)
     MUST(mt_backend_cuda_create(&BE[1], 0, (size_t)16 << 30));
     double t0 = now_s();
     SECTION("memory and element-wise", test_memory_and_elementwise());
+    SECTION("marks", test_marks());
     SECTION("gemm", test_gemm());
     SECTION("gemm_grouped", test_gemm_grouped());
     SECTION("fp8 quantisation", test_fp8_quant());

@@ -555,6 +555,83 @@ static void test_predicted_idle_fractions_are_the_simulated_ones(void **state)
     mt_schedule_free(&s);
 }
 
+/* Per-chunk costs (issue 17): with every chunk's costs equal, the
+ * per-chunk simulator is the uniform one, for every schedule kind. */
+static void test_equal_chunk_costs_predict_what_uniform_costs_predict(void **state)
+{
+    (void)state;
+    const struct { int pp, vpp; mt_pp_schedule kind; int n_mb; } cases[] = {
+        {2, 1, MT_PP_1F1B, 8}, {4, 1, MT_PP_1F1B, 5}, {4, 2, MT_PP_INTERLEAVED, 8},
+        {4, 2, MT_PP_DUALPIPEV, 8}, {2, 2, MT_PP_DUALPIPEV, 6}};
+    const mt_sched_costs c = {1.5, 2.75, 1.25, 1.5, 0.125};
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        mt_schedule s;
+        build_ok(&s, cases[k].pp, cases[k].vpp, cases[k].kind, cases[k].n_mb);
+        const int C = cases[k].pp * cases[k].vpp;
+        mt_sched_costs cc[8];
+        for (int i = 0; i < C; i++) cc[i] = c;
+        double b1, bc, i1[4], ic[4];
+        assert_int_equal(mt_schedule_predict(&s, &c, &b1, i1), MT_OK);
+        assert_int_equal(mt_schedule_predict_chunks(&s, cc, &bc, ic), MT_OK);
+        assert_float_equal(bc, b1, 1e-12);
+        for (int st = 0; st < cases[k].pp; st++) assert_float_equal(ic[st], i1[st], 1e-12);
+        mt_schedule_free(&s);
+    }
+}
+
+/* 1F1B with the last stage slower than the others (the proxy's last stage
+ * holds the vocabulary head): once the first forward reaches it, the last
+ * stage never waits, so
+ *   step = sum_{s < pp-1} (F_s + B_s) + n_mb (F_last + B_last),
+ * the last stage idles sum_{s < pp-1} (F_s + B_s) and stage s < pp-1 idles
+ * step - n_mb (F_s + B_s): more than with equal costs, where every stage
+ * idles (pp - 1) (F + B). */
+static void test_a_slow_last_stage_makes_the_others_wait_in_1f1b(void **state)
+{
+    (void)state;
+    for (int pp = 2; pp <= 4; pp += 2) {
+        const int n = 8;
+        mt_schedule s;
+        build_ok(&s, pp, 1, MT_PP_1F1B, n);
+        mt_sched_costs cc[4];
+        for (int st = 0; st < pp; st++) mt_sched_costs_default(&cc[st]);
+        cc[pp - 1].f = 2; /* twice as slow */
+        cc[pp - 1].b = 4;
+        double bubble, idle[4], eq_bubble, eq_idle[4];
+        assert_int_equal(mt_schedule_predict_chunks(&s, cc, &bubble, idle), MT_OK);
+        assert_int_equal(mt_schedule_predict(&s, NULL, &eq_bubble, eq_idle), MT_OK);
+        const double step = (pp - 1) * 3.0 + n * 6.0;
+        mt_sched_sim sim;
+        assert_int_equal(mt_schedule_simulate_chunks(&s, cc, &sim), MT_OK);
+        assert_float_equal(sim.step, step, 1e-9);
+        mt_sched_sim_free(&sim);
+        assert_float_equal(idle[pp - 1], (pp - 1) * 3.0 / step, 1e-12);
+        for (int st = 0; st < pp - 1; st++) {
+            assert_float_equal(idle[st], 1 - n * 3.0 / step, 1e-12);
+            assert_true(idle[st] > eq_idle[st]);
+            assert_float_equal(eq_idle[st], (pp - 1) * 3.0 / ((n + pp - 1) * 3.0), 1e-12);
+        }
+        assert_true(bubble > eq_bubble);
+        mt_schedule_free(&s);
+    }
+}
+
+/* Measured costs may be NaN (a stage that timed nothing): refused by name. */
+static void test_chunk_costs_must_be_numbers_at_least_zero(void **state)
+{
+    (void)state;
+    mt_schedule s;
+    build_ok(&s, 2, 1, MT_PP_1F1B, 4);
+    mt_sched_costs cc[2];
+    mt_sched_costs_default(&cc[0]);
+    mt_sched_costs_default(&cc[1]);
+    cc[1].b = NAN;
+    double bubble, idle[2];
+    assert_int_equal(mt_schedule_predict_chunks(&s, cc, &bubble, idle), MT_EINVAL);
+    assert_non_null(strstr(mt_errmsg(), "chunk 1"));
+    mt_schedule_free(&s);
+}
+
 static void test_timeline_shows_one_row_per_stage_and_the_bubble(void **state)
 {
     (void)state;
@@ -598,6 +675,9 @@ int main(void)
         cmocka_unit_test(test_dualpipev_bubble_is_below_1f1b_at_the_same_sizes),
         cmocka_unit_test(test_p2p_latency_delays_each_hop),
         cmocka_unit_test(test_predicted_idle_fractions_are_the_simulated_ones),
+        cmocka_unit_test(test_equal_chunk_costs_predict_what_uniform_costs_predict),
+        cmocka_unit_test(test_a_slow_last_stage_makes_the_others_wait_in_1f1b),
+        cmocka_unit_test(test_chunk_costs_must_be_numbers_at_least_zero),
         cmocka_unit_test(test_timeline_shows_one_row_per_stage_and_the_bubble),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -10,9 +10,9 @@
 #     /api/experts has every MoE layer's loads (the heat map);
 #   - a job started from the last checkpoint continues at its step on the
 #     2 ranks;
-#   - StartJob with a layout not implemented (etp = 2 with tp = 2) is
-#     refused at admission with INVALID_ARGUMENT naming parallel.etp, and
-#     the daemon stays IDLE;
+#   - StartJob with a setting not implemented across ranks (bf16 gradient
+#     accumulators with dp = 2) is refused at admission with
+#     INVALID_ARGUMENT naming precision.grads, and the daemon stays IDLE;
 #   - SIGTERM ends every rank (mpirun exits 0).
 # Loopback only, ports picked by the daemon. Exit 77 without mpirun.
 #
@@ -135,14 +135,13 @@ echo "$out" | grep -q "started job tiny-cpu (run 2) at step $stopped of 100000" 
 wait_step_above "$stopped" 60
 out=$(cli stop) || fail "second stop: $out"
 
-# ---- a layout the trainer does not run: refused at admission
+# ---- a setting the trainer does not run on these ranks: refused at admission
 set +e
-out=$(cli start "$job" "${sets[@]}" --set parallel.dp=1 --set parallel.tp=2 --set parallel.etp=2 \
-  --set precision.recipe=bf16 2>&1)
+out=$(cli start "$job" "${sets[@]}" --set precision.grads=bf16 2>&1)
 rc=$?
 set -e
-[ $rc = 3 ] && echo "$out" | grep -q "INVALID_ARGUMENT: .*parallel.etp 2 with parallel.tp 2, pp 1: expert tensor parallelism" ||
-  fail "etp=2 x tp=2: rc $rc: $out"
+[ $rc = 3 ] && echo "$out" | grep -q "INVALID_ARGUMENT: .*precision.grads.*bf16 runs on one rank only" ||
+  fail "precision.grads=bf16 x dp=2: rc $rc: $out"
 [ "$(status_py 's["state"] + " " + s["runId"]')" = "JOB_STATE_IDLE 2" ] ||
   fail "a refused start changed the state or the run: $(cli status)"
 

@@ -423,15 +423,16 @@ static void test_admit(void **state)
     r.sets = &bad_field;
     assert_int_equal(job_admit(root, &r, &j), MT_EINVAL);
     assert_contains(mt_errmsg(), "batch.global_batch_size");
-    /* a layout the trainer does not implement is refused at admission,
-     * naming the field, not started and failed on every rank */
-    const char *etp_tp[] = {"parallel.tp=2", "parallel.etp=2", "precision.recipe=bf16"};
-    r.sets = etp_tp;
-    r.n_sets = 3;
+    /* a setting the trainer does not run on these ranks is refused at
+     * admission, naming the field, not started and failed on every rank */
+    const char *grads_dp[] = {"parallel.dp=2", "precision.grads=bf16"};
+    r.sets = grads_dp;
+    r.n_sets = 2;
     r.world = 2;
     assert_int_equal(job_admit(root, &r, &j), MT_EINVAL);
-    assert_contains(mt_errmsg(), "parallel.etp 2 with parallel.tp 2, pp 1: expert tensor");
-    r.n_sets = 1; /* the same world with dp = 2 is fine */
+    assert_contains(mt_errmsg(), "precision.grads");
+    assert_contains(mt_errmsg(), "bf16 runs on one rank only");
+    r.n_sets = 1; /* the same world with fp32 gradients is fine */
     r.sets = (const char *[]){"parallel.dp=2"};
     assert_int_equal(job_admit(root, &r, &j), MT_OK);
     assert_int_equal(j.parallel.dp, 2);

@@ -1,6 +1,6 @@
 /* test_trainer_ep.c - expert parallelism is one rank, spread out.
  *
- *   test_trainer_ep EXAMPLES_DIR EP [ETP]
+ *   test_trainer_ep EXAMPLES_DIR EP [ETP] [pp2]
  *
  * Run under mpirun with N ranks (EP divides N, N divides 4). The job runs
  * through the runtime with dp = N and ep = EP: each rank holds
@@ -45,7 +45,16 @@
  *   4. the replicas agree: dense parameters are bit-identical on every
  *      rank, expert parameters on the ranks holding the same experts;
  *   5. a trainer for an ep > 1 job without the expert group is refused,
- *      naming what it needs (not silently built with every expert).
+ *      naming what it needs (not silently built with every expert);
+ *   6. parallel.ep_overlap = halves (each MoE layer's exchanges in two
+ *      parts of the local experts, pipelined with the experts' compute)
+ *      trains exactly as none: the same losses, balance loss and gradient
+ *      norm at every step and the same main parameters after the last,
+ *      bit for bit (every row travels to the same place and is computed
+ *      alike; each expert's weight gradient sums its own rows in one
+ *      GEMM either way), and so like one rank within property 1's bounds.
+ *      (etp 1 only: halves with etp > 1 is refused, as property 5's
+ *      refusals are.)
  * The reference trainer runs on each rank by itself (no communicator).
  *
  * ETP > 1 (expert tensor parallelism; N = 4, EP = 2, ETP = 2: tp 1, dp 4,
@@ -64,19 +73,36 @@
  * 1.9e-4: each slice's partial output is rounded to bf16 before the sum,
  * which is rounded again, where one rank rounds once).
  *
- *   test_trainer_ep EXAMPLES_DIR EP cuda|cuda:nccl
+ * pp2 (N = 4, EP = 2): two pipeline stages (1F1B), each refolding its
+ * dp 2 ranks as ep 2 (edp 1); parallel.pp_layers 2,0 puts both decoder
+ * layers on stage 0 and leaves stage 1 the head and the MTP module (an MoE
+ * block), so each stage's ep group exchanges tokens and the model is the
+ * one of the bounds above. Properties 1-5 as stated, per stage: property
+ * 3 on the stage's first MoE layer, property 2's loads for the MoE layers
+ * the stage reports, property 4's dense replicas over the stage's dp
+ * group. Measured: the losses and norms of every step are ep = 2's alone
+ * bit for bit (fp32 and fp8), the parameters as ep = 2's.
+ *
+ *   test_trainer_ep EXAMPLES_DIR EP cuda|cuda:nccl [pp2|ETP]
  *
  * The same job on the CUDA backend (label gpu; skipped without a GPU),
  * ranks sharing GPUs round-robin through the staged communicator (device
  * -> pinned host -> MPI; cuda:nccl: NCCL, a GPU per rank, skipped with
- * fewer), recipes bf16 and fp8-blockwise, against one rank
+ * fewer; with pp2, 4 ranks, staged only), recipes bf16 and fp8-blockwise,
+ * against one rank
  * on the CUDA backend run first on the same GPU: properties 3 and 4, and
  * 1 for the losses and gradient norms only, relative 2e-3 (10x for the
  * balance loss and the norm, as above). The rows travel bit-exactly, but
  * the grouped expert GEMMs see other segment sizes than on one rank and
  * may take other kernels (other summation orders), and the gradient sums
  * run in another order; 2e-3 is a bound stated before measuring, to be
- * tightened to the measured differences.
+ * tightened to the measured differences. With ETP = 2 (2 ranks: ep 1 x
+ * etp 2, each rank holding one slice of every expert) the same recipes and
+ * bounds: bf16 on the tiny model, fp8-blockwise with routed experts of 256
+ * (slices of one 128-block; the one-rank reference has the same model).
+ * Every row of the sum over the two slices' partial outputs is rounded to
+ * bf16 once more than on one rank (the CPU etp case measured 1.5e-4 on the
+ * losses for that), within 2e-3.
  */
 #include <math.h>
 #include <mpi.h>
@@ -99,22 +125,52 @@ static int cuda_mode;
 /* expert tensor parallelism of the job (the fourth argument); 1: none */
 static int etp_ = 1;
 static const char *cuda_comm = "staged"; /* or nccl: a GPU per rank */
+/* pipeline stages of the job (the fifth argument "pp2"); 1: none */
+static int pp_ = 1;
+
+/* parallel.ep_overlap of the ep job ("none" or "halves") */
+static const char *overlap_ = "none";
+
+/* Property 6: what the job with ep_overlap = none ended with (this rank's
+ * view), for the halves run to match bit for bit. */
+static struct {
+    int have;
+    mt_step_metrics m[STEPS];
+    float *main; /* this rank's main parameters in table order */
+    int64_t n;
+} none_run;
 
 static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                      const char *recipe, int world, int ep, int etp)
 {
-    char path[1200], data[1200], rec[64], eps[32], etps[32], comm[64];
+    char path[1200], data[1200], rec[64], eps[32], etps[32], comm[64], pps[32], ovl[64];
+    snprintf(ovl, sizeof ovl, "parallel.ep_overlap=%s", ep > 1 ? overlap_ : "none");
     snprintf(comm, sizeof comm, "parallel.comm=%s", cuda_comm);
     snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
     snprintf(data, sizeof data, "data.path=%s", corpus);
     snprintf(rec, sizeof rec, "precision.recipe=%s", recipe);
     snprintf(eps, sizeof eps, "parallel.ep=%d", ep);
     snprintf(etps, sizeof etps, "parallel.etp=%d", etp);
-    const char *sets[] = {data, rec, eps, etps, "batch.seq_len=32", "batch.micro_batch_size=1",
-                          "batch.global_batch_size=4", "train.steps=3",
-                          "lr_schedule.warmup_steps=1", "data.valid_interval=0",
-                          "train.log_interval=1000", "backend=cuda", comm};
-    const int n_sets = (int)(sizeof sets / sizeof *sets) - (cuda_mode ? 0 : 2);
+    /* pp2: the one rank's job is one stage */
+    snprintf(pps, sizeof pps, "parallel.pp=%d", world > 1 ? pp_ : 1);
+    const char *sets[16] = {data, rec, eps, etps, "batch.seq_len=32", "batch.micro_batch_size=1",
+                            "batch.global_batch_size=4", "train.steps=3",
+                            "lr_schedule.warmup_steps=1", "data.valid_interval=0",
+                            "train.log_interval=1000", pps, ovl};
+    int n_sets = 13;
+    /* pp2: stage 0 holds both decoder layers (the dense 0 and the MoE 1),
+     * stage 1 the head and the MTP module (an MoE block): each stage's ep
+     * group has tokens to exchange, and the model is the one whose bounds
+     * the header states */
+    if (pp_ > 1 && world > 1) sets[n_sets++] = "parallel.pp_layers=2,0";
+    if (cuda_mode) {
+        sets[n_sets++] = "backend=cuda";
+        sets[n_sets++] = comm;
+    }
+    /* fp8 under etp 2 (the job's and the one rank's model alike): routed
+     * experts of 256, so that each slice is one 128-block wide */
+    if (etp_ > 1 && !strcmp(recipe, "fp8-blockwise"))
+        sets[n_sets++] = "model.moe_intermediate_size=256";
     int rc = mt_jobspec_load(j, path, sets, n_sets);
     if (rc == MT_OK) rc = mt_jobspec_admit(j, world);
     if (rc < 0) die("job", rc);
@@ -135,8 +191,9 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
     mt_jobspec je, j1;
     load_job(&je, examples, corpus, recipe, rt->size, ep, etp_);
     load_job(&j1, examples, corpus, recipe, 1, 1, 1);
-    CHECK(je.parallel.dp == rt->size && je.parallel.ep == ep, "dp %d ep %d, world %d",
-          je.parallel.dp, je.parallel.ep, rt->size);
+    CHECK(je.parallel.dp == rt->size / pp_ && je.parallel.ep == ep && je.parallel.pp == pp_,
+          "dp %d ep %d pp %d, world %d", je.parallel.dp, je.parallel.ep, je.parallel.pp,
+          rt->size);
 
     /* CUDA: the one-rank reference runs first, on this rank's share of the
      * GPU, and is gone before the job takes its share; its metrics are
@@ -167,19 +224,22 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
         if ((rc = mt_trainer_create(&ref, &j1, be)) < 0) die("reference trainer", rc);
     }
 
-    /* 3. only this rank's experts */
+    /* 3. only this rank's experts (pp2: of the first MoE layer of its stage) */
     const int E = je.model.n_routed_experts, El = E / ep;
     const int ep_rank = job->groups.me.ep;
-    int n_exp = 0, lo = E, hi = -1;
+    int n_exp = 0, lo = E, hi = -1, moe_layer = -1;
+    for (int i = 0; i < t->model->table.n && moe_layer < 0; i++)
+        if (t->model->table.p[i].expert >= 0) moe_layer = t->model->table.p[i].layer;
     for (int i = 0; i < t->model->table.n; i++) {
         const mt_param_desc *d = &t->model->table.p[i];
-        if (d->expert < 0 || d->role != MT_PR_EXP_GATE || d->layer != 1) continue;
+        if (d->expert < 0 || d->role != MT_PR_EXP_GATE || d->layer != moe_layer) continue;
         n_exp++;
         lo = d->expert < lo ? d->expert : lo;
         hi = d->expert > hi ? d->expert : hi;
     }
     CHECK(n_exp == El && lo == ep_rank * El && hi == lo + El - 1,
-          "layer 1 holds %d experts [%d, %d], want %d from %d", n_exp, lo, hi, El, ep_rank * El);
+          "layer %d holds %d experts [%d, %d], want %d from %d", moe_layer, n_exp, lo, hi, El,
+          ep_rank * El);
     /* ... and under etp its slice of each: F / etp rows of gate / up, F / etp
      * columns of down, at offset etp_rank F / etp */
     const int F = je.model.moe_intermediate_size, Fl = F / etp_;
@@ -195,9 +255,12 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
               (long long)d->off[1], Fl, F, down ? "columns" : "rows", etp_rank * Fl);
     }
 
+    const int halves = !strcmp(overlap_, "halves");
+    mt_step_metrics mine[STEPS];
     for (int s = 0; s < STEPS; s++) {
         mt_step_metrics me, m1;
         if ((rc = mt_job_step(job, &me)) < 0) die("ep step", rc);
+        mine[s] = me;
         if (ref) {
             if ((rc = mt_trainer_step(ref, &m1)) < 0) die("reference step", rc);
         } else {
@@ -221,22 +284,30 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
                       fabs(me.mtp_loss - m1.mtp_loss) <= fwd_tol * fabs(m1.mtp_loss),
                   "%s step 1: loss %.17g, MTP %.17g; one rank %.17g, %.17g", recipe, me.loss,
                   me.mtp_loss, m1.loss, m1.mtp_loss);
-            CHECK(me.n_moe == m1.n_moe, "%s: %d MoE layers reported, one rank %d", recipe,
-                  me.n_moe, m1.n_moe);
-            for (int i = 0; i < me.n_moe && i < m1.n_moe; i++)
-                CHECK(me.load_min[i] == m1.load_min[i] && me.load_max[i] == m1.load_max[i] &&
-                          me.load_cv[i] == m1.load_cv[i],
+            /* (pp2: each stage reports its own MoE layers) */
+            CHECK(pp_ > 1 ? me.n_moe > 0 && me.n_moe < m1.n_moe : me.n_moe == m1.n_moe,
+                  "%s: %d MoE layers reported, one rank %d", recipe, me.n_moe, m1.n_moe);
+            for (int i = 0; i < me.n_moe; i++) {
+                int k = 0;
+                while (k < m1.n_moe && m1.moe_layer[k] != me.moe_layer[i]) k++;
+                CHECK(k < m1.n_moe, "%s: MoE layer %d is not one rank's", recipe,
+                      me.moe_layer[i]);
+                if (k == m1.n_moe) continue;
+                CHECK(me.load_min[i] == m1.load_min[k] && me.load_max[i] == m1.load_max[k] &&
+                          me.load_cv[i] == m1.load_cv[k],
                       "%s step 1, MoE layer %d: loads min %g max %g cv %g, one rank %g %g %g",
                       recipe, me.moe_layer[i], me.load_min[i], me.load_max[i], me.load_cv[i],
-                      m1.load_min[i], m1.load_max[i], m1.load_cv[i]);
+                      m1.load_min[k], m1.load_max[k], m1.load_cv[k]);
+            }
         }
         CHECK(t->consumed_samples == (int64_t)(s + 1) * 4, "%s step %d: consumed %lld samples",
               recipe, s + 1, (long long)t->consumed_samples);
         if (rt->rank == 0)
-            printf("%s%s ep=%d etp=%d step %d: loss %.9f (one rank %.9f), mtp %.9f (%.9f), aux "
-                   "%.6g (%.6g), grad norm %.6g (%.6g)\n",
-                   cuda_mode ? "cuda " : "", recipe, ep, etp_, s + 1, me.loss, m1.loss, me.mtp_loss, m1.mtp_loss, me.aux_loss,
-                   m1.aux_loss, me.grad_norm, m1.grad_norm);
+            printf("%s%s ep=%d etp=%d%s step %d: loss %.9f (one rank %.9f), mtp %.9f (%.9f), "
+                   "aux %.6g (%.6g), grad norm %.6g (%.6g)\n",
+                   cuda_mode ? "cuda " : "", recipe, ep, etp_, halves ? " halves" : "", s + 1,
+                   me.loss, m1.loss, me.mtp_loss, m1.mtp_loss, me.aux_loss, m1.aux_loss,
+                   me.grad_norm, m1.grad_norm);
     }
 
     /* 1. parameters against one rank's, by name (CPU) */
@@ -280,11 +351,60 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
                "average; rank 0: %lld E4M3 weights differ\n", recipe, ep, etp_, all_max[0], all_max[1],
                (long long)flips);
 
+    /* 6. halves against none, bit for bit (CPU): the none run keeps what it
+     * ended with, the halves run after it compares */
+    if (!cuda_mode && ep > 1) {
+        int64_t n = 0;
+        for (int i = 0; i < m->table.n; i++)
+            if (m->params[i].grad && main_of(t, i)) n += mt_param_numel(&m->params[i].d);
+        float *cur = malloc((size_t)n * 4 + 4);
+        if (!cur) die("out of memory", MT_ENOMEM);
+        int64_t at = 0;
+        for (int i = 0; i < m->table.n; i++)
+            if (m->params[i].grad && main_of(t, i)) {
+                memcpy(cur + at, main_of(t, i), (size_t)mt_param_numel(&m->params[i].d) * 4);
+                at += mt_param_numel(&m->params[i].d);
+            }
+        if (!halves) {
+            free(none_run.main);
+            none_run.have = 1;
+            memcpy(none_run.m, mine, sizeof mine);
+            none_run.main = cur;
+            none_run.n = n;
+        } else {
+            CHECK(none_run.have, "%s: halves without a none run before it", recipe);
+            for (int s = 0; s < STEPS && none_run.have; s++) {
+                const mt_step_metrics *a = &mine[s], *b = &none_run.m[s];
+                CHECK(a->loss == b->loss && a->mtp_loss == b->mtp_loss &&
+                          a->aux_loss == b->aux_loss && a->grad_norm == b->grad_norm,
+                      "%s step %d: halves loss %.17g mtp %.17g aux %.17g norm %.17g; none "
+                      "%.17g %.17g %.17g %.17g", recipe, s + 1, a->loss, a->mtp_loss,
+                      a->aux_loss, a->grad_norm, b->loss, b->mtp_loss, b->aux_loss, b->grad_norm);
+            }
+            int64_t differ = 0;
+            if (none_run.have && none_run.n == n)
+                for (int64_t k = 0; k < n; k++) differ += memcmp(&cur[k], &none_run.main[k], 4) != 0;
+            CHECK(none_run.have && none_run.n == n && differ == 0,
+                  "%s: halves vs none: %lld of %lld main parameter values differ (%lld held by "
+                  "none)", recipe, (long long)differ, (long long)n, (long long)none_run.n);
+            if (rt->rank == 0 && none_run.have)
+                printf("%s ep=%d halves: %d steps and %lld main parameter values (rank 0) equal "
+                       "to none, bit for bit: %s\n", recipe, ep, STEPS, (long long)n,
+                       differ == 0 ? "yes" : "NO");
+            free(cur);
+            free(none_run.main);
+            memset(&none_run, 0, sizeof none_run);
+        }
+    }
+
     /* 4. replicas bit-identical: the compute copies, over the world for the
-     * dense parameters, over edp for this rank's experts (min and max agree) */
+     * dense parameters (pp2: over the stage's dp group), over edp for this
+     * rank's experts (min and max agree) */
     size_t differ[2] = {0, 0};
     for (int pass = 0; pass < 2; pass++) {
-        mt_comm *c = pass == 0 ? rt->world : mt_comm_host(job->groups.g[MT_GROUP_EDP]);
+        mt_comm *c = pass == 1  ? mt_comm_host(job->groups.g[MT_GROUP_EDP])
+                     : pp_ > 1 ? mt_comm_host(job->groups.g[MT_GROUP_DP])
+                               : rt->world;
         for (int i = 0; i < m->table.n; i++) {
             const mt_param *p = &m->params[i];
             if (!p->grad || (p->d.expert >= 0) != pass) continue;
@@ -312,12 +432,15 @@ static void run_recipe(mt_runtime *rt, const char *examples, const char *corpus,
 int main(int argc, char **argv)
 {
     if (argc < 3) {
-        fprintf(stderr, "usage: test_trainer_ep EXAMPLES_DIR EP [cuda]\n");
+        fprintf(stderr, "usage: test_trainer_ep EXAMPLES_DIR EP [ETP [pp2]|cuda|cuda:nccl "
+                "[pp2|ETP]]\n");
         return 2;
     }
     cuda_mode = argc > 3 && !strncmp(argv[3], "cuda", 4);
     if (argc > 3 && !cuda_mode) etp_ = atoi(argv[3]);
+    if (argc > 4 && cuda_mode && strcmp(argv[4], "pp2") != 0) etp_ = atoi(argv[4]);
     if (cuda_mode && !strcmp(argv[3], "cuda:nccl")) cuda_comm = "nccl";
+    if (argc > 4 && !strcmp(argv[4], "pp2")) pp_ = 2;
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     mt_runtime *rt;
@@ -326,10 +449,11 @@ int main(int argc, char **argv)
     rank_ = rt->rank;
     mt_log_set_rank(rt->rank);
     const int ep = atoi(argv[2]);
-    if (4 % rt->size != 0 || ep < 1 || etp_ < 1 || rt->size % (ep * etp_) != 0) {
+    if (4 % rt->size != 0 || ep < 1 || etp_ < 1 || rt->size % pp_ != 0 ||
+        (rt->size / pp_) % (ep * etp_) != 0) {
         if (rt->rank == 0)
-            fprintf(stderr, "SKIP: %d ranks do not divide the batch of 4 or ep %d does not divide "
-                    "them\n", rt->size, ep);
+            fprintf(stderr, "SKIP: %d ranks do not divide the batch of 4 or ep %d (x pp %d) does "
+                    "not divide them\n", rt->size, ep, pp_);
         mt_runtime_destroy(rt);
         MPI_Finalize();
         return 77;
@@ -361,20 +485,45 @@ int main(int argc, char **argv)
         mt_err_clear();
         be->destroy(be);
     }
+    /* 6.: halves where there are two parts of at least one expert each */
+    const int try_halves = ep > 1 && etp_ == 1;
+    if (try_halves && !cuda_mode) { /* refused with etp > 1, naming the setting */
+        mt_jobspec j;
+        char data[1200];
+        snprintf(data, sizeof data, "data.path=%s", corpus);
+        char path[1200];
+        snprintf(path, sizeof path, "%s/tiny-cpu.json", argv[1]);
+        const char *sets[] = {data, "parallel.ep=2", "parallel.etp=2",
+                              "parallel.ep_overlap=halves"};
+        rc = mt_jobspec_load(&j, path, sets, 4);
+        if (rc == MT_OK) rc = mt_jobspec_validate(&j, 0);
+        CHECK(rc == MT_EINVAL && strstr(mt_errmsg(), "parallel.ep_overlap"),
+              "halves with etp 2: %d %s", rc, mt_errmsg());
+        mt_err_clear();
+    }
     if (cuda_mode) { /* parameters: no bounds (not compared) */
-        run_recipe(rt, argv[1], corpus, "bf16", ep, 2e-3, 0, 0);
-        run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 2e-3, 0, 0);
+        for (int h = 0; h <= try_halves; h++) {
+            overlap_ = h ? "halves" : "none";
+            run_recipe(rt, argv[1], corpus, "bf16", ep, 2e-3, 0, 0);
+            run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 2e-3, 0, 0);
+        }
     } else if (etp_ > 1) { /* the tiny model's F = 64 cuts FP8 128-blocks: bf16 */
         run_recipe(rt, argv[1], corpus, "fp32", ep, 1e-5, 3e-5, 3e-7);
         run_recipe(rt, argv[1], corpus, "bf16", ep, 1e-3, 2e-2, 3e-4);
     } else {
-        run_recipe(rt, argv[1], corpus, "fp32", ep, 1e-5, 3e-5, 3e-7);
-        run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 1e-3, 2e-2, 3e-4);
+        for (int h = 0; h <= try_halves; h++) { /* none, then halves (6. compares) */
+            overlap_ = h ? "halves" : "none";
+            run_recipe(rt, argv[1], corpus, "fp32", ep, 1e-5, 3e-5, 3e-7);
+        }
+        for (int h = 0; h <= try_halves; h++) {
+            overlap_ = h ? "halves" : "none";
+            run_recipe(rt, argv[1], corpus, "fp8-blockwise", ep, 1e-3, 2e-2, 3e-4);
+        }
     }
 
     int all_ok = mt_runtime_agree(rt, failures == 0);
     if (rt->rank == 0)
-        printf("test_trainer_ep: %d ranks, ep %d, etp %d%s: %s\n", rt->size, ep, etp_,
+        printf("test_trainer_ep: %d ranks, pp %d, ep %d, etp %d%s: %s\n", rt->size, pp_, ep, etp_,
                cuda_mode ? (strcmp(cuda_comm, "nccl") ? ", backend cuda (staged)"
                                                       : ", backend cuda (nccl)")
                          : "",

@@ -1,5 +1,7 @@
 /* test_trainer_pp.c - pipeline parallelism is one rank, cut into stages.
  *
+ *   mpirun -np 2|4 test_trainer_pp EXAMPLES_DIR [ep] [--gpu nccl|staged]
+ *
  * Run under mpirun with 2 or 4 ranks. A tiny model with 4 decoder layers
  * (dense layer 0, MoE 1-3) and MTP depth 1, the fp32 recipe, 4 micro-batches
  * per step, 3 steps. Each layout trains through the runtime and is compared
@@ -11,6 +13,12 @@
  *         MTP only; stage 1: every decoder layer)
  *   np 4: pp=2 x dp=2 (1F1B); pp=4 1F1B (one layer per stage); pp=2 x dp=2
  *         DualPipeV (global batch 8, one rank's too: 4 micro-batches a stage)
+ *   np 4, argument "ep": pp=2 x ep=2 (dp 2 on each stage, refolded as ep 2,
+ *         edp 1): 1F1B, and DualPipeV (global batch 8) with whole and split
+ *         backwards; each stage's MoE layers send their tokens over the
+ *         stage's ep group, the bounds of pp=2 x dp=2 (measured: losses
+ *         and norms within 5.0e-7 relative, parameters 2.3e-5 for 1F1B;
+ *         8.4e-7 and 1.9e-5 for DualPipeV, whose norm bound is 2e-6).
  * Properties:
  *   1. every rank logs the global loss and gradient norm of each step, equal
  *      to one rank's within 1e-6 relative (the norm of pp=2 x dp=2 DualPipeV
@@ -32,13 +40,31 @@
  *   4. the stages hold disjoint parts of the model's decoder layers that
  *      cover them all (with parallel.pp_layers: as many as it gives each
  *      stage), and the step reports a measured idle fraction in
- *      [0, 1] next to the table's predicted bubble;
+ *      [0, 1] next to the table's predicted bubble; the measured costs
+ *      (issue 17): every chunk's forward and backward took time, every
+ *      stage holds the same gathered per-chunk costs, the idle predicted
+ *      from them is in [0, 1] and is the simulator's on them, and the
+ *      simulator given equal per-chunk costs predicts the table's idle;
  *   5. DualPipeV's backward split (BWD_IN defers the weight-gradient GEMMs,
  *      BWD_W runs them) trains bit for bit as the same table run with whole
  *      backwards in BWD_IN (the pipeline's bwd_whole): every step's loss,
  *      MTP loss and gradient norm, and every parameter after the last step
  *      (pp=2, and pp=2 x dp=2 where BWD_W's layer marks start the gradient
- *      buckets' reductions).
+ *      buckets' reductions; pp=2 x ep=2, whose BWD_IN runs the experts'
+ *      backward exchanges and BWD_W their deferred weight GEMMs);
+ *   6. pp x ep: a stage's rank holds only the n_routed_experts / ep experts
+ *      of its ep rank (every MoE layer of its chunks), and it sent and
+ *      received tokens.
+ *
+ * --gpu COMM: the CUDA backend, parallel.comm COMM (nccl: a GPU per rank,
+ * pipeline messages over NCCL links; staged: through host memory, ranks
+ * sharing a GPU where there are fewer GPUs than ranks), the bf16 recipe
+ * (CUDA activations are bf16), the layouts above except property 5's
+ * bit-identity (GPU kernels may add in any order); the one-rank reference runs on the rank's GPU in a 2 GB arena
+ * made before the job's. Bounds are test_trainer_dp_gpu's for bf16 (loss,
+ * mtp and valid loss 1e-3 relative, norm 1e-2, parameters 1e-2): a wrong
+ * or stale message moves the loss by far more. Exit 77 without a CUDA
+ * device, or for nccl with fewer GPUs than ranks.
  */
 #include <math.h>
 #include <mpi.h>
@@ -48,6 +74,7 @@
 
 #include "base/mt_log.h"
 #include "base/mt_status.h"
+#include "engine/parallel/moe_a2a.h"
 #include "engine/train/trainer.h"
 #include "runtime/runtime.h"
 #include "mpi_check.h"
@@ -55,22 +82,81 @@
 
 #define STEPS 3
 
+/* --gpu COMM: NULL on the CPU */
+static const char *GPU_COMM;
+
+/* Property 4's measured costs on this stage after a step. */
+static void check_measured_costs(const mt_trainer *t, const mt_step_metrics *mp, const char *name,
+                                 int step)
+{
+    const mt_pipeline *pl = t->pipe;
+    const int C = pl->C, pp = pl->layout.pp;
+    CHECK(mp->pp_bubble_measured >= 0 && mp->pp_bubble_measured <= 1 &&
+              mp->pp_bubble_measured == pl->measured_idle[pl->stage],
+          "%s step %d: idle predicted from measured costs %.3f (stage's %.3f)", name, step,
+          mp->pp_bubble_measured, pl->measured_idle[pl->stage]);
+    double v[64], hi[64], lo[64];
+    if (C * 4 > 64 || pp > 16) die("the test keeps 16 chunks", MT_EINVAL);
+    for (int c = 0; c < C; c++) {
+        const mt_sched_costs *k = &pl->chunk_costs[c];
+        CHECK(k->f > 0 && k->b + k->b_in > 0 && k->p2p == 0,
+              "%s step %d: chunk %d's measured costs F %g B %g Bi %g W %g", name, step, c, k->f,
+              k->b, k->b_in, k->w);
+        v[c * 4] = k->f, v[c * 4 + 1] = k->b, v[c * 4 + 2] = k->b_in, v[c * 4 + 3] = k->w;
+    }
+    int rc = mt_comm_all_reduce(mt_comm_host(t->pp), v, hi, C * 4, MT_COMM_F64, MT_COMM_MAX);
+    if (rc == MT_OK)
+        rc = mt_comm_all_reduce(mt_comm_host(t->pp), v, lo, C * 4, MT_COMM_F64, MT_COMM_MIN);
+    if (rc < 0) die("all_reduce of the measured costs", rc);
+    for (int i = 0; i < C * 4; i++)
+        CHECK(hi[i] == lo[i], "%s step %d: the stages hold different costs of chunk %d (kind "
+              "%d): %g .. %g", name, step, i / 4, i % 4, lo[i], hi[i]);
+    double bubble, idle[16], eq_bubble, eq_idle[16];
+    rc = mt_schedule_predict_chunks(&pl->sched, pl->chunk_costs, &bubble, idle);
+    if (rc < 0) die("mt_schedule_predict_chunks", rc);
+    CHECK(bubble == pl->measured_bubble, "%s step %d: measured-cost bubble %.6f, simulated %.6f",
+          name, step, pl->measured_bubble, bubble);
+    for (int st = 0; st < pp; st++)
+        CHECK(idle[st] == pl->measured_idle[st] && idle[st] >= 0 && idle[st] <= 1,
+              "%s step %d: stage %d's idle from measured costs %.6f, simulated %.6f", name,
+              step, st, pl->measured_idle[st], idle[st]);
+    mt_sched_costs eq[16];
+    for (int c = 0; c < C; c++) mt_sched_costs_default(&eq[c]);
+    rc = mt_schedule_predict_chunks(&pl->sched, eq, &eq_bubble, eq_idle);
+    if (rc < 0) die("mt_schedule_predict_chunks", rc);
+    CHECK(fabs(eq_bubble - pl->predicted_bubble) < 1e-12,
+          "%s: equal chunk costs predict bubble %.6f, the table %.6f", name, eq_bubble,
+          pl->predicted_bubble);
+    for (int st = 0; st < pp; st++)
+        CHECK(fabs(eq_idle[st] - pl->predicted_idle[st]) < 1e-12,
+              "%s: equal chunk costs predict stage %d idle %.6f, the table %.6f", name, st,
+              eq_idle[st], pl->predicted_idle[st]);
+}
+
+
 static void load_job(mt_jobspec *j, const char *examples, const char *corpus,
                      const char *layout_sets, int world)
 {
     char path[1200], data[1200];
     snprintf(path, sizeof path, "%s/tiny-cpu.json", examples);
     snprintf(data, sizeof data, "data.path=%s", corpus);
-    const char *sets[20] = {data, "precision.recipe=fp32", "model.num_hidden_layers=4",
+    static char comm[64];
+    snprintf(comm, sizeof comm, "parallel.comm=%s", GPU_COMM ? GPU_COMM : "auto");
+    const char *sets[24] = {data, GPU_COMM ? "precision.recipe=bf16" : "precision.recipe=fp32",
+                            "model.num_hidden_layers=4",
                             "model.hidden_size=64", "model.intermediate_size=128",
                             "batch.seq_len=16", "batch.micro_batch_size=1",
                             "batch.global_batch_size=4", "train.steps=3",
                             "lr_schedule.warmup_steps=1", "data.valid_interval=1000",
                             "data.valid_batches=2", "train.log_interval=1000"};
     int n = 13;
+    if (GPU_COMM) {
+        sets[n++] = "backend=cuda";
+        if (world > 1) sets[n++] = comm;
+    }
     static char buf[256]; /* the sets point into it until mt_jobspec_load returns */
     snprintf(buf, sizeof buf, "%s", layout_sets);
-    for (char *tok = strtok(buf, " "); tok && n < 20; tok = strtok(NULL, " ")) sets[n++] = tok;
+    for (char *tok = strtok(buf, " "); tok && n < 24; tok = strtok(NULL, " ")) sets[n++] = tok;
     int rc = mt_jobspec_load(j, path, sets, n);
     if (rc == MT_OK) rc = mt_jobspec_admit(j, world);
     if (rc < 0) die("job", rc);
@@ -146,13 +232,21 @@ static void run_layout_how(mt_runtime *rt, const char *examples, const char *cor
             strncat(ref_sets, tok, sizeof ref_sets - strlen(ref_sets) - 1);
         }
     load_job(&j1, examples, corpus, ref_sets, 1);
+    /* the reference's backend first: on a GPU the job's arena takes what
+     * is left (the runtime's rule: rank r on device r % devices) */
+    mt_backend *be;
+    int rc = GPU_COMM ? mt_backend_cuda_create(&be, rt->rank % mt_cuda_device_count(),
+                                               (size_t)2048 << 20)
+                      : mt_backend_cpu_create(&be, 1);
+    if (rc < 0) die("backend", rc);
     mt_job_opts jo = {.threads = 1};
     mt_job *job;
-    int rc = mt_job_start(&job, rt, &jp, &jo);
+    rc = mt_job_start(&job, rt, &jp, &jo);
     if (rc < 0) die("mt_job_start", rc);
     if (how == 1) job->trainer->pipe->bwd_whole = 1;
-    mt_backend *be;
-    if ((rc = mt_backend_cpu_create(&be, 1)) < 0) die("backend", rc);
+    /* bounds: see the header (GPU: test_trainer_dp_gpu's for bf16) */
+    const double tol_loss = GPU_COMM ? 1e-3 : 1e-6, tol_par = GPU_COMM ? 1e-2 : 3e-5;
+    if (GPU_COMM) norm_tol = 1e-2;
     mt_trainer *ref;
     if ((rc = mt_trainer_create(&ref, &j1, be)) < 0) die("reference trainer", rc);
 
@@ -176,18 +270,19 @@ static void run_layout_how(mt_runtime *rt, const char *examples, const char *cor
         const double dn = fabs(mp.grad_norm - m1.grad_norm) / m1.grad_norm;
         const double dm = fabs(mp.mtp_loss - m1.mtp_loss) / fabs(m1.mtp_loss);
         worst_loss = fmax(worst_loss, fmax(dl, fmax(dn, dm)));
-        CHECK(dl <= 1e-6 && dm <= 1e-6, "%s step %d: loss %.9g mtp %.9g vs one rank %.9g %.9g",
+        CHECK(dl <= tol_loss && dm <= tol_loss, "%s step %d: loss %.9g mtp %.9g vs one rank %.9g %.9g",
               name, s + 1, mp.loss, mp.mtp_loss, m1.loss, m1.mtp_loss);
         CHECK(dn <= norm_tol, "%s step %d: grad norm %.9g vs one rank %.9g", name, s + 1,
               mp.grad_norm, m1.grad_norm);
         CHECK(mp.pp_idle >= 0 && mp.pp_idle <= 1 && mp.pp_bubble >= 0 && mp.pp_bubble < 1,
               "%s step %d: idle %.3f predicted bubble %.3f", name, s + 1, mp.pp_idle,
               mp.pp_bubble);
+        check_measured_costs(job->trainer, &mp, name, s + 1);
         if (rt->rank == 0)
             printf("%s step %d: loss %.9f (one rank %.9f), mtp %.9f (%.9f), grad norm %.9g "
-                   "(%.9g), idle %.3f (predicted %.3f)\n", name, s + 1, mp.loss, m1.loss,
-                   mp.mtp_loss, m1.mtp_loss, mp.grad_norm, m1.grad_norm, mp.pp_idle,
-                   mp.pp_bubble);
+                   "(%.9g), idle %.3f (predicted %.3f from measured costs, %.3f with equal "
+                   "costs)\n", name, s + 1, mp.loss, m1.loss, mp.mtp_loss, m1.mtp_loss,
+                   mp.grad_norm, m1.grad_norm, mp.pp_idle, mp.pp_bubble_measured, mp.pp_bubble);
     }
     mt_trainer *t = job->trainer;
     if (how == 1) {
@@ -205,7 +300,7 @@ static void run_layout_how(mt_runtime *rt, const char *examples, const char *cor
         free(a);
     }
     double worst = params_diff(t, ref);
-    CHECK(worst <= 3e-5, "%s: parameters differ from one rank's by up to %.3g", name, worst);
+    CHECK(worst <= tol_par, "%s: parameters differ from one rank's by up to %.3g", name, worst);
     /* the stages' decoder layers are disjoint and cover the model */
     const int L = t->job.model.num_hidden_layers;
     int *have = calloc((size_t)L, sizeof *have), *sum = calloc((size_t)L, sizeof *sum);
@@ -225,11 +320,35 @@ static void run_layout_how(mt_runtime *rt, const char *examples, const char *cor
     }
     free(have);
     free(sum);
+    /* pp x ep: the stage's model holds only its ep rank's experts, and its
+     * tokens did travel (the exchanges match only if every ep rank of the
+     * stage ran the same actions) */
+    if (lay->ep > 1) {
+        const int E = t->job.model.n_routed_experts, per = E / lay->ep;
+        const int er = mt_comm_rank(t->ep);
+        int foreign = 0, n_exp = 0;
+        for (int i = 0; i < t->model->table.n; i++) {
+            const int e = t->model->params[i].d.expert;
+            if (e < 0) continue;
+            n_exp++;
+            foreign += e < er * per || e >= (er + 1) * per;
+        }
+        CHECK(n_exp > 0 && foreign == 0, "%s: stage %d ep rank %d holds %d expert parameters, "
+              "%d of other ep ranks' experts", name, t->pipe->stage, er, n_exp, foreign);
+        for (int l = 0; l < L; l++)
+            if (t->model->local[l] && t->model->blocks[l].is_moe)
+                CHECK(t->model->blocks[l].moe.E_local == per, "%s: layer %d holds %d experts, "
+                      "not %d / ep %d", name, l, t->model->blocks[l].moe.E_local, E, lay->ep);
+        int64_t sent, received;
+        mt_moe_a2a_bytes(t->disp, &sent, &received);
+        CHECK(sent > 0 && received > 0, "%s: stage %d ep rank %d exchanged %lld / %lld bytes",
+              name, t->pipe->stage, er, (long long)sent, (long long)received);
+    }
     /* validation through the stages */
     double vp, v1;
     if ((rc = mt_trainer_validate(t, &vp)) < 0) die("validate", rc);
     if ((rc = mt_trainer_validate(ref, &v1)) < 0) die("validate (one rank)", rc);
-    CHECK(fabs(vp - v1) <= 1e-6 * fabs(v1), "%s: valid loss %.9g vs one rank %.9g", name, vp, v1);
+    CHECK(fabs(vp - v1) <= tol_loss * fabs(v1), "%s: valid loss %.9g vs one rank %.9g", name, vp, v1);
     double w[2] = {worst, worst_loss}, wmax[2];
     if (mt_comm_all_reduce(rt->world, w, wmax, 2, MT_COMM_F64, MT_COMM_MAX) < 0)
         die("all_reduce", MT_EGENERIC);
@@ -244,8 +363,14 @@ static void run_layout_how(mt_runtime *rt, const char *examples, const char *cor
 
 int main(int argc, char **argv)
 {
-    if (argc < 2) {
-        fprintf(stderr, "usage: test_trainer_pp EXAMPLES_DIR\n");
+    int ep_mode = 0, bad = argc < 2;
+    for (int i = 2; i < argc && !bad; i++) {
+        if (!strcmp(argv[i], "ep")) ep_mode = 1;
+        else if (!strcmp(argv[i], "--gpu") && i + 1 < argc) GPU_COMM = argv[++i];
+        else bad = 1;
+    }
+    if (bad) {
+        fprintf(stderr, "usage: test_trainer_pp EXAMPLES_DIR [ep] [--gpu nccl|staged]\n");
         return 2;
     }
     int provided;
@@ -255,25 +380,53 @@ int main(int argc, char **argv)
     if (rc < 0) die("runtime", rc);
     rank_ = rt->rank;
     mt_log_set_rank(rt->rank);
-    if (rt->size != 2 && rt->size != 4) {
-        if (rt->rank == 0) fprintf(stderr, "SKIP: needs 2 or 4 ranks, not %d\n", rt->size);
+    if ((rt->size != 2 && rt->size != 4) || (ep_mode && rt->size != 4)) {
+        if (rt->rank == 0)
+            fprintf(stderr, "SKIP: needs %s ranks, not %d\n", ep_mode ? "4" : "2 or 4", rt->size);
         mt_runtime_destroy(rt);
         MPI_Finalize();
         return 77;
     }
-    char tmp[1024], corpus[1100];
-    mt_test_tmpdir(tmp, sizeof tmp, "test_trainer_pp");
+    if (GPU_COMM) {
+        const int ndev = mt_cuda_device_count();
+        const int nccl = strcmp(GPU_COMM, "nccl") == 0;
+        if (ndev == 0 || (nccl && ndev < rt->size)) {
+            if (rt->rank == 0)
+                printf("test_trainer_pp --gpu %s: skipped (%d CUDA devices, %d ranks)\n",
+                       GPU_COMM, ndev, rt->size);
+            mt_runtime_destroy(rt);
+            MPI_Finalize();
+            return 77;
+        }
+    }
+    char tmp[1024], corpus[1100], tmpname[64];
+    snprintf(tmpname, sizeof tmpname, "test_trainer_pp%s%s", GPU_COMM ? "_gpu_" : "",
+             GPU_COMM ? GPU_COMM : "");
+    mt_test_tmpdir(tmp, sizeof tmp, tmpname);
     snprintf(corpus, sizeof corpus, "%s/syn", tmp);
     if (mt_test_synth(corpus, "--vocab 64 --tokens 60000 --seed 11") != 0) die("synth", MT_EIO);
 
-    if (rt->size == 2) {
+    if (ep_mode) {
+        /* pp x ep: each stage's 2 ranks exchange their tokens over the
+         * stage's ep group, at the same actions of the stage's table */
+        run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.dp=2 parallel.ep=2",
+                   "pp2xep2-1f1b");
+        if (!GPU_COMM)
+            run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.dp=2 "
+                           "parallel.ep=2 parallel.schedule=dualpipev batch.global_batch_size=8",
+                           "pp2xep2-dualpipev-whole-bwd", 1, 2e-6);
+        run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.dp=2 "
+                       "parallel.ep=2 parallel.schedule=dualpipev batch.global_batch_size=8",
+                       "pp2xep2-dualpipev", GPU_COMM ? 0 : 2, 2e-6);
+    } else if (rt->size == 2) {
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.schedule=1f1b", "pp2-1f1b");
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.schedule=interleaved",
                    "pp2-vpp2-interleaved");
+        if (!GPU_COMM)
+            run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 "
+                           "parallel.schedule=dualpipev", "pp2-dualpipev-whole-bwd", 1, 1e-6);
         run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 "
-                       "parallel.schedule=dualpipev", "pp2-dualpipev-whole-bwd", 1, 1e-6);
-        run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 "
-                       "parallel.schedule=dualpipev", "pp2-dualpipev", 2, 1e-6);
+                       "parallel.schedule=dualpipev", "pp2-dualpipev", GPU_COMM ? 0 : 2, 1e-6);
         /* flexible stage layouts: 1 + 3 layers; DualPipeV with the embedding
          * and the head + MTP in chunks of their own (no decoder layer) */
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.pp_layers=1,3",
@@ -284,18 +437,20 @@ int main(int argc, char **argv)
         run_layout(rt, argv[1], corpus, "parallel.pp=2 parallel.dp=2", "pp2xdp2-1f1b");
         run_layout(rt, argv[1], corpus, "parallel.pp=4 parallel.dp=1", "pp4-1f1b");
         /* the split's layer marks start the gradient buckets in BWD_W */
+        if (!GPU_COMM)
+            run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.dp=2 "
+                           "parallel.schedule=dualpipev batch.global_batch_size=8",
+                           "pp2xdp2-dualpipev-whole-bwd", 1, 2e-6);
         run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.dp=2 "
                        "parallel.schedule=dualpipev batch.global_batch_size=8",
-                       "pp2xdp2-dualpipev-whole-bwd", 1, 2e-6);
-        run_layout_how(rt, argv[1], corpus, "parallel.pp=2 parallel.vpp=2 parallel.dp=2 "
-                       "parallel.schedule=dualpipev batch.global_batch_size=8",
-                       "pp2xdp2-dualpipev", 2, 2e-6);
+                       "pp2xdp2-dualpipev", GPU_COMM ? 0 : 2, 2e-6);
     }
 
     free(prev.params);
     int all_ok = mt_runtime_agree(rt, failures == 0);
     if (rt->rank == 0)
-        printf("test_trainer_pp: %d ranks: %s\n", rt->size,
+        printf("test_trainer_pp%s%s: %d ranks: %s\n", GPU_COMM ? " --gpu " : "",
+               GPU_COMM ? GPU_COMM : "", rt->size,
                all_ok == 1 ? "equal to one rank" : "FAILED");
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);

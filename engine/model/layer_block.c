@@ -6,10 +6,12 @@
  *
  * Sequence parallelism (engine/model/tp.h): x, mid, out and their gradients
  * are this rank's rows; the norm runs on them and is gathered (b->xn2 holds
- * every row) for the FFN / MoE region. The dense FFN's partial output and
- * input gradient are reduce-scattered; the MoE layer (router and routed
- * experts replicated over tp, the shared experts summing their parts) gives
- * every row on every rank, of which a rank takes its own.
+ * every row) for the FFN / MoE region, whose partial output and input
+ * gradient are reduce-scattered. The MoE layer's terms (layers.h): the
+ * shared experts' columns on every row plus the routed experts of the
+ * rank's share of the rows (its own rows), so each token reaches the
+ * routed experts once over the tp group. Without sequence parallelism
+ * the MoE's terms are all-reduced here (the dense FFN sums inside).
  */
 #include <string.h>
 
@@ -86,6 +88,7 @@ int mt_block_init(mt_block *b, mt_backend *be, const mt_model_config *cfg,
             MT_CHECK(mt_ffn_init(&b->moe.shared, be, N, cfg->hidden_size,
                                  cfg->moe_intermediate_size * cfg->n_shared_experts / tp,
                                  o->recompute_moe_act));
+            b->moe.shared.no_sum = 1; /* summed with the routed terms (mt_block_fwd) */
         }
         return MT_OK;
     }
@@ -134,16 +137,15 @@ int mt_block_fwd(const mt_ctx *c, mt_block *b, void *out, const void *x, double 
     }
     yl = y;
     if (b->is_moe) {
-        /* every rank runs the router and the (replicated) routed experts on
-         * every row; the shared experts sum their parts inside */
+        /* this rank's term: its shared-expert columns, its rows' experts */
         MT_CHECK(mt_moe_fwd(c, &b->moe, y, b->xn2, aux_alpha, aux_grad_scale));
-        yl = (char *)y + (size_t)mt_tp_row0(c) * D * act;
+        if (!sp) MT_CHECK(mt_tp_sum(c, y, nd));
     } else {
         MT_CHECK(mt_ffn_fwd(c, &b->ffn, y, 0, b->xn2));
-        if (sp) { /* row-parallel down: this rank's rows of the sum */
-            MT_WS(yl, c->ws, (size_t)ndl * act);
-            MT_CHECK(mt_tp_scatter_rows(c, y, yl, D));
-        }
+    }
+    if (sp) { /* the terms' sum, this rank's rows of it */
+        MT_WS(yl, c->ws, (size_t)ndl * act);
+        MT_CHECK(mt_tp_scatter_rows(c, y, yl, D));
     }
     MT_CHECK(be->add(be, out, b->mid, yl, ndl));
     mt_ws_release(c->ws, mark);
@@ -164,14 +166,14 @@ int mt_block_bwd(const mt_ctx *c, mt_block *b, void *dx, const void *dout, const
         MT_CHECK(mt_tp_gather_rows(c, dout, dfull, D));
     }
     mt_op_profile_mark(be, b->is_moe ? "bwd.moe" : "bwd.ffn");
-    if (b->is_moe)
+    if (b->is_moe) {
         MT_CHECK(mt_moe_bwd(c, &b->moe, dxn2, dfull, b->xn2));
-    else
+        if (!sp) MT_CHECK(mt_tp_sum(c, dxn2, (int64_t)N * D));
+    } else {
         MT_CHECK(mt_ffn_bwd(c, &b->ffn, dxn2, 0, dfull, b->xn2));
+    }
     dl = dxn2;
-    if (sp && b->is_moe) { /* the same on every rank: this rank's rows */
-        dl = (char *)dxn2 + (size_t)mt_tp_row0(c) * D * act;
-    } else if (sp) { /* column-parallel gate / up: this rank's rows of the sum */
+    if (sp) { /* column-parallel gate / up, the share's rows: this rank's rows of the sum */
         MT_WS(dl, c->ws, bytes_l);
         MT_CHECK(mt_tp_scatter_rows(c, dxn2, dl, D));
     }

@@ -14,6 +14,12 @@
  *   yl     = down_e(silu(gate_e(xl)) * up_e(xl))  per local expert segment
  *   yp     = combine(yl)                          [R, D]
  *   y      = shared(xn) + sum_k w[n, k] yp[slot[n, k]]
+ *
+ * Tensor parallelism (layers.h, mt_moe_fwd): the router and the balance
+ * loss on all N rows, everything from the index on (permute, dispatch,
+ * experts, combine, unpermute) on this rank's share [lo, lo + Ns) only,
+ * with slot / src / idx / w of the share; y and dxn are this rank's terms
+ * of a sum over tp (the shared experts' columns, the share's rows).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +34,10 @@ void mt_moe_caps(const mt_model_config *cfg, const mt_model_opts *o, int N,
                  int64_t *Rl_cap)
 {
     const int E = cfg->n_routed_experts, K = cfg->num_experts_per_tok;
+    /* tensor parallelism: a rank routes its share of the rows, ceil(N / tp)
+     * at most (mt_tp_share), and so does every source of its ep group */
+    const int tp = o->tp ? o->tp->size : 1;
+    N = (N + tp - 1) / tp;
     *align = o->expert_align > 0 ? o->expert_align
              : o->recipe == MT_RECIPE_FP8_BLOCKWISE ? 128
                                                     : 1;
@@ -93,6 +103,21 @@ int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_
     m->rows = calloc((size_t)E, sizeof *m->rows);
     m->load = calloc((size_t)E, sizeof *m->load);
     if (!m->rows || !m->load) return MT_ERR(MT_ENOMEM, "moe: out of memory");
+    /* parallel.ep_overlap = halves: only where rows travel */
+    m->halves = o->ep_overlap && disp->ep > 1;
+    if (m->halves) {
+        if (!disp->dispatch_start || !disp->combine_start || !disp->finish || !disp->counts ||
+            (m->fp8_wire && !disp->dispatch_fp8_start))
+            return MT_ERR(MT_ENOTSUP, "moe: parallel.ep_overlap halves: this dispatcher cannot "
+                          "exchange parts of the experts");
+        if (disp->etp > 1)
+            return MT_ERR(MT_ENOTSUP, "moe: parallel.ep_overlap halves with etp %d: expert "
+                          "tensor parallelism exchanges whole layers only so far", disp->etp);
+        if (disp->E_local < 2)
+            return MT_ERR(MT_EINVAL, "moe: parallel.ep_overlap halves needs at least 2 local "
+                          "experts (%d)", disp->E_local);
+        m->half = disp->E_local / 2;
+    }
     MT_CHECK(mt_moe_plan_init(&m->plan, disp->ep, disp->E_local, m->align));
     m->plan.Rl_cap = m->Rl_cap;
     m->has_shared = cfg->n_shared_experts > 0;
@@ -142,28 +167,77 @@ static int sum_rows(const int *rows, int n)
     return s;
 }
 
-/* Runs the local experts on xl [Rl, D] into yl [Rl, D]. */
-static int experts_fwd(const mt_ctx *c, mt_moe *m, void *yl, const void *xl)
+/* First row of local expert e's segment in the local layout. */
+static int seg_row(const mt_moe *m, int e)
+{
+    int r = 0;
+    for (int g = 0; g < e; g++) r += m->plan.local_rows[g];
+    return r;
+}
+
+/* Runs local experts [e0, e1) on their segments of xl [Rl, D] into the
+ * same rows of yl [Rl, D]. Every row's output is its own (the GEMMs'
+ * sums run along the features), so parts compute what one call would. */
+static int experts_fwd(const mt_ctx *c, mt_moe *m, int e0, int e1, void *yl, const void *xl)
 {
     mt_backend *be = c->be;
-    const int F = m->F, D = m->D, G = m->E_local, Rl = m->plan.Rl;
-    const int *rows = m->plan.local_rows;
+    const int F = m->F, D = m->D, G = e1 - e0, r0 = seg_row(m, e0);
+    const int Rl = seg_row(m, e1) - r0;
+    const int *rows = m->plan.local_rows + e0;
     const size_t act = mt_act_size(be);
     size_t mark = mt_ws_mark(c->ws);
-    void *hp = m->hp;
+    void *hp = m->hp ? (char *)m->hp + (size_t)r0 * F * act : NULL;
+    void *gup = (char *)m->gup + (size_t)r0 * 2 * F * act;
     if (!hp) MT_WS(hp, c->ws, (size_t)Rl * F * act);
     if (m->fp8_wire) /* xl's e4m3 rows and scales came with the dispatch */
-        MT_CHECK(mt_linear_grouped_fwd2_q(c, m->exp_gate, m->gup, 2 * F, m->exp_up,
-                                          (char *)m->gup + (size_t)F * act, 2 * F, m->xl_q,
-                                          m->xl_s, rows, G));
+        MT_CHECK(mt_linear_grouped_fwd2_q(c, m->exp_gate + e0, gup, 2 * F, m->exp_up + e0,
+                                          (char *)gup + (size_t)F * act, 2 * F,
+                                          m->xl_q + (size_t)r0 * D,
+                                          m->xl_s + (size_t)((D + 127) / 128) * r0, rows, G));
     else
-        MT_CHECK(mt_linear_grouped_fwd2(c, m->exp_gate, m->gup, 2 * F, m->exp_up,
-                                        (char *)m->gup + (size_t)F * act, 2 * F, xl, D, rows,
-                                        G));
-    MT_CHECK(be->swiglu_fwd(be, hp, m->gup, Rl, F));
-    MT_CHECK(mt_linear_grouped_fwd(c, m->exp_down, yl, D, hp, F, rows, G));
+        MT_CHECK(mt_linear_grouped_fwd2(c, m->exp_gate + e0, gup, 2 * F, m->exp_up + e0,
+                                        (char *)gup + (size_t)F * act, 2 * F,
+                                        (const char *)xl + (size_t)r0 * D * act, D, rows, G));
+    MT_CHECK(be->swiglu_fwd(be, hp, gup, Rl, F));
+    MT_CHECK(mt_linear_grouped_fwd(c, m->exp_down + e0, (char *)yl + (size_t)r0 * D * act, D, hp,
+                                   F, rows, G));
     mt_ws_release(c->ws, mark);
     return MT_OK;
+}
+
+/* The forward's exchanges and experts in two parts (parallel.ep_overlap =
+ * halves), A = local experts [0, h), B = [h, E_local):
+ *   dispatch A beside the shared expert (y_shared not NULL: y = shared(xn)
+ *   is computed there) | dispatch B beside experts A | combine A beside
+ *   experts B | combine B.
+ * Every row lands where the plain path puts it and is computed alike, so
+ * yp is the plain path's, bit for bit. xt [Nt, D]: the tokens this rank
+ * routes (its tp share); xq, xs: them quantised (the FP8 payload), else
+ * NULL. */
+static int moe_fwd_halves(const mt_ctx *c, mt_moe *m, void *yl, const void *xt, int Nt,
+                          const uint8_t *xq, const float *xs, void *y_shared, const void *xn)
+{
+    mt_backend *be = c->be;
+    mt_moe_dispatcher *d = m->disp;
+    const int N = Nt, D = m->D, h = m->half, El = m->E_local;
+    const int lo[2] = {0, h}, hi[2] = {h, El};
+    for (int k = 0; k < 2; k++) {
+        if (m->fp8_wire)
+            MT_CHECK(d->dispatch_fp8_start(d, be, &m->plan, lo[k], hi[k], m->xl_q, m->xl_s,
+                                           m->xl_buf, xq, xs, N, m->src, D));
+        else
+            MT_CHECK(d->dispatch_start(d, be, &m->plan, lo[k], hi[k], m->xl_buf, NULL, xt,
+                                       m->src, D));
+        if (k == 0 && y_shared) MT_CHECK(mt_ffn_fwd(c, &m->shared, y_shared, 0, xn));
+        if (k == 0) MT_CHECK(d->finish(d)); /* A arrived; B travels from here */
+    }
+    m->xl = m->xl_buf;
+    for (int k = 0; k < 2; k++) {
+        MT_CHECK(experts_fwd(c, m, lo[k], hi[k], yl, m->xl));
+        MT_CHECK(d->finish(d)); /* k = 0: dispatch B; k = 1: combine A */
+        MT_CHECK(d->combine_start(d, be, &m->plan, lo[k], hi[k], m->yp, yl, D));
+    }
+    return d->finish(d);
 }
 
 int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_alpha,
@@ -172,6 +246,9 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     mt_backend *be = c->be;
     const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
     const size_t act = mt_act_size(be);
+    int lo, Ns; /* the rows this rank routes (all N without tp) */
+    mt_tp_share(c, &lo, &Ns);
+    const void *xs_in = (const char *)xn + (size_t)lo * D * act;
     MT_CHECK(be->gemm(be, m->logits, 1, E, xn, D, 0, m->router->w, D, 0, N, E, D, 1.0f, 0));
     MT_CHECK(be->router_fwd(be, m->idx, m->w, m->scores, m->logits, m->bias ? m->bias->wf : NULL,
                             N, &m->rc));
@@ -179,66 +256,119 @@ int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_a
     if (m->aux_on)
         MT_CHECK(be->aux_loss(be, m->aux_loss, m->dscores, m->scores, m->idx, c->B, c->T,
                               (float)aux_alpha, grad_scale, &m->rc));
-    MT_CHECK(be->moe_index(be, m->slot, m->src, m->counts, m->rows, m->idx, N, K, E,
-                           m->src_align, m->R_cap));
+    MT_CHECK(be->moe_index(be, m->slot, m->src, m->counts, m->rows, m->idx + (size_t)lo * K,
+                           Ns, K, E, m->src_align, m->R_cap));
     int32_t counts[4096];
     if (E > 4096) return MT_ERR(MT_ENOTSUP, "moe: more than 4096 experts");
     MT_CHECK(be->download(be, counts, m->counts, (size_t)E * 4));
     for (int e = 0; e < E; e++) m->load[e] += counts[e];
     m->R = sum_rows(m->rows, E);
     const int moves = m->disp->ep > 1;
-    if (!moves) MT_CHECK(be->moe_permute(be, m->xp, xn, m->src, m->R, D));
-    if (m->fp8_wire) {
-        /* quantised once, before the rows travel (1x128 tiles per token:
-         * the tiles quant_rows of the local rows would make) */
-        const int KB = (D + 127) / 128, one[1] = {N};
+    if (!moves) MT_CHECK(be->moe_permute(be, m->xp, xs_in, m->src, m->R, D));
+    /* halves: the shared expert beside the first dispatch (not under tp:
+     * its sums over the tp group stay out of an exchange's way) */
+    const int shared_beside = m->halves && m->has_shared && !mt_tp_on(c);
+    if (m->halves) {
         size_t mk = mt_ws_mark(c->ws);
-        uint8_t *xq;
-        float *xs;
-        MT_WS(xq, c->ws, (size_t)N * D + 1);
-        MT_WS(xs, c->ws, (size_t)KB * N * 4 + 4);
-        if (N > 0) MT_CHECK(be->quant_rows(be, xq, xs, xn, D, one, 1, D));
-        MT_CHECK(m->disp->dispatch_fp8(m->disp, be, &m->plan, m->xl_q, m->xl_s, m->xl_buf, xq,
-                                       xs, N, m->src, m->rows, D));
+        uint8_t *xq = NULL;
+        float *xs = NULL;
+        if (m->fp8_wire) { /* quantised once, before the rows travel (as below) */
+            const int KB = (D + 127) / 128, one[1] = {Ns};
+            MT_WS(xq, c->ws, (size_t)Ns * D + 1);
+            MT_WS(xs, c->ws, (size_t)KB * Ns * 4 + 4);
+            if (Ns > 0) MT_CHECK(be->quant_rows(be, xq, xs, xs_in, D, one, 1, D));
+        }
+        MT_CHECK(m->disp->counts(m->disp, be, &m->plan, m->rows));
+        void *yl;
+        MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
+        MT_CHECK(moe_fwd_halves(c, m, yl, xs_in, Ns, xq, xs, shared_beside ? y : NULL, xn));
         mt_ws_release(c->ws, mk);
-        m->xl = m->xl_buf;
     } else {
-        MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp,
-                                   moves ? xn : NULL, m->src, m->rows, D));
+        if (m->fp8_wire) {
+            /* quantised once, before the rows travel (1x128 tiles per
+             * token: the tiles quant_rows of the local rows would make) */
+            const int KB = (D + 127) / 128, one[1] = {Ns};
+            size_t mk = mt_ws_mark(c->ws);
+            uint8_t *xq;
+            float *xs;
+            MT_WS(xq, c->ws, (size_t)Ns * D + 1);
+            MT_WS(xs, c->ws, (size_t)KB * Ns * 4 + 4);
+            if (Ns > 0) MT_CHECK(be->quant_rows(be, xq, xs, xs_in, D, one, 1, D));
+            MT_CHECK(m->disp->dispatch_fp8(m->disp, be, &m->plan, m->xl_q, m->xl_s, m->xl_buf,
+                                           xq, xs, Ns, m->src, m->rows, D));
+            mt_ws_release(c->ws, mk);
+            m->xl = m->xl_buf;
+        } else {
+            MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 1, &m->xl, m->xl_buf, m->xp,
+                                       moves ? xs_in : NULL, m->src, m->rows, D));
+        }
+        size_t mark = mt_ws_mark(c->ws);
+        void *yl = m->yp; /* identity: the experts write yp directly */
+        if (moves) MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
+        MT_CHECK(experts_fwd(c, m, 0, m->E_local, yl, m->xl));
+        MT_CHECK(m->disp->combine(m->disp, be, &m->plan, m->yp, yl, D));
+        mt_ws_release(c->ws, mark);
     }
-    size_t mark = mt_ws_mark(c->ws);
-    void *yl = m->yp; /* identity: the experts write yp directly */
-    if (moves) MT_WS(yl, c->ws, (size_t)m->plan.Rl * D * act);
-    MT_CHECK(experts_fwd(c, m, yl, m->xl));
-    MT_CHECK(m->disp->combine(m->disp, be, &m->plan, m->yp, yl, D));
-    mt_ws_release(c->ws, mark);
-    if (m->has_shared) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
-    return be->moe_unpermute(be, y, m->has_shared, m->yp, m->slot, m->w, N, K, D);
+    /* the rows outside the share are the shared experts' alone (or zero) */
+    if (m->has_shared && !shared_beside) MT_CHECK(mt_ffn_fwd(c, &m->shared, y, 0, xn));
+    else if (!m->has_shared && Ns < N) MT_CHECK(be->zero(be, y, (size_t)N * D * act));
+    return be->moe_unpermute(be, (char *)y + (size_t)lo * D * act, m->has_shared, m->yp,
+                             m->slot, m->w + (size_t)lo * K, Ns, K, D);
 }
 
-/* Local experts' backward: dyl [Rl, D] -> dxl [Rl, D]; expert gradients +=.
+/* Local experts [e0, e1)'s backward on their segments: dyl [Rl, D] ->
+ * dxl [Rl, D] (the same rows); their gradients +=. Each expert's weight
+ * gradient sums its own segment's rows, so parts sum what one call would.
  * dxl may be dyl: dyl is last read before dxl is first written. */
-static int experts_bwd(const mt_ctx *c, mt_moe *m, void *dxl, const void *dyl, const void *xl)
+static int experts_bwd(const mt_ctx *c, mt_moe *m, int e0, int e1, void *dxl, const void *dyl,
+                       const void *xl)
 {
     mt_backend *be = c->be;
-    const int F = m->F, D = m->D, G = m->E_local, Rl = m->plan.Rl;
-    const int *rows = m->plan.local_rows;
-    const size_t act = mt_act_size(be);
+    const int F = m->F, D = m->D, G = e1 - e0, r0 = seg_row(m, e0);
+    const int Rl = seg_row(m, e1) - r0;
+    const int *rows = m->plan.local_rows + e0;
+    const size_t act = mt_act_size(be), off = (size_t)r0 * D * act;
+    const void *gup = (const char *)m->gup + (size_t)r0 * 2 * F * act;
     size_t mark = mt_ws_mark(c->ws);
-    void *hp = m->hp, *dhp, *dgup;
+    void *hp = m->hp ? (char *)m->hp + (size_t)r0 * F * act : NULL, *dhp, *dgup;
     if (!hp) {
         MT_WS(hp, c->ws, (size_t)Rl * F * act);
-        MT_CHECK(be->swiglu_fwd(be, hp, m->gup, Rl, F));
+        MT_CHECK(be->swiglu_fwd(be, hp, gup, Rl, F));
     }
     MT_WS(dhp, c->ws, (size_t)Rl * F * act);
     MT_WS(dgup, c->ws, (size_t)Rl * 2 * F * act);
-    MT_CHECK(mt_linear_grouped_bwd(c, m->exp_down, dhp, F, 0, dyl, D, hp, F, rows, G));
-    MT_CHECK(be->swiglu_bwd(be, dgup, dhp, m->gup, Rl, F));
-    MT_CHECK(mt_linear_grouped_bwd2(c, m->exp_gate, dgup, 2 * F, m->exp_up,
-                                    (char *)dgup + (size_t)F * act, 2 * F, dxl, D, 0, xl, D,
-                                    rows, G));
+    MT_CHECK(mt_linear_grouped_bwd(c, m->exp_down + e0, dhp, F, 0, (const char *)dyl + off, D, hp,
+                                   F, rows, G));
+    MT_CHECK(be->swiglu_bwd(be, dgup, dhp, gup, Rl, F));
+    MT_CHECK(mt_linear_grouped_bwd2(c, m->exp_gate + e0, dgup, 2 * F, m->exp_up + e0,
+                                    (char *)dgup + (size_t)F * act, 2 * F, (char *)dxl + off, D,
+                                    0, (const char *)xl + off, D, rows, G));
     mt_ws_release(c->ws, mark);
     return MT_OK;
+}
+
+/* The backward's exchanges and experts in two parts (as moe_fwd_halves):
+ * dispatch dyp A beside the shared expert's backward (shared: dxn =
+ * shared's input gradient of dy is computed there) | dispatch B beside
+ * experts A's backward | combine dxl A beside B's | combine B. dyl_buf
+ * [Rl, D] holds dyl, then dxl in place. */
+static int moe_bwd_halves(const mt_ctx *c, mt_moe *m, void *dxp, void *dyl_buf, const void *dyp,
+                          int shared, void *dxn, const void *dy, const void *xn)
+{
+    mt_backend *be = c->be;
+    mt_moe_dispatcher *d = m->disp;
+    const int D = m->D, h = m->half, El = m->E_local;
+    const int lo[2] = {0, h}, hi[2] = {h, El};
+    MT_CHECK(d->dispatch_start(d, be, &m->plan, 0, h, dyl_buf, dyp, NULL, NULL, D));
+    if (shared) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
+    MT_CHECK(d->finish(d));
+    MT_CHECK(d->dispatch_start(d, be, &m->plan, h, El, dyl_buf, dyp, NULL, NULL, D));
+    for (int k = 0; k < 2; k++) {
+        MT_CHECK(experts_bwd(c, m, lo[k], hi[k], dyl_buf, dyl_buf, m->xl));
+        MT_CHECK(d->finish(d)); /* k = 0: dispatch B; k = 1: combine A */
+        MT_CHECK(d->combine_start(d, be, &m->plan, lo[k], hi[k], dxp, dyl_buf, D));
+    }
+    return d->finish(d);
 }
 
 int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void *xn)
@@ -246,34 +376,49 @@ int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void
     mt_backend *be = c->be;
     const int N = c->N, D = m->D, E = m->rc.n_experts, K = m->rc.top_k;
     const size_t act = mt_act_size(be), R = (size_t)m->R;
+    int lo, Ns; /* the forward's share (mt_tp_share) */
+    mt_tp_share(c, &lo, &Ns);
+    const size_t lo_d = (size_t)lo * D * act;
     size_t mark = mt_ws_mark(c->ws);
     void *dyp, *dxp, *dlog_act, *dyl_buf = NULL;
     float *dw, *dlogits;
     MT_WS(dyp, c->ws, R * D * act);
     MT_WS(dxp, c->ws, R * D * act);
     if (m->disp->ep > 1) MT_WS(dyl_buf, c->ws, (size_t)m->plan.Rl * D * act);
-    MT_WS(dw, c->ws, (size_t)N * K * 4);
-    MT_WS(dlogits, c->ws, (size_t)N * E * 4);
-    MT_WS(dlog_act, c->ws, (size_t)N * E * act);
+    MT_WS(dw, c->ws, (size_t)Ns * K * 4 + 4);
+    MT_WS(dlogits, c->ws, (size_t)Ns * E * 4 + 4);
+    MT_WS(dlog_act, c->ws, (size_t)Ns * E * act + 4);
 
-    if (m->has_shared) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
-    MT_CHECK(be->moe_unpermute_bwd(be, dyp, dw, dy, m->yp, m->slot, m->w, N, K, D, m->R));
+    /* halves: the shared expert's backward beside the first dispatch (not
+     * under tp, as in the forward); dxn is written (=) before the routed
+     * part adds to it either way */
+    const int shared_beside = m->halves && m->has_shared && !mt_tp_on(c);
+    if (m->has_shared && !shared_beside) MT_CHECK(mt_ffn_bwd(c, &m->shared, dxn, 0, dy, xn));
+    else if (!m->has_shared && Ns < N) MT_CHECK(be->zero(be, dxn, (size_t)N * D * act));
+    MT_CHECK(be->moe_unpermute_bwd(be, dyp, dw, (const char *)dy + lo_d, m->yp, m->slot,
+                                   m->w + (size_t)lo * K, Ns, K, D, m->R));
     /* The reverse of combine is a dispatch of the gradients (with the
      * forward's plan), and the reverse of dispatch a combine. */
-    void *dyl;
-    MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 0, &dyl, dyl_buf, dyp, NULL, NULL, m->rows,
-                               D));
-    void *dxl = dyl == dyp ? dxp : dyl;
-    MT_CHECK(experts_bwd(c, m, dxl, dyl, m->xl));
-    MT_CHECK(m->disp->combine(m->disp, be, &m->plan, dxp, dxl, D));
-    MT_CHECK(be->moe_permute_bwd(be, dxn, m->has_shared, dxp, m->slot, N, K, D));
-    /* router: gradient through the chosen weights and the balance loss */
-    MT_CHECK(be->router_bwd(be, dlogits, dw, m->aux_on ? m->dscores : NULL, m->scores, m->idx, N,
-                            &m->rc));
-    MT_CHECK(be->act_from_f32(be, dlog_act, dlogits, (int64_t)N * E));
-    MT_CHECK(be->gemm(be, dxn, 0, D, dlog_act, E, 0, m->router->w, D, 1, N, D, E, 1.0f, 1));
-    MT_CHECK(be->gemm(be, m->router->grad, c->grad_type, D, dlog_act, E, 1, xn, D, 1, E, D, N,
-                      1.0f, 1));
+    if (m->halves) {
+        MT_CHECK(moe_bwd_halves(c, m, dxp, dyl_buf, dyp, shared_beside, dxn, dy, xn));
+    } else {
+        void *dyl;
+        MT_CHECK(m->disp->dispatch(m->disp, be, &m->plan, 0, &dyl, dyl_buf, dyp, NULL, NULL,
+                                   m->rows, D));
+        void *dxl = dyl == dyp ? dxp : dyl;
+        MT_CHECK(experts_bwd(c, m, 0, m->E_local, dxl, dyl, m->xl));
+        MT_CHECK(m->disp->combine(m->disp, be, &m->plan, dxp, dxl, D));
+    }
+    void *dxs = (char *)dxn + lo_d;
+    MT_CHECK(be->moe_permute_bwd(be, dxs, m->has_shared || Ns < N, dxp, m->slot, Ns, K, D));
+    /* router: gradient through the chosen weights and the balance loss, of
+     * the share's rows (each row's is its own: the other ranks do theirs) */
+    MT_CHECK(be->router_bwd(be, dlogits, dw, m->aux_on ? m->dscores + (size_t)lo * E : NULL,
+                            m->scores + (size_t)lo * E, m->idx + (size_t)lo * K, Ns, &m->rc));
+    MT_CHECK(be->act_from_f32(be, dlog_act, dlogits, (int64_t)Ns * E));
+    MT_CHECK(be->gemm(be, dxs, 0, D, dlog_act, E, 0, m->router->w, D, 1, Ns, D, E, 1.0f, 1));
+    MT_CHECK(be->gemm(be, m->router->grad, c->grad_type, D, dlog_act, E, 1,
+                      (const char *)xn + lo_d, D, 1, E, D, Ns, 1.0f, 1));
     mt_ws_release(c->ws, mark);
     return MT_OK;
 }

@@ -36,6 +36,22 @@ static inline int mt_tp_row0(const mt_ctx *c)
 {
     return mt_tp_sp(c) ? c->tp->rank * (c->N / c->tp->size) : 0;
 }
+/* The token rows [*lo, *lo + *n) of the N whose routed-expert work this rank
+ * does (router top-k, dispatch, experts, combine): under tensor parallelism
+ * its 1/tp share (rows [r N / tp, (r + 1) N / tp): under sequence
+ * parallelism its own rows), so that no token reaches the experts twice;
+ * without it all N. */
+static inline void mt_tp_share(const mt_ctx *c, int *lo, int *n)
+{
+    if (!mt_tp_on(c)) {
+        *lo = 0;
+        *n = c->N;
+        return;
+    }
+    const int64_t P = c->tp->size, r = c->tp->rank;
+    *lo = (int)(r * c->N / P);
+    *n = (int)((r + 1) * c->N / P) - *lo;
+}
 /* Region entry: full [N, D] act = every rank's rows [rows, D] (all-gather). */
 int mt_tp_gather_rows(const mt_ctx *c, const void *rows, void *full, int D);
 /* Region exit: rows [rows, D] act = this rank's rows of the sum over the
@@ -115,13 +131,21 @@ size_t mt_ffn_ws_bytes(int N, int D, int F);
 int mt_moe_init(mt_moe *m, mt_backend *be, const mt_model_config *cfg, const mt_model_opts *o,
                 int N, mt_moe_dispatcher *disp);
 void mt_moe_free(mt_moe *m, mt_backend *be);
-/* y [N, D] = shared(xn) + sum_k w_k expert_k(xn); aux loss accumulated. */
+/* y [N, D] = shared(xn) + sum_k w_k expert_k(xn); aux loss accumulated.
+ * Tensor parallelism: y is this rank's term of a sum over the tp group (its
+ * shared-expert columns on every row plus the routed experts of its share
+ * of the rows, mt_tp_share, zero elsewhere), and so is the backward's dxn;
+ * the caller sums them (all-reduce, or reduce-scatter under sequence
+ * parallelism). The router and the balance loss run on every row (the
+ * sequence-wise loss needs whole sequences; [N, E] against the experts'
+ * [N K / tp, 3 D F]), its backward on the share only (the router's weight
+ * gradient is a term of a sum over tp too: trainer_tp.c). */
 int mt_moe_fwd(const mt_ctx *c, mt_moe *m, void *y, const void *xn, double aux_alpha,
                float grad_scale);
 int mt_moe_bwd(const mt_ctx *c, mt_moe *m, void *dxn, const void *dy, const void *xn);
 /* Expert segment padding (align: local layout, src_align: source layout)
  * and the row capacities of the source and local layouts of a micro-batch
- * of N tokens under a dispatcher. */
+ * of N tokens under a dispatcher (under tp of a rank's share of them). */
 void mt_moe_caps(const mt_model_config *cfg, const mt_model_opts *o, int N,
                  const mt_moe_dispatcher *disp, int *align, int *src_align, int64_t *R_cap,
                  int64_t *Rl_cap);

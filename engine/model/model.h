@@ -146,6 +146,9 @@ typedef struct mt_moe {
     int Rl_cap;        /* rows of the local layout at most (mt_moe_local_rows_cap) */
     mt_moe_dispatcher *disp;
     mt_moe_plan plan;  /* what the forward's dispatch moved: for combine and backward */
+    int halves;        /* exchanges in two parts of the local experts, pipelined
+                          (mt_model_opts.ep_overlap): [0, half) and [half, E_local) */
+    int half;
     /* saved for backward */
     void *xn;          /* [N, D] (owned by the block: post-attention norm output) */
     float *logits;     /* [N, E] f32 */
@@ -259,6 +262,12 @@ typedef struct mt_model_opts {
      * only its experts [e_lo, e_lo + E_local). Not owned; it must outlive
      * the model. NULL: the identity, every expert local. */
     mt_moe_dispatcher *dispatcher;
+    /* 1: each MoE layer's exchanges run in two parts (the first half of
+     * the local experts, then the second) pipelined with the experts'
+     * compute (parallel.ep_overlap = halves, layer_moe.c); the results are
+     * those of 0, bit for bit. Nothing changes where nothing travels
+     * (the identity dispatcher). */
+    int ep_overlap;
     /* Pipeline: the chunks this rank runs (ascending global ids), their
      * layers and how many micro-batches each keeps in flight (slots).
      * n_chunks 0: the whole model as one chunk with one slot. The model

@@ -19,7 +19,8 @@ int mt_moe_plan_init(mt_moe_plan *p, int ep, int E_local, int align)
     p->local_rows = calloc((size_t)E_local + 1, sizeof *p->local_rows);
     p->from = calloc((size_t)ep * E_local + 1, sizeof *p->from);
     p->sent = calloc((size_t)ep, sizeof *p->sent);
-    if (!p->local_rows || !p->from || !p->sent) {
+    p->to = calloc((size_t)ep * E_local + 1, sizeof *p->to);
+    if (!p->local_rows || !p->from || !p->sent || !p->to) {
         mt_moe_plan_free(p);
         return MT_ERR(MT_ENOMEM, "dispatch plan: out of memory");
     }
@@ -31,6 +32,7 @@ void mt_moe_plan_free(mt_moe_plan *p)
     free(p->local_rows);
     free(p->from);
     free(p->sent);
+    free(p->to);
     memset(p, 0, sizeof *p);
 }
 
@@ -49,7 +51,7 @@ static int identity_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *
     int64_t R = 0;
     for (int e = 0; e < d->E; e++) {
         p->local_rows[e] = rows[e];
-        p->from[e] = rows[e];
+        p->from[e] = p->to[e] = rows[e];
         R += rows[e];
     }
     p->R = p->Rl = (int)R;

@@ -43,6 +43,8 @@ typedef struct mt_moe_plan {
     int *local_rows;    /* [E_local]: padded rows of each local expert's segment */
     int64_t *from;      /* [ep * E_local]: rows from peer q for local expert e at q * E_local + e */
     int64_t *sent;      /* [ep]: source rows sent to peer p (the rows of p's experts) */
+    int64_t *to;        /* [ep * E_local]: rows sent to peer p for its local expert e at
+                           p * E_local + e */
 } mt_moe_plan;
 
 int mt_moe_plan_init(mt_moe_plan *p, int ep, int E_local, int align);
@@ -88,6 +90,39 @@ struct mt_moe_dispatcher {
      * yl [Rl, D] (local layout; padding rows are not sent). Collective. */
     int (*combine)(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,
                    const void *yl, int D);
+    /* Overlap (parallel.ep_overlap = halves, engine/model/layer_moe.c):
+     * the exchanges above cut into parts of the local experts and started
+     * apart from their finish, so that the caller computes while a part
+     * travels. NULL on the identity (nothing travels). A part [e0, e1) of
+     * the local experts moves the rows of every owner's experts e0..e1-1
+     * (local index): a dispatch lands them in the local layout's segments
+     * [e0, e1) (contiguous rows: local_rows[e0] + ... after the segments
+     * before), a combine lands them at their rows of the source layout.
+     * The results of the parts [0, h) and [h, E_local) together are those
+     * of the whole exchange, bit for bit (the same rows at the same
+     * places). One exchange is in flight per dispatcher: each start is
+     * followed by finish before the next start (or count exchange).
+     *   counts:   the forward's count exchange alone (the plan, as dispatch
+     *             with count = 1 fills it); collective;
+     *   dispatch_start, dispatch_fp8_start, combine_start: pack the part
+     *             and start its exchange (arguments as dispatch with
+     *             count = 0, dispatch_fp8 and combine; the plan is read);
+     *   finish:   waits for the exchange in flight and unpacks it.
+     * Between a start and its finish the caller must not touch the part's
+     * output rows (and, for a backward dispatch, xp). Device ep groups:
+     * the exchange runs on the group's side stream and the backend's
+     * stream waits for it at finish only (comm.h, mt_comm_all_to_all_v_start).
+     * Expert tensor parallelism (etp > 1) takes whole exchanges only. */
+    int (*counts)(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, const int *rows);
+    int (*dispatch_start)(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, int e0,
+                          int e1, void *xl_buf, const void *xp, const void *x,
+                          const int32_t *src, int D);
+    int (*dispatch_fp8_start)(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, int e0,
+                              int e1, uint8_t *ql, float *sl, void *xl_buf, const uint8_t *xq,
+                              const float *xs, int N, const int32_t *src, int D);
+    int (*combine_start)(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, int e0,
+                         int e1, void *yp, const void *yl, int D);
+    int (*finish)(mt_moe_dispatcher *d);
     void (*destroy)(mt_moe_dispatcher *d);
     void *impl;
 };

@@ -291,18 +291,18 @@ int mt_comm_gather_v(mt_comm *c, const void *send, size_t send_count, void *recv
     return gather_v_common(c, what, send, send_count, recv, counts, displs, dt, root);
 }
 
-int mt_comm_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts,
-                         const size_t *send_displs, void *recv, const size_t *recv_counts,
-                         const size_t *recv_displs, mt_comm_dtype dt)
+/* The checks of all_to_all_v (and its started form); names the op in what. */
+static int a2a_check(mt_comm *c, char *what, size_t what_cap, const char *op, const void *send,
+                     const size_t *send_counts, const size_t *send_displs, const void *recv,
+                     const size_t *recv_counts, const size_t *recv_displs, mt_comm_dtype dt)
 {
-    char what[128];
     size_t ns = 0, nr = 0;
     if (send_counts && recv_counts)
         for (int p = 0; p < c->size; p++) {
             ns += send_counts[p];
             nr += recv_counts[p];
         }
-    snprintf(what, sizeof what, "all_to_all_v(%s, %zu elements sent, %zu received)",
+    snprintf(what, what_cap, "%s(%s, %zu elements sent, %zu received)", op,
              mt_comm_dtype_name(dt), ns, nr);
     MT_CHECK(check_dt(c, what, dt));
     if (!send_counts || !send_displs || !recv_counts || !recv_displs)
@@ -313,10 +313,44 @@ int mt_comm_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts
     if (send_counts[c->rank] != recv_counts[c->rank])
         return MT_ERR(MT_EINVAL, CTX_FMT "%s: to itself %zu sent but %zu received", CTX_ARGS(c), what,
                       send_counts[c->rank], recv_counts[c->rank]);
+    return MT_OK;
+}
+
+int mt_comm_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts,
+                         const size_t *send_displs, void *recv, const size_t *recv_counts,
+                         const size_t *recv_displs, mt_comm_dtype dt)
+{
+    char what[128];
+    MT_CHECK(a2a_check(c, what, sizeof what, "all_to_all_v", send, send_counts, send_displs, recv,
+                       recv_counts, recv_displs, dt));
     return finish(c,
                   c->iface->all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts,
                                          recv_displs, dt),
                   what);
+}
+
+int mt_comm_all_to_all_v_start(mt_comm *c, const void *send, const size_t *send_counts,
+                               const size_t *send_displs, void *recv, const size_t *recv_counts,
+                               const size_t *recv_displs, mt_comm_dtype dt, mt_comm_req **req)
+{
+    *req = NULL;
+    char what[80]; /* a request's what[] */
+    MT_CHECK(a2a_check(c, what, sizeof what, "all_to_all_v_start", send, send_counts, send_displs,
+                       recv, recv_counts, recv_displs, dt));
+    if (!c->iface->all_to_all_v_start) /* done at once (local) */
+        return finish(c,
+                      c->iface->all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts,
+                                             recv_displs, dt),
+                      what);
+    int rc = c->iface->all_to_all_v_start(c, send, send_counts, send_displs, recv, recv_counts,
+                                          recv_displs, dt, req);
+    if (rc < 0) {
+        *req = NULL;
+        return mt_err_wrap(rc, CTX_FMT "%s", CTX_ARGS(c), what);
+    }
+    (*req)->c = c;
+    snprintf((*req)->what, sizeof (*req)->what, "%s", what);
+    return MT_OK;
 }
 
 int mt_comm_broadcast(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int root)
@@ -391,9 +425,21 @@ static int p2p_tag(mt_comm *c, const char *what, const void *buf, size_t count,
         return MT_ERR(MT_EINVAL, CTX_FMT "%s: tag %d outside [0, %d)", CTX_ARGS(c), what, tag,
                       MT_COMM_MAX_TAG);
     if (!have)
-        return MT_ERR(MT_ENOTSUP, CTX_FMT "%s: the %s backend has no pipeline messages yet",
+        return MT_ERR(MT_ENOTSUP, CTX_FMT "%s: the %s backend has no pipeline messages",
                       CTX_ARGS(c), what, mt_comm_backend_name(c->backend));
+    if (!c->pipe_open)
+        return MT_ERR(MT_ESTATE, CTX_FMT "%s: pipeline messages need mt_comm_pipe_open first "
+                      "(collective over the group)", CTX_ARGS(c), what);
     return check_buf(c, what, "buffer", buf, count);
+}
+
+int mt_comm_pipe_open(mt_comm *c)
+{
+    if (c->pipe_open) return MT_OK;
+    int rc = c->iface->pipe_open ? c->iface->pipe_open(c) : MT_OK;
+    if (rc < 0) return mt_err_wrap(rc, CTX_FMT "pipe_open", CTX_ARGS(c));
+    c->pipe_open = 1;
+    return MT_OK;
 }
 
 int mt_comm_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer, int tag)

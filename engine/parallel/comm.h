@@ -196,14 +196,23 @@ int mt_comm_sendrecv(mt_comm *c, const void *send, size_t send_count, int dst, v
                      size_t recv_count, int src, mt_comm_dtype dt);
 
 /* Pipeline messages (engine/train/pipeline.c): matched by (peer, tag), tag
- * in [0, MT_COMM_MAX_TAG). mt_comm_isend does not wait for the receiver: the
- * message is copied out of buf (which may change at once) and delivered in
- * the background; mt_comm_wait_sends waits until every isend so far has
- * been delivered (before the communicator is used for anything else that
- * could wait on the peers, and at the end of a pipeline step). recv_tag
- * blocks until the message has arrived. Backends: mpi, staged (through
- * host memory); nccl and local refuse (MT_ENOTSUP). */
+ * in [0, MT_COMM_MAX_TAG). mt_comm_pipe_open(c) first: collective over c,
+ * once (later calls do nothing); isend / recv_tag on a communicator not
+ * opened are refused (MT_ESTATE). mt_comm_isend does not wait for the
+ * receiver: the message is copied out of buf (which may change at once:
+ * on a device communicator, work enqueued on the compute stream after the
+ * call) and delivered in the background; mt_comm_wait_sends waits until
+ * every isend so far has been delivered (before the communicator is used
+ * for anything else that could wait on the peers, and at the end of a
+ * pipeline step). recv_tag returns once the message has arrived (device
+ * communicators: once its arrival is ordered before the compute stream's
+ * later work; the host waits for the sender's isend call, not for its
+ * data). Receives may ask for tags in another order than they were sent.
+ * Backends: mpi, staged (through host memory), nccl (device buffers; the
+ * peer must be a ring neighbour, rank +-1 mod size: comm_nccl.c); local
+ * refuses (MT_ENOTSUP). */
 #define MT_COMM_MAX_TAG 2700
+int mt_comm_pipe_open(mt_comm *c);
 int mt_comm_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
 int mt_comm_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
 int mt_comm_wait_sends(mt_comm *c);
@@ -254,6 +263,25 @@ int mt_comm_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_co
  * each segment's `count` BYTES on its owner land in every rank's buf.
  * Volume per rank: sends (size - 1) x own bytes, receives total - own. */
 int mt_comm_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req);
+
+/* all_to_all_v, started: the exchange runs while the caller computes, and
+ * mt_comm_wait completes it (then the receive blocks hold the data and the
+ * send buffer may be reused). Arguments as all_to_all_v; the count and
+ * displacement arrays are read at start only, the buffers must not be
+ * touched between start and wait. *req may come back NULL (done already:
+ * the local backend, nothing to move); mt_comm_wait(NULL) is a no-op.
+ * Per backend: mpi posts every message at start (MPI progresses them in
+ * mt_comm_test and the wait); staged copies the send blocks down at start
+ * (the host waits for the compute stream's work so far), starts the mpi
+ * exchange on a host mirror of its own, and copies the received blocks up
+ * at wait; nccl enqueues the grouped send / recv on the side stream after
+ * the compute stream's work so far and the compute stream waits for it at
+ * mt_comm_wait only (device-side): kernels enqueued between start and wait
+ * run beside the exchange. Collective: every rank starts its exchanges in
+ * the same order. */
+int mt_comm_all_to_all_v_start(mt_comm *c, const void *send, const size_t *send_counts,
+                               const size_t *send_displs, void *recv, const size_t *recv_counts,
+                               const size_t *recv_displs, mt_comm_dtype dt, mt_comm_req **req);
 
 /* Lets a started operation progress without blocking (MPI progress for
  * host backends); *done = 1 once it has completed (wait still frees it). */

@@ -39,6 +39,9 @@ typedef struct mt_comm_iface {
     int (*isend)(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
     int (*recv_tag)(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer, int tag);
     int (*wait_sends)(mt_comm *c);
+    /* collective, once per communicator, before the first isend / recv_tag;
+     * NULL: nothing to prepare */
+    int (*pipe_open)(mt_comm *c);
     int (*barrier)(mt_comm *c);
     /* *out NULL for MT_COMM_NO_COLOR */
     int (*split)(mt_comm *c, int color, int key, mt_comm **out);
@@ -48,6 +51,11 @@ typedef struct mt_comm_iface {
     int (*reduce_owned_start)(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
                               mt_comm_req **req);
     int (*gather_owned_start)(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_req **req);
+    /* all_to_all_v started (comm.h); arguments checked. NULL: comm.c runs
+     * the blocking op and returns no request (local). */
+    int (*all_to_all_v_start)(mt_comm *c, const void *send, const size_t *send_counts,
+                              const size_t *send_displs, void *recv, const size_t *recv_counts,
+                              const size_t *recv_displs, mt_comm_dtype dt, mt_comm_req **req);
     /* device backends; NULL on host backends */
     int (*join)(mt_comm *c);  /* compute stream waits for the ops issued so far */
     int (*sync)(mt_comm *c);  /* the host waits for them */
@@ -63,6 +71,7 @@ struct mt_comm {
     mt_comm *host;       /* same group, host buffers: self, or owned */
     void *stream;        /* device: the compute stream (cudaStream_t), NULL default */
     int overlap;         /* device: ops do not join the compute stream */
+    int pipe_open;       /* mt_comm_pipe_open has run */
     void *ctx;           /* backend state */
 };
 
@@ -145,6 +154,7 @@ static inline void mt_comm_init_fields(mt_comm *c, const mt_comm_iface *iface, m
     c->host = c;
     c->stream = NULL;
     c->overlap = 0;
+    c->pipe_open = 0;
     c->ctx = NULL;
 }
 

@@ -355,27 +355,77 @@ static int mpi_gather_v(mt_comm *c, const void *send, size_t send_count, void *r
     return rc < 0 ? rc : rw;
 }
 
-static int mpi_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts,
-                            const size_t *send_displs, void *recv, const size_t *recv_counts,
-                            const size_t *recv_displs, mt_comm_dtype dt)
+/* Posts the messages of an all_to_all_v into s (receives first) and moves
+ * the own block; the caller waits for s. */
+static int a2a_post(mt_comm *c, reqset *s, const void *send, const size_t *send_counts,
+                    const size_t *send_displs, void *recv, const size_t *recv_counts,
+                    const size_t *recv_displs, mt_comm_dtype dt)
 {
     const int n = c->size, me = c->rank, tag = next_tag(c);
     const size_t es = mt_comm_dtype_size(dt);
-    reqset s = {0};
     int rc = MT_OK;
     for (int p = 0; p < n && rc == MT_OK; p++)
         if (p != me && recv_counts[p] > 0)
-            rc = post_recv(c, &s, (char *)recv + recv_displs[p] * es, recv_counts[p] * es, p, tag);
+            rc = post_recv(c, s, (char *)recv + recv_displs[p] * es, recv_counts[p] * es, p, tag);
     for (int p = 0; p < n && rc == MT_OK; p++)
         if (p != me && send_counts[p] > 0)
-            rc = post_send(c, &s, (const char *)send + send_displs[p] * es, send_counts[p] * es, p,
+            rc = post_send(c, s, (const char *)send + send_displs[p] * es, send_counts[p] * es, p,
                            tag);
     if (rc == MT_OK && send_counts[me] > 0)
         memmove((char *)recv + recv_displs[me] * es, (const char *)send + send_displs[me] * es,
                 send_counts[me] * es);
+    return rc;
+}
+
+static int mpi_all_to_all_v(mt_comm *c, const void *send, const size_t *send_counts,
+                            const size_t *send_displs, void *recv, const size_t *recv_counts,
+                            const size_t *recv_displs, mt_comm_dtype dt)
+{
+    reqset s = {0};
+    int rc = a2a_post(c, &s, send, send_counts, send_displs, recv, recv_counts, recv_displs, dt);
     int rw = wait_all(&s);
     reqset_free(&s);
     return rc < 0 ? rc : rw;
+}
+
+/* all_to_all_v started: every message posted, MPI progresses them. */
+typedef struct mpi_a2a_req {
+    mt_comm_req h;
+    reqset rs;
+} mpi_a2a_req;
+
+static void mpi_a2a_free(mt_comm_req *r)
+{
+    reqset_free(&((mpi_a2a_req *)r)->rs);
+    free(r);
+}
+
+static int mpi_a2a_test(mt_comm_req *r, int *done)
+{
+    return finish_all(&((mpi_a2a_req *)r)->rs, 1, done);
+}
+
+static int mpi_a2a_wait(mt_comm_req *r) { return wait_all(&((mpi_a2a_req *)r)->rs); }
+
+static int mpi_all_to_all_v_start(mt_comm *c, const void *send, const size_t *send_counts,
+                                  const size_t *send_displs, void *recv,
+                                  const size_t *recv_counts, const size_t *recv_displs,
+                                  mt_comm_dtype dt, mt_comm_req **out)
+{
+    mpi_a2a_req *q = calloc(1, sizeof *q);
+    if (!q) return MT_ERR(MT_ENOMEM, "out of memory");
+    q->h.test = mpi_a2a_test;
+    q->h.wait = mpi_a2a_wait;
+    q->h.free = mpi_a2a_free;
+    int rc = a2a_post(c, &q->rs, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                      dt);
+    if (rc < 0) {
+        wait_all(&q->rs); /* what was posted, before the caller's buffers go */
+        mpi_a2a_free(&q->h);
+        return rc;
+    }
+    *out = &q->h;
+    return MT_OK;
 }
 
 static int mpi_broadcast(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int root)
@@ -652,6 +702,7 @@ static const mt_comm_iface MPI_IFACE = {
     .destroy = mpi_destroy,
     .reduce_owned_start = mpi_reduce_owned_start,
     .gather_owned_start = mpi_gather_owned_start,
+    .all_to_all_v_start = mpi_all_to_all_v_start,
     .join = NULL,
     .sync = NULL,
 };

@@ -22,6 +22,8 @@
  *    and all_to_all_v: ncclSend / ncclRecv in one group, the own block by
  *    a device copy. broadcast: ncclBroadcast. Data moves as bytes.
  *  - barrier: the companion's (host-level, as comm.h says).
+ *  - pipeline messages (isend / recv_tag / wait_sends): see "pipeline
+ *    messages" below.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
@@ -29,17 +31,22 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "base/mt_log.h"
 #include "base/mt_status.h"
 #include "engine/parallel/comm_cuda.h"
 #include "engine/parallel/comm_impl.h"
+
+struct nccl_pipe;
 
 typedef struct nccl_ctx {
     mt_comm_side side;
     ncclComm_t nc;
     float *scratch; /* device, for bf16 / e4m3 reductions */
     size_t cap;     /* elements */
+    struct nccl_pipe *pipe; /* pipeline messages: NULL until pipe_open */
 } nccl_ctx;
 
 static nccl_ctx *CTX(mt_comm *c) { return c->ctx; }
@@ -255,9 +262,12 @@ static int nccl_split(mt_comm *c, int color, int key, mt_comm **out)
     return rc;
 }
 
+static void pipe_close(mt_comm *c);
+
 static void nccl_destroy(mt_comm *c)
 {
     nccl_ctx *x = CTX(c);
+    pipe_close(c);
     if (x->side.stream) cudaStreamSynchronize(x->side.stream);
     if (x->nc) ncclCommDestroy(x->nc);
     if (x->scratch) cudaFree(x->scratch);
@@ -268,9 +278,12 @@ static void nccl_destroy(mt_comm *c)
 
 static int nccl_join(mt_comm *c) { return mt_comm_side_join(&CTX(c)->side, c->stream); }
 
+static int pipe_sync(mt_comm *c);
+
 static int nccl_sync(mt_comm *c)
 {
     MT_CHECK(mt_comm_side_sync(&CTX(c)->side));
+    MT_CHECK(pipe_sync(c));
     ncclResult_t async = ncclSuccess;
     ncclResult_t e = ncclCommGetAsyncError(CTX(c)->nc, &async);
     if (e != ncclSuccess) return nccl_fail(e, "ncclCommGetAsyncError", -1);
@@ -310,6 +323,20 @@ static int nccl_req_test(mt_comm_req *r, int *done)
 static int nccl_req_wait(mt_comm_req *r)
 {
     (void)r;
+    return MT_OK;
+}
+
+/* A request for work already enqueued on the side stream: *out, or
+ * MT_ENOMEM. */
+static int nccl_req_new(mt_comm *c, mt_comm_req **out)
+{
+    nccl_req *q = calloc(1, sizeof *q);
+    if (!q) return MT_ERR(MT_ENOMEM, "comm nccl: out of memory");
+    q->h.test = nccl_req_test;
+    q->h.wait = nccl_req_wait;
+    q->h.free = nccl_req_free;
+    q->dev = c;
+    *out = &q->h;
     return MT_OK;
 }
 
@@ -415,9 +442,8 @@ static int nccl_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int redu
     const size_t cap = owned_piece_elems(reduce);
     const size_t bes = reduce ? 4 : 1; /* bytes of a buf element: f32 gradients, or bytes */
     mt_comm_seg *piece = malloc((size_t)(n > 0 ? n : 1) * sizeof *piece);
-    nccl_req *q = calloc(1, sizeof *q);
     int rc = MT_OK;
-    if (!piece || !q) rc = MT_ERR(MT_ENOMEM, "comm nccl: owner op: out of memory");
+    if (!piece) rc = MT_ERR(MT_ENOMEM, "comm nccl: owner op: out of memory");
     int k = 0;
     size_t at = 0; /* elements of segs[k] already in earlier pieces */
     while (rc == MT_OK && k < n) {
@@ -435,16 +461,20 @@ static int nccl_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int redu
         rc = nccl_owned_piece(c, piece, m, reduce, wire);
     }
     free(piece);
-    if (rc != MT_OK) {
-        free(q);
-        return rc;
-    }
-    q->h.test = nccl_req_test;
-    q->h.wait = nccl_req_wait;
-    q->h.free = nccl_req_free;
-    q->dev = c;
-    *out = &q->h;
-    return MT_OK;
+    return rc != MT_OK ? rc : nccl_req_new(c, out);
+}
+
+/* all_to_all_v started: enqueued on the side stream as the blocking form
+ * is; the compute stream waits for it at mt_comm_wait (comm.c's join), so
+ * the kernels enqueued meanwhile run beside it. */
+static int nccl_all_to_all_v_start(mt_comm *c, const void *send, const size_t *send_counts,
+                                   const size_t *send_displs, void *recv,
+                                   const size_t *recv_counts, const size_t *recv_displs,
+                                   mt_comm_dtype dt, mt_comm_req **out)
+{
+    int rc = nccl_all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                               dt);
+    return rc != MT_OK ? rc : nccl_req_new(c, out);
 }
 
 static int nccl_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,
@@ -458,6 +488,525 @@ static int nccl_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, m
     return nccl_owned_start(c, segs, n, 0, MT_COMM_BYTE, req);
 }
 
+/* ---- pipeline messages ------------------------------------------------------------------- */
+
+/* NCCL has no tags, matches the sends and receives of two ranks in the
+ * order they are issued, an ncclSend does not complete (its kernel waits
+ * on the GPU) until the peer's ncclRecv runs, and the operations of one
+ * ncclComm run one after another on the device. The pipeline executor
+ * sends and receives in orders that MPI's buffered sends accept but one
+ * queue per rank would deadlock: 1F1B on two stages, stage 0 sends
+ * activations 0 and 1, then waits for gradient 0, which stage 1 sends
+ * before it takes activation 1 (stage 0's queue: send a0, send a1, recv
+ * g0; stage 1's: recv a0, send g0, recv a1 - a1 and g0 wait for each
+ * other). So:
+ *  - links: one per ring neighbour (rank +-1 mod size), each with two
+ *    2-rank NCCL communicators of its own, one per direction ("to": this
+ *    rank's sends to the peer only; "from": its receives from the peer
+ *    only), each on a non-blocking stream of its own. The k-th send of a
+ *    queue meets the k-th receive of the peer's: nothing in a queue waits
+ *    for a message issued later. pipe_open makes them (collective; the
+ *    edges of the ring are taken in one global order, so the blocking
+ *    2-rank inits cannot wait on each other in a cycle) and moves one byte
+ *    each way, so that NCCL connects the pair there: a first-use connection
+ *    is a host handshake that would block isend until the peer's first
+ *    receive.
+ *  - tags travel on the host: isend enqueues the ncclSend, then announces
+ *    (tag, bytes) to the peer over a private MPI communicator (a dup of
+ *    the companion); recv_tag takes the peer's announcements in order and
+ *    posts an ncclRecv into a pool buffer for each (so receives follow the
+ *    sender's order, as NCCL needs) until the wanted tag has come; the
+ *    others stay in the pool until asked for (the oldest first for a tag
+ *    that comes twice, as MPI orders them). The host waits for the
+ *    sender's isend call, never for data: the compute stream waits for the
+ *    arrival (an event) and copies the message out.
+ *  - isend copies buf into a pool buffer on the compute stream (so the
+ *    caller's later work may overwrite buf); the "to" stream waits for
+ *    the copy and sends. The compute stream never waits for a send, so a
+ *    send waiting for its receiver holds back no compute; wait_sends is
+ *    the one place that waits for sends (the host, polling, with a warning
+ *    naming the peer, tag and bytes while one is not taken).
+ * Every device wait then points at work issued earlier on the same host,
+ * or at the matching operation of the peer, which its host issues when it
+ * reaches the call that MPI's buffered sends need too: a schedule that
+ * runs on the mpi backend runs here. Not covered: device-wide waits
+ * (cudaDeviceSynchronize, cudaFree) during a step, which would wait for an
+ * undelivered send and so for the peer's host (the engine waits on
+ * streams); NCCL_LAUNCH_ORDER_IMPLICIT=1, which runs the kernels of all
+ * communicators of the device in launch order (a later receive behind an
+ * earlier send); and streams that share a hardware queue (more streams
+ * than CUDA_DEVICE_MAX_CONNECTIONS, default 8), where work queued behind a
+ * waiting send may wait with it - if a run hangs with sends "not taken"
+ * (wait_sends warns), CUDA_DEVICE_MAX_CONNECTIONS=32 is the first thing
+ * to try.
+ * Pool (bounded): a buffer is held by a send until its ncclSend has
+ * completed (an event query, never a wait), by a receive from its post
+ * until recv_tag copies it out (free at once then: later users wait for
+ * the copy by event). So it holds at most the most messages in flight at
+ * once (sent and not yet received, plus received ahead of their recv_tag),
+ * for a pipeline schedule a few per neighbour and micro-batch in flight;
+ * buffers are kept, and one too small is regrown (all of a pipeline's
+ * messages are msg_bytes). */
+
+typedef enum { PB_FREE = 0, PB_SENDING, PB_ARRIVED } pipe_state;
+
+typedef struct pipe_buf {
+    char *dev;
+    size_t cap;
+    cudaEvent_t ev;   /* sending: the send done; arrived: the data in; free: its last read */
+    pipe_state state;
+    int peer, tag;
+    size_t bytes;
+    long long seq;    /* sending / arrived: the message's number on its link */
+} pipe_buf;
+
+typedef struct pipe_link {
+    int peer;
+    int lo_first;          /* this rank is the edge's lower rank: "to" was made first */
+    ncclComm_t to, from;   /* 2 ranks each: the sender is rank 0, the receiver rank 1 */
+    cudaStream_t sto, sfrom;
+    long long sent, received; /* messages so far */
+} pipe_link;
+
+typedef struct nccl_pipe {
+    mt_comm *ann;   /* mpi, private: the announcements, and the ids at open */
+    pipe_link link[2];
+    int n_link;
+    pipe_buf *buf;
+    int n_buf, cap_buf;
+} nccl_pipe;
+
+/* An announcement: the next message on the link has this tag and size. */
+typedef struct pipe_note {
+    int64_t tag;
+    int64_t bytes;
+} pipe_note;
+#define PIPE_NOTE_TAG 0 /* the only tag of the private communicator */
+
+static int dev_enter(nccl_ctx *x, int *saved)
+{
+    MT_CUDA_CHECK(cudaGetDevice(saved));
+    if (*saved != x->side.device) MT_CUDA_CHECK(cudaSetDevice(x->side.device));
+    return MT_OK;
+}
+
+static void dev_leave(nccl_ctx *x, int saved)
+{
+    if (saved != x->side.device) cudaSetDevice(saved);
+}
+
+static int pipe_link_of(mt_comm *c, int peer, pipe_link **out)
+{
+    nccl_pipe *p = CTX(c)->pipe;
+    if (!p) /* comm.c refuses before pipe_open; this is a second guard */
+        return MT_ERR(MT_ESTATE, "comm nccl: pipeline messages before pipe_open");
+    for (int i = 0; i < p->n_link; i++)
+        if (p->link[i].peer == peer) {
+            *out = &p->link[i];
+            return MT_OK;
+        }
+    const int n = c->size, me = c->rank;
+    return MT_ERR(MT_ENOTSUP, "comm nccl: pipeline messages go between ring neighbours (rank %d's "
+                  "are %d and %d of %d); rank %d is not one (use parallel.comm=staged)",
+                  me, (me + n - 1) % n, (me + 1) % n, n, peer);
+}
+
+/* The oldest arrived message (peer, tag), or -1. */
+static int pool_find(const nccl_pipe *p, int peer, int tag)
+{
+    int k = -1;
+    for (int i = 0; i < p->n_buf; i++) {
+        const pipe_buf *b = &p->buf[i];
+        if (b->state == PB_ARRIVED && b->peer == peer && b->tag == tag &&
+            (k < 0 || b->seq < p->buf[k].seq))
+            k = i;
+    }
+    return k;
+}
+
+/* Index of a free pool buffer of at least `bytes` that work on stream s
+ * may write (s waits for its last read): the smallest that fits, else a
+ * free one regrown, else a new one (allocations are stream-ordered on s:
+ * no device-wide wait). */
+static int pool_take(nccl_pipe *p, size_t bytes, cudaStream_t s, int *out)
+{
+    int fit = -1, small = -1, rc = MT_OK;
+    for (int i = 0; i < p->n_buf; i++) {
+        pipe_buf *b = &p->buf[i];
+        if (b->state == PB_SENDING) {
+            cudaError_t e = cudaEventQuery(b->ev);
+            if (e == cudaSuccess) b->state = PB_FREE;
+            else if (e != cudaErrorNotReady)
+                return MT_ERR(MT_ECUDA, "pipeline send to rank %d (tag %d, %zu bytes): %s", b->peer,
+                              b->tag, b->bytes, cudaGetErrorString(e));
+        }
+        if (b->state != PB_FREE) continue;
+        if (b->cap >= bytes) {
+            if (fit < 0 || b->cap < p->buf[fit].cap) fit = i;
+        } else if (small < 0) {
+            small = i;
+        }
+    }
+    const size_t cap = (bytes + 255) / 256 * 256;
+    if (fit < 0 && small < 0) {
+        if (p->n_buf == p->cap_buf) {
+            int nc = p->cap_buf ? 2 * p->cap_buf : 8;
+            pipe_buf *nb = realloc(p->buf, (size_t)nc * sizeof *nb);
+            if (!nb)
+                return MT_ERR(MT_ENOMEM, "comm nccl: out of memory for %d pipeline buffers", nc);
+            p->buf = nb;
+            p->cap_buf = nc;
+        }
+        pipe_buf *b = &p->buf[p->n_buf];
+        memset(b, 0, sizeof *b);
+        CU(cudaEventCreateWithFlags(&b->ev, cudaEventDisableTiming));
+        p->n_buf++; /* an event never recorded: waiting for it waits for nothing */
+        small = p->n_buf - 1;
+    }
+    if (fit < 0) {
+        pipe_buf *b = &p->buf[small];
+        CU(cudaStreamWaitEvent(s, b->ev, 0));
+        if (b->dev) CU(cudaFreeAsync(b->dev, s));
+        b->dev = NULL;
+        b->cap = 0;
+        cudaError_t e = cudaMallocAsync((void **)&b->dev, cap, s);
+        if (e != cudaSuccess) {
+            b->dev = NULL;
+            return MT_ERR(MT_ENOMEM, "comm nccl: a %zu-byte pipeline buffer (%d in the pool): %s",
+                          cap, p->n_buf, cudaGetErrorString(e));
+        }
+        b->cap = cap;
+        fit = small;
+    } else {
+        CU(cudaStreamWaitEvent(s, p->buf[fit].ev, 0));
+    }
+    *out = fit;
+out:
+    return rc;
+}
+
+static int nccl_isend(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int peer,
+                      int tag)
+{
+    nccl_ctx *x = CTX(c);
+    nccl_pipe *p = x->pipe;
+    const size_t bytes = count * mt_comm_dtype_size(dt);
+    cudaStream_t cs = (cudaStream_t)c->stream;
+    pipe_link *L = NULL;
+    int saved = 0, k = -1;
+    MT_CHECK(pipe_link_of(c, peer, &L));
+    MT_CHECK(dev_enter(x, &saved));
+    int rc = pool_take(p, bytes, cs, &k);
+    if (rc < 0) goto out;
+    pipe_buf *b = &p->buf[k];
+    CU(cudaMemcpyAsync(b->dev, buf, bytes, cudaMemcpyDeviceToDevice, cs));
+    CU(cudaEventRecord(b->ev, cs));
+    CU(cudaStreamWaitEvent(L->sto, b->ev, 0));
+    ncclResult_t e = ncclSend(b->dev, bytes, ncclUint8, 1, L->to, L->sto);
+    if (e != ncclSuccess) {
+        rc = MT_ERR(MT_ENCCL, "ncclSend of pipeline message %lld to rank %d (tag %d, %zu "
+                    "bytes): %s", L->sent, peer, tag, bytes, ncclGetErrorString(e));
+        goto out;
+    }
+    CU(cudaEventRecord(b->ev, L->sto));
+    b->state = PB_SENDING;
+    b->peer = peer;
+    b->tag = tag;
+    b->bytes = bytes;
+    b->seq = L->sent++;
+    MT_LOGD("comm nccl %d/%d: pipeline send %lld to rank %d: tag %d, %zu bytes (pool buffer %d "
+            "of %d)", c->rank, c->size, b->seq, peer, tag, bytes, k, p->n_buf);
+    const pipe_note note = {tag, (int64_t)bytes};
+    rc = p->ann->iface->isend(p->ann, &note, sizeof note, MT_COMM_BYTE, peer, PIPE_NOTE_TAG);
+    if (rc < 0)
+        rc = mt_err_wrap(rc, "comm nccl: announcing pipeline message %lld (tag %d, %zu bytes) to "
+                         "rank %d", b->seq, tag, bytes, peer);
+out:
+    dev_leave(x, saved);
+    return rc;
+}
+
+static int nccl_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int peer, int tag)
+{
+    nccl_ctx *x = CTX(c);
+    nccl_pipe *p = x->pipe;
+    const size_t bytes = count * mt_comm_dtype_size(dt);
+    cudaStream_t cs = (cudaStream_t)c->stream;
+    pipe_link *L = NULL;
+    int saved = 0;
+    MT_CHECK(pipe_link_of(c, peer, &L));
+    MT_CHECK(dev_enter(x, &saved));
+    int rc = MT_OK, k = pool_find(p, peer, tag);
+    while (k < 0) {
+        pipe_note note = {-1, -1};
+        rc = p->ann->iface->recv_tag(p->ann, &note, sizeof note, MT_COMM_BYTE, peer, PIPE_NOTE_TAG);
+        if (rc < 0) {
+            rc = mt_err_wrap(rc, "comm nccl: waiting for rank %d's next pipeline message (%lld "
+                             "received from it so far; this receive wants tag %d)", peer,
+                             L->received, tag);
+            goto out;
+        }
+        if (note.tag < 0 || note.tag >= MT_COMM_MAX_TAG || note.bytes <= 0) {
+            rc = MT_ERR(MT_EMPI, "comm nccl: rank %d announced pipeline message %lld with tag "
+                        "%lld and %lld bytes", peer, L->received, (long long)note.tag,
+                        (long long)note.bytes);
+            goto out;
+        }
+        int j = -1;
+        MT_GOTO(pool_take(p, (size_t)note.bytes, L->sfrom, &j), out);
+        pipe_buf *b = &p->buf[j];
+        ncclResult_t e = ncclRecv(b->dev, (size_t)note.bytes, ncclUint8, 0, L->from, L->sfrom);
+        if (e != ncclSuccess) {
+            rc = MT_ERR(MT_ENCCL, "ncclRecv of pipeline message %lld from rank %d (tag %lld, %lld "
+                        "bytes): %s", L->received, peer, (long long)note.tag,
+                        (long long)note.bytes, ncclGetErrorString(e));
+            goto out;
+        }
+        CU(cudaEventRecord(b->ev, L->sfrom));
+        b->state = PB_ARRIVED;
+        b->peer = peer;
+        b->tag = (int)note.tag;
+        b->bytes = (size_t)note.bytes;
+        b->seq = L->received++;
+        MT_LOGD("comm nccl %d/%d: pipeline receive %lld from rank %d posted: tag %d, %zu bytes "
+                "(pool buffer %d of %d; wanted: tag %d)", c->rank, c->size, b->seq, peer, b->tag,
+                b->bytes, j, p->n_buf, tag);
+        if (b->tag == tag) k = pool_find(p, peer, tag);
+    }
+    pipe_buf *b = &p->buf[k];
+    if (b->bytes != bytes) {
+        rc = MT_ERR(MT_EINVAL, "comm nccl: rank %d sent %zu bytes with tag %d (its message %lld); "
+                    "this receive takes %zu", peer, b->bytes, tag, b->seq, bytes);
+        goto out;
+    }
+    CU(cudaStreamWaitEvent(cs, b->ev, 0));
+    CU(cudaMemcpyAsync(buf, b->dev, bytes, cudaMemcpyDeviceToDevice, cs));
+    CU(cudaEventRecord(b->ev, cs));
+    b->state = PB_FREE;
+out:
+    dev_leave(x, saved);
+    return rc;
+}
+
+static double pipe_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The host polls each send's event (a 20 us nap between polls, so a wait
+ * costs no core), checks the link's NCCL for an asynchronous error, and
+ * warns, naming the message, while a send is not taken (60 s, then every
+ * doubling). */
+static int nccl_wait_sends(mt_comm *c)
+{
+    nccl_ctx *x = CTX(c);
+    nccl_pipe *p = x->pipe;
+    if (!p) return MT_OK;
+    int saved = 0, rc = MT_OK;
+    MT_CHECK(dev_enter(x, &saved));
+    const double t0 = pipe_now();
+    double warn = 60;
+    for (int i = 0; i < p->n_buf && rc == MT_OK; i++) {
+        pipe_buf *b = &p->buf[i];
+        while (b->state == PB_SENDING) {
+            cudaError_t e = cudaEventQuery(b->ev);
+            if (e == cudaSuccess) {
+                b->state = PB_FREE;
+                break;
+            }
+            if (e != cudaErrorNotReady) {
+                rc = MT_ERR(MT_ECUDA, "pipeline message %lld to rank %d (tag %d, %zu bytes): %s",
+                            b->seq, b->peer, b->tag, b->bytes, cudaGetErrorString(e));
+                break;
+            }
+            pipe_link *L = NULL;
+            for (int l = 0; l < p->n_link; l++)
+                if (p->link[l].peer == b->peer) L = &p->link[l];
+            ncclResult_t async = ncclSuccess;
+            if (L && ncclCommGetAsyncError(L->to, &async) == ncclSuccess && async != ncclSuccess &&
+                async != ncclInProgress) {
+                rc = MT_ERR(MT_ENCCL, "pipeline message %lld to rank %d (tag %d, %zu bytes): %s",
+                            b->seq, b->peer, b->tag, b->bytes, ncclGetErrorString(async));
+                break;
+            }
+            const double t = pipe_now() - t0;
+            if (t > warn) {
+                MT_LOGW("comm nccl %d/%d: pipeline message %lld to rank %d (tag %d, %zu bytes) "
+                        "not taken after %.0f s: rank %d has not asked for it yet", c->rank,
+                        c->size, b->seq, b->peer, b->tag, b->bytes, t, b->peer);
+                warn *= 2;
+            }
+            struct timespec nap = {0, 20000};
+            nanosleep(&nap, NULL);
+        }
+    }
+    dev_leave(x, saved);
+    if (rc < 0) return rc;
+    rc = p->ann->iface->wait_sends(p->ann);
+    return rc < 0 ? mt_err_wrap(rc, "comm nccl: the pipeline announcements") : MT_OK;
+}
+
+/* mt_comm_sync: the receives too (they need no host: each was posted
+ * after its send) and the compute stream, where recv_tag copies a message
+ * out (a caller fencing on the host, MT_COMM_HOST_SYNC, reads it after
+ * the sync); not the sends (wait_sends). */
+static int pipe_sync(mt_comm *c)
+{
+    nccl_pipe *p = CTX(c)->pipe;
+    if (p) MT_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)c->stream));
+    for (int l = 0; p && l < p->n_link; l++) {
+        pipe_link *L = &p->link[l];
+        MT_CUDA_CHECK(cudaStreamSynchronize(L->sfrom));
+        ncclComm_t both[2] = {L->to, L->from};
+        for (int d = 0; d < 2; d++) {
+            ncclResult_t async = ncclSuccess;
+            ncclResult_t e = both[d] ? ncclCommGetAsyncError(both[d], &async) : ncclSuccess;
+            if (e != ncclSuccess)
+                return nccl_fail(e, "ncclCommGetAsyncError (pipeline link)", L->peer);
+            if (async != ncclSuccess && async != ncclInProgress)
+                return nccl_fail(async, d ? "pipeline receives" : "pipeline sends", L->peer);
+        }
+    }
+    return MT_OK;
+}
+
+/* The communicator for messages src -> dst (ranks of c; this rank is one
+ * of them): src makes the id and sends it to dst on the private
+ * communicator (with its success, so dst never waits in the init for a
+ * src that gave up), both join; then one byte src -> dst, waited for, so
+ * that NCCL connects the pair now. */
+static int pipe_comm_init(mt_comm *c, nccl_pipe *p, int src, int dst, ncclComm_t *out,
+                          cudaStream_t s, char *byte)
+{
+    const int sender = c->rank == src;
+    struct {
+        int32_t ok;
+        ncclUniqueId id;
+    } msg;
+    memset(&msg, 0, sizeof msg);
+    char why[160] = "";
+    int rc;
+    if (sender) {
+        ncclResult_t e = ncclGetUniqueId(&msg.id);
+        msg.ok = e == ncclSuccess;
+        if (!msg.ok) snprintf(why, sizeof why, ": ncclGetUniqueId: %s", ncclGetErrorString(e));
+        rc = p->ann->iface->sendrecv(p->ann, &msg, sizeof msg, dst, NULL, 0, MT_COMM_NO_PEER,
+                                     MT_COMM_BYTE);
+    } else {
+        rc = p->ann->iface->sendrecv(p->ann, NULL, 0, MT_COMM_NO_PEER, &msg, sizeof msg, src,
+                                     MT_COMM_BYTE);
+    }
+    if (rc < 0) return mt_err_wrap(rc, "pipeline link %d -> %d: passing the unique id", src, dst);
+    if (!msg.ok)
+        return MT_ERR(MT_ENCCL, "pipeline link %d -> %d: rank %d could not make a unique id%s", src,
+                      dst, src, why);
+    ncclResult_t e = ncclCommInitRank(out, 2, msg.id, sender ? 0 : 1);
+    if (e != ncclSuccess) {
+        *out = NULL;
+        return MT_ERR(MT_ENCCL, "pipeline link %d -> %d: ncclCommInitRank(2 ranks, rank %d): %s",
+                      src, dst, sender ? 0 : 1, ncclGetErrorString(e));
+    }
+    e = sender ? ncclSend(byte, 1, ncclUint8, 1, *out, s)
+               : ncclRecv(byte, 1, ncclUint8, 0, *out, s);
+    if (e != ncclSuccess)
+        return MT_ERR(MT_ENCCL, "pipeline link %d -> %d: connecting (%s of one byte): %s", src, dst,
+                      sender ? "ncclSend" : "ncclRecv", ncclGetErrorString(e));
+    cudaError_t ce = cudaStreamSynchronize(s);
+    if (ce != cudaSuccess)
+        return MT_ERR(MT_ECUDA, "pipeline link %d -> %d: connecting: %s", src, dst,
+                      cudaGetErrorString(ce));
+    return MT_OK;
+}
+
+static int nccl_pipe_open(mt_comm *c)
+{
+    nccl_ctx *x = CTX(c);
+    const int n = c->size, me = c->rank;
+    if (x->pipe) return MT_ERR(MT_ESTATE, "comm nccl: pipe_open after a failed one");
+    nccl_pipe *p = calloc(1, sizeof *p);
+    if (!p) return MT_ERR(MT_ENOMEM, "comm nccl: out of memory");
+    x->pipe = p; /* from here on destroy frees what exists */
+    MT_CHECK(mt_comm_mpi_create(&p->ann, mt_comm_mpi_handle(c->host), 0));
+    int saved = 0, rc = MT_OK;
+    char *byte = NULL;
+    MT_CHECK(dev_enter(x, &saved));
+    CU(cudaMalloc((void **)&byte, 16));
+    /* the ring's edges i = (i, i + 1 mod n), one for two ranks, in order */
+    const int n_edge = n == 2 ? 1 : n > 2 ? n : 0;
+    for (int i = 0; i < n_edge && rc == MT_OK; i++) {
+        const int a = i, b = (i + 1) % n;
+        if (me != a && me != b) continue;
+        const int lo = a < b ? a : b, hi = a < b ? b : a;
+        pipe_link *L = &p->link[p->n_link++];
+        L->peer = me == a ? b : a;
+        L->lo_first = me == lo;
+        CU(cudaStreamCreateWithFlags(&L->sto, cudaStreamNonBlocking));
+        CU(cudaStreamCreateWithFlags(&L->sfrom, cudaStreamNonBlocking));
+        for (int d = 0; d < 2 && rc == MT_OK; d++) {
+            const int src = d == 0 ? lo : hi, dst = d == 0 ? hi : lo;
+            const int sender = me == src;
+            rc = pipe_comm_init(c, p, src, dst, sender ? &L->to : &L->from,
+                                sender ? L->sto : L->sfrom, byte);
+        }
+    }
+out:
+    if (byte) cudaFree(byte);
+    dev_leave(x, saved);
+    if (rc == MT_OK && p->n_link > 0) {
+        char who[48];
+        if (p->n_link > 1)
+            snprintf(who, sizeof who, "ranks %d and %d", p->link[0].peer, p->link[1].peer);
+        else
+            snprintf(who, sizeof who, "rank %d", p->link[0].peer);
+        MT_LOGI("comm nccl %d/%d: pipeline links with %s ready (two 2-rank NCCL communicators "
+                "each)", me, n, who);
+    }
+    return rc;
+}
+
+/* Collective (mt_comm_destroy): the links in the order they were made.
+ * Sends never taken (a failed step): the links are aborted instead, so
+ * that destroy does not wait for a peer that will not come. */
+static void pipe_close(mt_comm *c)
+{
+    nccl_ctx *x = CTX(c);
+    nccl_pipe *p = x->pipe;
+    if (!p) return;
+    int saved = 0, stuck = 0;
+    if (dev_enter(x, &saved) < 0) mt_err_clear();
+    for (int i = 0; i < p->n_buf; i++)
+        if (p->buf[i].state == PB_SENDING && cudaEventQuery(p->buf[i].ev) != cudaSuccess) stuck++;
+    if (stuck)
+        MT_LOGW("comm nccl %d/%d: destroyed with %d pipeline message(s) not taken; aborting its "
+                "pipeline links", c->rank, c->size, stuck);
+    for (int l = 0; l < p->n_link; l++) {
+        pipe_link *L = &p->link[l];
+        if (!stuck && L->sto) cudaStreamSynchronize(L->sto);
+        if (!stuck && L->sfrom) cudaStreamSynchronize(L->sfrom);
+        ncclComm_t order[2] = {L->lo_first ? L->to : L->from, L->lo_first ? L->from : L->to};
+        for (int d = 0; d < 2; d++) {
+            if (!order[d]) continue;
+            if (stuck) ncclCommAbort(order[d]);
+            else ncclCommDestroy(order[d]);
+        }
+    }
+    for (int i = 0; i < p->n_buf; i++) {
+        if (p->buf[i].dev) cudaFree(p->buf[i].dev);
+        if (p->buf[i].ev) cudaEventDestroy(p->buf[i].ev);
+    }
+    for (int l = 0; l < p->n_link; l++) {
+        if (p->link[l].sto) cudaStreamDestroy(p->link[l].sto);
+        if (p->link[l].sfrom) cudaStreamDestroy(p->link[l].sfrom);
+    }
+    dev_leave(x, saved);
+    mt_comm_destroy(p->ann);
+    free(p->buf);
+    free(p);
+    x->pipe = NULL;
+}
+
 static const mt_comm_iface NCCL_IFACE = {
     .all_reduce = nccl_all_reduce,
     .reduce_scatter = nccl_reduce_scatter,
@@ -466,7 +1015,12 @@ static const mt_comm_iface NCCL_IFACE = {
     .broadcast = nccl_broadcast,
     .reduce_owned_start = nccl_reduce_owned_start,
     .gather_owned_start = nccl_gather_owned_start,
+    .all_to_all_v_start = nccl_all_to_all_v_start,
     .sendrecv = nccl_sendrecv,
+    .isend = nccl_isend,
+    .recv_tag = nccl_recv_tag,
+    .wait_sends = nccl_wait_sends,
+    .pipe_open = nccl_pipe_open,
     .barrier = nccl_barrier,
     .split = nccl_split,
     .destroy = nccl_destroy,

@@ -225,6 +225,11 @@ static int staged_recv_tag(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt
     char *H = NULL;
     BEGIN(c);
     MT_GOTO(pinned(c, bytes, &H), out);
+    /* the previous op's copy up may still read H (it waits on the side
+     * stream behind the compute stream's work): two receives in a row, as
+     * a pipeline stage does, would land the second message in the first's
+     * buffer */
+    MT_GOTO(wait_down(c), out);
     MT_GOTO(h->iface->recv_tag(h, H, count, dt, peer, tag), out);
     MT_GOTO(up(c, buf, H, bytes), out);
 out:
@@ -368,6 +373,90 @@ static int staged_gather_owned_start(mt_comm *c, const mt_comm_seg *segs, int n,
     return staged_owned_start(c, segs, n, 0, MT_COMM_BYTE, req);
 }
 
+/* all_to_all_v started: the send blocks go down to a host mirror of the
+ * request's own (pageable, like the owner ops': the communicator's pinned
+ * buffer stays free for other ops) and the mpi companion's exchange
+ * starts on it; wait completes that exchange and copies the received
+ * blocks up on the side stream. */
+typedef struct staged_a2a_req {
+    mt_comm_req h;
+    mt_comm *dev;
+    mt_comm_req *inner;
+    char *mirror;     /* [se + re]: send blocks, then receive blocks */
+    size_t se, es;
+    void *recv;
+    size_t *rc, *rd;  /* [size]: the receive blocks */
+} staged_a2a_req;
+
+static void staged_a2a_free(mt_comm_req *r)
+{
+    staged_a2a_req *q = (staged_a2a_req *)r;
+    if (q->inner) q->inner->free(q->inner);
+    free(q->mirror);
+    free(q->rc);
+    free(q->rd);
+    free(q);
+}
+
+static int staged_a2a_test(mt_comm_req *r, int *done)
+{
+    staged_a2a_req *q = (staged_a2a_req *)r;
+    return q->inner->test(q->inner, done);
+}
+
+static int staged_a2a_wait(mt_comm_req *r)
+{
+    staged_a2a_req *q = (staged_a2a_req *)r;
+    mt_comm *c = q->dev;
+    MT_CHECK(q->inner->wait(q->inner));
+    BEGIN(c);
+    MT_GOTO(up_blocks(c, q->recv, q->mirror + q->se, q->rc, q->rd, q->es), out);
+    /* the mirror is freed with the request: the copies up must be done */
+    MT_GOTO(wait_down(c), out);
+out:
+    END(c);
+}
+
+static int staged_all_to_all_v_start(mt_comm *c, const void *send, const size_t *send_counts,
+                                     const size_t *send_displs, void *recv,
+                                     const size_t *recv_counts, const size_t *recv_displs,
+                                     mt_comm_dtype dt, mt_comm_req **out)
+{
+    const size_t es = mt_comm_dtype_size(dt);
+    const size_t se = extent(send_counts, send_displs, c->size) * es;
+    const size_t re = extent(recv_counts, recv_displs, c->size) * es;
+    mt_comm *h = c->host;
+    staged_a2a_req *q = calloc(1, sizeof *q);
+    if (!q) return MT_ERR(MT_ENOMEM, "comm staged: out of memory");
+    q->h.test = staged_a2a_test;
+    q->h.wait = staged_a2a_wait;
+    q->h.free = staged_a2a_free;
+    q->dev = c;
+    q->se = se;
+    q->es = es;
+    q->recv = recv;
+    q->mirror = malloc(se + re + 1);
+    q->rc = malloc((size_t)c->size * sizeof *q->rc);
+    q->rd = malloc((size_t)c->size * sizeof *q->rd);
+    if (!q->mirror || !q->rc || !q->rd) {
+        staged_a2a_free(&q->h);
+        return MT_ERR(MT_ENOMEM, "comm staged: out of memory for a %zu-byte mirror", se + re);
+    }
+    memcpy(q->rc, recv_counts, (size_t)c->size * sizeof *q->rc);
+    memcpy(q->rd, recv_displs, (size_t)c->size * sizeof *q->rd);
+    BEGIN(c);
+    MT_GOTO(down(c, q->mirror, send, se), out);
+    MT_GOTO(wait_down(c), out);
+    MT_GOTO(h->iface->all_to_all_v_start(h, q->mirror, send_counts, send_displs, q->mirror + se,
+                                         recv_counts, recv_displs, dt, &q->inner),
+            out);
+    q->inner->c = h;
+out:
+    if (rc == MT_OK) *out = &q->h;
+    else staged_a2a_free(&q->h);
+    END(c);
+}
+
 static const mt_comm_iface STAGED_IFACE = {
     .all_reduce = staged_all_reduce,
     .reduce_scatter = staged_reduce_scatter,
@@ -383,6 +472,7 @@ static const mt_comm_iface STAGED_IFACE = {
     .destroy = staged_destroy,
     .reduce_owned_start = staged_reduce_owned_start,
     .gather_owned_start = staged_gather_owned_start,
+    .all_to_all_v_start = staged_all_to_all_v_start,
     .join = staged_join,
     .sync = staged_sync,
 };

@@ -30,6 +30,17 @@ typedef struct a2a {
     size_t bsend_cap, brecv_cap;  /* their bytes */
     int32_t *bmap, *map;          /* index map: backend and host copies */
     size_t bmap_cap, map_cap;     /* elements */
+    /* The exchange in flight (one at a time), for its finish. */
+    struct pend {
+        enum { PEND_NONE = 0, PEND_DISPATCH, PEND_FP8, PEND_COMBINE } kind;
+        const mt_moe_plan *p;
+        int e0, e1, D;
+        void *out;        /* dispatch: the local layout (xl_buf); combine: yp */
+        uint8_t *ql;      /* fp8: e4m3 rows and scales of the local layout */
+        float *sl;
+        void *recv;       /* combine: where the rows landed (yp or a wire buffer) */
+        mt_comm_req *req;
+    } pend;
 } a2a;
 
 static a2a *impl_of(const mt_moe_dispatcher *d) { return d->impl; }
@@ -211,6 +222,7 @@ static int exchange_counts(mt_moe_dispatcher *d, mt_moe_plan *p, const int *rows
         p->sent[q] = 0;
         for (int e = 0; e < El; e++) {
             x->cnt_send[q * El + e] = rows[o * El + e];
+            p->to[q * El + e] = rows[o * El + e];
             p->sent[q] += rows[o * El + e];
         }
     }
@@ -261,6 +273,22 @@ static int64_t chunk_row(const a2a *x, const mt_moe_plan *p, int q, int e)
     return row;
 }
 
+/* Rows of local experts [e0, e1) in v[q * E_local + e] (plan->to: what
+ * this rank sends peer q for them; plan->from: what q sends this rank). */
+static int64_t part_rows(const int64_t *v, int q, int El, int e0, int e1)
+{
+    int64_t n = 0;
+    for (int e = e0; e < e1; e++) n += v[q * El + e];
+    return n;
+}
+
+/* First row, in the source layout, of the rows for peer q's experts
+ * [e0, E_local) (its owner's run, skipping the experts before e0). */
+static int64_t part_src_row(const a2a *x, const mt_moe_plan *p, int q, int e0)
+{
+    return run_off(x, p, q) + part_rows(p->to, q, p->E_local, 0, e0);
+}
+
 /* The send buffer from the tokens: row r of the source layout is token
  * src[r] of x (no padding travels: src[r] >= 0 for r < R). */
 static int pack_gather(const a2a *x, void *dst, const float *tok, const int32_t *src, int64_t R,
@@ -277,264 +305,328 @@ static int pack_gather(const a2a *x, void *dst, const float *tok, const int32_t 
     return MT_OK;
 }
 
-/* Direct dispatch (sc..rd set, element counts): the forward gathers the
- * source rows from the tokens into the wire buffer (moe_permute by src: the
- * layer's permutation fused into the pack), the backward sends xp as it is;
- * on arrival one gather lays the rows out expert-contiguous, padding rows
- * zero (map -1). */
-static int direct_dispatch(mt_moe_dispatcher *d, mt_moe_plan *p, void *xl_buf, const void *xp,
-                           const void *x_tok, const int32_t *src, int D, size_t s, size_t r)
+/* ---- exchanges of a part of the local experts, started and finished apart ----
+ *
+ * Every exchange is one part [e0, e1) of the local experts (all of them
+ * for the plain dispatch and combine): the rows of every owner's experts
+ * [e0, e1) travel, and land at their places in the local layout (segments
+ * [e0, e1), whose rows are contiguous) or in the source layout (each
+ * owner's run of those experts, contiguous). A start packs and starts the
+ * all-to-all-v (mt_comm_all_to_all_v_start); finish waits for it and
+ * unpacks. One exchange is in flight per dispatcher; the counts and
+ * displacements of x (sc..rd) belong to it until finish. */
+
+static int check_idle(const a2a *x, const char *what)
 {
-    a2a *x = impl_of(d);
-    mt_backend *be = x->be;
-    const int P = x->P, El = d->E_local;
-    const void *send = xp;
-    if (x_tok) {
-        MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s * x->wsize + 1));
-        if (x->T == 1) {
-            MT_CHECK(be->moe_permute(be, x->bsend, x_tok, src, p->R, D));
-        } else { /* each owner's run once per slice */
-            for (int q = 0; q < P; q++)
-                if (p->sent[q] > 0)
-                    MT_CHECK(be->moe_permute(be, (char *)x->bsend + x->sd[q] * x->wsize, x_tok,
-                                             src + run_off(x, p, q), (int)p->sent[q], D));
-        }
-        send = x->bsend;
-    } else {
-        /* xp as it is: the slices of one owner read the same run */
-        for (int q = 0; q < P; q++) x->sd[q] = (size_t)run_off(x, p, q) * D;
-    }
-    MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, r * x->wsize + 1));
-    MT_CHECK(exchange_begin(x));
-    MT_CHECK(mt_comm_all_to_all_v(x->c, send, x->sc, x->sd, x->brecv, x->rc, x->rd, x->wire));
-    MT_CHECK(exchange_end(x));
-    /* local row -> received row: segment e = peer 0's chunk for e, peer
-     * 1's, ...; peer q's block holds its rows for my experts in order */
-    MT_CHECK(map_grow(x, p->Rl));
-    int64_t at = 0;
-    for (int e = 0; e < El; e++)
-        for (int q = 0; q < P; q++) {
-            int64_t first = (int64_t)(x->rd[q] / (size_t)D);
-            for (int e2 = 0; e2 < e; e2++) first += p->from[q * El + e2];
-            const int64_t n = p->from[q * El + e], pad = padded(n, p->align) - n;
-            for (int64_t i = 0; i < n; i++) x->map[at++] = (int32_t)(first + i);
-            for (int64_t i = 0; i < pad; i++) x->map[at++] = -1;
-        }
-    MT_CHECK(map_upload(x, p->Rl));
-    return be->moe_permute(be, xl_buf, x->brecv, x->bmap, p->Rl, D);
+    if (x->pend.kind != PEND_NONE)
+        return MT_ERR(MT_EINVAL, "expert dispatch: %s while an exchange is in flight (finish "
+                      "it first: one at a time per dispatcher)", what);
+    return MT_OK;
 }
 
-/* Direct combine: one gather packs the local rows per destination
- * (padding left behind); they land in the source layout as they are. */
-static int direct_combine(mt_moe_dispatcher *d, const mt_moe_plan *p, void *yp, const void *yl,
-                          int D, size_t s)
+static int check_part(const mt_moe_dispatcher *d, int e0, int e1)
 {
-    a2a *x = impl_of(d);
-    mt_backend *be = x->be;
-    const int P = x->P, El = d->E_local;
-    const int64_t S = (int64_t)(s / (size_t)D);
-    MT_CHECK(map_grow(x, S));
-    segments(x, p);
-    int64_t at = 0;
-    for (int q = 0; q < P; q++)
-        for (int e = 0; e < El; e++) {
-            const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
-            for (int64_t i = 0; i < n; i++) x->map[at++] = (int32_t)(row + i);
-        }
-    MT_CHECK(map_upload(x, S));
-    MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s * x->wsize + 1));
-    MT_CHECK(be->moe_permute(be, x->bsend, yl, x->bmap, (int)S, D));
-    MT_CHECK(exchange_begin(x));
-    MT_CHECK(mt_comm_all_to_all_v(x->c, x->bsend, x->sc, x->sd, yp, x->rc, x->rd, x->wire));
-    return exchange_end(x);
+    const a2a *x = impl_of(d);
+    if (e0 < 0 || e1 < e0 || e1 > d->E_local)
+        return MT_ERR(MT_EINVAL, "expert dispatch: part [%d, %d) of %d local experts", e0, e1,
+                      d->E_local);
+    if (x->T > 1 && (e0 != 0 || e1 != d->E_local))
+        return MT_ERR(MT_ENOTSUP, "expert dispatch: a part [%d, %d) of the local experts with "
+                      "expert tensor parallelism (etp %d): the slices' sums run over whole "
+                      "exchanges", e0, e1, x->T);
+    return MT_OK;
 }
 
-static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count,
-                        void **xl, void *xl_buf, const void *xp, const void *x_tok,
-                        const int32_t *src, const int *rows, int D)
+/* The part's counts and displacements (elements of `el` per row):
+ * dispatch: send the rows to each peer's experts, receive the rows for
+ * mine; combine: the reverse. Returns the element totals. */
+static void part_counts(a2a *x, const mt_moe_plan *p, int e0, int e1, int combine, size_t el,
+                        size_t *s_out, size_t *r_out)
 {
-    a2a *x = impl_of(d);
-    const int P = x->P, El = d->E_local;
-    MT_CHECK(check_backend(d, be));
-    if (count) MT_CHECK(exchange_counts(d, p, rows));
-    /* rows to peer q: the contiguous run of q's experts in xp */
+    const int P = x->P, El = p->E_local;
     size_t s = 0, r = 0;
     for (int q = 0; q < P; q++) {
-        int64_t in = 0;
-        for (int e = 0; e < El; e++) in += p->from[q * El + e];
-        x->sc[q] = (size_t)p->sent[q] * D;
+        const int64_t to = part_rows(p->to, q, El, e0, e1), from = part_rows(p->from, q, El, e0, e1);
+        x->sc[q] = (size_t)(combine ? from : to) * el;
         x->sd[q] = s;
-        x->rc[q] = (size_t)in * D;
+        x->rc[q] = (size_t)(combine ? to : from) * el;
         x->rd[q] = r;
         s += x->sc[q];
         r += x->rc[q];
     }
+    *s_out = s;
+    *r_out = r;
+}
+
+static int start_exchange(a2a *x, const void *send, void *recv, mt_comm_dtype dt, size_t s,
+                          size_t r, size_t es)
+{
+    x->bytes_sent += (int64_t)((s - x->sc[x->me]) * es);
+    x->bytes_recv += (int64_t)((r - x->rc[x->me]) * es);
+    MT_CHECK(exchange_begin(x));
+    return mt_comm_all_to_all_v_start(x->c, send, x->sc, x->sd, recv, x->rc, x->rd, dt,
+                                      &x->pend.req);
+}
+
+static int a2a_dispatch_start(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p,
+                              int e0, int e1, void *xl_buf, const void *xp, const void *x_tok,
+                              const int32_t *src, int D)
+{
+    a2a *x = impl_of(d);
+    const int P = x->P;
+    MT_CHECK(check_idle(x, "dispatch"));
+    MT_CHECK(check_backend(d, be));
+    MT_CHECK(check_part(d, e0, e1));
+    const int full = e0 == 0 && e1 == d->E_local;
+    size_t s, r;
+    part_counts(x, p, e0, e1, 0, (size_t)D, &s, &r);
+    const void *send = xp;
+    void *recv;
     if (x->direct) {
-        MT_CHECK(direct_dispatch(d, p, xl_buf, xp, x_tok, src, D, s, r));
+        if (x_tok) { /* the layer's permutation fused into the pack */
+            MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s * x->wsize + 1));
+            if (x->T == 1 && full) {
+                MT_CHECK(be->moe_permute(be, x->bsend, x_tok, src, p->R, D));
+            } else { /* each peer's rows (an owner's run once per slice) */
+                for (int q = 0; q < P; q++)
+                    if (x->sc[q] > 0)
+                        MT_CHECK(be->moe_permute(be, (char *)x->bsend + x->sd[q] * x->wsize,
+                                                 x_tok, src + part_src_row(x, p, q, e0),
+                                                 (int)(x->sc[q] / (size_t)D), D));
+            }
+            send = x->bsend;
+        } else {
+            /* xp as it is: the slices of one owner read the same run */
+            for (int q = 0; q < P; q++) x->sd[q] = (size_t)part_src_row(x, p, q, e0) * D;
+        }
+        MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, r * x->wsize + 1));
+        recv = x->brecv;
     } else {
         MT_CHECK(grow(&x->rbuf, &x->rcap, r * x->wsize + 1));
-        const void *send = xp;
+        recv = x->rbuf;
         if (x_tok) { /* the permutation and the conversion in one pass */
             MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
             for (int q = 0; q < P; q++) /* each owner's run once per slice */
                 MT_CHECK(pack_gather(x, (char *)x->sbuf + x->sd[q] * x->wsize, x_tok,
-                                     src + run_off(x, p, q), p->sent[q], D));
+                                     src + part_src_row(x, p, q, e0),
+                                     (int64_t)(x->sc[q] / (size_t)D), D));
             send = x->sbuf;
         } else {
+            /* the source layout: the slices of one owner read the same run */
+            for (int q = 0; q < P; q++) x->sd[q] = (size_t)part_src_row(x, p, q, e0) * D;
             if (x->wire != MT_COMM_F32) {
                 MT_CHECK(grow(&x->sbuf, &x->scap, (size_t)p->R * D * x->wsize + 1));
-                to_wire(x, x->sbuf, xp, p->R, D);
+                if (full) {
+                    to_wire(x, x->sbuf, xp, p->R, D);
+                } else {
+                    for (int q = 0; q < P; q++)
+                        to_wire(x, (char *)x->sbuf + x->sd[q] * x->wsize,
+                                (const float *)xp + x->sd[q], (int64_t)(x->sc[q] / (size_t)D),
+                                D);
+                }
                 send = x->sbuf;
-            }
-            /* R rows: the slices of one owner read the same run */
-            for (int q = 0; q < P; q++) x->sd[q] = (size_t)run_off(x, p, q) * D;
-        }
-        MT_CHECK(mt_comm_all_to_all_v(x->c, send, x->sc, x->sd, x->rbuf, x->rc, x->rd, x->wire));
-        /* unpack expert-contiguous: segment e = peer 0's chunk of rows for e,
-         * peer 1's, ..., each chunk followed by its zero padding */
-        float *out = xl_buf;
-        segments(x, p);
-        for (int q = 0; q < P; q++) {
-            const char *blk = (const char *)x->rbuf + x->rd[q] * x->wsize;
-            int64_t at = 0; /* rows of q's block before expert e */
-            for (int e = 0; e < El; e++) {
-                const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
-                from_wire(x, out + row * D, blk + (size_t)(at * D) * x->wsize, n, D);
-                const int64_t pad = padded(n, p->align) - n;
-                if (pad > 0) memset(out + (row + n) * D, 0, (size_t)(pad * D) * 4);
-                at += n;
             }
         }
     }
-    x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
-    x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
-    *xl = xl_buf;
+    MT_CHECK(start_exchange(x, send, recv, x->wire, s, r, x->wsize));
+    x->pend = (struct pend){PEND_DISPATCH, p, e0, e1, D, xl_buf, NULL, NULL, NULL, x->pend.req};
     return MT_OK;
 }
 
-static int a2a_dispatch_fp8(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, uint8_t *ql,
-                            float *sl, void *xl_buf, const uint8_t *xq, const float *xs, int N,
-                            const int32_t *src, const int *rows, int D)
+/* Dispatch arrived: unpack expert-contiguous into segments [e0, e1):
+ * segment e = peer 0's chunk of rows for e, peer 1's, ..., each chunk
+ * followed by its zero padding (peer q's block holds its rows for my
+ * experts [e0, e1) in order). */
+static int finish_dispatch(a2a *x, const struct pend *w)
 {
-    a2a *x = impl_of(d);
-    const int P = x->P, El = d->E_local, KB = (D + 127) / 128;
-    MT_CHECK(check_backend(d, be));
-    if (!be->moe_pack_fp8 || !be->moe_unpack_fp8)
-        return MT_ERR(MT_ENOTSUP, "expert dispatch: the %s backend has no FP8 row packing",
-                      be->name);
-    MT_CHECK(exchange_counts(d, p, rows));
-    const size_t W = mt_fp8_wire_row_bytes(D); /* BYTE elements per row */
-    size_t s = 0, r = 0;
-    for (int q = 0; q < P; q++) {
-        int64_t in = 0;
-        for (int e = 0; e < El; e++) in += p->from[q * El + e];
-        x->sc[q] = (size_t)p->sent[q] * W;
-        x->sd[q] = s;
-        x->rc[q] = (size_t)in * W;
-        x->rd[q] = r;
-        s += x->sc[q];
-        r += x->rc[q];
-    }
-    MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s + 1));
-    if (x->T == 1) {
-        MT_CHECK(be->moe_pack_fp8(be, x->bsend, xq, xs, src, N, p->R, D));
-    } else { /* each owner's run once per slice */
-        for (int q = 0; q < P; q++)
-            if (p->sent[q] > 0)
-                MT_CHECK(be->moe_pack_fp8(be, (uint8_t *)x->bsend + x->sd[q], xq, xs,
-                                          src + run_off(x, p, q), N, (int)p->sent[q], D));
-    }
-    MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, r + 1));
-    MT_CHECK(exchange_begin(x));
-    MT_CHECK(mt_comm_all_to_all_v(x->c, x->bsend, x->sc, x->sd, x->brecv, x->rc, x->rd,
-                                  MT_COMM_BYTE));
-    MT_CHECK(exchange_end(x));
-    x->bytes_sent += (int64_t)(s - x->sc[x->me]);
-    x->bytes_recv += (int64_t)(r - x->rc[x->me]);
-    /* local row j: its wire row (-1: padding), and where its scales go in
-     * quant_rows' layout of the local segments: base KB r_g + (j - r_g),
-     * stride rows[g] */
-    MT_CHECK(map_grow(x, 3 * (int64_t)p->Rl));
+    const mt_moe_plan *p = w->p;
+    const int P = x->P, El = p->E_local, D = w->D, e0 = w->e0, e1 = w->e1;
     segments(x, p);
-    int64_t at = 0;
-    for (int e = 0; e < El; e++)
-        for (int q = 0; q < P; q++) {
-            int64_t first = (int64_t)(x->rd[q] / W);
-            for (int e2 = 0; e2 < e; e2++) first += p->from[q * El + e2];
-            const int64_t n = p->from[q * El + e], tot = padded(n, p->align);
-            for (int64_t i = 0; i < tot; i++, at++) {
-                x->map[3 * at] = i < n ? (int32_t)(first + i) : -1;
-                x->map[3 * at + 1] = (int32_t)(KB * x->seg[e] + (at - x->seg[e]));
-                x->map[3 * at + 2] = p->local_rows[e];
-            }
-        }
-    MT_CHECK(map_upload(x, 3 * (int64_t)p->Rl));
-    return be->moe_unpack_fp8(be, ql, sl, xl_buf, x->brecv, x->bmap, p->Rl, D);
-}
-
-static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,
-                       const void *yl, int D)
-{
-    a2a *x = impl_of(d);
-    const int P = x->P, El = d->E_local;
-    MT_CHECK(check_backend(d, be));
-    /* receive: slice t's partial outputs of every owner's run land in
-     * block t [R, D] at the run's rows; yp = block 0 + block 1 + ... (in
-     * slice order; T = 1: block 0 is yp) */
-    const int T = x->T;
-    const size_t RD = (size_t)p->R * D;
-    size_t s = 0, r = 0;
-    for (int q = 0; q < P; q++) {
-        int64_t out = 0;
-        for (int e = 0; e < El; e++) out += p->from[q * El + e];
-        x->sc[q] = (size_t)out * D;
-        x->sd[q] = s;
-        x->rc[q] = (size_t)p->sent[q] * D;
-        x->rd[q] = (size_t)(q % T) * RD + (size_t)run_off(x, p, q) * D;
-        s += x->sc[q];
-        r += x->rc[q];
-    }
+    const int64_t n_rows = x->seg[e1] - x->seg[e0];
     if (x->direct) {
-        void *dst = yp;
-        if (T > 1) {
-            MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, T * RD * x->wsize + 1));
-            dst = x->brecv;
-        }
-        MT_CHECK(direct_combine(d, p, dst, yl, D, s));
-        for (int t = 1; t < T && RD > 0; t++)
-            MT_CHECK(be->add(be, yp, t == 1 ? x->brecv : yp,
-                             (char *)x->brecv + t * RD * x->wsize, (int64_t)RD));
-        x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
-        x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
-        return MT_OK;
-    }
-    MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
-    /* pack per destination, the reverse of the dispatch's unpack */
-    const float *in = yl;
-    segments(x, p);
-    for (int q = 0; q < P; q++) {
-        char *blk = (char *)x->sbuf + x->sd[q] * x->wsize;
+        mt_backend *be = x->be;
+        MT_CHECK(map_grow(x, n_rows));
         int64_t at = 0;
-        for (int e = 0; e < El; e++) {
+        for (int e = e0; e < e1; e++)
+            for (int q = 0; q < P; q++) {
+                const int64_t first = (int64_t)(x->rd[q] / (size_t)D) +
+                                      part_rows(p->from, q, El, e0, e);
+                const int64_t n = p->from[q * El + e], pad = padded(n, p->align) - n;
+                for (int64_t i = 0; i < n; i++) x->map[at++] = (int32_t)(first + i);
+                for (int64_t i = 0; i < pad; i++) x->map[at++] = -1;
+            }
+        MT_CHECK(map_upload(x, n_rows));
+        return be->moe_permute(be, (char *)w->out + (size_t)x->seg[e0] * D * mt_act_size(be),
+                               x->brecv, x->bmap, (int)n_rows, D);
+    }
+    float *out = w->out;
+    for (int q = 0; q < P; q++) {
+        const char *blk = (const char *)x->rbuf + x->rd[q] * x->wsize;
+        int64_t at = 0; /* rows of q's block before expert e */
+        for (int e = e0; e < e1; e++) {
             const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
-            to_wire(x, blk + (size_t)(at * D) * x->wsize, in + row * D, n, D);
+            from_wire(x, out + row * D, blk + (size_t)(at * D) * x->wsize, n, D);
+            const int64_t pad = padded(n, p->align) - n;
+            if (pad > 0) memset(out + (row + n) * D, 0, (size_t)(pad * D) * 4);
             at += n;
         }
     }
-    void *recv = yp;
-    if (x->wire != MT_COMM_F32 || T > 1) {
-        MT_CHECK(grow(&x->rbuf, &x->rcap, T * RD * x->wsize + 1));
-        recv = x->rbuf;
+    return MT_OK;
+}
+
+static int a2a_dispatch_fp8_start(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p,
+                                  int e0, int e1, uint8_t *ql, float *sl, void *xl_buf,
+                                  const uint8_t *xq, const float *xs, int N, const int32_t *src,
+                                  int D)
+{
+    a2a *x = impl_of(d);
+    const int P = x->P;
+    MT_CHECK(check_idle(x, "dispatch (fp8)"));
+    MT_CHECK(check_backend(d, be));
+    MT_CHECK(check_part(d, e0, e1));
+    if (!be->moe_pack_fp8 || !be->moe_unpack_fp8)
+        return MT_ERR(MT_ENOTSUP, "expert dispatch: the %s backend has no FP8 row packing",
+                      be->name);
+    const int full = e0 == 0 && e1 == d->E_local;
+    const size_t W = mt_fp8_wire_row_bytes(D); /* BYTE elements per row */
+    size_t s, r;
+    part_counts(x, p, e0, e1, 0, W, &s, &r);
+    MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s + 1));
+    if (x->T == 1 && full) {
+        MT_CHECK(be->moe_pack_fp8(be, x->bsend, xq, xs, src, N, p->R, D));
+    } else { /* each peer's rows (an owner's run once per slice) */
+        for (int q = 0; q < P; q++)
+            if (x->sc[q] > 0)
+                MT_CHECK(be->moe_pack_fp8(be, (uint8_t *)x->bsend + x->sd[q], xq, xs,
+                                          src + part_src_row(x, p, q, e0), N,
+                                          (int)(x->sc[q] / W), D));
     }
-    MT_CHECK(mt_comm_all_to_all_v(x->c, x->sbuf, x->sc, x->sd, recv, x->rc, x->rd, x->wire));
-    x->bytes_sent += (int64_t)((s - x->sc[x->me]) * x->wsize);
-    x->bytes_recv += (int64_t)((r - x->rc[x->me]) * x->wsize);
-    if (recv != yp) from_wire(x, yp, recv, p->R, D);
+    MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, r + 1));
+    MT_CHECK(start_exchange(x, x->bsend, x->brecv, MT_COMM_BYTE, s, r, 1));
+    x->pend = (struct pend){PEND_FP8, p, e0, e1, D, xl_buf, ql, sl, NULL, x->pend.req};
+    return MT_OK;
+}
+
+/* FP8 dispatch arrived: local row j of segments [e0, e1) gets its wire row
+ * (-1: padding) and the place of its scales in quant_rows' layout of the
+ * local segments: base KB r_g + (j - r_g), stride rows[g]. */
+static int finish_dispatch_fp8(a2a *x, const struct pend *w)
+{
+    const mt_moe_plan *p = w->p;
+    mt_backend *be = x->be;
+    const int P = x->P, El = p->E_local, D = w->D, e0 = w->e0, e1 = w->e1, KB = (D + 127) / 128;
+    const size_t W = mt_fp8_wire_row_bytes(D);
+    segments(x, p);
+    const int64_t j0 = x->seg[e0], n_rows = x->seg[e1] - j0;
+    MT_CHECK(map_grow(x, 3 * n_rows));
+    int64_t at = 0; /* from j0 */
+    for (int e = e0; e < e1; e++)
+        for (int q = 0; q < P; q++) {
+            const int64_t first = (int64_t)(x->rd[q] / W) + part_rows(p->from, q, El, e0, e);
+            const int64_t n = p->from[q * El + e], tot = padded(n, p->align);
+            for (int64_t i = 0; i < tot; i++, at++) {
+                x->map[3 * at] = i < n ? (int32_t)(first + i) : -1;
+                x->map[3 * at + 1] = (int32_t)(KB * x->seg[e] + (j0 + at - x->seg[e]));
+                x->map[3 * at + 2] = p->local_rows[e];
+            }
+        }
+    MT_CHECK(map_upload(x, 3 * n_rows));
+    return be->moe_unpack_fp8(be, w->ql + (size_t)j0 * D, w->sl,
+                              (char *)w->out + (size_t)j0 * D * mt_act_size(be), x->brecv,
+                              x->bmap, (int)n_rows, D);
+}
+
+static int a2a_combine_start(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, int e0,
+                             int e1, void *yp, const void *yl, int D)
+{
+    a2a *x = impl_of(d);
+    const int P = x->P, El = d->E_local;
+    MT_CHECK(check_idle(x, "combine"));
+    MT_CHECK(check_backend(d, be));
+    MT_CHECK(check_part(d, e0, e1));
+    /* receive: slice t's partial outputs of every owner's run land in
+     * block t [R, D] at the run's rows; yp = block 0 + block 1 + ... (in
+     * slice order; T = 1: block 0 is yp, and the part's rows of each
+     * owner's run land where they belong) */
+    const int T = x->T;
+    const size_t RD = (size_t)p->R * D;
+    size_t s, r;
+    part_counts(x, p, e0, e1, 1, (size_t)D, &s, &r);
+    for (int q = 0; q < P; q++)
+        x->rd[q] = (size_t)(q % T) * RD + (size_t)part_src_row(x, p, q, e0) * D;
+    segments(x, p);
+    void *recv = yp;
+    if (x->direct) {
+        if (T > 1) {
+            MT_CHECK(bgrow(x, &x->brecv, &x->brecv_cap, T * RD * x->wsize + 1));
+            recv = x->brecv;
+        }
+        /* one gather packs the local rows per destination (padding left
+         * behind); they land in the source layout as they are */
+        const int64_t S = (int64_t)(s / (size_t)D);
+        MT_CHECK(map_grow(x, S));
+        int64_t at = 0;
+        for (int q = 0; q < P; q++)
+            for (int e = e0; e < e1; e++) {
+                const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
+                for (int64_t i = 0; i < n; i++) x->map[at++] = (int32_t)(row + i);
+            }
+        MT_CHECK(map_upload(x, S));
+        MT_CHECK(bgrow(x, &x->bsend, &x->bsend_cap, s * x->wsize + 1));
+        MT_CHECK(be->moe_permute(be, x->bsend, yl, x->bmap, (int)S, D));
+        MT_CHECK(start_exchange(x, x->bsend, recv, x->wire, s, r, x->wsize));
+    } else {
+        MT_CHECK(grow(&x->sbuf, &x->scap, s * x->wsize + 1));
+        /* pack per destination, the reverse of the dispatch's unpack */
+        const float *in = yl;
+        for (int q = 0; q < P; q++) {
+            char *blk = (char *)x->sbuf + x->sd[q] * x->wsize;
+            int64_t at = 0;
+            for (int e = e0; e < e1; e++) {
+                const int64_t n = p->from[q * El + e], row = chunk_row(x, p, q, e);
+                to_wire(x, blk + (size_t)(at * D) * x->wsize, in + row * D, n, D);
+                at += n;
+            }
+        }
+        if (x->wire != MT_COMM_F32 || T > 1) {
+            MT_CHECK(grow(&x->rbuf, &x->rcap, T * RD * x->wsize + 1));
+            recv = x->rbuf;
+        }
+        MT_CHECK(start_exchange(x, x->sbuf, recv, x->wire, s, r, x->wsize));
+    }
+    x->pend = (struct pend){PEND_COMBINE, p, e0, e1, D, yp, NULL, NULL, recv, x->pend.req};
+    return MT_OK;
+}
+
+/* Combine arrived: the slices' partial sums (etp), or the wire's rows
+ * converted into the source layout. */
+static int finish_combine(a2a *x, const struct pend *w)
+{
+    const mt_moe_plan *p = w->p;
+    mt_backend *be = x->be;
+    const int T = x->T, D = w->D;
+    const size_t RD = (size_t)p->R * D;
+    if (x->direct) {
+        for (int t = 1; t < T && RD > 0; t++)
+            MT_CHECK(be->add(be, w->out, t == 1 ? w->recv : w->out,
+                             (char *)w->recv + t * RD * x->wsize, (int64_t)RD));
+        return MT_OK;
+    }
+    if (w->recv != w->out) {
+        if (T > 1) { /* block 0: every owner's run, [0, R) */
+            from_wire(x, w->out, w->recv, p->R, D);
+        } else {
+            for (int q = 0; q < x->P; q++)
+                from_wire(x, (float *)w->out + x->rd[q],
+                          (const char *)w->recv + x->rd[q] * x->wsize,
+                          (int64_t)(x->rc[q] / (size_t)D), D);
+        }
+    }
     if (T > 1) { /* the slices' partial sums in slice order, each sum an act value */
-        float *y = yp, tmp;
+        float *y = w->out, tmp;
         uint16_t h;
         for (int t = 1; t < T; t++) {
-            const char *blk = (const char *)recv + t * RD * x->wsize;
+            const char *blk = (const char *)w->recv + t * RD * x->wsize;
             for (size_t i = 0; i < RD; i++) {
                 from_wire(x, &tmp, blk + i * x->wsize, 1, 1);
                 y[i] += tmp;
@@ -548,11 +640,64 @@ static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *
     return MT_OK;
 }
 
+static int a2a_finish(mt_moe_dispatcher *d)
+{
+    a2a *x = impl_of(d);
+    struct pend w = x->pend;
+    x->pend = (struct pend){0};
+    if (w.kind == PEND_NONE)
+        return MT_ERR(MT_EINVAL, "expert dispatch: finish without an exchange in flight");
+    MT_CHECK(mt_comm_wait(w.req));
+    MT_CHECK(exchange_end(x));
+    switch (w.kind) {
+    case PEND_DISPATCH: return finish_dispatch(x, &w);
+    case PEND_FP8: return finish_dispatch_fp8(x, &w);
+    default: return finish_combine(x, &w);
+    }
+}
+
+static int a2a_counts(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, const int *rows)
+{
+    MT_CHECK(check_idle(impl_of(d), "count exchange"));
+    MT_CHECK(check_backend(d, be));
+    return exchange_counts(d, p, rows);
+}
+
+/* ---- the plain exchanges: every local expert, started and finished at once ---- */
+
+static int a2a_dispatch(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int count,
+                        void **xl, void *xl_buf, const void *xp, const void *x_tok,
+                        const int32_t *src, const int *rows, int D)
+{
+    if (count) MT_CHECK(a2a_counts(d, be, p, rows));
+    MT_CHECK(a2a_dispatch_start(d, be, p, 0, d->E_local, xl_buf, xp, x_tok, src, D));
+    MT_CHECK(a2a_finish(d));
+    *xl = xl_buf;
+    return MT_OK;
+}
+
+static int a2a_dispatch_fp8(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, uint8_t *ql,
+                            float *sl, void *xl_buf, const uint8_t *xq, const float *xs, int N,
+                            const int32_t *src, const int *rows, int D)
+{
+    MT_CHECK(a2a_counts(d, be, p, rows));
+    MT_CHECK(a2a_dispatch_fp8_start(d, be, p, 0, d->E_local, ql, sl, xl_buf, xq, xs, N, src, D));
+    return a2a_finish(d);
+}
+
+static int a2a_combine(mt_moe_dispatcher *d, mt_backend *be, const mt_moe_plan *p, void *yp,
+                       const void *yl, int D)
+{
+    MT_CHECK(a2a_combine_start(d, be, p, 0, d->E_local, yp, yl, D));
+    return a2a_finish(d);
+}
+
 static void a2a_destroy(mt_moe_dispatcher *d)
 {
     if (!d) return;
     a2a *x = d->impl;
     if (x) {
+        if (x->pend.req) mt_comm_wait(x->pend.req); /* an exchange left in flight (an error) */
         free(x->sc);
         free(x->sd);
         free(x->rc);
@@ -609,6 +754,11 @@ int mt_moe_dispatch_a2a_etp(mt_moe_dispatcher **out, mt_comm *ep, int E, int etp
     d->dispatch = a2a_dispatch;
     d->dispatch_fp8 = a2a_dispatch_fp8;
     d->combine = a2a_combine;
+    d->counts = a2a_counts;
+    d->dispatch_start = a2a_dispatch_start;
+    d->dispatch_fp8_start = a2a_dispatch_fp8_start;
+    d->combine_start = a2a_combine_start;
+    d->finish = a2a_finish;
     d->destroy = a2a_destroy;
     x->c = ep;
     x->wire = wire;

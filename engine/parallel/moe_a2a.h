@@ -50,9 +50,16 @@
  * direct users): an exchange starts after the kernels that packed its rows
  * and the kernels after it wait for it, by device-side events; the host
  * does not wait. The counts still need the host (the layer's moe_index
- * downloads them, waiting for the backend). No compute overlaps an
- * exchange yet. MT_COMM_HOST_SYNC=1 (comm.h): the host waits for the
- * backend before each exchange and for the group after it, as before.
+ * downloads them, waiting for the backend). Overlap: the exchanges of a
+ * part of the local experts are started (mt_comm_all_to_all_v_start: on a
+ * device group, enqueued on its side stream) and finished apart, and the
+ * backend's stream waits for one only at its finish, so the kernels the
+ * caller enqueues in between (the other part's experts, under
+ * parallel.ep_overlap = halves) run beside it. On host groups (mpi) the
+ * messages are posted at start and MPI moves them when the process is in
+ * MPI (the finish, on this CPU path: little real overlap).
+ * MT_COMM_HOST_SYNC=1 (comm.h): the host waits for the backend before
+ * each exchange and for the group after it, as before.
  *
  * Memory: the ep group's communicator holds the backend's memory kind
  * (host for CPU, device for CUDA; a mix is refused at the first exchange).

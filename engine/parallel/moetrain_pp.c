@@ -12,7 +12,8 @@
 static const char usage[] =
     "usage: moetrain-pp [--job SPEC [--set key=value]... [--world N]]\n"
     "                   [--pp N] [--vpp V] [--schedule 1f1b|interleaved|dualpipev] [--mb M]\n"
-    "                   [--costs F,B,Bi,W[,P2P]] [--unit U] [--actions]\n"
+    "                   [--costs F,B,Bi,W[,P2P]] [--stage-scale S0,S1,...] [--unit U]\n"
+    "                   [--actions]\n"
     "\n"
     "Builds the pipeline schedule table (engine/parallel/schedule.h), checks it\n"
     "(every forward before its backward, sends matched by receives, no deadlock)\n"
@@ -31,6 +32,9 @@ static const char usage[] =
     "  --costs        per-chunk costs in time units; default 1,2,1,1,0: a chunk's\n"
     "                 forward 1, its whole backward 2, split into input part 1 and\n"
     "                 weight part 1, no point-to-point latency\n"
+    "  --stage-scale  one factor > 0 per stage: each stage's chunks cost its\n"
+    "                 factor times --costs (p2p unscaled), e.g. 1,2 for a last\n"
+    "                 stage twice as slow (the step log's measured costs)\n"
     "  --unit U       time per cell (default: the smallest cost)\n"
     "  --actions      also print every stage's action list\n"
     "\n"
@@ -58,7 +62,8 @@ int main(int argc, char **argv)
 {
     const char *job = NULL, *sets[64];
     int n_sets = 0, world = 0, pp = 0, vpp = 0, mb = 0, actions = 0, sched = -1;
-    double unit = 0;
+    double unit = 0, scale[64];
+    int n_scale = 0;
     mt_sched_costs costs;
     mt_sched_costs_default(&costs);
     for (int i = 1; i < argc; i++) {
@@ -97,6 +102,18 @@ int main(int argc, char **argv)
             if (n < 4 || n > 5 || k[0] < 0 || k[1] < 0 || k[2] < 0 || k[3] < 0 || k[4] < 0)
                 return usage_error("--costs needs F,B,Bi,W[,P2P], each >= 0, not ", v);
             costs = (mt_sched_costs){k[0], k[1], k[2], k[3], k[4]};
+        } else if (!strcmp(a, "--stage-scale")) {
+            const char *q = v;
+            for (n_scale = 0;;) {
+                char *end;
+                double x = strtod(q, &end);
+                if (end == q || !(x > 0) || n_scale == 64 || (*end && *end != ','))
+                    return usage_error("--stage-scale needs up to 64 numbers > 0 separated by "
+                                       "commas, not ", v);
+                scale[n_scale++] = x;
+                if (!*end) break;
+                q = end + 1;
+            }
         } else if (!strcmp(a, "--unit")) {
             char *end;
             unit = strtod(v, &end);
@@ -146,7 +163,31 @@ int main(int argc, char **argv)
         mt_schedule_free(&s);
         return 1;
     }
-    int rc = mt_schedule_print(stdout, &s, &costs, unit);
+    int rc;
+    if (n_scale) {
+        if (n_scale != l.pp) {
+            fprintf(stderr, "moetrain-pp: --stage-scale gives %d factors, the table has %d "
+                    "stages\n", n_scale, l.pp);
+            mt_schedule_free(&s);
+            return 1;
+        }
+        const int C = l.pp * l.vpp;
+        mt_sched_costs *cc = malloc((size_t)C * sizeof *cc);
+        if (!cc) {
+            fprintf(stderr, "moetrain-pp: out of memory\n");
+            mt_schedule_free(&s);
+            return 1;
+        }
+        for (int c = 0; c < C; c++) {
+            const double k = scale[mt_layout_stage_of_chunk(&l, c)];
+            cc[c] = (mt_sched_costs){k * costs.f, k * costs.b, k * costs.b_in, k * costs.w,
+                                     costs.p2p};
+        }
+        rc = mt_schedule_print_chunks(stdout, &s, cc, unit);
+        free(cc);
+    } else {
+        rc = mt_schedule_print(stdout, &s, &costs, unit);
+    }
     if (rc == MT_OK && actions)
         for (int st = 0; st < s.pp; st++) {
             printf("stage %d, %d actions:", st, s.n_actions[st]);

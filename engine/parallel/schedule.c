@@ -384,8 +384,8 @@ static double cost_of(const mt_sched_costs *c, mt_sched_op op)
  * can move and some are not done, the table deadlocks: MT_EINVAL with each
  * stuck stage's waiting action in err. Needs every tag in range (the
  * structural checks come first). */
-static int run_stages(const mt_schedule *s, const mt_sched_costs *c, double **start, double **end,
-                      double *clock, char *err, size_t cap)
+static int run_stages(const mt_schedule *s, const mt_sched_costs *c, int per_chunk, double **start,
+                      double **end, double *clock, char *err, size_t cap)
 {
     int nc = s->pp * s->vpp;
     size_t ntag = 2 * (size_t)s->n_mb * nc;
@@ -408,11 +408,11 @@ static int run_stages(const mt_schedule *s, const mt_sched_costs *c, double **st
                 if (a->op == MT_SCHED_RECV_ACT || a->op == MT_SCHED_RECV_GRAD) {
                     double at = sent[mt_sched_msg_tag(a, nc)];
                     if (at < 0) break; /* blocks until the peer sends */
-                    if (at + c->p2p > t1) t1 = at + c->p2p;
+                    if (at + c[0].p2p > t1) t1 = at + c[0].p2p;
                 } else if (is_comm(a->op)) {
                     sent[mt_sched_msg_tag(a, nc)] = t0;
                 } else {
-                    t1 = t0 + cost_of(c, a->op);
+                    t1 = t0 + cost_of(per_chunk ? &c[a->chunk] : c, a->op);
                 }
                 clock[st] = t1;
                 if (start) start[st][pos[st]] = t0;
@@ -593,7 +593,7 @@ int mt_schedule_check(const mt_schedule *s, char *err, size_t cap)
 
     /* every message is now sent once and received once: run it */
     mt_sched_costs zero = {0, 0, 0, 0, 0};
-    rc = run_stages(s, &zero, NULL, NULL, clock, err, cap);
+    rc = run_stages(s, &zero, 0, NULL, NULL, clock, err, cap);
     goto out;
 done:
     if (rc == MT_OK) rc = MT_EINVAL;
@@ -636,17 +636,18 @@ int mt_schedule_peak_in_flight(const mt_schedule *s, int *peak)
     return MT_OK;
 }
 
-int mt_schedule_simulate(const mt_schedule *s, const mt_sched_costs *c, mt_sched_sim *out)
+/* c: one cost set for every chunk, or (per_chunk) one per chunk [pp * vpp],
+ * p2p taken from c[0]. */
+static int simulate(const mt_schedule *s, const mt_sched_costs *c, int per_chunk,
+                    mt_sched_sim *out)
 {
     memset(out, 0, sizeof *out);
-    mt_sched_costs def;
-    if (!c) {
-        mt_sched_costs_default(&def);
-        c = &def;
-    }
-    if (c->f < 0 || c->b < 0 || c->b_in < 0 || c->w < 0 || c->p2p < 0)
-        return MT_ERR(MT_EINVAL, "pipeline simulation: costs must be >= 0 (F %g B %g Bi %g W %g "
-                      "p2p %g)", c->f, c->b, c->b_in, c->w, c->p2p);
+    const int nc = per_chunk ? s->pp * s->vpp : 1;
+    for (int k = 0; k < nc; k++)
+        if (!(c[k].f >= 0 && c[k].b >= 0 && c[k].b_in >= 0 && c[k].w >= 0 && c[k].p2p >= 0))
+            return MT_ERR(MT_EINVAL, "pipeline simulation: costs must be >= 0 (chunk %d: F %g "
+                          "B %g Bi %g W %g p2p %g)", k, c[k].f, c[k].b, c[k].b_in, c[k].w,
+                          c[k].p2p);
     char err[512];
     MT_CHECK(mt_schedule_check(s, err, sizeof err));
     out->pp = s->pp;
@@ -668,7 +669,7 @@ int mt_schedule_simulate(const mt_schedule *s, const mt_sched_costs *c, mt_sched
         mt_sched_sim_free(out);
         return MT_ERR(MT_ENOMEM, "pipeline simulation: out of memory");
     }
-    int rc = run_stages(s, c, out->start, out->end, clock, err, sizeof err);
+    int rc = run_stages(s, c, per_chunk, out->start, out->end, clock, err, sizeof err);
     if (rc != MT_OK) { /* the checker ran the same model: cannot happen */
         free(clock);
         mt_sched_sim_free(out);
@@ -677,8 +678,10 @@ int mt_schedule_simulate(const mt_schedule *s, const mt_sched_costs *c, mt_sched
     double idle_sum = 0;
     for (int st = 0; st < s->pp; st++) {
         if (clock[st] > out->step) out->step = clock[st];
-        for (int i = 0; i < s->n_actions[st]; i++)
-            out->busy[st] += cost_of(c, s->actions[st][i].op);
+        for (int i = 0; i < s->n_actions[st]; i++) {
+            const mt_sched_action *a = &s->actions[st][i];
+            out->busy[st] += cost_of(per_chunk ? &c[a->chunk] : c, a->op);
+        }
     }
     for (int st = 0; st < s->pp; st++) {
         out->idle[st] = out->step - out->busy[st];
@@ -689,11 +692,27 @@ int mt_schedule_simulate(const mt_schedule *s, const mt_sched_costs *c, mt_sched
     return mt_schedule_peak_in_flight(s, out->peak_in_flight);
 }
 
-int mt_schedule_predict(const mt_schedule *s, const mt_sched_costs *c, double *bubble,
-                        double *idle_frac)
+int mt_schedule_simulate(const mt_schedule *s, const mt_sched_costs *c, mt_sched_sim *out)
+{
+    mt_sched_costs def;
+    if (!c) {
+        mt_sched_costs_default(&def);
+        c = &def;
+    }
+    return simulate(s, c, 0, out);
+}
+
+int mt_schedule_simulate_chunks(const mt_schedule *s, const mt_sched_costs *chunk_costs,
+                                mt_sched_sim *out)
+{
+    return simulate(s, chunk_costs, 1, out);
+}
+
+static int predict(const mt_schedule *s, const mt_sched_costs *c, int per_chunk, double *bubble,
+                   double *idle_frac)
 {
     mt_sched_sim sim;
-    MT_CHECK(mt_schedule_simulate(s, c, &sim));
+    MT_CHECK(simulate(s, c, per_chunk, &sim));
     *bubble = sim.bubble;
     if (idle_frac)
         for (int st = 0; st < s->pp; st++)
@@ -702,24 +721,39 @@ int mt_schedule_predict(const mt_schedule *s, const mt_sched_costs *c, double *b
     return MT_OK;
 }
 
-/* ---- the timeline ---------------------------------------------------------------- */
-
-int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, double unit)
+int mt_schedule_predict(const mt_schedule *s, const mt_sched_costs *c, double *bubble,
+                        double *idle_frac)
 {
     mt_sched_costs def;
     if (!c) {
         mt_sched_costs_default(&def);
         c = &def;
     }
+    return predict(s, c, 0, bubble, idle_frac);
+}
+
+int mt_schedule_predict_chunks(const mt_schedule *s, const mt_sched_costs *chunk_costs,
+                               double *bubble, double *idle_frac)
+{
+    return predict(s, chunk_costs, 1, bubble, idle_frac);
+}
+
+/* ---- the timeline ---------------------------------------------------------------- */
+
+static int print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, int per_chunk,
+                 double unit)
+{
     if (unit <= 0) {
-        const double k[4] = {c->f, c->b, c->b_in, c->w};
         unit = 0;
-        for (int i = 0; i < 4; i++)
-            if (k[i] > 0 && (unit == 0 || k[i] < unit)) unit = k[i];
+        for (int ci = 0; ci < (per_chunk ? s->pp * s->vpp : 1); ci++) {
+            const double k[4] = {c[ci].f, c[ci].b, c[ci].b_in, c[ci].w};
+            for (int i = 0; i < 4; i++)
+                if (k[i] > 0 && (unit == 0 || k[i] < unit)) unit = k[i];
+        }
         if (unit == 0) unit = 1;
     }
     mt_sched_sim sim;
-    MT_CHECK(mt_schedule_simulate(s, c, &sim));
+    MT_CHECK(simulate(s, c, per_chunk, &sim));
     int digits = 1;
     for (int m = s->n_mb - 1; m >= 10; m /= 10) digits++;
     const int cw = 1 + digits;
@@ -729,9 +763,19 @@ int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, do
         mt_sched_sim_free(&sim);
         return MT_ERR(MT_ENOMEM, "pipeline timeline: out of memory");
     }
-    fprintf(f, "schedule %s: pp %d, vpp %d, %d micro-batches; costs per chunk F %g B %g Bi %g "
-            "W %g p2p %g; one cell = %g\n", mt_pp_schedule_names[s->kind], s->pp, s->vpp,
-            s->n_mb, c->f, c->b, c->b_in, c->w, c->p2p, unit);
+    if (!per_chunk)
+        fprintf(f, "schedule %s: pp %d, vpp %d, %d micro-batches; costs per chunk F %g B %g Bi "
+                "%g W %g p2p %g; one cell = %g\n", mt_pp_schedule_names[s->kind], s->pp, s->vpp,
+                s->n_mb, c->f, c->b, c->b_in, c->w, c->p2p, unit);
+    else {
+        fprintf(f, "schedule %s: pp %d, vpp %d, %d micro-batches; p2p %g; one cell = %g; costs "
+                "of each chunk (F B Bi W):", mt_pp_schedule_names[s->kind], s->pp, s->vpp,
+                s->n_mb, c[0].p2p, unit);
+        for (int ci = 0; ci < s->pp * s->vpp; ci++)
+            fprintf(f, "%s %d: %g %g %g %g", ci ? ";" : "", ci, c[ci].f, c[ci].b, c[ci].b_in,
+                    c[ci].w);
+        fprintf(f, "\n");
+    }
     for (int st = 0; st < s->pp; st++) {
         memset(row, '.', (size_t)ncell * cw);
         row[(size_t)ncell * cw] = '\0';
@@ -757,4 +801,20 @@ int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, do
     free(row);
     mt_sched_sim_free(&sim);
     return MT_OK;
+}
+
+int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, double unit)
+{
+    mt_sched_costs def;
+    if (!c) {
+        mt_sched_costs_default(&def);
+        c = &def;
+    }
+    return print(f, s, c, 0, unit);
+}
+
+int mt_schedule_print_chunks(FILE *f, const mt_schedule *s, const mt_sched_costs *chunk_costs,
+                             double unit)
+{
+    return print(f, s, chunk_costs, 1, unit);
 }

@@ -138,6 +138,16 @@ void mt_sched_sim_free(mt_sched_sim *sim);
 int mt_schedule_predict(const mt_schedule *s, const mt_sched_costs *c, double *bubble,
                         double *idle_frac);
 
+/* The same with costs per chunk: chunk_costs[pp * vpp], chunk c's actions
+ * costing chunk_costs[c] (stages of unequal speed or size, e.g. the
+ * measured costs of a step, issue 17); the p2p latency is chunk_costs[0]'s.
+ * With every chunk's costs equal to c, the results are mt_schedule_simulate
+ * / _predict's with c. */
+int mt_schedule_simulate_chunks(const mt_schedule *s, const mt_sched_costs *chunk_costs,
+                                mt_sched_sim *out);
+int mt_schedule_predict_chunks(const mt_schedule *s, const mt_sched_costs *chunk_costs,
+                               double *bubble, double *idle_frac);
+
 /* Activation memory from the table: the most (mb, chunk) pairs a stage has
  * forwarded and not yet finished backward (BWD, or BWD_W under the split:
  * the weight gradient still reads the saved inputs), counted in units of one
@@ -164,6 +174,10 @@ const char *mt_sched_op_name(mt_sched_op op);
  * are idle. Then the step time, each stage's idle fraction and peak
  * activations in flight, and the bubble. */
 int mt_schedule_print(FILE *f, const mt_schedule *s, const mt_sched_costs *c, double unit);
+/* The same with costs per chunk (chunk_costs[pp * vpp], as
+ * mt_schedule_simulate_chunks); the header lists each chunk's costs. */
+int mt_schedule_print_chunks(FILE *f, const mt_schedule *s, const mt_sched_costs *chunk_costs,
+                             double unit);
 
 /* The message a send or receive carries, equal at both ends and distinct
  * for every (kind, mb, chunk boundary) of a table with `n_chunks` chunks:

@@ -22,6 +22,7 @@ static const char *const decay_names[] = {"cosine", "linear", "wsd", "constant",
 static const char *const init_names[] = {"random", "checkpoint", "hf", NULL};
 static const char *const resume_names[] = {"never", "auto", NULL};
 static const char *const grad_reduce_names[] = {"fp32", "bf16", NULL};
+static const char *const ep_overlap_names[] = {"none", "halves", NULL}; /* mt_ep_overlap */
 static const char *const fault_names[] = {"none", "nan_grad", "loss_scale", NULL};
 
 #define O(m) offsetof(mt_jobspec, m)
@@ -60,6 +61,10 @@ static const mt_field job_fields[] = {
     E("parallel.grad_reduce", grad_reduce, "fp32", grad_reduce_names,
       "wire type of the gradient reduction: fp32, or bf16 (rounded for the transfer, summed "
       "in fp32 by the owner)"),
+    E("parallel.ep_overlap", ep_overlap, "none", ep_overlap_names,
+      "expert parallelism: none, or halves (each MoE layer's exchanges in two parts, the "
+      "first half of every rank's experts and the second, so that one part travels while "
+      "the other's experts (or the shared expert) compute; bit-identical results)"),
     E("precision.recipe", precision.recipe, "fp8-blockwise", recipe_names,
       "linear-layer precision"),
     E("precision.main_params", precision.main_params, "fp32", main_names,
@@ -143,7 +148,7 @@ static const mt_field job_fields[] = {
     I("train.fault.rank", train.fault.rank, "-1", -1, 1 << 20, "rank with the fault; -1: all"),
 };
 #define N_JOB_FIELDS ((int)(sizeof job_fields / sizeof job_fields[0]))
-_Static_assert(N_JOB_FIELDS == 66, "job spec field table changed: update docs and tests");
+_Static_assert(N_JOB_FIELDS == 67, "job spec field table changed: update docs and tests");
 
 static int is_abs(const char *p) { return p[0] == '/'; }
 
@@ -319,17 +324,14 @@ static int check_layout(const mt_jobspec *j)
 
 int mt_jobspec_check_runnable(const mt_layout *l)
 {
-    /* expert tensor parallelism: proven with ep and dp (tp 1, pp 1) on the
-     * cpu backend (tests/test_trainer_ep.c; the trainer refuses other
-     * backends) */
-    if (l->etp > 1 && (l->tp > 1 || l->pp > 1))
-        return MT_ERR(MT_ENOTSUP, "parallel.etp %d with parallel.tp %d, pp %d: expert tensor "
-                      "parallelism runs with tp = 1 and pp = 1 only so far (ep and dp "
-                      "fold the experts); use etp = 1", l->etp, l->tp, l->pp);
-    if (l->pp > 1 && l->ep > 1)
-        return MT_ERR(MT_ENOTSUP, "parallel.pp %d with parallel.ep %d: pipeline and expert "
-                      "parallelism together are not implemented yet; use one of them", l->pp,
-                      l->ep);
+    /* expert tensor parallelism runs with the layouts the rest runs (tp,
+     * sequence parallelism, dp, ep; pp under each schedule), on the cpu and
+     * cuda backends (tests/test_trainer_ep.c, tests/test_trainer_tp.c);
+     * with ep and pp both it is not tested (8 ranks at least) */
+    if (l->etp > 1 && l->ep > 1 && l->pp > 1)
+        return MT_ERR(MT_ENOTSUP, "parallel.etp %d with parallel.ep %d and parallel.pp %d: "
+                      "expert tensor parallelism with expert and pipeline parallelism together "
+                      "is not tested yet; use etp = 1, ep = 1 or pp = 1", l->etp, l->ep, l->pp);
     if (l->sequence_parallel && l->tp < 2)
         return MT_ERR(MT_EINVAL, "parallel.sequence_parallel needs parallel.tp > 1 (it is %d)",
                       l->tp);
@@ -358,6 +360,16 @@ int mt_jobspec_validate(const mt_jobspec *j, int check_files)
 {
     const mt_model_config *c = &j->model;
     MT_CHECK(check_batch(j, j->parallel.dp));
+    if (j->ep_overlap == MT_EP_OVERLAP_HALVES && j->parallel.ep > 1) {
+        if (j->parallel.etp > 1)
+            return BAD("parallel.ep_overlap", "halves with parallel.etp %d: expert tensor "
+                       "parallelism exchanges whole layers only so far; use none",
+                       j->parallel.etp);
+        if (c->n_routed_experts / j->parallel.ep < 2)
+            return BAD("parallel.ep_overlap", "halves needs at least 2 experts per rank "
+                       "(model.n_routed_experts %d / parallel.ep %d); use none",
+                       c->n_routed_experts, j->parallel.ep);
+    }
     if (j->batch.seq_len > c->max_position_embeddings)
         return BAD("batch.seq_len", "%d exceeds model.max_position_embeddings %lld",
                    j->batch.seq_len, (long long)c->max_position_embeddings);

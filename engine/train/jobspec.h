@@ -118,6 +118,11 @@ typedef struct mt_train_cfg {
  * (summed in f32 at their owner either way). */
 typedef enum { MT_GRAD_FP32 = 0, MT_GRAD_BF16 } mt_grad_reduce;
 
+/* parallel.ep_overlap: how a MoE layer's expert exchanges meet its compute
+ * (engine/model/layer_moe.c): none, one exchange after another; halves,
+ * two parts of each rank's experts pipelined (mt_model_opts.ep_overlap). */
+typedef enum { MT_EP_OVERLAP_NONE = 0, MT_EP_OVERLAP_HALVES } mt_ep_overlap;
+
 typedef struct mt_jobspec {
     char name[128];
     mt_backend_kind backend;
@@ -129,6 +134,7 @@ typedef struct mt_jobspec {
     mt_comm_backend comm;       /* parallel.comm: the backend of the job's collectives */
     double bucket_mb;           /* parallel.bucket_mb: gradient bucket size, MB (1e6 bytes) */
     mt_grad_reduce grad_reduce; /* parallel.grad_reduce: the gradients' wire type */
+    mt_ep_overlap ep_overlap;   /* parallel.ep_overlap: exchanges pipelined with the experts */
     mt_precision precision;
     mt_optimizer_cfg optimizer;
     mt_lr_schedule lr_schedule;
@@ -170,8 +176,8 @@ int mt_jobspec_admit(mt_jobspec *j, int world);
 
 /* MT_OK when the trainer can run layout `l` (sizes > 1 only where it
  * implements that parallelism: data, tensor (with sequence parallelism),
- * pipeline and expert parallelism so far; pipeline not with expert; expert
- * tensor parallelism with tp = 1 and pp = 1 only), else
+ * pipeline, expert and expert tensor parallelism so far; not all three of
+ * pipeline, expert and expert tensor parallelism together), else
  * MT_ENOTSUP naming the field. Admission refuses such a layout (EINVAL)
  * before any rank builds anything; the trainer checks it again. */
 int mt_jobspec_check_runnable(const mt_layout *l);

@@ -59,6 +59,7 @@ int mt_metrics_to_json(const mt_step_metrics *m, char *buf, size_t cap)
         PUT(",\"pp_stage\":%d", m->pp_stage);
         NUM("pp_idle", m->pp_idle);
         NUM("pp_bubble", m->pp_bubble);
+        NUM("pp_bubble_measured", m->pp_bubble_measured);
     }
     NUM("tokens_per_s", m->tokens_per_s);
     NUM("tflops", m->tflops);
@@ -98,7 +99,7 @@ static int log_emit(mt_metrics_sink *s, const mt_step_metrics *m)
     double lmax = 0;
     for (int i = 0; i < m->n_moe; i++)
         if (m->load_max[i] > lmax) lmax = m->load_max[i];
-    char mfu[32], extra[96] = "";
+    char mfu[32], extra[192] = "";
     if (isfinite(m->mfu))
         snprintf(mfu, sizeof mfu, "%.1f%%", 100 * m->mfu);
     else
@@ -106,8 +107,9 @@ static int log_emit(mt_metrics_sink *s, const mt_step_metrics *m)
     if (isfinite(m->valid_loss)) snprintf(extra, sizeof extra, " | valid %.4f", m->valid_loss);
     if (m->pp_size > 1) {
         size_t k = strlen(extra);
-        snprintf(extra + k, sizeof extra - k, " | stage %d idle %.1f%% (predicted %.1f%%)",
-                 m->pp_stage, 100 * m->pp_idle, 100 * m->pp_bubble);
+        snprintf(extra + k, sizeof extra - k, " | stage %d idle %.1f%% (predicted %.1f%% from "
+                 "measured costs, %.1f%% with equal costs)", m->pp_stage, 100 * m->pp_idle,
+                 100 * m->pp_bubble_measured, 100 * m->pp_bubble);
     }
     MT_LOGI("step %6lld/%lld | loss %.4f | mtp %.4f | aux %.2e | lr %.3e | gnorm %.3f | "
             "%.0f ms | %.0f tok/s | %.2f TFLOPS | MFU %s | load max %.2f%s%s",

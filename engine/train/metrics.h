@@ -33,10 +33,12 @@ typedef struct mt_step_metrics {
                                 backward); without dp the whole step */
     int pp_size;             /* pipeline stages; 0: no pipeline (the pp_ fields unset) */
     int pp_stage;            /* pipeline stage of this rank */
-    double pp_idle;          /* measured: time blocked in pipeline receives (and the
-                                final wait for its sends) / step time; NaN: none */
+    double pp_idle;          /* measured: 1 - the device time of this stage's compute
+                                actions / the pipeline part's span (pipeline.h); NaN: none */
     double pp_bubble;        /* the schedule's predicted idle fraction of this stage
-                                (simulator, F = 1, B = 2); NaN: none */
+                                (simulator, equal costs F = 1, B = 2); NaN: none */
+    double pp_bubble_measured; /* the same simulated with the step's measured per-chunk
+                                costs, gathered over the stages; NaN: none */
     double tokens_per_s;
     double tflops;           /* model TFLOPS per GPU (or per rank on the CPU) */
     double mfu;              /* fraction of peak; NaN when the peak is unknown */

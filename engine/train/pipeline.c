@@ -2,6 +2,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "engine/train/pipeline.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -78,6 +79,31 @@ static int layers_of(const mt_pipeline *p, int c)
 
 /* ---- the walk ------------------------------------------------------------------------ */
 
+/* Messages are ordered with the backend's kernels on the device when the
+ * pp group runs on the backend's compute stream (the runtime sets it).
+ * Otherwise (MT_COMM_HOST_SYNC=1, or a group left on the default stream)
+ * nothing orders a device message with the kernels that write or read
+ * its buffer, and the host fences each one (comm.h): the backend's
+ * kernels done before an isend, the message in before a recv's data is
+ * used. The CPU backend (no stream) needs neither. */
+static int msg_fenced(const mt_pipeline *p, mt_backend *be)
+{
+    void *s = be->stream ? be->stream(be) : NULL;
+    return s && (mt_comm_host_sync_forced() || mt_comm_stream(p->pp) != s);
+}
+
+static int msg_send(mt_pipeline *p, mt_backend *be, const void *buf, int peer, int tag)
+{
+    if (msg_fenced(p, be)) MT_CHECK(be->sync(be));
+    return mt_comm_isend(p->pp, buf, p->msg_bytes, MT_COMM_BYTE, peer, tag);
+}
+
+static int msg_recv(mt_pipeline *p, mt_backend *be, void *buf, int peer, int tag)
+{
+    MT_CHECK(mt_comm_recv_tag(p->pp, buf, p->msg_bytes, MT_COMM_BYTE, peer, tag));
+    return msg_fenced(p, be) ? mt_comm_sync(p->pp) : MT_OK;
+}
+
 /* The table's tag folded into the communicator's range: two messages
  * between the same stages share a tag only MT_COMM_MAX_TAG / 2 boundaries
  * apart, far more than a stage keeps in flight, and MPI keeps the order of
@@ -87,8 +113,20 @@ static int msg_tag(const mt_sched_action *a, int n_chunks)
     return mt_sched_msg_tag(a, n_chunks) % MT_COMM_MAX_TAG;
 }
 
+/* Device time of the compute actions (issue 15): mark 0 begins the step,
+ * each compute action (FWD, BWD, BWD_IN, BWD_W) lies between a pair of
+ * marks on the backend's compute stream, the last mark ends the step (after
+ * the sends' wait). On CUDA the host runs ahead of the device, so a host
+ * clock around the host's calls would count the stage's own queued work as
+ * waiting; the marks time the device. A backend without marks: not timed. */
+static int mark(mt_pipeline *p, mt_backend *be)
+{
+    if (!be->mark || p->n_marks < 0) return MT_OK;
+    return be->mark(be, p->n_marks++);
+}
+
 static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backward,
-                      mt_pipeline_batch_fn fn, void *ctx, mt_mb_stats *st, double *idle)
+                      mt_pipeline_batch_fn fn, void *ctx, mt_mb_stats *st)
 {
     mt_pipeline *p = w->p;
     const int mb = a->mb, c = a->chunk, C = p->C;
@@ -101,16 +139,12 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
     int slot;
     mt_chunk_slot *sl;
     mt_backend *be = m ? m->be : NULL;
-    double t;
     switch (a->op) {
     case MT_SCHED_RECV_ACT:
         MT_CHECK(acquire(w, mb, c, &slot));
         if (w->dry) return MT_OK;
         sl = slot_at(m, p, mb, c);
-        t = now_s();
-        MT_CHECK(mt_comm_recv_tag(p->pp, sl->h[0], p->msg_bytes, MT_COMM_BYTE, a->peer, tag));
-        *idle += now_s() - t;
-        return MT_OK;
+        return msg_recv(p, be, sl->h[0], a->peer, tag);
     case MT_SCHED_FWD: {
         MT_CHECK(acquire(w, mb, c, &slot));
         int nslot = -1;
@@ -119,6 +153,7 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
         double weight;
         mt_mb_stats s1;
         MT_CHECK(fn(ctx, mb, p->tokens, &weight));
+        MT_CHECK(mark(p, be));
         MT_CHECK(mt_model_chunk_fwd(m, p->local_of[c], slot, p->tokens, backward, weight, &s1));
         st[mb].aux_loss += s1.aux_loss;
         if (p->chunk[c].last) {
@@ -131,30 +166,27 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
             mt_chunk_slot *nx = &m->chunks[p->local_of[c + 1]].slots[nslot];
             MT_CHECK(be->copy(be, nx->h[0], sl->h[layers_of(p, c)], p->msg_bytes));
         }
-        return MT_OK;
+        return mark(p, be);
     }
     case MT_SCHED_SEND_ACT:
         if (w->dry) return MT_OK;
         sl = slot_at(m, p, mb, c);
         if (!sl) return MT_ERR(MT_ESTATE, "pipeline: send_act of mb %d chunk %d before its "
                                "forward", mb, c);
-        return mt_comm_isend(p->pp, sl->h[layers_of(p, c)], p->msg_bytes, MT_COMM_BYTE, a->peer,
-                             tag);
+        return msg_send(p, be, sl->h[layers_of(p, c)], a->peer, tag);
     case MT_SCHED_RECV_GRAD:
         if (w->dry) return MT_OK;
         sl = slot_at(m, p, mb, c);
         if (!sl) return MT_ERR(MT_ESTATE, "pipeline: recv_grad of mb %d chunk %d before its "
                                "forward", mb, c);
-        t = now_s();
-        MT_CHECK(mt_comm_recv_tag(p->pp, sl->dh, p->msg_bytes, MT_COMM_BYTE, a->peer, tag));
-        *idle += now_s() - t;
-        return MT_OK;
+        return msg_recv(p, be, sl->dh, a->peer, tag);
     case MT_SCHED_BWD:
     case MT_SCHED_BWD_IN:
         if (!w->dry) {
             sl = slot_at(m, p, mb, c);
             if (!sl) return MT_ERR(MT_ESTATE, "pipeline: backward of mb %d chunk %d before its "
                                    "forward", mb, c);
+            MT_CHECK(mark(p, be));
             if (a->op == MT_SCHED_BWD_IN && !p->bwd_whole)
                 MT_CHECK(mt_model_chunk_bwd_in(m, p->local_of[c], p->slot_of[mb * C + c],
                                                &p->defer_of[mb * C + c]));
@@ -166,6 +198,7 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
                                        c - 1);
                 MT_CHECK(be->copy(be, pv->dh, sl->dh, p->msg_bytes));
             }
+            MT_CHECK(mark(p, be));
         }
         /* the input gradient stays until SEND_GRAD takes it */
         if (c == 0 || prev_local) release(w, mb, c);
@@ -175,16 +208,17 @@ static int run_action(walk *w, mt_model *m, const mt_sched_action *a, int backwa
         int *h = &p->defer_of[mb * C + c];
         if (*h < 0) return MT_ERR(MT_ESTATE, "pipeline: weight gradients of mb %d chunk %d "
                                   "before its input gradients", mb, c);
+        MT_CHECK(mark(p, be));
         MT_CHECK(mt_model_chunk_bwd_w(m, *h));
         *h = -1;
-        return MT_OK;
+        return mark(p, be);
     }
     case MT_SCHED_SEND_GRAD:
         if (!w->dry) {
             sl = slot_at(m, p, mb, c);
             if (!sl) return MT_ERR(MT_ESTATE, "pipeline: send_grad of mb %d chunk %d without "
                                    "its backward", mb, c);
-            MT_CHECK(mt_comm_isend(p->pp, sl->dh, p->msg_bytes, MT_COMM_BYTE, a->peer, tag));
+            MT_CHECK(msg_send(p, be, sl->dh, a->peer, tag));
         }
         release(w, mb, c);
         return MT_OK;
@@ -214,6 +248,9 @@ void mt_pipeline_free(mt_pipeline *p)
     free(p->busy);
     free(p->tokens);
     free(p->predicted_idle);
+    free(p->measured_idle);
+    free(p->mark_t);
+    free(p->chunk_costs);
     memset(p, 0, sizeof *p);
 }
 
@@ -230,6 +267,12 @@ int mt_pipeline_create(mt_pipeline *p, const mt_layout *l, const mt_model_config
     if (pp && mt_comm_size(pp) != l->pp)
         return MT_ERR(MT_EINVAL, "pipeline: the pp group has %d ranks, the layout %d",
                       mt_comm_size(pp), l->pp);
+    /* collective over the group: every stage creates its plan at once, and
+     * before anything that could fail on one stage alone */
+    if (pp) {
+        int ro = mt_comm_pipe_open(pp);
+        if (ro < 0) return mt_err_wrap(ro, "pipeline: opening the pp group for messages");
+    }
     int rc = mt_schedule_build(&p->sched, l, n_mb);
     if (rc < 0) return mt_err_wrap(rc, "pipeline: the schedule for %d micro-batches", n_mb);
     char err[256];
@@ -246,8 +289,13 @@ int mt_pipeline_create(mt_pipeline *p, const mt_layout *l, const mt_model_config
     p->slot_of = malloc((size_t)n_mb * C * sizeof *p->slot_of);
     p->defer_of = malloc((size_t)n_mb * C * sizeof *p->defer_of);
     p->predicted_idle = calloc((size_t)l->pp, sizeof *p->predicted_idle);
+    p->measured_idle = calloc((size_t)l->pp, sizeof *p->measured_idle);
+    p->chunk_costs = calloc((size_t)C, sizeof *p->chunk_costs);
+    /* marks: the step's begin and end, two per compute action at most */
+    p->mark_t = malloc((2 + 2 * (size_t)p->sched.n_actions[stage]) * sizeof *p->mark_t);
     if (!p->chunk || !p->local_of || !p->local_ids || !p->local_slots || !p->local_chunks ||
-        !p->slot_of || !p->defer_of || !p->predicted_idle) {
+        !p->slot_of || !p->defer_of || !p->predicted_idle || !p->measured_idle ||
+        !p->chunk_costs || !p->mark_t) {
         mt_pipeline_free(p);
         return MT_ERR(MT_ENOMEM, "pipeline: out of memory");
     }
@@ -269,13 +317,15 @@ int mt_pipeline_create(mt_pipeline *p, const mt_layout *l, const mt_model_config
     rc = held ? MT_OK : MT_ERR(MT_ENOMEM, "pipeline: out of memory");
     slots_reset(p);
     for (int i = 0; rc == MT_OK && i < p->sched.n_actions[stage]; i++)
-        rc = run_action(&w, NULL, &p->sched.actions[stage][i], 1, NULL, NULL, NULL, NULL);
+        rc = run_action(&w, NULL, &p->sched.actions[stage][i], 1, NULL, NULL, NULL);
     free(held);
     for (int i = 0; i < p->n_local; i++) {
         if (p->local_slots[i] < 1) p->local_slots[i] = 1;
         if (p->local_slots[i] > p->max_slots) p->max_slots = p->local_slots[i];
     }
     p->busy = calloc((size_t)(p->n_local > 0 ? p->n_local : 1) * p->max_slots, 1);
+    p->last_idle = p->measured_bubble = NAN;
+    for (int st = 0; st < l->pp; st++) p->measured_idle[st] = NAN;
     if (rc == MT_OK && !p->busy) rc = MT_ERR(MT_ENOMEM, "pipeline: out of memory");
     if (rc == MT_OK)
         rc = mt_schedule_predict(&p->sched, NULL, &p->predicted_bubble, p->predicted_idle);
@@ -311,7 +361,7 @@ static int prepare(mt_pipeline *p, mt_model *m)
 /* Validation: each micro-batch flows through the chunks in order (a stage
  * takes its chunks in ascending order per micro-batch: no cycle). */
 static int forward_only(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch_fn fn,
-                        void *ctx, mt_mb_stats *st, double *idle)
+                        void *ctx, mt_mb_stats *st)
 {
     mt_backend *be = m->be;
     for (int mb = 0; mb < n_mb; mb++)
@@ -321,10 +371,7 @@ static int forward_only(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch
             const mt_sched_action ra = {MT_SCHED_RECV_ACT, mb, c, -1};
             if (c > 0 && p->local_of[c - 1] < 0) {
                 const int from = mt_layout_stage_of_chunk(&p->layout, c - 1);
-                double t = now_s();
-                MT_CHECK(mt_comm_recv_tag(p->pp, sl->h[0], p->msg_bytes, MT_COMM_BYTE, from,
-                                          msg_tag(&ra, p->C)));
-                *idle += now_s() - t;
+                MT_CHECK(msg_recv(p, be, sl->h[0], from, msg_tag(&ra, p->C)));
             } else if (c > 0) {
                 mt_chunk_slot *pv = &m->chunks[p->local_of[c - 1]].slots[0];
                 MT_CHECK(be->copy(be, sl->h[0], pv->h[layers_of(p, c - 1)], p->msg_bytes));
@@ -341,26 +388,73 @@ static int forward_only(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch
             }
             if (c + 1 < p->C && p->local_of[c + 1] < 0) {
                 const mt_sched_action sa = {MT_SCHED_SEND_ACT, mb, c, -1};
-                MT_CHECK(mt_comm_isend(p->pp, sl->h[layers_of(p, c)], p->msg_bytes, MT_COMM_BYTE,
-                                       mt_layout_stage_of_chunk(&p->layout, c + 1),
-                                       msg_tag(&sa, p->C)));
+                MT_CHECK(msg_send(p, be, sl->h[layers_of(p, c)],
+                                  mt_layout_stage_of_chunk(&p->layout, c + 1), msg_tag(&sa, p->C)));
             }
         }
     return MT_OK;
 }
 
-/* The sends must be delivered before the step's collectives; then the
- * times of the step. */
-static int finish_step(mt_pipeline *p, mt_model *m, int rc, double t0, double idle)
+/* The measured costs of the step (issue 17): the mean device time of each
+ * compute action kind of each chunk of this stage, in seconds, summed over
+ * the pp group (each chunk's costs come from its one stage, the others add
+ * zeros: 4 doubles per chunk), then the table simulated with them. Marks
+ * pair up with the stage's compute actions in table order. */
+static int measure(mt_pipeline *p, mt_backend *be)
 {
-    const double t = now_s();
+    const int n = p->n_marks, C = p->C;
+    p->last_idle = p->measured_bubble = NAN;
+    for (int st = 0; st < p->layout.pp; st++) p->measured_idle[st] = NAN;
+    if (n < 2 || !be->marks_read) return MT_OK;
+    MT_CHECK(be->marks_read(be, n, p->mark_t));
+    double *sum = calloc((size_t)C * 8, sizeof *sum); /* [C][4] seconds, then [C][4] counts */
+    if (!sum) return MT_ERR(MT_ENOMEM, "pipeline: out of memory");
+    double busy = 0;
+    int k = 1;
+    for (int i = 0; i < p->sched.n_actions[p->stage]; i++) {
+        const mt_sched_action *a = &p->sched.actions[p->stage][i];
+        int kind = a->op == MT_SCHED_FWD ? 0 : a->op == MT_SCHED_BWD ? 1
+                 : a->op == MT_SCHED_BWD_IN ? 2 : a->op == MT_SCHED_BWD_W ? 3 : -1;
+        if (kind < 0 || (kind == 3 && p->bwd_whole)) continue;
+        if (k + 1 >= n) break; /* cannot happen: every compute action marks twice */
+        const double dt = p->mark_t[k + 1] - p->mark_t[k];
+        k += 2;
+        busy += dt;
+        sum[a->chunk * 4 + kind] += dt;
+        sum[C * 4 + a->chunk * 4 + kind] += 1;
+    }
+    const double span = p->mark_t[n - 1] - p->mark_t[0];
+    /* the actions lie inside the span, one after the other on one clock:
+     * in [0, 1] unless the marks are paired wrongly (test_trainer_pp) */
+    p->last_idle = span > 0 ? 1 - busy / span : 0;
+    for (int i = 0; i < C * 4; i++) sum[i] = sum[C * 4 + i] > 0 ? sum[i] / sum[C * 4 + i] : 0;
+    int rc = MT_OK;
+    if (p->pp && p->layout.pp > 1)
+        rc = mt_comm_all_reduce(mt_comm_host(p->pp), sum, sum, C * 4, MT_COMM_F64, MT_COMM_SUM);
+    else if (p->layout.pp > 1) { /* a test's lone stage: the others' costs are unknown */
+        free(sum);
+        return MT_OK;
+    }
+    for (int c = 0; rc == MT_OK && c < C; c++)
+        p->chunk_costs[c] = (mt_sched_costs){sum[c * 4], sum[c * 4 + 1], sum[c * 4 + 2],
+                                             sum[c * 4 + 3], 0};
+    free(sum);
+    if (rc < 0) return mt_err_wrap(rc, "pipeline: gathering the stages' measured costs");
+    return mt_schedule_predict_chunks(&p->sched, p->chunk_costs, &p->measured_bubble,
+                                      p->measured_idle);
+}
+
+/* The sends must be delivered before the step's collectives; then the
+ * times of the step (train: the marks' idle and the measured costs). */
+static int finish_step(mt_pipeline *p, mt_model *m, int rc, double t0, int train)
+{
     const int rw = p->pp ? mt_comm_wait_sends(p->pp) : MT_OK;
-    idle += now_s() - t;
+    if (train && rc == MT_OK && rw == MT_OK) rc = mark(p, m->be);
     if (rc < 0) return rc;
     if (rw < 0) return rw;
     MT_CHECK(m->be->sync(m->be));
-    p->last_idle_s = idle;
     p->last_busy_s = now_s() - t0;
+    if (train) MT_CHECK(measure(p, m->be));
     return MT_OK;
 }
 
@@ -370,9 +464,9 @@ int mt_pipeline_forward(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch
     MT_CHECK(prepare(p, m));
     memset(st, 0, (size_t)n_mb * sizeof *st);
     const double t0 = now_s();
-    double idle = 0;
-    int rc = forward_only(p, m, n_mb, fn, ctx, st, &idle);
-    return finish_step(p, m, rc, t0, idle);
+    p->n_marks = -1; /* validation: not timed */
+    int rc = forward_only(p, m, n_mb, fn, ctx, st);
+    return finish_step(p, m, rc, t0, 0);
 }
 
 int mt_pipeline_step(mt_pipeline *p, mt_model *m, mt_pipeline_batch_fn fn, void *ctx,
@@ -381,21 +475,22 @@ int mt_pipeline_step(mt_pipeline *p, mt_model *m, mt_pipeline_batch_fn fn, void 
     MT_CHECK(prepare(p, m));
     memset(st, 0, (size_t)p->n_mb * sizeof *st);
     const double t0 = now_s();
-    double idle = 0;
     walk w = {p, 0, NULL, NULL};
+    p->n_marks = 0;
+    MT_CHECK(mark(p, m->be));
     slots_reset(p);
     mt_model_defer_reset(m); /* nothing pending survives a failed step */
     int rc = MT_OK;
     for (int i = 0; rc == MT_OK && i < p->sched.n_actions[p->stage]; i++) {
         const mt_sched_action *a = &p->sched.actions[p->stage][i];
-        rc = run_action(&w, m, a, 1, fn, ctx, st, &idle);
+        rc = run_action(&w, m, a, 1, fn, ctx, st);
         if (rc < 0) {
             char s[96];
             mt_sched_action_format(a, s, sizeof s);
             rc = mt_err_wrap(rc, "pipeline stage %d, action %d (%s)", p->stage, i, s);
         }
     }
-    return finish_step(p, m, rc, t0, idle);
+    return finish_step(p, m, rc, t0, 1);
 }
 
 int mt_pipeline_grad_sumsq(const mt_pipeline *p, mt_model *m, const unsigned char *keep,

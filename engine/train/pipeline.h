@@ -27,8 +27,15 @@
  * the order of its input parts. bwd_whole (tests) runs BWD_IN as the whole
  * backward and BWD_W as nothing, for comparing.
  *
- * Idle time: the wall time spent blocked in receives and in the final wait
- * for the sends, over the step's pipeline time (mt_pipeline_stats).
+ * Idle time (issues 15, 17): the stage's compute actions (FWD, BWD, BWD_IN,
+ * BWD_W) are timed on the device with the backend's marks (CUDA: events on
+ * the compute stream, read once after the step's final sync; CPU: the host
+ * clock), and idle = 1 - their time / the step's span on the same clock
+ * (from the step's first mark to the one after the sends' wait). Each
+ * chunk's mean time per action kind, summed over the pp group (4 doubles a
+ * chunk, one host all-reduce per step), feeds the simulator
+ * (mt_schedule_predict_chunks): each stage's idle predicted from the
+ * measured costs, next to the table's prediction with equal costs.
  */
 #ifndef MT_PIPELINE_H
 #define MT_PIPELINE_H
@@ -65,8 +72,16 @@ typedef struct mt_pipeline {
     size_t msg_bytes;         /* one activation: N * D * act bytes */
     double predicted_bubble;  /* the table's bubble (simulator, default costs) */
     double *predicted_idle;   /* [pp] each stage's predicted idle fraction */
-    double last_idle_s;       /* last step: blocked in receives and send waits */
-    double last_busy_s;       /* last step: the executor's whole time */
+    double last_idle;         /* last training step: 1 - compute time / span on the device
+                                 clock (see above); NaN: not measured */
+    double last_busy_s;       /* last step: the executor's whole host time */
+    mt_sched_costs *chunk_costs; /* [C] last training step's mean device seconds per action
+                                 kind of each chunk (gathered over the pp group) */
+    double *measured_idle;    /* [pp] each stage's idle predicted from chunk_costs; NaN:
+                                 not measured */
+    double measured_bubble;   /* the bubble predicted from chunk_costs; NaN: not measured */
+    double *mark_t;           /* [2 + 2 x this stage's actions] the step's mark times */
+    int n_marks;              /* marks recorded in the step; -1: not timing */
 } mt_pipeline;
 
 /* Plans stage `stage` of layout l (pp > 1, or any layout for a test) for

@@ -49,6 +49,7 @@ void mt_trainer_model_opts(mt_model_opts *o, const mt_jobspec *j)
     o->mtp_weight = j->loss.mtp_weight;
     o->aux_alpha = j->loss.aux_alpha;
     o->expert_align = 0;
+    o->ep_overlap = j->ep_overlap == MT_EP_OVERLAP_HALVES;
 }
 
 static int open_data(mt_trainer *t)
@@ -130,10 +131,10 @@ static int pipeline_init(mt_trainer *t, mt_comm *pp, mt_model_opts *mo)
     const mt_layout *l = &t->job.parallel;
     const mt_model_config *c = &t->job.model;
     const int stage = mt_comm_rank(pp), last = mt_layout_stage_of_chunk(l, mt_layout_chunks(l) - 1);
-    if (mt_comm_backend_of(pp) == MT_COMM_NCCL || mt_comm_backend_of(pp) == MT_COMM_LOCAL)
-        return MT_ERR(MT_ENOTSUP, "parallel.pp %d: the %s backend has no pipeline messages yet "
-                      "(engine/parallel/comm.h); use parallel.comm=staged on CUDA, mpi on the "
-                      "cpu", l->pp, mt_comm_backend_name(mt_comm_backend_of(pp)));
+    if (mt_comm_backend_of(pp) == MT_COMM_LOCAL)
+        return MT_ERR(MT_ENOTSUP, "parallel.pp %d: the local backend has no pipeline messages "
+                      "(engine/parallel/comm.h); use parallel.comm=nccl or staged on CUDA, mpi "
+                      "on the cpu", l->pp);
     t->pp = pp;
     t->pipe = calloc(1, sizeof *t->pipe);
     t->mb_stats = calloc((size_t)t->accum, sizeof *t->mb_stats);
@@ -222,7 +223,7 @@ int mt_trainer_create_in(mt_trainer **out, const mt_jobspec *job, mt_backend *be
         MT_GOTO(mt_grad_buckets_build(t->gb, t->model, t->owner, dp, edp, expert_split, job),
                 fail);
     const int E = job->model.n_routed_experts;
-    if (dp && E > 0 && !(t->load_sum = calloc((size_t)E, sizeof *t->load_sum))) {
+    if ((dp || l->tp > 1) && E > 0 && !(t->load_sum = calloc((size_t)E, sizeof *t->load_sum))) {
         rc = MT_ERR(MT_ENOMEM, "trainer: out of memory");
         goto fail;
     }
@@ -429,7 +430,14 @@ static int balance_step(mt_trainer *t, mt_step_metrics *mt)
     for (int l = 0; l < m->n_blocks + m->n_mtp; l++) {
         const int64_t *load = mt_model_expert_load(m, l);
         if (!load) continue;
-        if (t->dp) { /* every rank sees the loads of the whole global batch */
+        /* every rank sees the loads of the whole global batch: the tp
+         * ranks' shares of the rows, then the dp ranks' batches */
+        if (t->tp_size > 1) {
+            MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->tpc), load, t->load_sum, (size_t)E,
+                                        MT_COMM_I64, MT_COMM_SUM));
+            load = t->load_sum;
+        }
+        if (t->dp) {
             MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), load, t->load_sum, (size_t)E,
                                         MT_COMM_I64, MT_COMM_SUM));
             load = t->load_sum;
@@ -651,8 +659,9 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     if (!t->dp) mt.compute_ms = mt.step_ms; /* nothing to wait for: the whole step is its own */
     mt.pp_size = t->pipe ? t->pipe->layout.pp : 0;
     mt.pp_stage = t->pipe ? t->pipe->stage : 0;
-    mt.pp_idle = t->pipe ? t->pipe->last_idle_s / dt : NAN;
+    mt.pp_idle = t->pipe ? t->pipe->last_idle : NAN;
     mt.pp_bubble = t->pipe ? t->pipe->predicted_idle[t->pipe->stage] : NAN;
+    mt.pp_bubble_measured = t->pipe ? t->pipe->measured_idle[t->pipe->stage] : NAN;
     const double tokens = (double)n_mb * B * j->batch.seq_len; /* all ranks */
     mt.tokens_per_s = tokens / dt;
     mt.tflops = t->flops_per_token * tokens / dt / 1e12 / t->dp_size /

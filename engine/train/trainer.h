@@ -30,20 +30,21 @@
  * same on every tp rank by construction (each region's entry gradient is
  * summed over tp, bit-identically everywhere), so dense (split and
  * replicated) parameters are reduced over the dp group of their tp rank
- * only, each tp rank's ZeRO-1 owners within it. Routed experts are
- * replicated over tp too (etp = 1, every tp rank runs them on its copy of
- * the tokens): their owner is an edp rank (the sharding map's folding:
- * with ep = 1, edp = tp + TP * dp), their buckets reduce over edp and
- * gather the owner's compute copies over edp. With ep > 1 (etp = 1) the ep
- * group folds over the tp x dp ranks and every tp rank dispatches its (the
- * same) tokens (a correct but TP-fold redundant expert pass: splitting the
- * tokens over tp before the dispatch, as sequence parallelism would allow,
- * is left to do). Either way each token reaches an expert's gradient TP
- * times in the edp sum (ep = 1: the tp ranks' equal copies; ep > 1: inside
- * each holder's gradient), so every routed expert's gradient is divided by
- * TP before it is reduced. With parallel.sequence_parallel the norms
- * outside the regions (and MTP's eh_proj) see only this rank's rows: their
- * gradients are summed over tp. Both fixes happen in the last
+ * only, each tp rank's ZeRO-1 owners within it. The exception is the
+ * router: each tp rank routes and dispatches only its 1/TP share of the
+ * token rows (the model's layers.h, mt_tp_share; under sequence
+ * parallelism its own rows), the MoE output being summed over tp with the
+ * shared experts' parts, so the router's gradient is summed over tp.
+ * Routed experts are replicated over tp too (etp = 1): their owner is an
+ * edp rank (the sharding map's folding: with ep = 1, edp = tp + TP * dp),
+ * their buckets reduce over edp and gather the owner's compute copies over
+ * edp. With ep > 1 (etp = 1) the ep group folds over the tp x dp ranks and
+ * every tp rank dispatches its share of the tokens. Either way each token
+ * reaches an expert's gradient once in the edp sum, which spans the tp
+ * ranks, so the experts' gradients need no fix. With
+ * parallel.sequence_parallel the norms outside the regions (and MTP's
+ * eh_proj) see only this rank's rows: their gradients are summed over tp.
+ * These fixes happen in the last
  * micro-batch's backward as each layer's gradients become final, before
  * the layer's buckets start (the model's on_layer_grads hook runs
  * trainer_tp.c's fixes, then the buckets'); what is left, after it.
@@ -51,14 +52,18 @@
  * the backward, so all of these fixes run after the step's last backward,
  * before the buckets.
  *
- * Expert tensor parallelism (parallel.etp = ETP > 1, with tp 1 and pp 1,
- * CPU backend): the ep group handed in is the exchange group of the
- * EP x ETP ranks with the same edp (groups.h: exp); the model holds slice
- * etp_rank of each of its experts (mt_params_etp_local) and the
- * dispatcher sends each routed row to every slice and sums the slices'
- * outputs (moe_a2a.h). The slices' gradients are whole parameters of
- * their own: reduced over edp, owned within edp, each counted once in the
- * norm (the etp ranks hold different slices).
+ * Expert tensor parallelism (parallel.etp = ETP > 1, with dp, ep, tp and
+ * pp, not with ep and pp both; CPU and CUDA backends): the ep group handed in is the
+ * exchange group of the EP x ETP ranks with the same edp (groups.h: exp);
+ * the model holds slice etp_rank of each of its experts
+ * (mt_params_etp_local) and the dispatcher sends each routed row to every
+ * slice and sums the slices' outputs (moe_a2a.h). The slices' gradients
+ * are whole parameters of their own: reduced over edp, owned within edp,
+ * each counted once in the norm (the etp ranks hold different slices).
+ * With tp > 1 the folding puts the etp ranks on the tp ranks first (etp
+ * fastest: with etp = tp the etp rank is the tp rank); each tp rank
+ * dispatches its share of the tokens to every slice, so each token reaches
+ * a slice's gradient once, as above.
  *
  * Reductions (which one each global quantity uses):
  *  - gradients: F32 sums at the owner in rank order x_0 + x_1 + ... on
@@ -83,9 +88,10 @@
  *    ranks compute the same, so they are not summed over tp), then over pp
  *    (the LM and MTP losses come from the last stage, the aux loss from
  *    each stage's MoE layers), so every rank logs the global loss;
- *  - expert loads: I64 sums over dp (each token is routed once, on its own
- *    rank; the tp ranks route the same), hence the router bias update; the
- *    sequence-wise balance loss is per sequence, so local.
+ *  - expert loads: I64 sums over tp (each tp rank counts the rows of its
+ *    share) then dp (each token is routed once, on its own rank), hence
+ *    the router bias update; the sequence-wise balance loss is per
+ *    sequence, so local (under tp every rank computes it on all rows).
  *
  * Pipeline parallelism (parallel.pp > 1, engine/train/pipeline.h): the
  * model holds this stage's chunks only and the executor runs the step's
@@ -100,7 +106,15 @@
  * stage's embedding and the last stage's head and replica split by
  * vocabulary rows alike); activations and their gradients go between the
  * same tp rank of neighbouring stages (under sequence parallelism, its
- * rows). Pipeline with expert parallelism is not run yet: refused.
+ * rows). With expert parallelism each stage's TP x DP ranks refold as
+ * ETP x EP x EDP (layout.h; etp 1 under pp): the stage's MoE layers (its
+ * chunks' decoder layers, and MTP's on the last stage) dispatch over the
+ * stage's ep group from inside the executor's FWD and BWD / BWD_IN
+ * actions (per-slot plans: several micro-batches in flight per chunk).
+ * Every ep rank of a stage runs the same action list, so their exchanges
+ * pair up in the same order; BWD_W only replays local GEMMs. The rules
+ * above hold per stage: expert gradients over edp, dense over dp, loads
+ * over dp (each stage its own layers), norm over dp, tp, then pp.
  *
  * A step: gradient accumulation over micro-batches to the global batch,
  * loss = LM + lambda * MTP + alpha * sequence-aux; a non-finite loss or

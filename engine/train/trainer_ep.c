@@ -20,10 +20,6 @@ int mt_trainer_ep_init(mt_trainer *t, mt_comm *ep, mt_comm *edp, mt_model_opts *
     /* rows travel as bf16: the CUDA backend's act values are bf16; the CPU's
      * are bf16 numbers under the bf16 and fp8 recipes (exact, half the
      * bytes), floats under fp32 (f32 wire) */
-    if (ETP > 1 && t->be->kind != MT_BE_CPU)
-        return MT_ERR(MT_ENOTSUP, "parallel.etp %d: expert tensor parallelism runs on the cpu "
-                      "backend only so far (the %s backend's is not tested yet); use etp = 1",
-                      ETP, t->be->name);
     const mt_comm_dtype wire = t->be->kind == MT_BE_CPU && j->precision.recipe == MT_RECIPE_FP32
                                    ? MT_COMM_F32
                                    : MT_COMM_BF16;

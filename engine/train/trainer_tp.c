@@ -30,6 +30,16 @@ static int is_split(const mt_param_desc *d)
 }
 
 /* Applied to sequence-split rows under sequence parallelism. */
+static int sp_role(mt_param_role r);
+
+/* A replicated parameter whose gradient is a term of a sum over tp: the
+ * router's (each tp rank routes its share of the rows: layers.h,
+ * mt_tp_share) and, under sequence parallelism, the norms of split rows. */
+static int summed_over_tp(const mt_param_desc *d, int sp)
+{
+    return d->expert < 0 && (d->role == MT_PR_ROUTER || (sp && sp_role(d->role)));
+}
+
 static int sp_role(mt_param_role r)
 {
     switch (r) {
@@ -66,8 +76,9 @@ int mt_trainer_tp_bind(mt_trainer *t)
     t->n_tp_fix = 0;
     for (int i = 0; i < np; i++) {
         const mt_param *p = &m->params[i];
-        if (p->grad && (p->d.expert >= 0 || (sp && sp_role(p->d.role))))
-            t->tp_fix[t->n_tp_fix++] = i;
+        /* the routed experts' gradients need no fix: each tp rank's are of
+         * its share of the rows, summed over edp (which spans the tp ranks) */
+        if (p->grad && summed_over_tp(&p->d, sp)) t->tp_fix[t->n_tp_fix++] = i;
         /* the norm: each routed expert is owned once in the world (edp x
          * ep), each split part once in its dp group, each replicated
          * parameter once in the dp group of every tp rank: tp rank 0's */
@@ -105,10 +116,6 @@ static int fix_upto(mt_trainer *t, int layer)
            ready_key(&m->params[t->tp_fix[t->tp_fix_next]]) >= layer) {
         mt_param *p = &m->params[t->tp_fix[t->tp_fix_next++]];
         const int64_t n = mt_param_numel(&p->d);
-        if (p->d.expert >= 0) {
-            MT_CHECK(be->scale_f32(be, p->grad, n, 1.0f / (float)t->tp_size));
-            continue;
-        }
         /* device groups: the group's stream is not the backend's (ops.h
          * does not expose it), so the host orders them, as the buckets do */
         if (device && !summed) MT_CHECK(be->sync(be));

@@ -20,10 +20,10 @@ void mt_trainer_tp_free(mt_trainer *t);
  * - sequence parallelism: the parameters applied to sequence-split rows
  *   (the norms outside the regions, MTP's eh_proj) hold this rank's rows'
  *   share of their gradient: summed over tp;
- * - routed experts: every tp rank computes them on the same tokens (etp 1),
- *   so the edp reduction, which spans the tp ranks, and under ep > 1 the
- *   dispatch, which brings each token from every tp rank, count each token
- *   tp times: the gradient is divided by tp (exact for a power of two).
+ * - the router: each tp rank routes its share of the rows (the model's
+ *   layers.h, mt_tp_share), so its gradient holds that share's: summed
+ *   over tp. (The routed experts need no fix: a token reaches them from
+ *   one tp rank only, and the edp reduction spans the tp ranks.)
  * mt_trainer_tp_arm(t, 1) before the step's last micro-batch (0 before the
  * others): its backward fixes each layer's parameters as soon as they are
  * final (mt_trainer_tp_layer_done, before the layer's gradient buckets

@@ -1,7 +1,9 @@
 /* cpu_backend.c - the CPU backend: creation, memory, conversions, add, copy2d. */
+#define _POSIX_C_SOURCE 200809L
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -119,6 +121,34 @@ static int cpu_sync(mt_backend *be)
     return MT_OK;
 }
 
+/* Marks: the host clock, every op having completed when it returns. */
+static int cpu_mark(mt_backend *be, int i)
+{
+    cpu_impl *c = cpu_of(be);
+    CPU_REQUIRE(i >= 0, "mark: index %d", i);
+    if (i >= c->cap_marks) {
+        int cap = c->cap_marks ? c->cap_marks : 64;
+        while (cap <= i) cap *= 2;
+        double *m = realloc(c->marks, (size_t)cap * sizeof *m);
+        if (!m) return MT_ERR(MT_ENOMEM, "cpu backend: out of memory for %d marks", cap);
+        c->marks = m;
+        c->cap_marks = cap;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    c->marks[i] = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    return MT_OK;
+}
+
+static int cpu_marks_read(mt_backend *be, int n, double *t)
+{
+    cpu_impl *c = cpu_of(be);
+    CPU_REQUIRE(n >= 0 && n <= c->cap_marks, "marks_read: %d marks, %d recorded at most", n,
+                c->cap_marks);
+    for (int i = 0; i < n; i++) t[i] = c->marks[i] - c->marks[0];
+    return MT_OK;
+}
+
 /* No stream: every op has completed when it returns. */
 static void *cpu_stream(mt_backend *be)
 {
@@ -136,6 +166,7 @@ static void cpu_mem_stats(mt_backend *be, size_t *in_use, size_t *peak)
 static void cpu_destroy(mt_backend *be)
 {
     if (!be) return;
+    if (be->impl) free(cpu_of(be)->marks);
     free(be->impl);
     free(be);
 }
@@ -262,6 +293,8 @@ int mt_backend_cpu_create(mt_backend **out, int threads)
     be->zero = cpu_zero;
     be->sync = cpu_sync;
     be->stream = cpu_stream;
+    be->mark = cpu_mark;
+    be->marks_read = cpu_marks_read;
     be->mem_stats = cpu_mem_stats;
     be->destroy = cpu_destroy;
     be->act_from_f32 = cpu_act_from_f32;

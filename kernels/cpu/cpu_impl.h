@@ -28,6 +28,8 @@ typedef struct cpu_impl {
     atomic_size_t in_use;   /* bytes allocated now */
     atomic_size_t peak;     /* most bytes allocated at once */
     float e4m3_lut[256];    /* e4m3 code -> value (no scale) */
+    double *marks;          /* [cap_marks] host clock of each mark, seconds */
+    int cap_marks;
 } cpu_impl;
 
 static inline cpu_impl *cpu_of(const mt_backend *be) { return (cpu_impl *)be->impl; }

@@ -188,6 +188,41 @@ static int cuda_sync(mt_backend *be)
 
 static void *cuda_stream_of(mt_backend *be) { return (void *)cuda_stream(be); }
 
+/* Marks: timing events on the main stream; more are created (a host call,
+ * no device wait) when an index first goes past those there are. */
+static int cuda_mark(mt_backend *be, int i)
+{
+    cuda_impl *c = cuda_of(be);
+    CUDA_REQUIRE(i >= 0, "mark: index %d", i);
+    if (i >= c->cap_marks) {
+        int cap = c->cap_marks ? c->cap_marks : 64;
+        while (cap <= i) cap *= 2;
+        cudaEvent_t *m = (cudaEvent_t *)realloc(c->marks, (size_t)cap * sizeof *m);
+        if (!m) return MT_ERR(MT_ENOMEM, "cuda backend: out of memory for %d marks", cap);
+        c->marks = m;
+        for (; c->cap_marks < cap; c->cap_marks++) /* cap_marks: the events created */
+            MT_CUDA_CHECK(cudaEventCreate(&m[c->cap_marks]));
+    }
+    MT_CUDA_CHECK(cudaEventRecord(c->marks[i], c->stream));
+    return MT_OK;
+}
+
+static int cuda_marks_read(mt_backend *be, int n, double *t)
+{
+    cuda_impl *c = cuda_of(be);
+    CUDA_REQUIRE(n >= 0 && n <= c->cap_marks, "marks_read: %d marks, %d recorded at most", n,
+                 c->cap_marks);
+    if (n == 0) return MT_OK;
+    MT_CUDA_CHECK(cudaEventSynchronize(c->marks[n - 1]));
+    t[0] = 0;
+    for (int i = 1; i < n; i++) {
+        float ms = 0;
+        MT_CUDA_CHECK(cudaEventElapsedTime(&ms, c->marks[0], c->marks[i]));
+        t[i] = 1e-3 * (double)ms;
+    }
+    return MT_OK;
+}
+
 /* ---- elementwise -------------------------------------------------------------- */
 
 __global__ void k_f32_to_bf16(bf16 *dst, const float *src, int64_t n)
@@ -282,6 +317,8 @@ void cuda_install_backend(mt_backend *be)
     be->zero = cuda_zero;
     be->sync = cuda_sync;
     be->stream = cuda_stream_of;
+    be->mark = cuda_mark;
+    be->marks_read = cuda_marks_read;
     be->mem_stats = cuda_mem_stats;
     be->act_from_f32 = cuda_act_from_f32;
     be->act_to_f32 = cuda_act_to_f32;
@@ -310,6 +347,8 @@ static void cuda_destroy(mt_backend *be)
         if (c->lt) cublasLtDestroy(c->lt);
         if (c->dnn) cudnnDestroy(c->dnn);
         if (c->arena) cudaFree(c->arena);
+        for (int i = 0; i < c->cap_marks; i++) cudaEventDestroy(c->marks[i]);
+        free(c->marks);
         if (c->stream) cudaStreamDestroy(c->stream);
         free(c->blocks);
         free(c);

@@ -72,6 +72,8 @@ typedef struct cuda_impl {
     cuda_gemm_cache *gemm;
     cuda_attn_cache *attn;
     cuda_prof *prof;           /* the op profile, when MOETRAIN_OP_PROFILE is set */
+    cudaEvent_t *marks;        /* [cap_marks] timing events of mt_backend.mark */
+    int cap_marks;
 } cuda_impl;
 
 static inline cuda_impl *cuda_of(const mt_backend *be) { return (cuda_impl *)be->impl; }

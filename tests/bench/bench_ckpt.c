@@ -1,8 +1,9 @@
 /* bench_ckpt.c - checkpoint throughput against dd on the same disk, the
  * stall of an asynchronous save against a plain host copy, peak memory.
  *
- *   bench_ckpt [--dir DIR] [--examples DIR] [--synth MOETRAIN-DATA] [--threads N]
- *              [--scale K] [--repeat R] [--keep] [--load-only]
+ *   bench_ckpt [--dir DIR] [--examples DIR] [--synth MOETRAIN-DATA]
+ *              [--ckpt-tool MOETRAIN-CKPT] [--threads N] [--scale K] [--repeat R]
+ *              [--keep] [--load-only]
  *   mpirun -np N bench_ckpt ...      (aggregate over the ranks: dp = N)
  *
  * Builds a DeepSeek-V3-architecture job on the CPU backend (one per rank)
@@ -17,8 +18,13 @@
  *   async write   the background part of an asynchronous save (shards,
  *                 index, fsyncs, commit): the disk-facing throughput
  *   load          a new job restoring it, page cache dropped first
- *   verify        moetrain-ckpt verify (every byte read and checksummed), cold
- *                 (rank 0 alone)
+ *   verify        `moetrain-ckpt verify --quiet` (every byte read and
+ *                 checksummed), cold: one process over every rank's shard
+ *                 file, as an operator runs it (started by rank 0 without
+ *                 the MPI job's local-rank variables, so it sizes its
+ *                 worker pool for the whole host; the other ranks wait
+ *                 without spinning); against dd read of the same run
+ *                 (under mpirun every rank's file at once: the aggregate)
  *   async stall   training blocked by an asynchronous save (the snapshot),
  *   host copy     against memcpy of the same bytes into touched memory
  * Under mpirun the load's line per rank follows: its own restore time and
@@ -27,18 +33,21 @@
  * comparing settings of the reads quickly).
  * Peak memory: the largest resident set during each phase above the one
  * at its start (Linux's VmHWM after clear_refs): what the phase allocates
- * beyond the job's own memory (the async saves' snapshot buffers count). Results go to tests/bench/RESULTS.md;
+ * beyond the job's own memory (the async saves' snapshot buffers count);
+ * for verify the peak resident set of its process. Results go to tests/bench/RESULTS.md;
  * tests/bench/bench_ckpt.sh runs the single-rank and the 4-rank cases.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <fcntl.h>
 #include <mpi.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -161,6 +170,87 @@ static double run_timed(const char *cmd)
     return now_s() - t0;
 }
 
+/* A barrier that sleeps instead of spinning (Open MPI's polls a core):
+ * the ranks that wait while rank 0 alone measures leave the cores to it. */
+static void quiet_barrier(void)
+{
+    MPI_Request rq;
+    MPI_Ibarrier(MPI_COMM_WORLD, &rq);
+    for (int done = 0;;) {
+        MPI_Test(&rq, &done, MPI_STATUS_IGNORE);
+        if (done) return;
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+extern char **environ;
+
+/* VmHWM of process pid in MB, or -1 (gone). */
+static double pid_hwm_mb(pid_t pid)
+{
+    char p[64], line[256];
+    snprintf(p, sizeof p, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(p, "r");
+    double v = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmHWM:", 6)) v = atof(line + 6) / 1024.0;
+    if (f) fclose(f);
+    return v;
+}
+
+/* Runs `tool verify --quiet dir` as its own process, as an operator does:
+ * the environment less the MPI job's (an mpirun rank's local-size
+ * variables would make the tool's pool share the host with ranks that are
+ * idle now). Its seconds, or -1; *peak_mb its peak resident set, sampled
+ * every 2 ms from /proc (the rusage of a child counts the memory of the
+ * process it was spawned from: this job's). */
+static double run_verify(const char *tool, const char *dir, double *peak_mb)
+{
+    const char *drop[] = {"OMPI_", "PMIX_", "MPI_LOCALNRANKS=", "SLURM_NTASKS_PER_NODE="};
+    int n = 0;
+    while (environ[n]) n++;
+    char **env = calloc((size_t)n + 1, sizeof *env);
+    if (!env) return -1;
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        int keep = 1;
+        for (size_t d = 0; d < sizeof drop / sizeof drop[0]; d++)
+            if (!strncmp(environ[i], drop[d], strlen(drop[d]))) keep = 0;
+        if (keep) env[k++] = environ[i];
+    }
+    char *argv[] = {(char *)tool, "verify", "--quiet", (char *)dir, NULL};
+    pid_t pid;
+    const double t0 = now_s();
+    int rc = posix_spawn(&pid, tool, NULL, NULL, argv, env);
+    free(env);
+    if (rc != 0) {
+        fprintf(stderr, "bench_ckpt: cannot run %s: %s\n", tool, strerror(rc));
+        return -1;
+    }
+    int st = 0;
+    double peak = 0, s = -1;
+    for (;;) {
+        const double h = pid_hwm_mb(pid);
+        peak = h > peak ? h : peak;
+        pid_t w = waitpid(pid, &st, WNOHANG);
+        if (w == pid) {
+            s = now_s() - t0;
+            break;
+        }
+        if (w < 0) return -1;
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+    }
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        fprintf(stderr, "bench_ckpt: %s verify %s: exit status %d\n", tool, dir,
+                WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+        return -1;
+    }
+    *peak_mb = peak;
+    return s;
+}
+
 /* Wall time of a collective phase: every rank starts together, the phase
  * ends when the last rank is done. */
 static double phase_begin(void)
@@ -197,13 +287,14 @@ int main(int argc, char **argv)
 {
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
-    const char *dir = "bench_ckpt.tmp", *examples = "deploy/examples", *synth = NULL;
+    const char *dir = "bench_ckpt.tmp", *examples = "deploy/examples", *synth = NULL, *ckpt_tool = NULL;
     int threads = 0, keep = 0, repeat = 3, load_only = 0;
     double scale = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--dir") && i + 1 < argc) dir = argv[++i];
         else if (!strcmp(argv[i], "--examples") && i + 1 < argc) examples = argv[++i];
         else if (!strcmp(argv[i], "--synth") && i + 1 < argc) synth = argv[++i];
+        else if (!strcmp(argv[i], "--ckpt-tool") && i + 1 < argc) ckpt_tool = argv[++i];
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--scale") && i + 1 < argc) scale = atof(argv[++i]);
         else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
@@ -211,7 +302,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--load-only")) load_only = 1;
         else {
             fprintf(stderr, "usage: bench_ckpt [--dir DIR] [--examples DIR] [--synth MOETRAIN-DATA] "
-                            "[--threads N] [--scale K] [--repeat R] [--keep] [--load-only]\n");
+                            "[--ckpt-tool MOETRAIN-CKPT] [--threads N] [--scale K] [--repeat R] "
+                            "[--keep] [--load-only]\n");
             return 1;
         }
     }
@@ -220,11 +312,13 @@ int main(int argc, char **argv)
     if (mt_runtime_create(&rt) < 0) return die("runtime");
     mt_log_set_rank(rt->rank);
     const int rank = rt->rank, world = rt->size;
-    char cmd[8192], p[4096], root[4096], data[4096], tool[4096];
+    char cmd[8192], p[4096], root[4096], data[4096], tool[4096], vtool[4096];
     snprintf(root, sizeof root, "%s/ckpt", dir);
     snprintf(data, sizeof data, "%s/syn", dir);
     if (synth) snprintf(tool, sizeof tool, "%s", synth);
     else snprintf(tool, sizeof tool, "%s/engine/moetrain-data", getenv("MT_BIN_DIR") ? getenv("MT_BIN_DIR") : "build");
+    if (ckpt_tool) snprintf(vtool, sizeof vtool, "%s", ckpt_tool);
+    else snprintf(vtool, sizeof vtool, "%s/ckpt/moetrain-ckpt", getenv("MT_BIN_DIR") ? getenv("MT_BIN_DIR") : "build");
     if (rank == 0) {
         snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s' && '%s' synth --output '%s' --vocab 1024 "
                  "--tokens 20000 --seed 1 > /dev/null", dir, dir, tool, data);
@@ -383,18 +477,19 @@ int main(int argc, char **argv)
         return 0;
     }
 
-    /* ---- verify, cold (rank 0: the whole checkpoint) ---- */
+    /* ---- verify, cold: one moetrain-ckpt process over every file ---- */
     double t_verify = -1, mem_verify = 0;
+    quiet_barrier();
     if (rank == 0) {
-        m0 = mem_start();
         for (int k = 0; k < repeat; k++) {
             drop_cache(root);
-            t0 = now_s();
-            if (mt_ckpt_verify(root, NULL, NULL, NULL) < 0) return die("verify");
-            t_verify = best(t_verify, now_s() - t0);
+            double peak = 0, s = run_verify(vtool, root, &peak);
+            if (s < 0) return die("verify (moetrain-ckpt)");
+            t_verify = best(t_verify, s);
+            mem_verify = peak > mem_verify ? peak : mem_verify;
         }
-        mem_verify = mem_peak(m0);
     }
+    quiet_barrier();
 
     /* ---- asynchronous saves: the stall, and the background write ---- */
     mt_job_ckpt *cb;
@@ -457,7 +552,9 @@ int main(int argc, char **argv)
             {"async write", t_bg, gb, ddw, mem_async, "background part of an async save (snapshot buffers included)"},
             {"dd read", t_ddr, all_dd / 1e9, 0, 0, "page cache dropped"},
             {"load", t_load, gb, ddr, mem_load, "restore into the job's trainer, cold"},
-            {"verify", t_verify, gb, world > 1 ? 0 : ddr, mem_verify, "moetrain-ckpt verify, cold (rank 0)"},
+            {"verify", t_verify, gb, ddr, mem_verify,
+             world > 1 ? "moetrain-ckpt verify, cold: one process, every rank's file (MB: its peak RSS)"
+                       : "moetrain-ckpt verify, cold (MB: its peak RSS)"},
             {"async stall", t_stall, sg, 0, 0, "training blocked by an async save, buffers reused"},
             {"host copy", t_copy, sg, 0, 0, "memcpy of the snapshot's bytes into touched memory"},
         };
@@ -468,8 +565,7 @@ int main(int argc, char **argv)
         printf("\n| %d | %.2f GB | %.2f (%.0f %%) | %.2f (%.0f %%) | %.2f | %.2f (%.0f %%) | ",
                world, gb, gb / t_save, 100 * gb / t_save / ddw, gb / t_bg, 100 * gb / t_bg / ddw, ddw,
                gb / t_load, 100 * gb / t_load / ddr);
-        if (world == 1) printf("%.2f (%.0f %%) | ", gb / t_verify, 100 * gb / t_verify / ddr);
-        else printf("%.2f | ", gb / t_verify);
+        printf("%.2f (%.0f %%) | ", gb / t_verify, 100 * gb / t_verify / ddr);
         printf("%.2f | %.0f / %.0f ms (%.2fx) | %.0f / %.0f / %.0f MB |\n", ddr, t_stall * 1e3,
                t_copy * 1e3, t_stall / t_copy, mem_save, mem_load, mem_verify);
         fflush(stdout);

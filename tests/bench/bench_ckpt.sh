@@ -22,6 +22,8 @@
 #                  defaults. MT_CKPT_* variables in the environment (e.g.
 #                  MT_CKPT_THREADS, MT_CKPT_DIRECT_READ) reach every run.
 #
+# verify is `moetrain-ckpt verify` run as its own process over every rank's
+# file (under mpirun: the aggregate, against the ranks' dd reads at once).
 # Prints each run's table (GB/s, % of dd, peak memory) and the rows for
 # tests/bench/RESULTS.md with date, machine and commit. Memory: the job
 # holds about 4.8 x the checkpoint (weights, gradients, optimizer state)
@@ -41,13 +43,14 @@ while [ $# -gt 0 ]; do
     --repeat) repeat="$2"; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
     --io) io="$2"; shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "bench_ckpt.sh: unknown option $1" >&2; exit 1 ;;
   esac
 done
 if [ -n "$bundle" ]; then
   bundle="$(cd "$bundle" && pwd)"
   bench="$bundle/bin/bench_ckpt" synth="$bundle/bin/moetrain-data" examples="$bundle/deploy/examples"
+  ckpt_tool="$bundle/bin/moetrain-ckpt"
   mpirun="$bundle/bin/mpirun"
   # always: a host's own Open MPI (Ubuntu's on the lent hosts) at the same
   # paths has other PMIx plugins, which the bundle's orted cannot load
@@ -56,11 +59,13 @@ if [ -n "$bundle" ]; then
   commit="$(sed -n 's/^commit: //p' "$bundle/BUNDLE.txt" 2>/dev/null || echo unknown)"
 else
   bench="$build/tests/bench/bench_ckpt" synth="$build/engine/moetrain-data" examples="$src/deploy/examples"
+  ckpt_tool="$build/ckpt/moetrain-ckpt"
   mpirun="$(command -v mpirun || true)"
   commit="$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)"
   [ -z "$(git -C "$src" status --porcelain --untracked-files=no 2>/dev/null)" ] || commit="$commit+changes"
 fi
 [ -x "$bench" ] || { echo "bench_ckpt.sh: no $bench (build it: make bench_ckpt)" >&2; exit 2; }
+[ -x "$ckpt_tool" ] || { echo "bench_ckpt.sh: no $ckpt_tool (verify runs it; build it: make moetrain-ckpt)" >&2; exit 2; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The CPU backend's OpenMP threads would spin between its parallel loops
 # and take the cores the checkpoint's I/O threads need (a fifth of a
@@ -87,8 +92,8 @@ for mode in ${io//,/ }; do
     *) echo "bench_ckpt.sh: --io: unknown pass $mode" >&2; exit 1 ;;
   esac
   MT_CKPT_DIRECT="$direct" \
-    "$bench" --dir "$dir/run" --examples "$examples" --synth "$synth" --scale "$scale" \
-    --repeat "$repeat" --threads "$t1" 2>&1 | grep -v '^\[moetrain' | tee "$out"
+    "$bench" --dir "$dir/run" --examples "$examples" --synth "$synth" --ckpt-tool "$ckpt_tool" \
+    --scale "$scale" --repeat "$repeat" --threads "$t1" 2>&1 | grep -v '^\[moetrain' | tee "$out"
   rows+=("$(grep '^| 1 |' "$out" | sed "s/^| 1 |/| 1 ($mode) |/")")
 done
 
@@ -104,7 +109,7 @@ if [ "$ranks" -gt 1 ]; then
     fwd=()
     for v in $(env | sed -n 's/^\(MT_CKPT_[A-Z_]*\)=.*/\1/p'); do fwd+=(-x "$v"); done
     "$mpirun" --oversubscribe "${fwd[@]}" -np "$ranks" "$bench" --dir "$dir/run" --examples "$examples" \
-      --synth "$synth" --scale "$rs" --repeat "$repeat" --threads "$tn" 2>&1 | grep -v '^\[moetrain' | tee "$out"
+      --synth "$synth" --ckpt-tool "$ckpt_tool" --scale "$rs" --repeat "$repeat" --threads "$tn" 2>&1 | grep -v '^\[moetrain' | tee "$out"
     rows+=("$(grep "^| $ranks |" "$out" | sed "s/^| $ranks |/| $ranks (default) |/")")
   fi
 fi

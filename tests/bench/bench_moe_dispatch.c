@@ -23,6 +23,22 @@
  * --gpu BACKEND: the CUDA backend's buffers through a device communicator
  * (rank r on GPU r % devices; nccl wants a GPU per rank), each phase
  * timed after the device finished it.
+ *
+ *   ... --layer [--ffn F] [--shared-ffn S]
+ *
+ * The MoE layer's forward around real experts (parallel.ep_overlap,
+ * engine/model/layer_moe.c): counts, dispatch, the local experts (grouped
+ * GEMMs gate/up [2F, D], SwiGLU, down [D, F] in the act type, random
+ * weights), combine, and the shared expert on the tokens (one FFN of S
+ * columns, default F; 0: none); timed as a whole (slowest rank, mean of
+ * the iterations), each iteration running it with ep_overlap = none and
+ * with halves (the first half of every rank's experts travels beside the
+ * shared expert, then the second beside the first half's experts, the
+ * first half's outputs travel back beside the second half's experts), in
+ * alternating order. Also timed alone: the exchanges (none without the
+ * experts) and the experts (routed on the local layout, and shared); and
+ * whether halves gave none's combined rows bit for bit. bf16 or f32 wire
+ * (the FP8 payload: not in this mode).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <mpi.h>
@@ -83,10 +99,182 @@ static void *bbuf(mt_backend *be, size_t bytes)
     return p;
 }
 
+/* First row of local expert e's segment. */
+static int64_t seg_row(const mt_moe_plan *p, int e)
+{
+    int64_t r = 0;
+    for (int g = 0; g < e; g++) r += p->local_rows[g];
+    return r;
+}
+
+/* Local experts [e0, e1) on their segments of xl into the same rows of yl:
+ * gup = xl W1^T (W1 [2F, D] per expert), hp = silu(gate) * up, yl = hp W2^T
+ * (W2 [D, F]). */
+static void experts(mt_backend *be, const mt_moe_plan *p, int e0, int e1, void *yl,
+                    const void *xl, void *gup, void *hp, const void *w1, const void *w2, int D,
+                    int F)
+{
+    const size_t act = mt_act_size(be);
+    const int64_t r0 = seg_row(p, e0), Rl = seg_row(p, e1) - r0;
+    if (Rl == 0) return;
+    const int *rows = p->local_rows + e0, G = e1 - e0;
+    char *g = (char *)gup + (size_t)r0 * 2 * F * act, *h = (char *)hp + (size_t)r0 * F * act;
+    MUST(be->gemm_grouped(be, 0, g, 0, 2 * F, 0, (const char *)xl + (size_t)r0 * D * act, D, 0,
+                          (const char *)w1 + (size_t)e0 * 2 * F * D * act, D, 0,
+                          (int64_t)2 * F * D, rows, G, 2 * F, D, 1.0f, 0));
+    MUST(be->swiglu_fwd(be, h, g, (int)Rl, F));
+    MUST(be->gemm_grouped(be, 0, (char *)yl + (size_t)r0 * D * act, 0, D, 0, h, F, 0,
+                          (const char *)w2 + (size_t)e0 * D * F * act, F, 0, (int64_t)D * F, rows,
+                          G, D, F, 1.0f, 0));
+}
+
+/* The shared expert (Fs = 0: none) on the N tokens: ys = down(silu(gate x)
+ * * up x), W [2 Fs, D] and [D, Fs]. */
+typedef struct shared_ffn {
+    int Fs;
+    void *w1, *w2, *gu, *h, *y;
+} shared_ffn;
+
+static void shared_fwd(mt_backend *be, const shared_ffn *s, const void *x, int N, int D)
+{
+    if (!s->Fs) return;
+    MUST(be->gemm(be, s->gu, 0, 2 * s->Fs, x, D, 0, s->w1, D, 0, N, 2 * s->Fs, D, 1.0f, 0));
+    MUST(be->swiglu_fwd(be, s->h, s->gu, N, s->Fs));
+    MUST(be->gemm(be, s->y, 0, D, s->h, s->Fs, 0, s->w2, s->Fs, 0, N, D, s->Fs, 1.0f, 0));
+}
+
+/* One forward of the layer's exchanges and experts; mode 0: none, 1:
+ * halves (the shared expert beside the first dispatch, as the layer does),
+ * 2: the exchanges alone, 3: the experts alone, routed (on the layout the
+ * last dispatch left) and shared. */
+static void layer_fwd(mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p, int mode,
+                      void *yp, void *xl, void *yl, void *gup, void *hp, const void *w1,
+                      const void *w2, const shared_ffn *sh, const void *x, const int32_t *src,
+                      const int *rows, int N, int D, int F)
+{
+    const int El = d->E_local, h = El / 2;
+    void *out;
+    if (mode == 3) {
+        experts(be, p, 0, El, yl, xl, gup, hp, w1, w2, D, F);
+        shared_fwd(be, sh, x, N, D);
+        return;
+    }
+    if (mode != 1) {
+        MUST(d->dispatch(d, be, p, 1, &out, xl, NULL, x, src, rows, D));
+        if (mode == 0) experts(be, p, 0, El, yl, xl, gup, hp, w1, w2, D, F);
+        MUST(d->combine(d, be, p, yp, yl, D));
+        if (mode == 0) shared_fwd(be, sh, x, N, D);
+        return;
+    }
+    MUST(d->counts(d, be, p, rows));
+    MUST(d->dispatch_start(d, be, p, 0, h, xl, NULL, x, src, D));
+    shared_fwd(be, sh, x, N, D);
+    MUST(d->finish(d));
+    MUST(d->dispatch_start(d, be, p, h, El, xl, NULL, x, src, D));
+    experts(be, p, 0, h, yl, xl, gup, hp, w1, w2, D, F);
+    MUST(d->finish(d));
+    MUST(d->combine_start(d, be, p, 0, h, yp, yl, D));
+    experts(be, p, h, El, yl, xl, gup, hp, w1, w2, D, F);
+    MUST(d->finish(d));
+    MUST(d->combine_start(d, be, p, h, El, yp, yl, D));
+    MUST(d->finish(d));
+}
+
+static void layer_bench(mt_comm *c, mt_moe_dispatcher *d, mt_backend *be, mt_moe_plan *p,
+                        int64_t Rl, const void *x, const int32_t *src, const int *rows, int N,
+                        int D, int F, int Fs, int K, int iters, const char *gpu, int threads,
+                        mt_comm_dtype wire)
+{
+    const int El = d->E_local, P = mt_comm_size(c);
+    const size_t act = mt_act_size(be);
+    const int64_t R = (int64_t)N * K;
+    if (El < 2) die("--layer: halves needs 2 local experts or more (--experts / ranks)", MT_EINVAL);
+    /* weights: small random values (bf16 numbers), per local expert, and
+     * the shared expert's */
+    shared_ffn sh = {.Fs = Fs};
+    const size_t n1 = (size_t)El * 2 * F * D, n2 = (size_t)El * D * F;
+    const size_t n3 = (size_t)2 * Fs * D, n4 = (size_t)D * Fs;
+    const size_t nmax = n1 > n2 ? (n1 > n3 ? n1 : n3) : (n2 > n3 ? n2 : n3);
+    float *hw = malloc(sizeof(float) * nmax);
+    if (!hw) die("out of memory", MT_ENOMEM);
+    void *w1 = bbuf(be, act * n1), *w2 = bbuf(be, act * n2);
+    if (Fs) {
+        sh.w1 = bbuf(be, act * n3);
+        sh.w2 = bbuf(be, act * n4);
+        sh.gu = bbuf(be, act * N * 2 * Fs);
+        sh.h = bbuf(be, act * N * Fs);
+        sh.y = bbuf(be, act * N * D);
+    }
+    float *tmp = bbuf(be, 4 * nmax);
+    void *dst[4] = {w1, w2, sh.w1, sh.w2};
+    const size_t cnt[4] = {n1, n2, n3, n4};
+    for (int pass = 0; pass < (Fs ? 4 : 2); pass++) {
+        const size_t n = cnt[pass];
+        const float scale = 1.0f / (float)(pass == 1 ? F : pass == 3 ? Fs : D);
+        for (size_t i = 0; i < n; i++)
+            hw[i] = mt_bf16_round(scale * (float)mt_hash_normal(99 + (uint64_t)rank_ * 4 + pass, i));
+        MUST(be->upload(be, tmp, hw, 4 * n));
+        MUST(be->act_from_f32(be, dst[pass], tmp, (int64_t)n));
+    }
+    be->free(be, tmp);
+    free(hw);
+    void *xl = bbuf(be, act * Rl * D), *yl = bbuf(be, act * Rl * D);
+    void *gup = bbuf(be, act * Rl * 2 * F), *hp = bbuf(be, act * Rl * F);
+    /* yp of none, of halves, of the exchanges alone */
+    void *yp[3] = {bbuf(be, act * R * D), bbuf(be, act * R * D), bbuf(be, act * R * D)};
+    double t[4] = {0};
+    for (int it = 0; it <= iters; it++) {
+        /* none and halves in alternating order, then the parts alone */
+        const int order[4] = {it % 2, 1 - it % 2, 2, 3};
+        for (int k = 0; k < 4; k++) {
+            const int mode = order[k];
+            MUST(be->sync(be));
+            MUST(mt_comm_barrier(c));
+            const double t0 = now_s();
+            layer_fwd(d, be, p, mode, yp[mode < 3 ? mode : 2], xl, yl, gup, hp, w1, w2, &sh, x,
+                      src, rows, N, D, F);
+            MUST(be->sync(be));
+            MUST(mt_comm_sync(c));
+            MUST(mt_comm_barrier(c));
+            if (it > 0) t[mode] += now_s() - t0;
+        }
+    }
+    /* halves against none, bit for bit (the last iteration's) */
+    char *a = malloc(act * R * D + 1), *b = malloc(act * R * D + 1);
+    if (!a || !b) die("out of memory", MT_ENOMEM);
+    MUST(be->download(be, a, yp[0], act * R * D));
+    MUST(be->download(be, b, yp[1], act * R * D));
+    int same = memcmp(a, b, act * R * D) == 0, all_same;
+    free(a);
+    free(b);
+    /* host values: through the host side of a device communicator */
+    mt_comm *hc = mt_comm_host(c);
+    MUST(mt_comm_all_reduce(hc, &same, &all_same, 1, MT_COMM_I32, MT_COMM_MIN));
+    double tmax[4];
+    for (int k = 0; k < 4; k++) t[k] /= iters;
+    MUST(mt_comm_all_reduce(hc, t, tmax, 4, MT_COMM_F64, MT_COMM_MAX));
+    if (rank_ == 0) {
+        printf("MoE layer forward (--layer): ranks %d, tokens/rank %d, hidden %d, ffn %d, top-%d "
+               "of %d experts (%d per rank), shared ffn %d, %s wire, %d iterations, %s\n", P, N,
+               D, F, K, d->E, El, Fs, mt_comm_dtype_name(wire), iters,
+               gpu ? "CUDA backend" : "CPU backend");
+        if (gpu) printf("device communicator: %s\n", gpu);
+        else printf("%d thread(s)/rank\n", threads);
+        printf("ep_overlap none %.2f ms | halves %.2f ms (%.1f %% of none) | exchanges alone "
+               "%.2f ms | experts alone %.2f ms | halves == none bit for bit: %s\n",
+               1e3 * tmax[0], 1e3 * tmax[1], 100.0 * tmax[1] / tmax[0], 1e3 * tmax[2],
+               1e3 * tmax[3], all_same ? "yes" : "NO");
+    }
+    void *bufs[] = {w1, w2, xl, yl, gup, hp, yp[0], yp[1], yp[2], sh.w1, sh.w2, sh.gu, sh.h, sh.y};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        if (bufs[i]) be->free(be, bufs[i]);
+}
+
 int main(int argc, char **argv)
 {
     const char *gpu = NULL;
     int N = 4096, D = 7168, E = 256, K = 8, align = 128, iters = 3, threads = 1;
+    int layer = 0, F = 2048, Fs = -1; /* Fs -1: one shared expert of F */
     mt_comm_dtype wire = MT_COMM_BF16;
     int fp8 = 0;
     for (int i = 1; i < argc; i++) {
@@ -99,6 +287,9 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--iters") && has) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--gpu") && has) gpu = argv[++i];
+        else if (!strcmp(argv[i], "--layer")) layer = 1;
+        else if (!strcmp(argv[i], "--ffn") && has) F = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--shared-ffn") && has) Fs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--wire") && has) {
             ++i;
             wire = !strcmp(argv[i], "f32") ? MT_COMM_F32 : MT_COMM_BF16;
@@ -106,7 +297,7 @@ int main(int argc, char **argv)
         } else {
             fprintf(stderr, "usage: bench_moe_dispatch [--tokens N] [--hidden D] [--experts E] "
                             "[--topk K] [--align A] [--wire bf16|f32|fp8] [--iters I] [--threads T] "
-                            "[--gpu staged|nccl|local]\n");
+                            "[--gpu staged|nccl|local] [--layer [--ffn F] [--shared-ffn S]]\n");
             return 2;
         }
     }
@@ -179,6 +370,22 @@ int main(int argc, char **argv)
     mt_moe_plan plan;
     MUST(mt_moe_plan_init(&plan, P, El, align));
     plan.Rl_cap = Rl;
+    if (layer) {
+        if (fp8) die("--layer: a bf16 or f32 wire (the FP8 payload is not in this mode)", MT_EINVAL);
+        layer_bench(c, d, be, &plan, Rl, x, src, rows, N, D, F, Fs < 0 ? F : Fs, K, iters, gpu,
+                    threads, wire);
+        mt_moe_plan_free(&plan);
+        d->destroy(d);
+        void *bufs[] = {slot, src, counts, didx, w, tmp, x, y, xp, xl};
+        for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) be->free(be, bufs[i]);
+        mt_comm_destroy(c);
+        be->destroy(be);
+        free(idx);
+        free(rows);
+        free(h);
+        MPI_Finalize();
+        return 0;
+    }
 
     double t[5] = {0}, best_a2a = 1e30, tquant = 0;
     int64_t s0 = 0, r0 = 0, s1, r1;

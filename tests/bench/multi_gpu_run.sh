@@ -20,8 +20,11 @@
 #          tp=2,dp=2 tp=2,pp=2 pp=2,ep=2"; EQ_SETS: more settings for every
 #          run, e.g. "--set precision.recipe=bf16"); prints the largest
 #          relative loss difference per layout. A layout the program refuses
-#          is reported as refused. Layouts with pp use parallel.comm=staged
-#          (pipeline messages have no NCCL path yet).
+#          is reported as refused. Every layout runs over NCCL (pp too:
+#          pipeline messages over NCCL links); EQ_PP_COMM=staged runs the
+#          layouts with pp over staged MPI (host memory) instead, and
+#          EQ_PP_COMM=both runs them both ways (the staged run labelled
+#          "+staged"), for comparing the two.
 #   proxy  deploy/examples/dsv3-proxy.json, PROXY_STEPS (default 20) steps:
 #          one GPU, then ep=N over N GPUs (dp=N for the dense part), each
 #          GPU with the one-GPU run's micro-batches (global batch PROXY_GBS,
@@ -105,27 +108,40 @@ if want eq; then
   echo "== eq: tiny-cpu on CUDA, $steps steps, one GPU"
   CUDA_VISIBLE_DEVICES=0 "$bin/moetraind" "${tiny[@]}" --metrics-jsonl "$out/eq-1.jsonl" > "$out/eq-1.log" 2>&1
   echo "one GPU rc=$?: $(losses "$out/eq-1.jsonl" | tail -n 1)"
+  # layouts with pp: over nccl (default), staged, or both (EQ_PP_COMM)
+  runs=""
   for l in $layouts; do
+    case ",$l," in
+      *,pp=*) case "${EQ_PP_COMM:-nccl}" in
+                staged) runs="$runs $l+staged" ;;
+                both) runs="$runs $l $l+staged" ;;
+                *) runs="$runs $l" ;;
+              esac ;;
+      *) runs="$runs $l" ;;
+    esac
+  done
+  for run in $runs; do
+    l="${run%+staged}"
     # world = tp * pp * dp with dp derived: the product of tp and pp, times
     # dp when given, else times what ep needs (ep folds into tp * dp)
     np=1; sets=()
     for kv in ${l//,/ }; do sets+=(--set "parallel.$kv"); done
-    # pipeline messages have no NCCL path yet: MPI through host memory
-    case ",$l," in *,pp=*) sets+=(--set parallel.comm=staged) ;; esac
+    # +staged: pipeline messages (and every collective) through host memory
+    [ "$run" != "$l" ] && sets+=(--set parallel.comm=staged)
     np=$(echo "$l" | awk -F, '{ tp = 1; pp = 1; dp = 0; ep = 1
       for (i = 1; i <= NF; i++) { split($i, a, "="); if (a[1] == "tp") tp = a[2]; if (a[1] == "pp") pp = a[2];
         if (a[1] == "dp") dp = a[2]; if (a[1] == "ep") ep = a[2] }
       if (dp == 0) { dp = 1; while (tp * dp % ep) dp++ }
       print tp * pp * dp }')
-    [ "$np" -gt "$ngpu" ] && { echo "$l: needs $np GPUs, skipped"; continue; }
-    f="$out/eq-${l//[=,]/_}"
+    [ "$np" -gt "$ngpu" ] && { echo "$run: needs $np GPUs, skipped"; continue; }
+    f="$out/eq-${run//[=,+]/_}"
     mpi "$np" "$bin/moetraind" "${tiny[@]}" "${sets[@]}" --set parallel.dp=0 \
       --metrics-jsonl "$f.jsonl" > "$f.log" 2>&1
     rc=$?
     if [ "$rc" -ne 0 ]; then
-      echo "$l ($np GPUs): rc=$rc: $(grep -m1 -E ' E |error|refuse' "$f.log" | cut -c1-200)"
+      echo "$run ($np GPUs): rc=$rc: $(grep -m1 -E ' E |error|refuse' "$f.log" | cut -c1-200)"
     else
-      echo "$l ($np GPUs): largest relative loss difference to one GPU $(max_rel "$out/eq-1.jsonl" "$f.jsonl")"
+      echo "$run ($np GPUs): largest relative loss difference to one GPU $(max_rel "$out/eq-1.jsonl" "$f.jsonl")"
     fi
   done
 fi
