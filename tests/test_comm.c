@@ -1162,7 +1162,11 @@ static void t_pipe_stream_ordered(mt_comm *c, uint64_t seed)
     MUST(mt_comm_set_stream(c, s));
     for (int k = 0; k < 2; k++) {
         gen(h, MT_COMM_F32, count, seed + (uint64_t)k, me, 0, 1);
-        buf_put(ds, h, b);
+        /* written on the compute stream, as the runtime's kernels write
+         * what it sends: a plain cudaMemcpy from pageable memory may return
+         * before its DMA lands, and the non-blocking streams do not wait for
+         * the legacy stream (the first GPU run read the buffer early) */
+        cudaMemcpyAsync(ds, h, b, cudaMemcpyHostToDevice, s);
         int rc = mt_comm_isend(c, ds, count, MT_COMM_F32, next, 11 + k);
         if (rc < 0) FAIL("pipeline isend tag %d, stream ordered: %s", 11 + k, mt_errmsg());
     }
