@@ -172,6 +172,7 @@ struct mt_ckpt {
     int *file_fd;                /* [n_files] our own descriptors for chunk reads, -1 */
     int *file_dfd;               /* [n_files] O_DIRECT descriptors of them, or -1 */
     int reader_rank;             /* mt_ckpt_set_reader_rank, or -1 */
+    unsigned char *skip;         /* [n_tensors] mt_ckpt_skip_fn's hints, or NULL */
     int64_t *file_base;          /* [n_files] HDF5 base address (user block bytes) */
     int *piece_file;             /* [n_pieces] */
     int hash_cap;

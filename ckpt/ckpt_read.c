@@ -81,6 +81,7 @@ void mt_ckpt_close(mt_ckpt *ck)
     free(ck->file_base);
     free(ck->piece_file);
     free(ck->hash);
+    free(ck->skip);
     for (int i = 0; i < ck->n_bufs; i++) free(ck->bufs[i]);
     free(ck->bufs);
     free(ck);
@@ -926,9 +927,24 @@ static int pf_launch(mt_ckpt *ck, int q)
  * piece when the reader's rank is unset. */
 static int pf_wanted(const mt_ckpt *ck, int q)
 {
-    return ck->pieces[q].nbytes <= PF_PIECE_MAX &&
-           (ck->reader_rank < 0 || ck->file_rank[ck->piece_file[q]] == ck->reader_rank ||
-            strncmp(ck->pieces[q].tensor, "optimizer.", 10) != 0);
+    if (ck->pieces[q].nbytes > PF_PIECE_MAX) return 0;
+    if (ck->reader_rank < 0 || ck->file_rank[ck->piece_file[q]] == ck->reader_rank) return 1;
+    if (!strncmp(ck->pieces[q].tensor, "optimizer.", 10)) return 0;
+    /* a weight another replica reads (mt_ckpt_skip_fn) */
+    const int x = ck->skip ? mt_ckpt_find(ck, ck->pieces[q].tensor) : -1;
+    return x < 0 || !ck->skip[x];
+}
+
+void mt_ckpt_skip_fn(void *ctx, const char *name)
+{
+    mt_ckpt *ck = ctx;
+    if (!ck->skip && !(ck->skip = calloc((size_t)(ck->n_tensors > 0 ? ck->n_tensors : 1), 1)))
+        return; /* only a hint */
+    char scale[MT_TENSOR_NAME_CAP + 16];
+    int x = mt_ckpt_find(ck, name);
+    if (x >= 0) ck->skip[x] = 1;
+    if (mt_shard_scale_name(scale, sizeof scale, name) == MT_OK && (x = mt_ckpt_find(ck, scale)) >= 0)
+        ck->skip[x] = 1;
 }
 
 /* Tops up the read-ahead of file fi after piece `after` (pf_mu held). */

@@ -62,7 +62,7 @@ int mt_job_rollback(mt_job_ckpt *jc, mt_trainer *t, mt_comm *world, mt_rollback_
     mt_ckpt *ck;
     MT_CHECK(mt_ckpt_open(&ck, r->path));
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
-    mt_tensor_reader rd = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn};
+    mt_tensor_reader rd = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn, NULL, 0};
     rc = mt_train_state_restore(t, &rd, m->state_json);
     mt_ckpt_close(ck);
     /* every rank restored, or the job ends on all of them */
