@@ -171,7 +171,11 @@ static int restore_from(const mt_job_ckpt *jc, mt_trainer *t, const char *path)
         return rc;
     }
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
-    mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn, mt_ckpt_skip_fn, 1};
+    /* MT_CKPT_NO_SHARED_LOAD=1: every rank reads all it holds (as before
+     * issue 23; for comparing the two: the loaded bits are the same) */
+    const char *ns = getenv("MT_CKPT_NO_SHARED_LOAD");
+    mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn, mt_ckpt_skip_fn,
+                          !(ns && !strcmp(ns, "1"))};
     rc = mt_train_state_restore(t, &r, m->state_json);
     if (rc == MT_OK) {
         MT_LOGI("restored step %lld (%lld samples) from %s: %.2f GB in %.1f s", (long long)t->step,

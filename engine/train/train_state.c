@@ -540,6 +540,8 @@ static mt_comm *replica_group(const mt_trainer *t, int i)
 typedef struct share_plan {
     mt_comm **group; /* [params] */
     int *reader;     /* [params] */
+    int n_shared, n_mine;           /* weights with replicas; of them read here */
+    int64_t bytes_mine, bytes_recv; /* bytes sent from here / received (as sent) */
 } share_plan;
 
 static void share_plan_free(share_plan *sp)
@@ -552,6 +554,7 @@ static int share_plan_build(share_plan *sp, const mt_trainer *t, int has_opt)
 {
     const mt_model *m = t->model;
     const int np = m->table.n > 0 ? m->table.n : 1;
+    memset(sp, 0, sizeof *sp);
     sp->group = calloc((size_t)np, sizeof *sp->group);
     sp->reader = malloc((size_t)np * sizeof *sp->reader);
     mt_comm *gs[2] = {NULL, NULL};
@@ -579,6 +582,14 @@ static int share_plan_build(share_plan *sp, const mt_trainer *t, int has_opt)
         const int64_t n = mt_param_numel(&p->d);
         sp->group[i] = g;
         sp->reader[i] = best;
+        const int64_t sent = p->q ? n + ((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128) * 4 : 4 * n;
+        sp->n_shared++;
+        if (best == mt_comm_rank(g)) {
+            sp->n_mine++;
+            sp->bytes_mine += sent;
+        } else {
+            sp->bytes_recv += sent;
+        }
         load[k][best] += p->q ? n : 2 * n; /* stored e4m3, or bf16 / f32 (a proxy) */
         const int own = t->owner ? t->owner[i] : -1;
         if (has_opt && own >= 0 && own < gn) load[k][own] += ob * n;
@@ -736,7 +747,7 @@ int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char 
     }
     /* a shared source: each replicated weight read by one replica and sent
      * to the others; the readers' plan is the same on every replica */
-    share_plan plan = {NULL, NULL}, *sp = NULL;
+    share_plan plan, *sp = NULL;
     int rc = MT_OK;
     if (r->shared && (t->dp || t->edp)) {
         rc = share_plan_build(&plan, t, sc.has_opt);
@@ -756,6 +767,10 @@ int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char 
         }
     }
     const int shared = sp != NULL;
+    if (sp && rc == MT_OK)
+        MT_LOGI("restore: %d of %d replicated weights read here (%.1f MB), %.1f MB received from "
+                "the other replicas", sp->n_mine, sp->n_shared, (double)sp->bytes_mine / 1e6,
+                (double)sp->bytes_recv / 1e6);
     if (sp) share_plan_free(sp);
     free(host);
     free(hs);
