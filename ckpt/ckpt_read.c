@@ -923,16 +923,18 @@ static int pf_launch(mt_ckpt *ck, int q)
 /* Whether piece q is for the read-ahead: small, and in the reader's own
  * shard or not optimizer state (FORMAT.md: a parameter's optimizer state
  * has one owner, who reads it; weights in another rank's shard may be
- * replicas this rank holds too, written by the lowest replica). Every
- * piece when the reader's rank is unset. */
+ * replicas this rank holds too, written by the lowest replica), and not a
+ * tensor another replica reads for this one (mt_ckpt_skip_fn). Every
+ * piece when the reader's rank is unset and nothing is skipped. */
 static int pf_wanted(const mt_ckpt *ck, int q)
 {
     if (ck->pieces[q].nbytes > PF_PIECE_MAX) return 0;
-    if (ck->reader_rank < 0 || ck->file_rank[ck->piece_file[q]] == ck->reader_rank) return 1;
-    if (!strncmp(ck->pieces[q].tensor, "optimizer.", 10)) return 0;
-    /* a weight another replica reads (mt_ckpt_skip_fn) */
+    /* a weight another replica reads (mt_ckpt_skip_fn), in any shard: the
+     * writer's own shard holds the weights its replicas read */
     const int x = ck->skip ? mt_ckpt_find(ck, ck->pieces[q].tensor) : -1;
-    return x < 0 || !ck->skip[x];
+    if (x >= 0 && ck->skip[x]) return 0;
+    return ck->reader_rank < 0 || ck->file_rank[ck->piece_file[q]] == ck->reader_rank ||
+           strncmp(ck->pieces[q].tensor, "optimizer.", 10) != 0;
 }
 
 void mt_ckpt_skip_fn(void *ctx, const char *name)

@@ -153,6 +153,16 @@ static int agree(const mt_job_ckpt *jc, int rc)
     return MT_ERR(worst, "rank %d: %s", who, msg);
 }
 
+mt_tensor_reader mt_job_ckpt_reader(mt_ckpt *ck)
+{
+    /* MT_CKPT_NO_SHARED_LOAD=1: as before issue 23 (for comparing the two:
+     * the loaded bits are the same) */
+    const char *ns = getenv("MT_CKPT_NO_SHARED_LOAD");
+    mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn, mt_ckpt_skip_fn,
+                          !(ns && !strcmp(ns, "1"))};
+    return r;
+}
+
 /* Collective over the job's ranks (all of them call it for the same path):
  * the restore's replica groups send each replicated weight from the one
  * replica that reads it (issue 23), so every rank must get there or none. */
@@ -171,11 +181,7 @@ static int restore_from(const mt_job_ckpt *jc, mt_trainer *t, const char *path)
         return rc;
     }
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
-    /* MT_CKPT_NO_SHARED_LOAD=1: every rank reads all it holds (as before
-     * issue 23; for comparing the two: the loaded bits are the same) */
-    const char *ns = getenv("MT_CKPT_NO_SHARED_LOAD");
-    mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn, mt_ckpt_skip_fn,
-                          !(ns && !strcmp(ns, "1"))};
+    mt_tensor_reader r = mt_job_ckpt_reader(ck);
     rc = mt_train_state_restore(t, &r, m->state_json);
     if (rc == MT_OK) {
         MT_LOGI("restored step %lld (%lld samples) from %s: %.2f GB in %.1f s", (long long)t->step,
