@@ -184,7 +184,8 @@ struct mt_ckpt {
      * read whole, in the order of their file, read and checked by the
      * pool's workers into memory the next whole read takes; in another
      * rank's shard (when the reader's rank is set) only pieces that are
-     * not optimizer state; pieces the reader skips are dropped */
+     * not optimizer state; never tensors another replica reads (skip);
+     * pieces the reader skips are dropped */
     pthread_mutex_t pf_mu;
     pthread_cond_t pf_cv;
     int pf_on;                   /* mutex and condition initialised */
