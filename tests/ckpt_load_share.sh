@@ -24,7 +24,9 @@ fp8=(--set precision.recipe=fp8-blockwise)
 run 2 two --set checkpoint.dir="$tmp/ck" --set checkpoint.interval=3
 run 2 two8 "${fp8[@]}" --set checkpoint.dir="$tmp/ck8" --set checkpoint.interval=3
 src_ck=$tmp/ck/step_00000003
-[ -d "$src_ck" ] && [ -d "$tmp/ck8/step_00000003" ] || { echo "FAIL: dp = 2 saved no checkpoint at step 3"; exit 1; }
+for d in "$src_ck" "$tmp/ck8/step_00000003"; do
+    [ -d "$d" ] || { echo "FAIL: dp = 2 saved no checkpoint $d"; exit 1; }
+done
 
 # same NAME CKPT [SETTINGS...]: resumed on 4 ranks from CKPT shared and
 # unshared, the same losses and the same step-6 checkpoint
