@@ -115,6 +115,17 @@ struct mt_backend {
      * orders a device communicator's ops with the backend's kernels
      * without host waits. NULL on the CPU backend (ops complete on return). */
     void *(*stream)(mt_backend *be);
+    /* Host memory the backend copies to and from at full speed: page-locked
+     * on CUDA (cudaHostAlloc: device copies run at PCIe / NVLink-C2C speed,
+     * ~20 GB/s on H100, against ~1-2 GB/s through pageable memory, which
+     * the driver stages in pieces); plain 64-byte aligned malloc on the CPU.
+     * For large host copies of device state that are reused (checkpoint
+     * snapshots, restore staging); not counted by mem_stats. host_free
+     * takes NULL. An upload from such memory is truly asynchronous: the
+     * caller must not overwrite the source before a sync (pageable sources
+     * are staged before upload returns). */
+    int (*host_alloc)(mt_backend *be, size_t bytes, void **p);
+    void (*host_free)(mt_backend *be, void *p);
     /* Device timestamps (the pipeline's measured idle, issue 15): mark(be, i)
      * records mark i (0 <= i, growing as needed) at this point of the
      * compute stream, reached when the backend's earlier ops have completed

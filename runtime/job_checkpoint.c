@@ -60,6 +60,7 @@ struct mt_job_ckpt {
     char err[1024];
     double t_start;
     double t_call;             /* when the save was asked for */
+    double wait_ms, copy_ms;   /* of the stall: waiting for the previous save, the host copy */
     int foreground;            /* training waits for the whole save */
     mt_job_ckpt_stats st;
     pthread_mutex_t mu;        /* guards st */
@@ -163,10 +164,19 @@ mt_tensor_reader mt_job_ckpt_reader(mt_ckpt *ck)
     return r;
 }
 
+/* The reserved snapshot, when no save writes from it: its slab may stage
+ * a restore's reads. */
+static const mt_train_snapshot *idle_snapshot(const mt_job_ckpt *jc)
+{
+    return jc->snap.slab && !jc->busy ? &jc->snap : NULL;
+}
+
 /* Collective over the job's ranks (all of them call it for the same path):
  * the restore's replica groups send each replicated weight from the one
- * replica that reads it (issue 23), so every rank must get there or none. */
-static int restore_from(const mt_job_ckpt *jc, mt_trainer *t, const char *path)
+ * replica that reads it (issue 23), so every rank must get there or none.
+ * stage: a reserved snapshot whose slab stages the reads (or NULL). */
+static int restore_from(const mt_job_ckpt *jc, mt_trainer *t, const char *path,
+                        const mt_train_snapshot *stage)
 {
     double t0 = now_ms();
     mt_ckpt *ck = NULL;
@@ -182,7 +192,8 @@ static int restore_from(const mt_job_ckpt *jc, mt_trainer *t, const char *path)
     }
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
     mt_tensor_reader r = mt_job_ckpt_reader(ck);
-    rc = mt_train_state_restore(t, &r, m->state_json);
+    rc = mt_train_state_restore_staged(t, &r, m->state_json, stage ? stage->slab : NULL,
+                                       stage ? stage->slab_bytes : 0);
     if (rc == MT_OK) {
         MT_LOGI("restored step %lld (%lld samples) from %s: %.2f GB in %.1f s", (long long)t->step,
                 (long long)t->consumed_samples, mt_ckpt_dir(ck), (double)mt_ckpt_bytes(ck) / 1e9,
@@ -220,7 +231,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
     char first[MT_PATH_CAP + 32], root[MT_PATH_CAP + 32];
     int rc = agree(jc, mt_ckpt_resolve(jc->job.init.path, first, sizeof first));
     if (rc < 0) return mt_err_wrap(rc, "init.path %s", jc->job.init.path);
-    rc = agree(jc, restore_from(jc, t, first));
+    rc = agree(jc, restore_from(jc, t, first, idle_snapshot(jc)));
     if (rc == MT_OK || !jc->job.init.fallback || !is_damage(rc))
         return rc < 0 ? mt_err_wrap(rc, "init.path %s", jc->job.init.path) : rc;
     /* the older steps of its root, newest first; a step the daemon holds
@@ -244,7 +255,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
         char path[MT_PATH_CAP + 32];
         mt_ckpt_step_path(path, sizeof path, root, steps[i], 0);
         MT_LOGW("checkpoint: %s cannot be loaded (%s); init.fallback: trying %s", tried, why, path);
-        rc = agree(jc, restore_from(jc, t, path));
+        rc = agree(jc, restore_from(jc, t, path, idle_snapshot(jc)));
         if (rc < 0) snprintf(why, sizeof why, "%s", mt_errmsg());
         snprintf(tried, sizeof tried, "%s", path);
     }
@@ -272,7 +283,9 @@ static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
     int rc = cj ? same_config(cj, &t->job.model, jc->job.init.path) : MT_ERR(MT_ENOMEM, "out of memory");
     free(cj);
     mt_tensor_reader r = {h, mt_hf_read_fn, mt_hf_read_fp8_fn, NULL, 0};
-    if (rc == MT_OK) rc = mt_train_state_restore(t, &r, NULL);
+    if (rc == MT_OK)
+        rc = mt_train_state_restore_staged(t, &r, NULL, idle_snapshot(jc) ? jc->snap.slab : NULL,
+                                           jc->snap.slab_bytes);
     if (rc == MT_OK)
         MT_LOGI("imported the weights of %s in %.1f s", jc->job.init.path, (now_ms() - t0) / 1e3);
     else
@@ -281,9 +294,29 @@ static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
     return rc;
 }
 
+/* On a device the snapshot is page-locked host memory; locking ~14 GB
+ * takes seconds, which would be the first save's stall: done when the job
+ * starts, before its state loads (the slab, idle until the first save,
+ * then stages the restore's reads: no page-locked buffers of its own). */
+static void reserve_snapshot(mt_job_ckpt *jc, mt_trainer *t)
+{
+    if (!jc->root[0] || jc->job.checkpoint.interval <= 0 || t->model->be->kind == MT_BE_CPU)
+        return;
+    double t0 = now_ms();
+    if (mt_train_state_snapshot_reserve(t, &jc->snap) == MT_OK) {
+        MT_LOGI("checkpoint: %.2f GB of %s host memory for the snapshot in %.1f s",
+                (double)jc->snap.slab_bytes / 1e9, jc->snap.slab_pinned ? "page-locked" : "pageable",
+                (now_ms() - t0) / 1e3);
+    } else {
+        MT_LOGW("checkpoint: %s; the first save allocates its snapshot", mt_errmsg());
+        mt_err_clear();
+    }
+}
+
 int mt_job_ckpt_restore(mt_job_ckpt *jc, mt_trainer *t)
 {
     MT_CHECK(mt_job_resume_auto(&jc->job, jc->comm)); /* issue 20 */
+    reserve_snapshot(jc, t);
     if (jc->job.init.kind == MT_INIT_CHECKPOINT) MT_CHECK(restore_checkpoint(jc, t));
     if (jc->job.init.kind == MT_INIT_HF) MT_CHECK(restore_hf(jc, t));
     if (jc->job.init.kind != MT_INIT_RANDOM) jc->st.restored_step = t->step;
@@ -407,10 +440,14 @@ static int finish(mt_job_ckpt *jc)
         jc->st.failures++;
     }
     pthread_mutex_unlock(&jc->mu);
+    char copy[96] = "written from the trainer's memory";
+    if (jc->cur != &jc->view)
+        snprintf(copy, sizeof copy, "host copy %.1f ms at %.2f GB/s", jc->copy_ms,
+                 (double)jc->st.last_bytes / 1e6 / (jc->copy_ms > 0 ? jc->copy_ms : 1));
     if (rc == MT_OK && jc->rank == 0)
-        MT_LOGI("checkpoint step_%08lld committed in %s: stall %.1f ms, written in %.1f ms "
-                "(%.1f MB, %.0f MB/s)",
-                (long long)jc->step, jc->root, jc->st.last_stall_ms, ms,
+        MT_LOGI("checkpoint step_%08lld committed in %s: stall %.1f ms (waiting for the previous "
+                "save %.1f ms, %s), written in %.1f ms (%.1f MB, %.0f MB/s)",
+                (long long)jc->step, jc->root, jc->st.last_stall_ms, jc->wait_ms, copy, ms,
                 (double)jc->st.last_bytes / 1e6, (double)jc->st.last_bytes / 1e3 / (ms > 0 ? ms : 1));
     else if (rc < 0)
         MT_LOGE("checkpoint step_%08lld failed: %s; the previous checkpoint stays the newest",
@@ -518,6 +555,7 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
     if (prev < 0) MT_LOGW("%s", mt_errmsg());
     jc->t_start = now_ms();
     jc->t_call = t0;
+    jc->wait_ms = jc->t_start - t0;
     jc->foreground = !background;
     jc->step = t->step;
     jc->rc = MT_OK;
@@ -532,6 +570,7 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
         jc->cur = &jc->snap;
         rc = mt_train_state_snapshot(t, jc->cur);
     }
+    jc->copy_ms = now_ms() - jc->t_start;
     if (rc == MT_OK) {
         jc->meta.step = jc->cur->step;
         jc->meta.consumed_samples = jc->cur->consumed_samples;
@@ -591,6 +630,13 @@ int mt_job_ckpt_save_now(mt_job_ckpt *jc, mt_trainer *t)
 }
 
 int mt_job_ckpt_wait(mt_job_ckpt *jc) { return jc ? progress(jc, 1) : MT_OK; }
+
+void mt_job_ckpt_stage_mem(mt_job_ckpt *jc, void **mem, size_t *bytes)
+{
+    const mt_train_snapshot *s = jc ? idle_snapshot(jc) : NULL;
+    *mem = s ? s->slab : NULL;
+    *bytes = s ? s->slab_bytes : 0;
+}
 
 void mt_job_ckpt_get_stats(mt_job_ckpt *jc, mt_job_ckpt_stats *s)
 {

@@ -77,6 +77,10 @@ int mt_job_ckpt_save_now(mt_job_ckpt *jc, mt_trainer *t);
 
 /* Waits for the save in flight; returns its status. */
 int mt_job_ckpt_wait(mt_job_ckpt *jc);
+/* Host memory idle between saves that may stage a restore (the snapshot's
+ * slab, page-locked on a GPU, when one is held and no save writes from
+ * it): *mem, *bytes; NULL, 0 otherwise. Valid until the next save. */
+void mt_job_ckpt_stage_mem(mt_job_ckpt *jc, void **mem, size_t *bytes);
 
 void mt_job_ckpt_get_stats(mt_job_ckpt *jc, mt_job_ckpt_stats *s);
 

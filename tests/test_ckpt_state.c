@@ -5,7 +5,13 @@
  * mode, each recipe), step and data position; the next step then computes
  * the same loss bit for bit. Asynchronous saves report their stall and
  * write time; a Hugging Face export imported into a trainer gives the same
- * FP8 weights; a job never mixes its history with a newer one. */
+ * FP8 weights; a job never mixes its history with a newer one. The
+ * snapshot is one slab of the backend's host memory, reused by every save.
+ *
+ * Usage: test_ckpt_state EXAMPLES_DIR [cuda]. With "cuda" the same runs on
+ * the CUDA backend (the snapshot then page-locked host memory, the restore
+ * staged through page-locked buffers; the fp32 recipe, CPU only, is left
+ * out); exits 77 without a CUDA device. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -25,14 +31,17 @@ static char tmp[1024];
 static char corpus[1100];
 static const char *examples;
 static mt_backend *be;
+static int on_cuda; /* argv[2] == "cuda" */
 
 static int setup(void **state)
 {
     (void)state;
-    mt_test_tmpdir(tmp, sizeof tmp, "ckpt_state");
+    mt_test_tmpdir(tmp, sizeof tmp, on_cuda ? "ckpt_state_cuda" : "ckpt_state");
     snprintf(corpus, sizeof corpus, "%s/syn", tmp);
     if (mt_test_synth(corpus, "--vocab 64 --tokens 100000 --seed 5") != 0) return -1;
-    return mt_backend_cpu_create(&be, 0) == MT_OK ? 0 : -1;
+    int rc = on_cuda ? mt_backend_cuda_create(&be, 0, 0) : mt_backend_cpu_create(&be, 0);
+    if (rc) fprintf(stderr, "%s\n", mt_errmsg());
+    return rc == MT_OK ? 0 : -1;
 }
 
 static int teardown(void **state)
@@ -211,8 +220,111 @@ static void test_exact_bf16_recipe(void **state)
 static void test_exact_fp32_recipe(void **state)
 {
     (void)state;
+    if (on_cuda) skip(); /* the fp32 recipe runs on the CPU only */
     const char *x[] = {"precision.recipe=fp32", "precision.main_params=none"};
     roundtrip("fp32", x, 2);
+}
+
+/* A region of the trainer's state downloaded on its own, against the
+ * snapshot's copy of it. */
+static void region_equal(const void *snap, const void *dev, size_t bytes, const char *what)
+{
+    if (!bytes) return;
+    void *h = malloc(bytes);
+    ok(be->download(be, h, dev, bytes));
+    bytes_equal(snap, h, bytes, what);
+    free(h);
+}
+
+/* The snapshot is one slab of the backend's host memory (page-locked on
+ * CUDA), reserved ahead or at the first snapshot and reused by the next
+ * ones of the same trainer; each copy equals the trainer's state at its
+ * step, after training moved it. */
+static void test_snapshot_slab_reused(void **state)
+{
+    (void)state;
+    mt_jobspec j;
+    tiny_job(&j, NULL, 0);
+    mt_trainer *t;
+    ok(mt_trainer_create(&t, &j, be));
+    mt_train_snapshot x;
+    memset(&x, 0, sizeof x);
+    ok(mt_train_state_snapshot_reserve(t, &x));
+    void *slab = x.slab;
+    assert_non_null(slab);
+    assert_int_equal(x.slab_pinned, 1); /* pinning works on the test machines */
+    for (int round = 0; round < 2; round++) {
+        ok(mt_trainer_step(t, NULL));
+        ok(mt_train_state_snapshot(t, &x));
+        assert_ptr_equal(x.slab, slab);
+        assert_true(x.bytes > 0 && x.bytes <= x.slab_bytes);
+        assert_int_equal(x.step, t->step);
+        const mt_model *m = t->model;
+        const mt_optimizer *o = t->opt;
+        int64_t n_act = 0, n_q = 0, n_s = 0, n_f = 0;
+        for (int i = 0; i < x.n_params; i++) {
+            const mt_param *p = &m->params[i];
+            const int64_t n = mt_param_numel(&p->d);
+            const int64_t nb = ((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128);
+            if (x.params[i].act_off + n > n_act && x.params[i].act_off >= 0) n_act = x.params[i].act_off + n;
+            if (x.params[i].q_off >= 0 && x.params[i].q_off + n > n_q) n_q = x.params[i].q_off + n;
+            if (x.params[i].s_off >= 0 && x.params[i].s_off + nb > n_s) n_s = x.params[i].s_off + nb;
+            if (x.params[i].f32_off >= 0 && x.params[i].f32_off + n > n_f) n_f = x.params[i].f32_off + n;
+        }
+        region_equal(x.act, m->buf_act, (size_t)n_act * (size_t)x.act_bytes, "act weights");
+        region_equal(x.q, m->buf_q, (size_t)n_q, "FP8 weights");
+        region_equal(x.s, m->buf_s, (size_t)n_s * 4, "FP8 scales");
+        region_equal(x.f32, m->buf_f32, (size_t)n_f * 4, "router biases");
+        region_equal(x.m, o->m, (size_t)o->n_state * 2, "exp_avg");
+        region_equal(x.v, o->v, (size_t)o->n_state * 2, "exp_avg_sq");
+        assert_non_null(x.master);
+        region_equal(x.master, o->master, (size_t)o->n_state * (size_t)x.master_bytes, "main params");
+    }
+    mt_train_snapshot_free(&x);
+    assert_null(x.slab);
+    mt_trainer_destroy(t);
+}
+
+/* A restore staged in memory the caller lends (the job's reserved
+ * snapshot slab) loads the same state as one with its own staging, and
+ * does stage there (the lent bytes change); a lend too small for the
+ * largest parameter is not used. */
+static void test_restore_staged_in_lent_memory(void **state)
+{
+    (void)state;
+    char dir[1300], step[1400], set_init[1400];
+    snprintf(dir, sizeof dir, "%s/fp8_fp32", tmp); /* step 3 from the first test */
+    ok(mt_ckpt_resolve(dir, step, sizeof step));
+    snprintf(set_init, sizeof set_init, "init.path=%s", dir);
+    const char *sa[] = {"init.kind=checkpoint", set_init};
+    mt_jobspec ja, jb;
+    tiny_job(&ja, sa, 2);
+    mt_job_ckpt *ca;
+    mt_trainer *a = make(&ja, &ca); /* the job's own restore */
+    tiny_job(&jb, NULL, 0);
+    mt_trainer *b;
+    ok(mt_trainer_create(&b, &jb, be));
+    const size_t lend_bytes = (size_t)64 << 20;
+    unsigned char *lend;
+    ok(be->host_alloc(be, lend_bytes, (void **)&lend));
+    for (int small = 1; small >= 0; small--) {
+        memset(lend, 0xA5, lend_bytes);
+        mt_ckpt *ck;
+        ok(mt_ckpt_open(&ck, step));
+        mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn, NULL, 0};
+        ok(mt_train_state_restore_staged(b, &r, mt_ckpt_get_meta(ck)->state_json, lend,
+                                         small ? 4096 : lend_bytes));
+        mt_ckpt_close(ck);
+        size_t touched = 0;
+        for (size_t k = 0; k < lend_bytes; k++) touched += lend[k] != 0xA5;
+        if (small) assert_int_equal(touched, 0);
+        else assert_true(touched > 0);
+        assert_same_state(a, b);
+    }
+    be->host_free(be, lend);
+    ok(mt_job_ckpt_close(ca));
+    mt_trainer_destroy(a);
+    mt_trainer_destroy(b);
 }
 
 /* Async saves every 2 steps while training continues: committed, stall
@@ -295,8 +407,9 @@ static void test_hf_into_trainer(void **state)
             int64_t nb = ((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128);
             bytes_equal(x.s + x.params[i].s_off, y.s + y.params[i].s_off, (size_t)nb * 4, p->d.name);
         } else if (x.params[i].act_off >= 0) {
-            bytes_equal((float *)x.act + x.params[i].act_off, (float *)y.act + y.params[i].act_off,
-                        (size_t)n * 4, p->d.name);
+            const size_t ab = (size_t)x.act_bytes; /* float on the CPU, bf16 on CUDA */
+            bytes_equal((char *)x.act + (size_t)x.params[i].act_off * ab,
+                        (char *)y.act + (size_t)y.params[i].act_off * ab, (size_t)n * ab, p->d.name);
         } else {
             bytes_equal(x.f32 + x.params[i].f32_off, y.f32 + y.params[i].f32_off, (size_t)n * 4, p->d.name);
         }
@@ -396,10 +509,16 @@ static void test_refuses_newer_history(void **state)
 int main(int argc, char **argv)
 {
     examples = argc > 1 ? argv[1] : "deploy/examples";
+    on_cuda = argc > 2 && !strcmp(argv[2], "cuda");
+    if (on_cuda && mt_cuda_device_count() < 1) {
+        printf("no CUDA device: skipped\n");
+        return 77;
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exact_fp8_main_fp32), cmocka_unit_test(test_exact_fp8_main_bf16),
         cmocka_unit_test(test_exact_fp8_main_none), cmocka_unit_test(test_exact_bf16_recipe),
-        cmocka_unit_test(test_exact_fp32_recipe),   cmocka_unit_test(test_async_saves),
+        cmocka_unit_test(test_exact_fp32_recipe),   cmocka_unit_test(test_snapshot_slab_reused),
+        cmocka_unit_test(test_restore_staged_in_lent_memory), cmocka_unit_test(test_async_saves),
         cmocka_unit_test(test_hf_into_trainer),     cmocka_unit_test(test_refuses_newer_history),
         cmocka_unit_test(test_damaged_checkpoint_fallback),
     };

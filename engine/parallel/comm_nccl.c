@@ -326,6 +326,20 @@ static int nccl_req_wait(mt_comm_req *r)
     return MT_OK;
 }
 
+/* A request for work already enqueued on the side stream: *out, or
+ * MT_ENOMEM. */
+static int nccl_req_new(mt_comm *c, mt_comm_req **out)
+{
+    nccl_req *q = calloc(1, sizeof *q);
+    if (!q) return MT_ERR(MT_ENOMEM, "comm nccl: out of memory");
+    q->h.test = nccl_req_test;
+    q->h.wait = nccl_req_wait;
+    q->h.free = nccl_req_free;
+    q->dev = c;
+    *out = &q->h;
+    return MT_OK;
+}
+
 #define CU(stmt)                                                                       \
     do {                                                                               \
         cudaError_t e_ = (stmt);                                                       \
@@ -428,9 +442,8 @@ static int nccl_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int redu
     const size_t cap = owned_piece_elems(reduce);
     const size_t bes = reduce ? 4 : 1; /* bytes of a buf element: f32 gradients, or bytes */
     mt_comm_seg *piece = malloc((size_t)(n > 0 ? n : 1) * sizeof *piece);
-    nccl_req *q = calloc(1, sizeof *q);
     int rc = MT_OK;
-    if (!piece || !q) rc = MT_ERR(MT_ENOMEM, "comm nccl: owner op: out of memory");
+    if (!piece) rc = MT_ERR(MT_ENOMEM, "comm nccl: owner op: out of memory");
     int k = 0;
     size_t at = 0; /* elements of segs[k] already in earlier pieces */
     while (rc == MT_OK && k < n) {
@@ -448,16 +461,7 @@ static int nccl_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, int redu
         rc = nccl_owned_piece(c, piece, m, reduce, wire);
     }
     free(piece);
-    if (rc != MT_OK) {
-        free(q);
-        return rc;
-    }
-    q->h.test = nccl_req_test;
-    q->h.wait = nccl_req_wait;
-    q->h.free = nccl_req_free;
-    q->dev = c;
-    *out = &q->h;
-    return MT_OK;
+    return rc != MT_OK ? rc : nccl_req_new(c, out);
 }
 
 /* all_to_all_v started: enqueued on the side stream as the blocking form
@@ -468,20 +472,9 @@ static int nccl_all_to_all_v_start(mt_comm *c, const void *send, const size_t *s
                                    const size_t *recv_counts, const size_t *recv_displs,
                                    mt_comm_dtype dt, mt_comm_req **out)
 {
-    nccl_req *q = calloc(1, sizeof *q);
-    if (!q) return MT_ERR(MT_ENOMEM, "comm nccl: out of memory");
     int rc = nccl_all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts, recv_displs,
                                dt);
-    if (rc != MT_OK) {
-        free(q);
-        return rc;
-    }
-    q->h.test = nccl_req_test;
-    q->h.wait = nccl_req_wait;
-    q->h.free = nccl_req_free;
-    q->dev = c;
-    *out = &q->h;
-    return MT_OK;
+    return rc != MT_OK ? rc : nccl_req_new(c, out);
 }
 
 static int nccl_reduce_owned_start(mt_comm *c, const mt_comm_seg *segs, int n, mt_comm_dtype wire,

@@ -75,38 +75,35 @@ static char *state_json(const mt_trainer *t)
     return text;
 }
 
+static void slab_free(mt_train_snapshot *s)
+{
+    if (s->slab) {
+        if (s->slab_pinned) s->be->host_free(s->be, s->slab);
+        else free(s->slab);
+    }
+    s->slab = NULL;
+    s->slab_bytes = 0;
+    s->slab_pinned = 0;
+}
+
 void mt_train_snapshot_free(mt_train_snapshot *s)
 {
     if (!s) return;
     free(s->params);
-    if (!s->borrowed) {
-        free(s->act);
-        free(s->q);
-        free(s->s);
-        free(s->f32);
-        free(s->m);
-        free(s->v);
-        free(s->master);
-    }
+    slab_free(s); /* act, q, s, f32, m, v, master point into it (or, borrowed, at the trainer) */
     free(s->state_json);
     free(s->config_json);
     free(s->job_json);
     memset(s, 0, sizeof *s);
 }
 
-/* Host copy of `bytes` of backend memory into *dst, reusing a buffer of a
- * previous snapshot (same trainer, same size) when there is one; a view
- * (borrowed) points at the backend's host memory instead. */
-static int grab(mt_backend *be, void **dst, const void *src, size_t bytes, size_t *total, int borrow)
+/* The regions of a snapshot, in slab order. */
+enum { R_ACT, R_Q, R_S, R_F32, R_M, R_V, R_MAIN, R_N };
+
+/* Host copy of `bytes` of backend memory at src into dst. */
+static int copy_region(mt_backend *be, void *dst, const void *src, size_t bytes)
 {
-    if (borrow) {
-        *dst = (void *)src;
-        *total += bytes;
-        return MT_OK;
-    }
-    if (!*dst) *dst = malloc(bytes ? bytes : 1);
-    if (!*dst) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of host memory (%zu bytes)", bytes);
-    *total += bytes;
+    if (!bytes) return MT_OK;
     if (be->kind == MT_BE_CPU && bytes >= ((size_t)64 << 20)) {
         /* host to host: the stall of an async save is this copy; split it
          * over the cores in 16 MB blocks */
@@ -116,21 +113,65 @@ static int grab(mt_backend *be, void **dst, const void *src, size_t bytes, size_
 #pragma omp parallel for schedule(static) reduction(min : rc)
         for (int64_t k = 0; k < nb; k++) {
             const size_t o = (size_t)k * blk, n = bytes - o < blk ? bytes - o : blk;
-            int r = be->download(be, (char *)*dst + o, (const char *)src + o, n);
+            int r = be->download(be, (char *)dst + o, (const char *)src + o, n);
             rc = r < rc ? r : rc;
         }
         return rc < 0 ? MT_ERR(rc, "checkpoint snapshot: host copy failed") : MT_OK;
     }
-    return bytes ? be->download(be, *dst, src, bytes) : MT_OK;
+    /* device to host: one DMA at link speed into the page-locked slab (a
+     * pageable destination would be staged by the driver at a fraction) */
+    int rc = be->download(be, dst, src, bytes);
+    return rc < 0 ? mt_err_wrap(rc, "checkpoint snapshot: copy of %zu MB to the host", bytes >> 20)
+                  : MT_OK;
 }
 
-static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
+/* The slab for regions of bytes[R_N]: kept when the previous snapshot's is
+ * the same size, else allocated from the backend's host memory (plain
+ * memory, with a warning, where page-locking fails). dst[r]: where region
+ * r starts (page aligned; NULL for an empty region). */
+static int slab_reserve(mt_backend *be, mt_train_snapshot *s, const size_t bytes[R_N],
+                        void *dst[R_N])
+{
+    const size_t align = 4096;
+    size_t off[R_N], total = 0;
+    for (int r = 0; r < R_N; r++) {
+        off[r] = total;
+        total += (bytes[r] + align - 1) / align * align;
+    }
+    if (!s->slab || s->slab_bytes != total || s->be != be) {
+        slab_free(s);
+        void *p = NULL;
+        int rc = be->host_alloc(be, total, &p);
+        if (rc == MT_OK) {
+            s->slab_pinned = 1;
+        } else {
+            MT_LOGW("checkpoint snapshot: %s; the snapshot goes through pageable memory "
+                    "(slower device-to-host copies)", mt_errmsg());
+            mt_err_clear();
+            p = aligned_alloc(align, total ? total : align);
+            if (!p)
+                return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of host memory (%zu MB)",
+                              total >> 20);
+            s->slab_pinned = 0;
+        }
+        s->slab = p;
+        s->slab_bytes = total;
+        s->be = be;
+    }
+    for (int r = 0; r < R_N; r++) dst[r] = bytes[r] ? (char *)s->slab + off[r] : NULL;
+    return MT_OK;
+}
+
+/* Fills s->params (offsets of every parameter in the state buffers) and
+ * the bytes of each region and its source in the backend's memory; a
+ * snapshot of another trainer (or a view turned copy) is freed first. */
+static int prepare(mt_trainer *t, mt_train_snapshot *s, int borrow, size_t bytes[R_N],
+                   const void *src[R_N])
 {
     mt_model *m = t->model;
     mt_optimizer *o = t->opt;
     mt_backend *be = m->be;
     const size_t act = (size_t)be->act_bytes;
-    int rc = MT_OK;
     if (s->borrowed != borrow) mt_train_snapshot_free(s); /* a view's buffers are not ours */
     /* indexed like the sharding map (the full table): under expert
      * parallelism the other ranks' experts are absent here (offsets -1) */
@@ -141,13 +182,8 @@ static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
         if (!s->params) return MT_ERR(MT_ENOMEM, "checkpoint snapshot: out of memory");
     }
     s->borrowed = borrow; /* after any free (which zeroes s) */
-    free(s->state_json);
-    free(s->config_json);
-    free(s->job_json);
-    s->state_json = s->config_json = s->job_json = NULL;
     s->trainer = t;
     s->n_params = n_glob;
-    s->bytes = 0;
     for (int g = 0; g < n_glob; g++) {
         mt_snap_param *sp = &s->params[g];
         sp->q_off = sp->s_off = sp->act_off = sp->f32_off = sp->opt_off = -1;
@@ -179,15 +215,45 @@ static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
     s->act_bytes = (int)act;
     s->master_bytes = o->main == MT_MAIN_FP32 ? 4 : 2;
     const size_t nopt = (size_t)o->n_state;
+    bytes[R_ACT] = (size_t)n_act * act, src[R_ACT] = m->buf_act;
+    bytes[R_Q] = (size_t)n_q, src[R_Q] = m->buf_q;
+    bytes[R_S] = (size_t)n_s * 4, src[R_S] = m->buf_s;
+    bytes[R_F32] = (size_t)n_f * 4, src[R_F32] = m->buf_f32;
+    bytes[R_M] = nopt * 2, src[R_M] = o->m;
+    bytes[R_V] = nopt * 2, src[R_V] = o->v;
+    bytes[R_MAIN] = o->master ? nopt * (size_t)s->master_bytes : 0, src[R_MAIN] = o->master;
+    return MT_OK;
+}
+
+static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
+{
+    mt_backend *be = t->model->be;
+    size_t bytes[R_N];
+    const void *src[R_N];
+    void *dst[R_N];
+    int rc = MT_OK;
+    MT_CHECK(prepare(t, s, borrow, bytes, src));
+    free(s->state_json);
+    free(s->config_json);
+    free(s->job_json);
+    s->state_json = s->config_json = s->job_json = NULL;
+    s->bytes = 0;
+    for (int r = 0; r < R_N; r++) s->bytes += bytes[r];
+    if (borrow) {
+        /* a view: the backend's buffers are host memory */
+        for (int r = 0; r < R_N; r++) dst[r] = bytes[r] ? (void *)src[r] : NULL;
+    } else {
+        MT_GOTO(slab_reserve(be, s, bytes, dst), fail);
+    }
+    s->act = dst[R_ACT];
+    s->q = dst[R_Q];
+    s->s = dst[R_S];
+    s->f32 = dst[R_F32];
+    s->m = dst[R_M];
+    s->v = dst[R_V];
+    s->master = dst[R_MAIN];
     MT_GOTO(be->sync(be), fail);
-    MT_GOTO(grab(be, &s->act, m->buf_act, (size_t)n_act * act, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->q, m->buf_q, (size_t)n_q, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->s, m->buf_s, (size_t)n_s * 4, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->f32, m->buf_f32, (size_t)n_f * 4, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->m, o->m, nopt * 2, &s->bytes, borrow), fail);
-    MT_GOTO(grab(be, (void **)&s->v, o->v, nopt * 2, &s->bytes, borrow), fail);
-    if (o->master)
-        MT_GOTO(grab(be, &s->master, o->master, nopt * (size_t)s->master_bytes, &s->bytes, borrow), fail);
+    for (int r = 0; r < R_N && !borrow; r++) MT_GOTO(copy_region(be, dst[r], src[r], bytes[r]), fail);
     s->step = t->step;
     s->consumed_samples = t->consumed_samples;
     s->consumed_tokens = t->consumed_samples * t->job.batch.seq_len;
@@ -203,6 +269,17 @@ static int snapshot(mt_trainer *t, mt_train_snapshot *s, int borrow)
     return MT_OK;
 fail:
     mt_train_snapshot_free(s);
+    return rc;
+}
+
+int mt_train_state_snapshot_reserve(mt_trainer *t, mt_train_snapshot *s)
+{
+    size_t bytes[R_N];
+    const void *src[R_N];
+    void *dst[R_N];
+    int rc = prepare(t, s, 0, bytes, src);
+    if (rc == MT_OK) rc = slab_reserve(t->model->be, s, bytes, dst);
+    if (rc < 0) mt_train_snapshot_free(s);
     return rc;
 }
 
@@ -439,6 +516,94 @@ static void *read_into(const mt_backend *be, void *dev, void *host)
     return be->kind == MT_BE_CPU ? dev : host;
 }
 
+/* The staging buffers of a restore (the largest parameter's values and
+ * block scales: bounded, never the whole model) come from the backend's
+ * host memory, page-locked on CUDA (or from memory the caller lends: the
+ * job's reserved snapshot slab): the reader fills them and the uploads
+ * from them are DMA at link speed instead of the driver's pageable
+ * staging. Such an upload is asynchronous: a buffer is written again only
+ * once its uploads are done. With two sets (lent memory that holds two)
+ * the reads alternate between them and wait, before their own uploads,
+ * for the previous ones (stage_ready), so each upload runs during the
+ * next read; with one set stage_next waits before the set is rewritten. */
+typedef struct stage {
+    mt_backend *be;
+    void *host[2];   /* largest parameter x 4 bytes */
+    float *hs[2];    /* its block scales */
+    int n, cur;      /* sets (1 or 2), the one in use */
+    int pinned;      /* own sets from be->host_alloc (else malloc: pinning failed) */
+    int borrowed;    /* carved from the caller's memory: not ours to free */
+} stage;
+
+static int stage_open(stage *st, mt_backend *be, size_t host_bytes, size_t scale_bytes,
+                      void *lend, size_t lend_bytes)
+{
+    memset(st, 0, sizeof *st);
+    st->be = be;
+    host_bytes = (host_bytes + 4095) / 4096 * 4096;
+    scale_bytes = (scale_bytes + 4095) / 4096 * 4096;
+    const size_t set = host_bytes + scale_bytes;
+    if (lend && lend_bytes >= set) {
+        st->n = lend_bytes >= 2 * set ? 2 : 1;
+        for (int k = 0; k < st->n; k++) {
+            st->host[k] = (char *)lend + (size_t)k * set;
+            st->hs[k] = (float *)((char *)lend + (size_t)k * set + host_bytes);
+        }
+        st->borrowed = 1;
+        return MT_OK;
+    }
+    st->n = 1;
+    int rc = be->host_alloc(be, host_bytes, &st->host[0]);
+    if (rc == MT_OK) rc = be->host_alloc(be, scale_bytes, (void **)&st->hs[0]);
+    if (rc == MT_OK) {
+        st->pinned = 1;
+        return MT_OK;
+    }
+    MT_LOGW("restore: %s; staging through pageable memory (slower uploads)", mt_errmsg());
+    mt_err_clear();
+    be->host_free(be, st->host[0]);
+    st->host[0] = malloc(host_bytes);
+    st->hs[0] = malloc(scale_bytes);
+    if (!st->host[0] || !st->hs[0]) {
+        free(st->host[0]);
+        free(st->hs[0]);
+        st->host[0] = st->hs[0] = NULL;
+        return MT_ERR(MT_ENOMEM, "restore: out of host memory (%zu MB of staging)", set >> 20);
+    }
+    return MT_OK;
+}
+
+static void stage_close(stage *st)
+{
+    if (!st->borrowed && st->pinned) {
+        st->be->host_free(st->be, st->host[0]);
+        st->be->host_free(st->be, st->hs[0]);
+    } else if (!st->borrowed) {
+        free(st->host[0]);
+        free(st->hs[0]);
+    }
+    memset(st->host, 0, sizeof st->host);
+    memset(st->hs, 0, sizeof st->hs);
+}
+
+/* The set the next read fills (values, block scales), free of uploads. */
+static int stage_next(stage *st, void **host, float **hs)
+{
+    if (st->n == 2) st->cur ^= 1; /* its uploads were waited for by stage_ready since */
+    else if (st->be->kind != MT_BE_CPU) MT_CHECK(st->be->sync(st->be));
+    *host = st->host[st->cur];
+    if (hs) *hs = st->hs[st->cur];
+    return MT_OK;
+}
+
+/* After a read, before its uploads: the previous set's uploads are over
+ * (they ran during the read), so the next stage_next may hand that set out
+ * (no-op on the CPU, whose uploads complete on return). */
+static int stage_ready(stage *st)
+{
+    return st->n == 2 && st->be->kind != MT_BE_CPU ? st->be->sync(st->be) : MT_OK;
+}
+
 /* Uploads n bytes from src to dev unless they were read there. */
 static int upload_unless(mt_backend *be, void *dev, const void *src, size_t n)
 {
@@ -507,13 +672,16 @@ static int install_param(mt_model *m, int i, void *buf[2], float *dev_tmp, int64
     return MT_OK;
 }
 
-static int load_param(mt_model *m, const mt_tensor_reader *r, int i, void *host, float *hs,
-                      float *dev_tmp, int64_t tmp_n)
+static int load_param(mt_model *m, const mt_tensor_reader *r, int i, stage *st, float *dev_tmp,
+                      int64_t tmp_n)
 {
-    void *buf[2];
+    void *host, *buf[2];
+    float *hs;
     size_t bytes[2];
+    MT_CHECK(stage_next(st, &host, &hs));
     param_bufs(m, i, host, hs, buf, bytes);
     MT_CHECK(read_param(m, r, i, buf));
+    MT_CHECK(stage_ready(st));
     return install_param(m, i, buf, dev_tmp, tmp_n);
 }
 
@@ -607,27 +775,29 @@ static int share_plan_build(share_plan *sp, const mt_trainer *t, int has_opt)
  * installs them. A failure on the reader fails every replica of the group
  * at this parameter with the reader's message (naming the piece). */
 static int load_param_shared(mt_model *m, const mt_tensor_reader *r, int i, mt_comm *g, int reader,
-                             int failed, const char *why, void *host, float *hs, float *dev_tmp,
-                             int64_t tmp_n)
+                             int failed, const char *why, stage *st, float *dev_tmp, int64_t tmp_n)
 {
-    void *buf[2];
+    void *host, *buf[2];
+    float *hs;
     size_t bytes[2];
+    MT_CHECK(stage_next(st, &host, &hs));
     param_bufs(m, i, host, hs, buf, bytes);
     const int me = mt_comm_rank(g);
-    int32_t st = MT_OK;
+    int32_t status = MT_OK;
     char msg[1024] = "";
     if (me == reader) {
-        st = failed < 0 ? failed : read_param(m, r, i, buf);
-        if (st < 0) snprintf(msg, sizeof msg, "%s", failed < 0 ? why : mt_errmsg());
+        status = failed < 0 ? failed : read_param(m, r, i, buf);
+        if (status < 0) snprintf(msg, sizeof msg, "%s", failed < 0 ? why : mt_errmsg());
     }
-    MT_CHECK(mt_comm_broadcast(g, &st, 1, MT_COMM_I32, reader));
-    if (st < 0) {
+    MT_CHECK(mt_comm_broadcast(g, &status, 1, MT_COMM_I32, reader));
+    if (status < 0) {
         MT_CHECK(mt_comm_broadcast(g, msg, sizeof msg, MT_COMM_BYTE, reader));
-        if (me == reader) return failed < 0 ? failed : st;
-        return MT_ERR(st, "%s (read by replica %d of %d)", msg, reader, mt_comm_size(g));
+        if (me == reader) return failed < 0 ? failed : status;
+        return MT_ERR(status, "%s (read by replica %d of %d)", msg, reader, mt_comm_size(g));
     }
     for (int k = 0; k < 2; k++)
         if (bytes[k]) MT_CHECK(mt_comm_broadcast(g, buf[k], bytes[k], MT_COMM_BYTE, reader));
+    MT_CHECK(stage_ready(st));
     return install_param(m, i, buf, dev_tmp, tmp_n);
 }
 
@@ -637,7 +807,7 @@ static int load_param_shared(mt_model *m, const mt_tensor_reader *r, int i, mt_c
  * in the replica groups (passing the failure on where it is the reader),
  * so that no replica waits for it. */
 static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const scalars *sc,
-                         void *host, float *hs, const share_plan *sp, int failed, const char *why)
+                         stage *st, const share_plan *sp, int failed, const char *why)
 {
     mt_model *m = t->model;
     mt_optimizer *o = t->opt;
@@ -646,11 +816,12 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     const mt_param_desc *pd = &p->d;
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
+    void *host;
     if (sp && sp->group[i])
-        MT_CHECK(load_param_shared(m, r, i, sp->group[i], sp->reader[i], failed, why, host, hs,
-                                   o->tmp, o->tmp_n));
+        MT_CHECK(load_param_shared(m, r, i, sp->group[i], sp->reader[i], failed, why, st, o->tmp,
+                                   o->tmp_n));
     if (failed < 0) return failed;
-    if (!sp || !sp->group[i]) MT_CHECK(load_param(m, r, i, host, hs, o->tmp, o->tmp_n));
+    if (!sp || !sp->group[i]) MT_CHECK(load_param(m, r, i, st, o->tmp, o->tmp_n));
     if (o->off[i] < 0) return MT_OK; /* another rank keeps its state (ZeRO-1) */
     const int64_t off = o->off[i];
     const size_t mb = o->main == MT_MAIN_FP32 ? 4 : 2;
@@ -660,26 +831,33 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
         MT_CHECK(be->zero(be, o->m + off, (size_t)n * 2));
         MT_CHECK(be->zero(be, o->v + off, (size_t)n * 2));
         if (!o->master) return MT_OK;
+        MT_CHECK(stage_next(st, &host, NULL));
         float *f = host;
         MT_CHECK(mt_model_get_param(m, i, f));
         if (o->main == MT_MAIN_BF16) {
             uint16_t *h = host;
             for (int64_t k = 0; k < n; k++) h[k] = mt_bf16_from_f32(f[k]);
         }
+        MT_CHECK(stage_ready(st));
         return be->upload(be, (char *)o->master + (size_t)off * mb, host, (size_t)n * mb);
     }
     MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg", pd->name));
+    MT_CHECK(stage_next(st, &host, NULL));
     void *mv = read_into(be, o->m + off, host);
     param_desc(&d, pd, name, MT_DT_BF16, mv);
     MT_CHECK(read_whole(r, &d));
+    MT_CHECK(stage_ready(st));
     MT_CHECK(upload_unless(be, o->m + off, mv, (size_t)n * 2));
     MT_CHECK(mt_param_optim_name(name, sizeof name, "exp_avg_sq", pd->name));
+    MT_CHECK(stage_next(st, &host, NULL));
     mv = read_into(be, o->v + off, host);
     param_desc(&d, pd, name, MT_DT_BF16, mv);
     MT_CHECK(read_whole(r, &d));
+    MT_CHECK(stage_ready(st));
     MT_CHECK(upload_unless(be, o->v + off, mv, (size_t)n * 2));
     if (!o->master) return MT_OK;
     MT_CHECK(mt_param_optim_name(name, sizeof name, "main", pd->name));
+    MT_CHECK(stage_next(st, &host, NULL));
     void *master = (char *)o->master + (size_t)off * mb, *mm = read_into(be, master, host);
     param_desc(&d, pd, name, o->main == MT_MAIN_FP32 ? MT_DT_F32 : MT_DT_BF16, mm);
     int rc = r->read(r->ctx, &d);
@@ -694,6 +872,7 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     } else if (rc < 0) {
         return mt_err_wrap(rc, "restoring %s", name);
     }
+    MT_CHECK(stage_ready(st));
     return upload_unless(be, master, mm, (size_t)n * mb);
 }
 
@@ -714,41 +893,44 @@ int mt_train_state_load_weights(mt_model *m, const mt_tensor_reader *r,
 {
     int64_t mx, mxs;
     largest_param(m, &mx, &mxs);
-    void *host = malloc((size_t)mx * 4);
-    float *hs = malloc((size_t)mxs * 4);
+    stage st;
     float *dev = NULL;
     const int64_t dn = mt_params_stage_elems(&m->table);
-    int rc = host && hs ? m->be->alloc(m->be, (size_t)dn * 4, (void **)&dev)
-                        : MT_ERR(MT_ENOMEM, "loading weights: out of memory");
+    int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4, NULL, 0);
+    if (rc == MT_OK) rc = m->be->alloc(m->be, (size_t)dn * 4, (void **)&dev);
     for (int i = 0; i < m->table.n && rc == MT_OK; i++) {
-        rc = load_param(m, r, i, host, hs, dev, dn);
+        rc = load_param(m, r, i, &st, dev, dn);
         if (progress) progress(ctx, i + 1, m->table.n);
     }
-    if (rc == MT_OK) rc = m->be->sync(m->be);
+    int rs = m->be->sync(m->be); /* also before the staging is freed */
+    if (rc == MT_OK) rc = rs;
     if (dev) m->be->free(m->be, dev);
-    free(host);
-    free(hs);
+    stage_close(&st);
     return rc;
 }
 
 int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char *state_json)
+{
+    return mt_train_state_restore_staged(t, r, state_json, NULL, 0);
+}
+
+int mt_train_state_restore_staged(mt_trainer *t, const mt_tensor_reader *r,
+                                  const char *state_json, void *stage_mem, size_t stage_bytes)
 {
     mt_model *m = t->model;
     scalars sc;
     MT_CHECK(parse_state(state_json, &sc));
     int64_t mx, mxs;
     largest_param(m, &mx, &mxs);
-    void *host = malloc((size_t)mx * 4);
-    float *hs = malloc((size_t)mxs * 4);
-    if (!host || !hs) {
-        free(host);
-        free(hs);
-        return MT_ERR(MT_ENOMEM, "restore: out of memory");
+    stage st;
+    int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4, stage_mem, stage_bytes);
+    if (rc < 0) {
+        stage_close(&st);
+        return rc;
     }
     /* a shared source: each replicated weight read by one replica and sent
      * to the others; the readers' plan is the same on every replica */
     share_plan plan, *sp = NULL;
-    int rc = MT_OK;
     if (r->shared && (t->dp || t->edp)) {
         rc = share_plan_build(&plan, t, sc.has_opt);
         if (rc == MT_OK) sp = &plan;
@@ -760,23 +942,23 @@ int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char 
      * after a failure (restore_param): the groups' broadcasts must match */
     char why[2048] = "";
     for (int i = 0; i < m->table.n && (rc == MT_OK || sp); i++) {
-        const int ri = restore_param(t, r, i, &sc, host, hs, sp, rc, why);
+        const int ri = restore_param(t, r, i, &sc, &st, sp, rc, why);
         if (ri < 0 && rc == MT_OK) {
             rc = ri;
             snprintf(why, sizeof why, "%s", mt_errmsg());
         }
     }
+    int rs = m->be->sync(m->be); /* the last uploads, before the staging is freed */
+    stage_close(&st);
     const int shared = sp != NULL;
     if (sp && rc == MT_OK)
         MT_LOGI("restore: %d of %d replicated weights read here (%.1f MB), %.1f MB received from "
                 "the other replicas", sp->n_mine, sp->n_shared, (double)sp->bytes_mine / 1e6,
                 (double)sp->bytes_recv / 1e6);
     if (sp) share_plan_free(sp);
-    free(host);
-    free(hs);
     /* later broadcasts may have left other messages: the first failure's */
     if (rc < 0) return shared ? MT_ERR(rc, "%s", why) : rc;
-    MT_CHECK(m->be->sync(m->be));
+    MT_CHECK(rs);
     const mt_jobspec *j = &t->job;
     t->step = sc.step;
     t->consumed_samples = sc.samples;

@@ -57,7 +57,15 @@ typedef struct mt_train_snapshot {
     uint16_t *m, *v;           /* optimizer moments, bf16 bits */
     void *master;              /* main params: f32 or bf16 bits; NULL for none */
     int master_bytes;          /* 4 or 2 */
-    size_t bytes;              /* host bytes held */
+    size_t bytes;              /* bytes of state copied (the regions above) */
+    /* The copies are carved from one slab of the backend's host memory
+     * (ops.h host_alloc: page-locked on CUDA, so the device-to-host copies
+     * run at link speed), allocated at the first snapshot and reused by the
+     * next ones of the same trainer; NULL for a view. */
+    void *slab;
+    size_t slab_bytes;
+    int slab_pinned;           /* 1: be->host_free frees it; 0: free() (pinning failed) */
+    mt_backend *be;            /* the backend that allocated the slab */
     char *state_json;          /* scalars */
     char *config_json;         /* the model's config.json */
     char *job_json;            /* the job spec */
@@ -65,16 +73,23 @@ typedef struct mt_train_snapshot {
     int borrowed;              /* a view: the buffers are the trainer's own */
 } mt_train_snapshot;
 
-/* Copies the trainer's state to host memory (the stall of an async save).
+/* Copies the trainer's state to host memory (the stall of an async save):
+ * one device-to-host copy per state buffer (7 at most) into the slab.
  * s is zeroed, or holds a previous snapshot of the same trainer whose
- * buffers are then reused: after the first save the stall is the copy
- * alone, without allocating and faulting in fresh host memory. */
+ * slab is then reused: after the first save the stall is the copy
+ * alone, without allocating, pinning and faulting in fresh host memory. */
 int mt_train_state_snapshot(mt_trainer *t, mt_train_snapshot *s);
+/* Allocates (or keeps) the slab a snapshot of t needs without copying, so
+ * that the first save's stall is the copy alone too (page-locking ~14 GB
+ * takes seconds). s as for mt_train_state_snapshot. */
+int mt_train_state_snapshot_reserve(mt_trainer *t, mt_train_snapshot *s);
 /* The same without copying, where the backend's buffers are host memory
  * (CPU): the snapshot points into the trainer, valid while it does not
  * step - what a synchronous save needs (MT_ENOTSUP on device backends).
  * s is zeroed or a previous view. */
 int mt_train_state_view(mt_trainer *t, mt_train_snapshot *s);
+/* Frees the snapshot (its slab through the backend that allocated it:
+ * free snapshots before destroying their backend). */
 void mt_train_snapshot_free(mt_train_snapshot *s);
 
 /* Fills band (a hyperslab of a tensor of `map`, map dtype) from the
@@ -112,6 +127,12 @@ typedef struct mt_tensor_reader {
  * Compute copies are written exactly (FP8 bytes and scales as stored),
  * optimizer buffers as stored; the trainer continues bit-identically. */
 int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char *state_json);
+/* The same, staging the reads in stage_mem (stage_bytes of the backend's
+ * host memory, e.g. the slab of a reserved snapshot, idle until the first
+ * save) when it holds the largest parameter's values and scales; else in
+ * buffers of its own. */
+int mt_train_state_restore_staged(mt_trainer *t, const mt_tensor_reader *r,
+                                  const char *state_json, void *stage_mem, size_t stage_bytes);
 
 /* Loads only the weights into a model (scoring, no optimizer): the compute
  * copies exactly as mt_train_state_restore writes them. progress (may be

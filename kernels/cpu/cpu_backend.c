@@ -62,6 +62,24 @@ static void cpu_free(mt_backend *be, void *p)
     free(base);
 }
 
+/* Host memory for host copies (ops.h host_alloc): on the CPU backend any
+ * host memory is as fast as any other, so plain aligned memory, not
+ * counted with the backend's buffers. */
+static int cpu_host_alloc(mt_backend *be, size_t bytes, void **p)
+{
+    (void)be;
+    CPU_REQUIRE(p != NULL, "host_alloc: p is NULL");
+    *p = cpu_scratch(bytes);
+    if (!*p) return MT_ERR(MT_ENOMEM, "host_alloc: out of host memory for %zu bytes", bytes);
+    return MT_OK;
+}
+
+static void cpu_host_free(mt_backend *be, void *p)
+{
+    (void)be;
+    free(p);
+}
+
 static int cpu_memcpy(const char *op, void *dst, const void *src, size_t bytes)
 {
     if (bytes == 0) return MT_OK;
@@ -269,6 +287,8 @@ int mt_backend_cpu_create(mt_backend **out, int threads)
     be->free = cpu_free;
     be->upload = cpu_upload;
     be->download = cpu_download;
+    be->host_alloc = cpu_host_alloc;
+    be->host_free = cpu_host_free;
     be->copy = cpu_copy;
     be->zero = cpu_zero;
     be->sync = cpu_sync;

@@ -119,7 +119,9 @@ static int cuda_upload(mt_backend *be, void *dst, const void *src, size_t bytes)
 {
     if (!bytes) return MT_OK;
     CUDA_REQUIRE(dst && src, "upload: NULL pointer");
-    /* Pageable host memory: the call returns once the source is staged. */
+    /* Pageable host memory: the call returns once the source is staged;
+     * page-locked (host_alloc): it returns at once and the copy runs on
+     * the stream (the caller syncs before reusing the source). */
     MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cuda_stream(be)));
     return MT_OK;
 }
@@ -131,6 +133,35 @@ static int cuda_download(mt_backend *be, void *dst, const void *src, size_t byte
     MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cuda_stream(be)));
     MT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream(be)));
     return MT_OK;
+}
+
+/* Page-locked host memory (ops.h host_alloc): device copies to and from it
+ * are DMA at full link speed and need no staging; portable, so any context
+ * of the process sees it pinned. */
+static int cuda_host_alloc(mt_backend *be, size_t bytes, void **p)
+{
+    CUDA_REQUIRE(p != NULL, "host_alloc: p is NULL");
+    *p = NULL;
+    MT_CUDA_CHECK(cudaSetDevice(cuda_of(be)->device));
+    cudaError_t e = cudaHostAlloc(p, bytes ? bytes : 1, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+        cudaGetLastError(); /* not sticky: the next launch check must not see it */
+        *p = NULL;
+        return MT_ERR(MT_ENOMEM, "host_alloc: %zu MB of page-locked host memory: %s",
+                      bytes >> 20, cudaGetErrorString(e));
+    }
+    return MT_OK;
+}
+
+static void cuda_host_free(mt_backend *be, void *p)
+{
+    (void)be;
+    if (!p) return;
+    cudaError_t e = cudaFreeHost(p);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        MT_LOGE("cuda host_free(%p): %s", p, cudaGetErrorString(e));
+    }
 }
 
 static int cuda_copy(mt_backend *be, void *dst, const void *src, size_t bytes)
@@ -280,6 +311,8 @@ void cuda_install_backend(mt_backend *be)
     be->free = cuda_free;
     be->upload = cuda_upload;
     be->download = cuda_download;
+    be->host_alloc = cuda_host_alloc;
+    be->host_free = cuda_host_free;
     be->copy = cuda_copy;
     be->zero = cuda_zero;
     be->sync = cuda_sync;
