@@ -225,6 +225,11 @@ mt_tensor_source mt_ckpt_source(mt_ckpt *ck);
 int mt_ckpt_read_fn(void *ctx, mt_tensor_desc *d);
 /* mt_source_read_fp8 likewise (ctx: the mt_ckpt). */
 int mt_ckpt_read_fp8_fn(void *ctx, mt_tensor_desc *q, float *s);
+/* The reader's skip hint (train_state.h mt_tensor_reader.skip; ctx: the
+ * mt_ckpt): tensor `name` and its FP8 block scales are read by another
+ * replica, so their pieces stay out of this reader's read-ahead (a read
+ * of them still works). Unknown names are ignored. */
+void mt_ckpt_skip_fn(void *ctx, const char *name);
 
 /* Rebuilds the sharding map the checkpoint was written with. */
 int mt_ckpt_map(const mt_ckpt *ck, mt_shard_map *map);

@@ -172,6 +172,7 @@ struct mt_ckpt {
     int *file_fd;                /* [n_files] our own descriptors for chunk reads, -1 */
     int *file_dfd;               /* [n_files] O_DIRECT descriptors of them, or -1 */
     int reader_rank;             /* mt_ckpt_set_reader_rank, or -1 */
+    unsigned char *skip;         /* [n_tensors] mt_ckpt_skip_fn's hints, or NULL */
     int64_t *file_base;          /* [n_files] HDF5 base address (user block bytes) */
     int *piece_file;             /* [n_pieces] */
     int hash_cap;
@@ -183,7 +184,8 @@ struct mt_ckpt {
      * read whole, in the order of their file, read and checked by the
      * pool's workers into memory the next whole read takes; in another
      * rank's shard (when the reader's rank is set) only pieces that are
-     * not optimizer state; pieces the reader skips are dropped */
+     * not optimizer state; never tensors another replica reads (skip);
+     * pieces the reader skips are dropped */
     pthread_mutex_t pf_mu;
     pthread_cond_t pf_cv;
     int pf_on;                   /* mutex and condition initialised */

@@ -81,6 +81,7 @@ void mt_ckpt_close(mt_ckpt *ck)
     free(ck->file_base);
     free(ck->piece_file);
     free(ck->hash);
+    free(ck->skip);
     for (int i = 0; i < ck->n_bufs; i++) free(ck->bufs[i]);
     free(ck->bufs);
     free(ck);
@@ -922,13 +923,30 @@ static int pf_launch(mt_ckpt *ck, int q)
 /* Whether piece q is for the read-ahead: small, and in the reader's own
  * shard or not optimizer state (FORMAT.md: a parameter's optimizer state
  * has one owner, who reads it; weights in another rank's shard may be
- * replicas this rank holds too, written by the lowest replica). Every
- * piece when the reader's rank is unset. */
+ * replicas this rank holds too, written by the lowest replica), and not a
+ * tensor another replica reads for this one (mt_ckpt_skip_fn). Every
+ * piece when the reader's rank is unset and nothing is skipped. */
 static int pf_wanted(const mt_ckpt *ck, int q)
 {
-    return ck->pieces[q].nbytes <= PF_PIECE_MAX &&
-           (ck->reader_rank < 0 || ck->file_rank[ck->piece_file[q]] == ck->reader_rank ||
-            strncmp(ck->pieces[q].tensor, "optimizer.", 10) != 0);
+    if (ck->pieces[q].nbytes > PF_PIECE_MAX) return 0;
+    /* a weight another replica reads (mt_ckpt_skip_fn), in any shard: the
+     * writer's own shard holds the weights its replicas read */
+    const int x = ck->skip ? mt_ckpt_find(ck, ck->pieces[q].tensor) : -1;
+    if (x >= 0 && ck->skip[x]) return 0;
+    return ck->reader_rank < 0 || ck->file_rank[ck->piece_file[q]] == ck->reader_rank ||
+           strncmp(ck->pieces[q].tensor, "optimizer.", 10) != 0;
+}
+
+void mt_ckpt_skip_fn(void *ctx, const char *name)
+{
+    mt_ckpt *ck = ctx;
+    if (!ck->skip && !(ck->skip = calloc((size_t)(ck->n_tensors > 0 ? ck->n_tensors : 1), 1)))
+        return; /* only a hint */
+    char scale[MT_TENSOR_NAME_CAP + 16];
+    int x = mt_ckpt_find(ck, name);
+    if (x >= 0) ck->skip[x] = 1;
+    if (mt_shard_scale_name(scale, sizeof scale, name) == MT_OK && (x = mt_ckpt_find(ck, scale)) >= 0)
+        ck->skip[x] = 1;
 }
 
 /* Tops up the read-ahead of file fi after piece `after` (pf_mu held). */

@@ -82,7 +82,7 @@ int mt_ckpt_eval(const mt_ckpt_eval_args *a, mt_eval_progress_fn progress, void 
     mt_backend *be = NULL;
     rc = cuda ? mt_backend_cuda_create(&be, 0, 0) : mt_backend_cpu_create(&be, a->threads);
     if (rc < 0) goto out;
-    mt_tensor_reader r = {w.ctx, w.read, w.read_fp8};
+    mt_tensor_reader r = {w.ctx, w.read, w.read_fp8, NULL, 0};
     MT_LOGI("eval: %s (%s) on %s, %s", w.dir, rep->recipe, be->name, rep->input);
     rc = mt_eval_run(&req, &w.cfg, &r, be, progress, ctx, stop, &rep->r);
     be->destroy(be);

@@ -154,6 +154,16 @@ static int agree(const mt_job_ckpt *jc, int rc)
     return MT_ERR(worst, "rank %d: %s", who, msg);
 }
 
+mt_tensor_reader mt_job_ckpt_reader(mt_ckpt *ck)
+{
+    /* MT_CKPT_NO_SHARED_LOAD=1: as before issue 23 (for comparing the two:
+     * the loaded bits are the same) */
+    const char *ns = getenv("MT_CKPT_NO_SHARED_LOAD");
+    mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn, mt_ckpt_skip_fn,
+                          !(ns && !strcmp(ns, "1"))};
+    return r;
+}
+
 /* The reserved snapshot, when no save writes from it: its slab may stage
  * a restore's reads. */
 static const mt_train_snapshot *idle_snapshot(const mt_job_ckpt *jc)
@@ -161,19 +171,29 @@ static const mt_train_snapshot *idle_snapshot(const mt_job_ckpt *jc)
     return jc->snap.slab && !jc->busy ? &jc->snap : NULL;
 }
 
-/* stage: a reserved snapshot whose slab stages the reads (or NULL). */
-static int restore_from(mt_trainer *t, const char *path, int rank, const mt_train_snapshot *stage)
+/* Collective over the job's ranks (all of them call it for the same path):
+ * the restore's replica groups send each replicated weight from the one
+ * replica that reads it (issue 23), so every rank must get there or none.
+ * stage: a reserved snapshot whose slab stages the reads (or NULL). */
+static int restore_from(const mt_job_ckpt *jc, mt_trainer *t, const char *path,
+                        const mt_train_snapshot *stage)
 {
     double t0 = now_ms();
-    mt_ckpt *ck;
-    MT_CHECK(mt_ckpt_open(&ck, path));
-    mt_ckpt_set_reader_rank(ck, rank);
+    mt_ckpt *ck = NULL;
+    int rc = mt_ckpt_open(&ck, path);
+    if (rc == MT_OK) {
+        mt_ckpt_set_reader_rank(ck, jc->rank);
+        rc = same_config(mt_ckpt_get_meta(ck)->config_json, &t->job.model, mt_ckpt_dir(ck));
+    }
+    rc = agree(jc, rc);
+    if (rc < 0) {
+        mt_ckpt_close(ck);
+        return rc;
+    }
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
-    int rc = same_config(m->config_json, &t->job.model, mt_ckpt_dir(ck));
-    mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn};
-    if (rc == MT_OK)
-        rc = mt_train_state_restore_staged(t, &r, m->state_json, stage ? stage->slab : NULL,
-                                           stage ? stage->slab_bytes : 0);
+    mt_tensor_reader r = mt_job_ckpt_reader(ck);
+    rc = mt_train_state_restore_staged(t, &r, m->state_json, stage ? stage->slab : NULL,
+                                       stage ? stage->slab_bytes : 0);
     if (rc == MT_OK) {
         MT_LOGI("restored step %lld (%lld samples) from %s: %.2f GB in %.1f s", (long long)t->step,
                 (long long)t->consumed_samples, mt_ckpt_dir(ck), (double)mt_ckpt_bytes(ck) / 1e9,
@@ -211,7 +231,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
     char first[MT_PATH_CAP + 32], root[MT_PATH_CAP + 32];
     int rc = agree(jc, mt_ckpt_resolve(jc->job.init.path, first, sizeof first));
     if (rc < 0) return mt_err_wrap(rc, "init.path %s", jc->job.init.path);
-    rc = agree(jc, restore_from(t, first, jc->rank, idle_snapshot(jc)));
+    rc = agree(jc, restore_from(jc, t, first, idle_snapshot(jc)));
     if (rc == MT_OK || !jc->job.init.fallback || !is_damage(rc))
         return rc < 0 ? mt_err_wrap(rc, "init.path %s", jc->job.init.path) : rc;
     /* the older steps of its root, newest first; a step the daemon holds
@@ -235,7 +255,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
         char path[MT_PATH_CAP + 32];
         mt_ckpt_step_path(path, sizeof path, root, steps[i], 0);
         MT_LOGW("checkpoint: %s cannot be loaded (%s); init.fallback: trying %s", tried, why, path);
-        rc = agree(jc, restore_from(t, path, jc->rank, idle_snapshot(jc)));
+        rc = agree(jc, restore_from(jc, t, path, idle_snapshot(jc)));
         if (rc < 0) snprintf(why, sizeof why, "%s", mt_errmsg());
         snprintf(tried, sizeof tried, "%s", path);
     }
@@ -262,7 +282,7 @@ static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
     char *cj = mt_train_state_config_json(mt_hf_config(h));
     int rc = cj ? same_config(cj, &t->job.model, jc->job.init.path) : MT_ERR(MT_ENOMEM, "out of memory");
     free(cj);
-    mt_tensor_reader r = {h, mt_hf_read_fn, mt_hf_read_fp8_fn};
+    mt_tensor_reader r = {h, mt_hf_read_fn, mt_hf_read_fp8_fn, NULL, 0};
     if (rc == MT_OK)
         rc = mt_train_state_restore_staged(t, &r, NULL, idle_snapshot(jc) ? jc->snap.slab : NULL,
                                            jc->snap.slab_bytes);

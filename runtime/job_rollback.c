@@ -10,6 +10,7 @@
 #include "engine/train/train_state.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
+#include "runtime/job_checkpoint.h"
 #include "runtime/job_resume.h"
 
 /* Rank 0: moves the committed checkpoints of steps >= onset aside. */
@@ -59,10 +60,20 @@ int mt_job_rollback(mt_job_ckpt *jc, mt_trainer *t, mt_comm *world, mt_rollback_
         if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EIO, "rollback: rank 0 failed to set aside");
     }
     MT_CHECK(rc);
-    mt_ckpt *ck;
-    MT_CHECK(mt_ckpt_open(&ck, r->path));
+    /* every rank opens it or none restores: the restore is collective */
+    mt_ckpt *ck = NULL;
+    rc = mt_ckpt_open(&ck, r->path);
+    if (world && mt_comm_size(world) > 1) {
+        int ok = mt_comm_agree(world, rc == MT_OK);
+        if (rc == MT_OK && ok != 1) rc = MT_ERR(MT_EIO, "another rank cannot open %s", r->path);
+    }
+    if (rc < 0) {
+        mt_ckpt_close(ck);
+        return mt_err_wrap(rc, "rollback");
+    }
+    mt_ckpt_set_reader_rank(ck, rank);
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
-    mt_tensor_reader rd = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn};
+    mt_tensor_reader rd = mt_job_ckpt_reader(ck);
     void *stage_mem;
     size_t stage_bytes;
     mt_job_ckpt_stage_mem(jc, &stage_mem, &stage_bytes); /* the save in flight ended above */

@@ -311,7 +311,7 @@ static void test_restore_staged_in_lent_memory(void **state)
         memset(lend, 0xA5, lend_bytes);
         mt_ckpt *ck;
         ok(mt_ckpt_open(&ck, step));
-        mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn};
+        mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn, NULL, 0};
         ok(mt_train_state_restore_staged(b, &r, mt_ckpt_get_meta(ck)->state_json, lend,
                                          small ? 4096 : lend_bytes));
         mt_ckpt_close(ck);

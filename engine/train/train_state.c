@@ -610,50 +610,204 @@ static int upload_unless(mt_backend *be, void *dev, const void *src, size_t n)
     return src == dev ? MT_OK : be->upload(be, dev, src, n);
 }
 
-static int load_param(mt_model *m, const mt_tensor_reader *r, int i, stage *st, float *dev_tmp,
-                      int64_t tmp_n)
+/* Where parameter i's compute copy is read (as stored: e4m3 bytes + f32
+ * block scales, or f32 values) before it is installed: buf[0] of bytes[0]
+ * (and buf[1] of bytes[1], the scales; else NULL / 0). */
+static void param_bufs(mt_model *m, int i, void *host, float *hs, void *buf[2], size_t bytes[2])
+{
+    mt_backend *be = m->be;
+    const mt_param *p = &m->params[i];
+    const mt_param_desc *pd = &p->d;
+    const int64_t n = mt_param_numel(pd);
+    buf[1] = NULL;
+    bytes[1] = 0;
+    if (p->q) {
+        const int64_t nb = ((pd->rows + 127) / 128) * ((pd->cols + 127) / 128);
+        buf[0] = read_into(be, p->q, host);
+        bytes[0] = (size_t)n;
+        buf[1] = read_into(be, p->s, hs);
+        bytes[1] = (size_t)nb * 4;
+    } else {
+        buf[0] = p->wf ? read_into(be, p->wf, host) : host;
+        bytes[0] = (size_t)n * 4;
+    }
+}
+
+/* Reads parameter i's compute copy from the reader into param_bufs. */
+static int read_param(mt_model *m, const mt_tensor_reader *r, int i, void *buf[2])
+{
+    const mt_param *p = &m->params[i];
+    const mt_param_desc *pd = &p->d;
+    mt_tensor_desc d;
+    if (p->q) {
+        param_desc(&d, pd, pd->name, MT_DT_E4M3, buf[0]);
+        int rc = r->read_fp8(r->ctx, &d, buf[1]);
+        return rc < 0 ? mt_err_wrap(rc, "restoring %s", pd->name) : MT_OK;
+    }
+    param_desc(&d, pd, pd->name, MT_DT_F32, buf[0]);
+    return read_whole(r, &d);
+}
+
+/* Installs what read_param read into buf: uploads (unless read in place),
+ * the FP8 transpose rebuilt, or the f32 values converted to the activation
+ * dtype through dev_tmp in pieces of tmp_n elements (element-wise). */
+static int install_param(mt_model *m, int i, void *buf[2], float *dev_tmp, int64_t tmp_n)
 {
     mt_backend *be = m->be;
     mt_param *p = &m->params[i];
     const mt_param_desc *pd = &p->d;
     const int64_t n = mt_param_numel(pd);
-    mt_tensor_desc d;
-    void *host;
-    float *hs;
-    MT_CHECK(stage_next(st, &host, &hs));
     if (p->q) {
-        void *q = read_into(be, p->q, host);
-        float *sc = read_into(be, p->s, hs);
-        param_desc(&d, pd, pd->name, MT_DT_E4M3, q);
-        int rc = r->read_fp8(r->ctx, &d, sc);
-        if (rc < 0) return mt_err_wrap(rc, "restoring %s", pd->name);
         const int64_t nb = ((pd->rows + 127) / 128) * ((pd->cols + 127) / 128);
-        MT_CHECK(stage_ready(st));
-        MT_CHECK(upload_unless(be, p->q, q, (size_t)n));
-        MT_CHECK(upload_unless(be, p->s, sc, (size_t)nb * 4));
+        MT_CHECK(upload_unless(be, p->q, buf[0], (size_t)n));
+        MT_CHECK(upload_unless(be, p->s, buf[1], (size_t)nb * 4));
         return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)pd->rows, (int)pd->cols);
     }
-    if (p->wf) {
-        void *w = read_into(be, p->wf, host);
-        param_desc(&d, pd, pd->name, MT_DT_F32, w);
-        MT_CHECK(read_whole(r, &d));
-        MT_CHECK(stage_ready(st));
-        return upload_unless(be, p->wf, w, (size_t)n * 4);
-    }
-    param_desc(&d, pd, pd->name, MT_DT_F32, host);
-    MT_CHECK(read_whole(r, &d));
-    MT_CHECK(stage_ready(st));
-    /* through the scratch in pieces of tmp_n elements (element-wise) */
+    if (p->wf) return upload_unless(be, p->wf, buf[0], (size_t)n * 4);
     for (int64_t k = 0; k < n; k += tmp_n) {
         const int64_t c = n - k < tmp_n ? n - k : tmp_n;
-        MT_CHECK(be->upload(be, dev_tmp, (const float *)host + k, (size_t)c * 4));
+        MT_CHECK(be->upload(be, dev_tmp, (const float *)buf[0] + k, (size_t)c * 4));
         MT_CHECK(be->act_from_f32(be, (char *)p->w + (size_t)k * mt_act_size(be), dev_tmp, c));
     }
     return MT_OK;
 }
 
+static int load_param(mt_model *m, const mt_tensor_reader *r, int i, stage *st, float *dev_tmp,
+                      int64_t tmp_n)
+{
+    void *host, *buf[2];
+    float *hs;
+    size_t bytes[2];
+    MT_CHECK(stage_next(st, &host, &hs));
+    param_bufs(m, i, host, hs, buf, bytes);
+    MT_CHECK(read_param(m, r, i, buf));
+    MT_CHECK(stage_ready(st));
+    return install_param(m, i, buf, dev_tmp, tmp_n);
+}
+
+/* ---- replicated weights read once per replica group (issue 23) -------------------- */
+
+/* The ranks holding parameter i exactly as this rank does (same tensor,
+ * same hyperslab): the dp group, or for routed experts under ep, etp or tp
+ * the edp group (the ZeRO-1 grouping of own_params, trainer.c). Host side
+ * of the communicator; NULL when this rank is the only replica. */
+static mt_comm *replica_group(const mt_trainer *t, int i)
+{
+    const mt_layout *l = &t->job.parallel;
+    const int expert = t->model->params[i].d.expert >= 0 && (l->ep > 1 || l->etp > 1 || t->tp_size > 1);
+    mt_comm *g = expert ? t->edp : t->dp;
+    return g && mt_comm_size(g) > 1 ? mt_comm_host(g) : NULL;
+}
+
+/* Who reads what: reader[i] = the rank of group[i] that reads parameter
+ * i's compute copy, -1 with group[i] NULL for a weight read here. The same
+ * on every replica (from the table, the layout and the ZeRO-1 owners alone):
+ * each weight goes to the replica with the fewest bytes to read so far,
+ * counting the optimizer state each one reads for the parameters it owns
+ * (ties: the lowest rank). At most two groups (dp, edp). */
+typedef struct share_plan {
+    mt_comm **group; /* [params] */
+    int *reader;     /* [params] */
+    int n_shared, n_mine;           /* weights with replicas; of them read here */
+    int64_t bytes_mine, bytes_recv; /* bytes sent from here / received (as sent) */
+} share_plan;
+
+static void share_plan_free(share_plan *sp)
+{
+    free(sp->group);
+    free(sp->reader);
+}
+
+static int share_plan_build(share_plan *sp, const mt_trainer *t, int has_opt)
+{
+    const mt_model *m = t->model;
+    const int np = m->table.n > 0 ? m->table.n : 1;
+    memset(sp, 0, sizeof *sp);
+    sp->group = calloc((size_t)np, sizeof *sp->group);
+    sp->reader = malloc((size_t)np * sizeof *sp->reader);
+    mt_comm *gs[2] = {NULL, NULL};
+    int64_t *load[2] = {NULL, NULL};
+    int rc = sp->group && sp->reader ? MT_OK : MT_ERR(MT_ENOMEM, "restore: out of memory");
+    const int64_t ob = t->opt->main == MT_MAIN_FP32 ? 8 : t->opt->master ? 6 : 4;
+    for (int i = 0; i < m->table.n && rc == MT_OK; i++) {
+        sp->reader[i] = -1;
+        mt_comm *g = replica_group(t, i);
+        if (!g) continue;
+        int k = gs[0] == g ? 0 : gs[1] == g ? 1 : !gs[0] ? 0 : 1;
+        if (!gs[k]) {
+            gs[k] = g;
+            load[k] = calloc((size_t)mt_comm_size(g), sizeof *load[k]);
+            if (!load[k]) {
+                rc = MT_ERR(MT_ENOMEM, "restore: out of memory");
+                break;
+            }
+        }
+        const int gn = mt_comm_size(g);
+        int best = 0;
+        for (int q = 1; q < gn; q++)
+            if (load[k][q] < load[k][best]) best = q;
+        const mt_param *p = &m->params[i];
+        const int64_t n = mt_param_numel(&p->d);
+        sp->group[i] = g;
+        sp->reader[i] = best;
+        const int64_t sent = p->q ? n + ((p->d.rows + 127) / 128) * ((p->d.cols + 127) / 128) * 4 : 4 * n;
+        sp->n_shared++;
+        if (best == mt_comm_rank(g)) {
+            sp->n_mine++;
+            sp->bytes_mine += sent;
+        } else {
+            sp->bytes_recv += sent;
+        }
+        load[k][best] += p->q ? n : 2 * n; /* stored e4m3, or bf16 / f32 (a proxy) */
+        const int own = t->owner ? t->owner[i] : -1;
+        if (has_opt && own >= 0 && own < gn) load[k][own] += ob * n;
+    }
+    free(load[0]);
+    free(load[1]);
+    if (rc < 0) share_plan_free(sp);
+    return rc;
+}
+
+/* Parameter i through its replica group: the reader reads it (or, having
+ * failed before with `failed` < 0 and message why, passes that on), sends
+ * its status and then its bytes (as stored: the receivers convert them as
+ * a reader would, so the installed bits are the same); every replica
+ * installs them. A failure on the reader fails every replica of the group
+ * at this parameter with the reader's message (naming the piece). */
+static int load_param_shared(mt_model *m, const mt_tensor_reader *r, int i, mt_comm *g, int reader,
+                             int failed, const char *why, stage *st, float *dev_tmp, int64_t tmp_n)
+{
+    void *host, *buf[2];
+    float *hs;
+    size_t bytes[2];
+    MT_CHECK(stage_next(st, &host, &hs));
+    param_bufs(m, i, host, hs, buf, bytes);
+    const int me = mt_comm_rank(g);
+    int32_t status = MT_OK;
+    char msg[1024] = "";
+    if (me == reader) {
+        status = failed < 0 ? failed : read_param(m, r, i, buf);
+        if (status < 0) snprintf(msg, sizeof msg, "%s", failed < 0 ? why : mt_errmsg());
+    }
+    MT_CHECK(mt_comm_broadcast(g, &status, 1, MT_COMM_I32, reader));
+    if (status < 0) {
+        MT_CHECK(mt_comm_broadcast(g, msg, sizeof msg, MT_COMM_BYTE, reader));
+        if (me == reader) return failed < 0 ? failed : status;
+        return MT_ERR(status, "%s (read by replica %d of %d)", msg, reader, mt_comm_size(g));
+    }
+    for (int k = 0; k < 2; k++)
+        if (bytes[k]) MT_CHECK(mt_comm_broadcast(g, buf[k], bytes[k], MT_COMM_BYTE, reader));
+    MT_CHECK(stage_ready(st));
+    return install_param(m, i, buf, dev_tmp, tmp_n);
+}
+
+/* Parameter i: its compute copy (through its replica group when sp says
+ * so), then the optimizer state this rank keeps. failed < 0 (message why):
+ * this rank failed before; it reads nothing more but still takes its part
+ * in the replica groups (passing the failure on where it is the reader),
+ * so that no replica waits for it. */
 static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const scalars *sc,
-                         stage *st)
+                         stage *st, const share_plan *sp, int failed, const char *why)
 {
     mt_model *m = t->model;
     mt_optimizer *o = t->opt;
@@ -663,7 +817,11 @@ static int restore_param(mt_trainer *t, const mt_tensor_reader *r, int i, const 
     const int64_t n = mt_param_numel(pd);
     mt_tensor_desc d;
     void *host;
-    MT_CHECK(load_param(m, r, i, st, o->tmp, o->tmp_n));
+    if (sp && sp->group[i])
+        MT_CHECK(load_param_shared(m, r, i, sp->group[i], sp->reader[i], failed, why, st, o->tmp,
+                                   o->tmp_n));
+    if (failed < 0) return failed;
+    if (!sp || !sp->group[i]) MT_CHECK(load_param(m, r, i, st, o->tmp, o->tmp_n));
     if (o->off[i] < 0) return MT_OK; /* another rank keeps its state (ZeRO-1) */
     const int64_t off = o->off[i];
     const size_t mb = o->main == MT_MAIN_FP32 ? 4 : 2;
@@ -766,11 +924,40 @@ int mt_train_state_restore_staged(mt_trainer *t, const mt_tensor_reader *r,
     largest_param(m, &mx, &mxs);
     stage st;
     int rc = stage_open(&st, m->be, (size_t)mx * 4, (size_t)mxs * 4, stage_mem, stage_bytes);
-    for (int i = 0; i < m->table.n && rc == MT_OK; i++)
-        rc = restore_param(t, r, i, &sc, &st);
+    if (rc < 0) {
+        stage_close(&st);
+        return rc;
+    }
+    /* a shared source: each replicated weight read by one replica and sent
+     * to the others; the readers' plan is the same on every replica */
+    share_plan plan, *sp = NULL;
+    if (r->shared && (t->dp || t->edp)) {
+        rc = share_plan_build(&plan, t, sc.has_opt);
+        if (rc == MT_OK) sp = &plan;
+        for (int i = 0; sp && r->skip && i < m->table.n; i++)
+            if (sp->group[i] && sp->reader[i] != mt_comm_rank(sp->group[i]))
+                r->skip(r->ctx, m->params[i].d.name);
+    }
+    /* with replica groups every rank goes through every parameter, also
+     * after a failure (restore_param): the groups' broadcasts must match */
+    char why[2048] = "";
+    for (int i = 0; i < m->table.n && (rc == MT_OK || sp); i++) {
+        const int ri = restore_param(t, r, i, &sc, &st, sp, rc, why);
+        if (ri < 0 && rc == MT_OK) {
+            rc = ri;
+            snprintf(why, sizeof why, "%s", mt_errmsg());
+        }
+    }
     int rs = m->be->sync(m->be); /* the last uploads, before the staging is freed */
     stage_close(&st);
-    MT_CHECK(rc);
+    const int shared = sp != NULL;
+    if (sp && rc == MT_OK)
+        MT_LOGI("restore: %d of %d replicated weights read here (%.1f MB), %.1f MB received from "
+                "the other replicas", sp->n_mine, sp->n_shared, (double)sp->bytes_mine / 1e6,
+                (double)sp->bytes_recv / 1e6);
+    if (sp) share_plan_free(sp);
+    /* later broadcasts may have left other messages: the first failure's */
+    if (rc < 0) return shared ? MT_ERR(rc, "%s", why) : rc;
     MT_CHECK(rs);
     const mt_jobspec *j = &t->job;
     t->step = sc.step;

@@ -109,6 +109,16 @@ typedef struct mt_tensor_reader {
     void *ctx;
     int (*read)(void *ctx, mt_tensor_desc *d);
     int (*read_fp8)(void *ctx, mt_tensor_desc *q, float *s);
+    /* Optional (NULL: none): this rank will not read tensor `name` (nor
+     * its FP8 block scales) - another replica reads it and sends it over;
+     * the reader may leave it out of its read-ahead. */
+    void (*skip)(void *ctx, const char *name);
+    /* 1: every rank can read every tensor (a checkpoint on a file system
+     * all ranks see) and every rank of the job restores from the same
+     * source at once (collective over the trainer's dp and edp groups):
+     * the replicas of a weight split the reads (issue 23). 0: each rank
+     * reads all it holds, no communication. */
+    int shared;
 } mt_tensor_reader;
 
 /* Restores the trainer from a reader and the scalars of state_json (NULL,

@@ -425,8 +425,11 @@ int main(int argc, char **argv)
     if (mt_jobspec_load(&jb, p, sets, ns + 2) < 0 || mt_jobspec_admit(&jb, world) < 0) return die("job");
     double t_load = -1, mem_load = 0, my_load = -1, my_rchar = 0, my_disk = 0;
     double t_load_dr[2] = {-1, -1};
+    /* --load-only alternates MT_CKPT_DIRECT_READ, or the variable that
+     * BENCH_CKPT_ALTERNATE names (e.g. MT_CKPT_NO_SHARED_LOAD) */
+    const char *alt = getenv("BENCH_CKPT_ALTERNATE") ? getenv("BENCH_CKPT_ALTERNATE") : "MT_CKPT_DIRECT_READ";
     for (int k = 0; k < (load_only ? 2 * repeat : repeat); k++) {
-        if (load_only) setenv("MT_CKPT_DIRECT_READ", k % 2 ? "1" : "0", 1);
+        if (load_only) setenv(alt, k % 2 ? "1" : "0", 1);
         /* the trainer's own state again, from the disk: the restore alone */
         mt_job_ckpt *cl;
         if (mt_job_ckpt_open(&cl, &jb, rt->world) < 0) return die("checkpoint policy");
@@ -447,6 +450,15 @@ int main(int argc, char **argv)
         }
         t_load = best(t_load, all_s);
         if (load_only) t_load_dr[k % 2] = best(t_load_dr[k % 2], all_s);
+        if (load_only && world > 1) { /* each load's reads per rank */
+            double mine3[3] = {mine_s, (rc1 - rc0) / 1e9, (dk1 - dk0) / 1e9}, all3[3 * 64];
+            if (world <= 64) {
+                MPI_Gather(mine3, 3, MPI_DOUBLE, all3, 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+                for (int r = 0; rank == 0 && r < world; r++)
+                    printf("load %d (%s=%d) %.3f s, rank %d: %.3f s, read %.3f GB (%.3f GB from the disk)\n",
+                           k, alt, k % 2, all_s, r, all3[3 * r], all3[3 * r + 1], all3[3 * r + 2]);
+            }
+        }
         mem_load = mem_peak(m0);
         mt_job_ckpt_close(cl);
     }
@@ -462,9 +474,9 @@ int main(int argc, char **argv)
     }
     if (load_only) {
         if (rank == 0)
-            printf("\n| %d | %.2f GB | save %.2f (%.0f %%) | dd write %.2f | load, MT_CKPT_DIRECT_READ=0 "
+            printf("\n| %d | %.2f GB | save %.2f (%.0f %%) | dd write %.2f | load, %s=0 "
                    "%.2f (%.0f %%), =1 %.2f (%.0f %%) | dd read %.2f | (--load-only)\n",
-                   world, gb, gb / t_save, 100 * gb / t_save / ddw, ddw, gb / t_load_dr[0],
+                   world, gb, gb / t_save, 100 * gb / t_save / ddw, ddw, alt, gb / t_load_dr[0],
                    100 * gb / t_load_dr[0] / ddr, gb / t_load_dr[1], 100 * gb / t_load_dr[1] / ddr, ddr);
         mt_job_end(a);
         MPI_Barrier(MPI_COMM_WORLD);
