@@ -363,7 +363,8 @@ int main(int argc, char **argv)
     }
     int all_ok = mt_runtime_agree(rt, failures == 0);
     if (rt->rank == 0)
-        printf("test_trainer_gpu %s: 2 ranks on one GPU (staged): %s\n", which,
+        printf("test_trainer_gpu %s: 2 ranks on %s (staged): %s\n", which,
+               mt_cuda_device_count() == 1 ? "one GPU" : "GPUs 0 and 1",
                all_ok == 1 ? "equal to one rank" : "FAILED");
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
