@@ -14,7 +14,7 @@
  * The spec is parsed once; the confined paths are written into the parsed
  * job and checked again, and the job is admitted for `world` ranks
  * (mt_jobspec_admit): a layout the ranks cannot run, or one the trainer
- * does not implement yet (mt_jobspec_check_runnable: etp with ep and pp), is
+ * cannot (mt_jobspec_check_runnable: sequence parallelism without tp), is
  * refused here with MT_EINVAL naming the field.
  */
 #ifndef MT_JOB_ADMIT_H

@@ -515,8 +515,8 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
                                  "num_hidden_layers 2", NULL};
     expect_admission(2, ppl_sum, 3, ppl_sum_err, NULL);
     /* pipeline parallelism runs, with tensor, expert and expert tensor
-     * parallelism too (each stage's dp ranks refold as ep x edp), but not
-     * with expert and expert tensor parallelism both yet */
+     * parallelism too (each stage's dp ranks refold as ep x edp, or as
+     * etp x ep x edp) */
     const char *pp2[] = {"parallel.pp=2", "batch.micro_batch_size=1"};
     expect_admission(2, pp2, 2, NULL, &j);
     assert_int_equal(j.parallel.dp, 1);
@@ -526,8 +526,9 @@ static void test_admission_checks_the_layout_against_the_ranks(void **state)
     assert_int_equal(mt_layout_edp(&j.parallel), 1);
     const char *pp2etp2[] = {"parallel.pp=2", "parallel.ep=2", "parallel.etp=2",
                              "batch.micro_batch_size=1", "precision.recipe=bf16"};
-    const char *ppetp_err[] = {"parallel.etp 2 with parallel.ep 2 and parallel.pp 2", NULL};
-    expect_admission(8, pp2etp2, 5, ppetp_err, NULL);
+    expect_admission(8, pp2etp2, 5, NULL, &j);
+    assert_int_equal(j.parallel.dp, 4);
+    assert_int_equal(mt_layout_edp(&j.parallel), 1);
     const char *pp2tp2[] = {"parallel.pp=2", "parallel.tp=2", "precision.recipe=bf16",
                             "batch.micro_batch_size=1"};
     expect_admission(4, pp2tp2, 4, NULL, &j);

@@ -2,7 +2,8 @@
  *
  *   test_trainer_ep EXAMPLES_DIR EP [ETP] [pp2]
  *
- * Run under mpirun with N ranks (EP divides N, N divides 4). The job runs
+ * Run under mpirun with N ranks (EP divides N, N divides 4; or N = 8 with
+ * pp2: pp 2 x ep x etp over each stage's 4 ranks). The job runs
  * through the runtime with dp = N and ep = EP: each rank holds
  * n_routed_experts / EP experts (8 / EP of the tiny model), its tokens
  * travel to their experts' owners and back, expert gradients are summed
@@ -449,7 +450,7 @@ int main(int argc, char **argv)
     rank_ = rt->rank;
     mt_log_set_rank(rt->rank);
     const int ep = atoi(argv[2]);
-    if (4 % rt->size != 0 || ep < 1 || etp_ < 1 || rt->size % pp_ != 0 ||
+    if ((4 % rt->size != 0 && !(rt->size == 8 && pp_ == 2)) || ep < 1 || etp_ < 1 || rt->size % pp_ != 0 ||
         (rt->size / pp_) % (ep * etp_) != 0) {
         if (rt->rank == 0)
             fprintf(stderr, "SKIP: %d ranks do not divide the batch of 4 or ep %d (x pp %d) does "

@@ -324,14 +324,6 @@ static int check_layout(const mt_jobspec *j)
 
 int mt_jobspec_check_runnable(const mt_layout *l)
 {
-    /* expert tensor parallelism runs with the layouts the rest runs (tp,
-     * sequence parallelism, dp, ep; pp under each schedule), on the cpu and
-     * cuda backends (tests/test_trainer_ep.c, tests/test_trainer_tp.c);
-     * with ep and pp both it is not tested (8 ranks at least) */
-    if (l->etp > 1 && l->ep > 1 && l->pp > 1)
-        return MT_ERR(MT_ENOTSUP, "parallel.etp %d with parallel.ep %d and parallel.pp %d: "
-                      "expert tensor parallelism with expert and pipeline parallelism together "
-                      "is not tested yet; use etp = 1, ep = 1 or pp = 1", l->etp, l->ep, l->pp);
     if (l->sequence_parallel && l->tp < 2)
         return MT_ERR(MT_EINVAL, "parallel.sequence_parallel needs parallel.tp > 1 (it is %d)",
                       l->tp);

@@ -174,12 +174,11 @@ void mt_jobspec_print_fields(FILE *out);
  * does not run yet (mt_jobspec_check_runnable) is refused too. */
 int mt_jobspec_admit(mt_jobspec *j, int world);
 
-/* MT_OK when the trainer can run layout `l` (sizes > 1 only where it
- * implements that parallelism: data, tensor (with sequence parallelism),
- * pipeline, expert and expert tensor parallelism so far; not all three of
- * pipeline, expert and expert tensor parallelism together), else
- * MT_ENOTSUP naming the field. Admission refuses such a layout (EINVAL)
- * before any rank builds anything; the trainer checks it again. */
+/* MT_OK when the trainer can run layout `l`: every combination of data,
+ * tensor, pipeline, expert and expert tensor parallelism the layout admits
+ * runs; what is left is sequence parallelism without tp (MT_EINVAL naming
+ * the field). Admission refuses such a layout (EINVAL) before any rank
+ * builds anything; the trainer checks it again. */
 int mt_jobspec_check_runnable(const mt_layout *l);
 
 /* Micro-batches per optimizer step on each data-parallel rank. Needs an

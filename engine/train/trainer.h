@@ -53,7 +53,7 @@
  * before the buckets.
  *
  * Expert tensor parallelism (parallel.etp = ETP > 1, with dp, ep, tp and
- * pp, not with ep and pp both; CPU and CUDA backends): the ep group handed in is the
+ * pp, also ep and pp both; CPU and CUDA backends): the ep group handed in is the
  * exchange group of the EP x ETP ranks with the same edp (groups.h: exp);
  * the model holds slice etp_rank of each of its experts
  * (mt_params_etp_local) and the dispatcher sends each routed row to every
