@@ -117,4 +117,69 @@ static inline float mt_fp8_scale(float amax)
 
 static inline int mt_ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+/* ---- x / s without a division per element --------------------------------
+ * A tile of 128 (or 128 x 128) values shares one scale s, and the optimizer
+ * divides every element by the same bias corrections; an IEEE division per
+ * element costs a GPU more than the bytes those kernels move. With
+ * r = 1 / s rounded to nearest, computed once,
+ *   q = x r;  q += (x - q s) r;  q += (x - q s) r   (each line fused multiply-adds)
+ * is x / s rounded to nearest, the same float as the division: after the
+ * first correction q is within an ulp of x / s, so the residual x - q s is
+ * exact and the second correction rounds correctly (Markstein's theorem for
+ * a correctly rounded reciprocal). That needs no underflow or overflow
+ * anywhere: s in [2^-60, 2^60] (`fast`) and s 2^-40 <= |x| <= s 2^60, so
+ * that |x / s| is in [2^-40, 2^60] and |x| >= 2^-100; everything else
+ * divides (mt_div_rn) - or, for e4m3 codes (mt_fp8_div, |x| <= 448 s by
+ * the scale's definition), |x| < s 2^-40 takes x r, whose code is the
+ * signed zero of x / s (under 2^-40, far below e4m3's smallest 2^-9).
+ * tests/test_ops_fp8.c checks both against the division. */
+#if defined(__CUDACC__)
+#define MT_FP8_HD __host__ __device__
+#else
+#define MT_FP8_HD
+#endif
+
+typedef struct mt_divisor {
+    float s, r;      /* divisor, 1 / s rounded to nearest */
+    float lo, hi;    /* s 2^-40, s 2^60: the |x| of the exact fast path */
+    int fast;        /* s in [2^-60, 2^60] */
+} mt_divisor;
+
+static inline MT_FP8_HD mt_divisor mt_divisor_of(float s)
+{
+    mt_divisor d;
+    d.s = s;
+    d.fast = s >= 0x1p-60f && s <= 0x1p60f; /* false for NaN */
+    d.r = d.fast ? 1.0f / s : 0.0f;         /* IEEE division: rounded to nearest */
+    d.lo = s * 0x1p-40f;
+    d.hi = s * 0x1p60f;
+    return d;
+}
+
+static inline MT_FP8_HD float mt_div_corrected(float x, mt_divisor d)
+{
+    float q = x * d.r;
+    q = fmaf(fmaf(-q, d.s, x), d.r, q);
+    return fmaf(fmaf(-q, d.s, x), d.r, q);
+}
+
+/* x / d.s rounded to nearest, for any x (zeros, NaN, Inf and extremes divide). */
+static inline MT_FP8_HD float mt_div_rn(float x, mt_divisor d)
+{
+    const float a = fabsf(x);
+    if (!d.fast || !(a >= d.lo && a <= d.hi)) return x / d.s;
+    return mt_div_corrected(x, d);
+}
+
+/* x / d.s for e4m3 encoding, |x| <= 448 d.s (a tile's values over its
+ * scale): the quotient rounded to nearest, or below d.lo a float of the
+ * same e4m3 code. */
+static inline MT_FP8_HD float mt_fp8_div(float x, mt_divisor d)
+{
+    if (!d.fast) return x / d.s;
+    if (fabsf(x) < d.lo) return x * d.r; /* NaN goes on: NaN either way */
+    return mt_div_corrected(x, d);
+}
+
+
 #endif
