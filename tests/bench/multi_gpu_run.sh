@@ -32,7 +32,10 @@
 #          (e.g. fewer layers to fit an 80 GB GPU);
 #          median step time, tokens/s and model TFLOPS per GPU of steps
 #          3..N from the metrics stream.
-#   ckpt   the proxy at CKPT_LAYOUT (default ep=N) on N GPUs saves at steps 2
+#   ckpt   the proxy at CKPT_LAYOUT (default ep=R) on R = CKPT_RANKS ranks
+#          (default N; more ranks than GPUs share them and exchange through
+#          host memory, parallel.comm=mpi, as NCCL takes one rank per GPU)
+#          saves at steps 2
 #          and 4 into CKPT_DIR (default /tmp/mg-ckpt; async, every rank its
 #          own shard file); dd writes and reads a file of the checkpoint's
 #          size on the same disk (page cache dropped for the read when
@@ -169,14 +172,16 @@ if want proxy; then
   done
 fi
 if want ckpt; then
-  layout="${CKPT_LAYOUT:-ep=$ngpu}"
+  ranks="${CKPT_RANKS:-$ngpu}"
+  layout="${CKPT_LAYOUT:-ep=$ranks}"
+  shared=(); [ "$ranks" -gt "$ngpu" ] && shared=(--set parallel.comm=mpi)
   dir="${CKPT_DIR:-/tmp/mg-ckpt}"
   rm -rf "$dir"; mkdir -p "$dir"
   sets=(); for kv in ${layout//,/ }; do sets+=(--set "parallel.$kv"); done
   ck=(--job "$ex/dsv3-proxy.json" --set data.path="$bundle/data/synth-dsv3" --set data.valid_interval=0
       --set checkpoint.dir="$dir" --set checkpoint.async=true --set lr_schedule.warmup_steps=2 ${PROXY_SETS:-})
-  echo "== ckpt: the proxy at $layout on $ngpu GPUs saves at steps 2 and 4 into $dir"
-  mpi "$ngpu" "$bin/moetraind" "${ck[@]}" "${sets[@]}" --set parallel.dp=0 --set train.steps=4 \
+  echo "== ckpt: the proxy at $layout, $ranks ranks on $ngpu GPUs ${shared[*]}, saves at steps 2 and 4 into $dir"
+  mpi "$ranks" "$bin/moetraind" "${ck[@]}" "${sets[@]}" "${shared[@]}" --set parallel.dp=0 --set train.steps=4 \
     --set checkpoint.interval=2 --metrics-jsonl "$out/ckpt-save.jsonl" > "$out/ckpt-save.log" 2>&1
   echo "rc=$?"; grep -E "committed|failed| E " "$out/ckpt-save.log" | cut -c1-240
   grep -o '"step_ms":[0-9.]*' "$out/ckpt-save.jsonl" | tr '\n' ' '; echo "(step times: saves after steps 2 and 4)"
