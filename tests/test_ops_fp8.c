@@ -17,7 +17,6 @@
 #include <float.h>
 
 #include "op_ref.h"
-#include "base/mt_rng.h"
 
 static mt_backend *be;
 
@@ -107,102 +106,6 @@ static void test_e4m3_nan_encodes_as_nan(void **state)
     assert_int_equal(mt_e4m3_from_f32(NAN), 0x7f);
     assert_int_equal(mt_e4m3_from_f32(-NAN), 0xff);
     assert_true(isnan(mt_e4m3_to_f32(0x7f)) && isnan(mt_e4m3_to_f32(0xff)));
-}
-
-/* mt_fp8_div (the GPU quantisers' division: a reciprocal per tile and two
- * fused corrections per element) gives the float an IEEE division gives,
- * for scales over 100 binades (mantissas random and at the edges: all ones,
- * all zeros) and values of every sign from the tile's amax down 40 binades;
- * below its lower bound, for zeros of both signs and NaN it gives the
- * division's e4m3 code; scales outside the fast range divide. */
-static void test_fp8_div_equals_ieee_division(void **state)
-{
-    (void)state;
-    mt_rng rng;
-    mt_rng_seed(&rng, 0x2545f4914f6cdd1dull);
-    long checked = 0, differ = 0;
-    for (int i = 0; i < 600; i++) {
-        const int e = (int)(mt_rng_u64(&rng) % 101) - 50;
-        uint32_t m = (uint32_t)(mt_rng_u64(&rng) & 0x7fffffu);
-        if (i % 5 == 1) m = 0x7fffffu;
-        if (i % 5 == 2) m = 0;
-        const float amax = mt_bits_f32((uint32_t)(e + 127) << 23 | m);
-        const float s = mt_fp8_scale(amax);
-        const mt_divisor d = mt_divisor_of(s);
-        assert_true(d.fast);
-        for (int j = 0; j < 8192; j++) {
-            const uint64_t k = mt_rng_u64(&rng);
-            float x;
-            if (j < 256) {
-                x = mt_bits_f32(mt_f32_bits(amax) - (uint32_t)j); /* the tile's largest values */
-            } else {
-                const int xe = e - (int)(k % 41);
-                x = mt_bits_f32((uint32_t)(xe + 127) << 23 | (uint32_t)((k >> 8) & 0x7fffffu));
-            }
-            if (k >> 63) x = -x;
-            const float want = x / s, got = mt_fp8_div(x, d);
-            checked++;
-            if (fabsf(x) >= d.lo) differ += mt_f32_bits(got) != mt_f32_bits(want);
-            else differ += mt_e4m3_from_f32(got) != mt_e4m3_from_f32(want);
-        }
-        const float edge[] = {0.0f, -0.0f, d.lo, -d.lo, d.lo * 0.5f, -d.lo * 0.25f,
-                              s * 0x1p-60f, -s * 0x1p-80f};
-        for (size_t j = 0; j < sizeof edge / sizeof edge[0]; j++) {
-            checked++;
-            differ += mt_e4m3_from_f32(mt_fp8_div(edge[j], d)) != mt_e4m3_from_f32(edge[j] / s);
-        }
-        assert_true(isnan(mt_fp8_div(NAN, d)));
-    }
-    const float outside[] = {0x1p-70f, 0x1p70f, 0x1p-130f};
-    for (size_t i = 0; i < 3; i++) {
-        const mt_divisor d = mt_divisor_of(outside[i]);
-        assert_false(d.fast);
-        const float x = outside[i] * 3.3f;
-        assert_int_equal(mt_f32_bits(mt_fp8_div(x, d)), mt_f32_bits(x / outside[i]));
-    }
-    assert_true(checked > 4000000);
-    assert_int_equal(differ, 0);
-}
-
-/* mt_div_rn (the GPU optimizer's division by the bias corrections) is the
- * IEEE quotient, the same float, for any dividend: divisors in (0, 1] as
- * 1 - beta^t gives them and over the whole fast range, dividends over 140
- * binades around them (both paths and the bounds between them), zeros of
- * both signs, infinities and NaN. */
-static void test_div_rn_equals_ieee_division(void **state)
-{
-    (void)state;
-    mt_rng rng;
-    mt_rng_seed(&rng, 0x9e3779b97f4a7c15ull);
-    long checked = 0, differ = 0;
-    for (int i = 0; i < 600; i++) {
-        float s;
-        if (i < 200) s = 1.0f - powf(i % 2 ? 0.95f : 0.999f, (float)(1 + i)); /* bias corrections */
-        else s = mt_bits_f32((uint32_t)((int)(mt_rng_u64(&rng) % 120) - 60 + 127) << 23 |
-                             (uint32_t)(mt_rng_u64(&rng) & 0x7fffffu));
-        const mt_divisor d = mt_divisor_of(s);
-        assert_true(d.fast);
-        const int se = (int)((mt_f32_bits(s) >> 23) & 0xff) - 127;
-        for (int j = 0; j < 8192; j++) {
-            const uint64_t k = mt_rng_u64(&rng);
-            int xe = se - 70 + (int)(k % 141);
-            if (xe < -126) xe = -126;
-            if (xe > 127) xe = 127;
-            float x = mt_bits_f32((uint32_t)(xe + 127) << 23 | (uint32_t)((k >> 8) & 0x7fffffu));
-            if (k >> 63) x = -x;
-            checked++;
-            differ += mt_f32_bits(mt_div_rn(x, d)) != mt_f32_bits(x / s);
-        }
-        const float edge[] = {0.0f, -0.0f, d.lo, -d.lo, d.hi, -d.hi, nextafterf(d.lo, 0.0f),
-                              nextafterf(d.hi, INFINITY), INFINITY, -INFINITY, 0x1p-149f};
-        for (size_t j = 0; j < sizeof edge / sizeof edge[0]; j++) {
-            checked++;
-            differ += mt_f32_bits(mt_div_rn(edge[j], d)) != mt_f32_bits(edge[j] / s);
-        }
-        assert_true(isnan(mt_div_rn(NAN, d)));
-    }
-    assert_true(checked > 4000000);
-    assert_int_equal(differ, 0);
 }
 
 static void test_bf16_rounds_ties_to_even(void **state)
@@ -699,8 +602,6 @@ int main(void)
         cmocka_unit_test(test_e4m3_saturates_infinity),
         cmocka_unit_test(test_e4m3_nan_encodes_as_nan),
         cmocka_unit_test(test_bf16_rounds_ties_to_even),
-        cmocka_unit_test(test_fp8_div_equals_ieee_division),
-        cmocka_unit_test(test_div_rn_equals_ieee_division),
         cmocka_unit_test(test_quant_encoder_matches_scalar_rule),
         cmocka_unit_test(test_quant_rows_error_within_half_ulp),
         cmocka_unit_test(test_quant_cols_t_error_within_half_ulp),

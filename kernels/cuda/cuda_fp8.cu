@@ -166,17 +166,16 @@ quant_rows_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__
     }
     amax = cu_warp_max(amax);
     const float sc = cuda_scale_of(amax);
-    const mt_divisor dv = mt_divisor_of(sc);
     if (vec) {
         uint32_t c = 0;
 #pragma unroll
-        for (int j = 0; j < 4; j++) c |= (uint32_t)cuda_e4m3_by(v[j], dv) << (8 * j);
+        for (int j = 0; j < 4; j++) c |= (uint32_t)cuda_e4m3(v[j], sc) << (8 * j);
         *(uint32_t *)(qt + 4 * lane) = c;
     } else {
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             int k = lane + 32 * j;
-            if (k < n) qt[k] = cuda_e4m3_by(v[j], dv);
+            if (k < n) qt[k] = cuda_e4m3(v[j], sc);
         }
     }
     if (lane == 0) {
@@ -226,11 +225,10 @@ quant_rows_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16
         for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(CU_FULL, amax, o));
         if (t >= tiles) continue;
         const float sc = cuda_scale_of(amax);
-        const mt_divisor dv = mt_divisor_of(sc);
         const int m = (int)(t / KB), kb = (int)(t % KB);
         uint32_t c[2] = {0, 0};
 #pragma unroll
-        for (int j = 0; j < 8; j++) c[j >> 2] |= (uint32_t)cuda_e4m3_by(v[j], dv) << (8 * (j & 3));
+        for (int j = 0; j < 8; j++) c[j >> 2] |= (uint32_t)cuda_e4m3(v[j], sc) << (8 * (j & 3));
         *(uint2 *)(q + (int64_t)m * K + kb * MT_QTILE + 8 * hl) = make_uint2(c[0], c[1]);
         if (hl == 0) {
             const int g = fp8_seg_find(segs.start, segs.G, m);
@@ -278,7 +276,6 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
 {
     __shared__ float tile[MT_QTILE][QC_COLS + 1]; /* +1: conflict-free column reads */
     __shared__ float scl[QC_COLS];
-    __shared__ mt_divisor dvs[QC_COLS];
     const int it = blockIdx.x, k0 = blockIdx.y * QC_COLS;
     const int g = fp8_seg_find(segs.tile, segs.G, it);
     const int r0 = segs.start[g], rows = segs.start[g + 1] - r0;
@@ -316,10 +313,7 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
             float a = 0.0f;
             for (int r = lane; r < MT_QTILE; r += 32) a = fmaxf(a, fabsf(tile[r][c]));
             a = cu_warp_max(a);
-            if (lane == 0) {
-                scl[c] = cuda_scale_of(a);
-                dvs[c] = mt_divisor_of(scl[c]);
-            }
+            if (lane == 0) scl[c] = cuda_scale_of(a);
         }
     }
     __syncthreads();
@@ -333,16 +327,15 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
         const int r4 = (tid % 32) * 4;
         for (int c = tid / 32; c < nk; c += 256 / 32) {
             if (r4 >= n) continue;
-            const mt_divisor d = dvs[c];
             uint32_t w = 0;
 #pragma unroll
-            for (int j = 0; j < 4; j++) w |= (uint32_t)cuda_e4m3_by(tile[r4 + j][c], d) << (8 * j);
+            for (int j = 0; j < 4; j++) w |= (uint32_t)cuda_e4m3(tile[r4 + j][c], scl[c]) << (8 * j);
             *(uint32_t *)(qg + (int64_t)(k0 + c) * rows + i0 + r4) = w;
         }
     } else {
         const int r = tid % MT_QTILE;
         for (int c = tid / MT_QTILE; c < nk; c += 256 / MT_QTILE)
-            if (r < n) qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3_by(tile[r][c], dvs[c]);
+            if (r < n) qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(tile[r][c], scl[c]);
     }
 }
 
@@ -383,14 +376,13 @@ quant_blocks_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const float 
             amax = fmaxf(amax, fabsf(w[(int64_t)(n0 + r) * K + k0 + c]));
     amax = cu_block_max(amax, sh);
     const float sc = cuda_scale_of(amax);
-    const mt_divisor dv = mt_divisor_of(sc);
     if (threadIdx.x == 0) s[b] = sc; /* s[nb * KB + kb] */
     if (c >= nk) return;
     for (int r = r1; r < nn; r += 2) {
         const int64_t off = (int64_t)(n0 + r) * K + k0 + c;
         const float v = w[off];
-        q[off] = sr ? fp8_e4m3_sr(mt_fp8_div(v, dv), fp8_hash_uniform(seed, (uint64_t)off))
-                    : cuda_e4m3_by(v, dv);
+        q[off] = sr ? fp8_e4m3_sr(__fdiv_rn(v, sc), fp8_hash_uniform(seed, (uint64_t)off))
+                    : cuda_e4m3(v, sc);
     }
 }
 

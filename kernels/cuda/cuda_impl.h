@@ -113,12 +113,6 @@ __device__ __forceinline__ uint8_t cuda_e4m3(float x, float s)
 {
     return (uint8_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3);
 }
-/* The same code as cuda_e4m3(x, d.s), without a division per element
- * (mt_fp8_div; d = mt_divisor_of(scale) once per tile). */
-__device__ __forceinline__ uint8_t cuda_e4m3_by(float x, mt_divisor d)
-{
-    return (uint8_t)__nv_cvt_float_to_fp8(mt_fp8_div(x, d), __NV_SATFINITE, __NV_E4M3);
-}
 __device__ __forceinline__ float cuda_e4m3_val(uint8_t q)
 {
     __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, __NV_E4M3);

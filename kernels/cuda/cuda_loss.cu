@@ -322,26 +322,12 @@ __device__ __forceinline__ uint16_t loss_bf16_rne(float x)
     return (uint16_t)(u >> 16);
 }
 
-/* The bias corrections as divisors (mt_divisor_of on the host: the same
- * reciprocal as on the device), so that m' / bc1 and v' / bc2 take no
- * division per element (mt_div_rn: the same floats as the division). */
-typedef struct adamw_bc {
-    mt_divisor c1, c2;
-} adamw_bc;
-
-static adamw_bc adamw_bc_of(const mt_adamw_hp *hp)
-{
-    adamw_bc bc = {mt_divisor_of(hp->bc1), mt_divisor_of(hp->bc2)};
-    return bc;
-}
-
 /* One element, cpu_optim.c's adamw_one step for step:
  *   g = grad gs; m' = b1 m + (1 - b1) g; v' = b2 v + (1 - b2) g^2
  *   p - lr ((m' / bc1) / (sqrt(v' / bc2) + eps) + wd p)
  * with m', v' used unrounded and stored rounded to bf16. */
-__device__ __forceinline__ float adamw_val(const mt_adamw_hp &hp, const adamw_bc &bc, float p,
-                                           uint16_t m, uint16_t v, float grad, uint16_t *m_out,
-                                           uint16_t *v_out)
+__device__ __forceinline__ float adamw_val(const mt_adamw_hp &hp, float p, uint16_t m, uint16_t v,
+                                           float grad, uint16_t *m_out, uint16_t *v_out)
 {
     const float g = __fmul_rn(grad, hp.grad_scale);
     const float mi = __fadd_rn(__fmul_rn(hp.beta1, loss_bf16_val(m)),
@@ -350,8 +336,8 @@ __device__ __forceinline__ float adamw_val(const mt_adamw_hp &hp, const adamw_bc
                                __fmul_rn(__fsub_rn(1.0f, hp.beta2), __fmul_rn(g, g)));
     *m_out = loss_bf16_rne(mi);
     *v_out = loss_bf16_rne(vi);
-    const float den = __fadd_rn(__fsqrt_rn(mt_div_rn(vi, bc.c2)), hp.eps);
-    const float upd = __fadd_rn(__fdiv_rn(mt_div_rn(mi, bc.c1), den), __fmul_rn(hp.weight_decay, p));
+    const float den = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, hp.bc2)), hp.eps);
+    const float upd = __fadd_rn(__fdiv_rn(__fdiv_rn(mi, hp.bc1), den), __fmul_rn(hp.weight_decay, p));
     return __fsub_rn(p, __fmul_rn(hp.lr, upd));
 }
 
@@ -374,16 +360,15 @@ __device__ __forceinline__ void grad_at4(const mt_adamw_hp &hp, const void *g, i
     }
 }
 
-__device__ __forceinline__ float adamw_one(const mt_adamw_hp &hp, const adamw_bc &bc, float p,
-                                           uint16_t *m, uint16_t *v, float grad)
+__device__ __forceinline__ float adamw_one(const mt_adamw_hp &hp, float p, uint16_t *m,
+                                           uint16_t *v, float grad)
 {
-    return adamw_val(hp, bc, p, *m, *v, grad, m, v);
+    return adamw_val(hp, p, *m, *v, grad, m, v);
 }
 
 /* Four consecutive elements from 16-byte (f32) / 8-byte (bf16) words; the
  * element arithmetic is adamw_one's, so results are bit-identical. */
-__device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, const adamw_bc &bc, void *p,
-                                           int p_bf16,
+__device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, void *p, int p_bf16,
                                            uint16_t *__restrict__ m, uint16_t *__restrict__ v,
                                            const void *__restrict__ grad, int64_t i)
 {
@@ -403,7 +388,7 @@ __device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, const adamw_bc
     }
     uint16_t mo[4], vo[4];
 #pragma unroll
-    for (int j = 0; j < 4; j++) pv[j] = adamw_val(hp, bc, pv[j], mv[j], vv[j], gv[j], &mo[j], &vo[j]);
+    for (int j = 0; j < 4; j++) pv[j] = adamw_val(hp, pv[j], mv[j], vv[j], gv[j], &mo[j], &vo[j]);
     *(uint2 *)(m + i) = make_uint2(mo[0] | (uint32_t)mo[1] << 16, mo[2] | (uint32_t)mo[3] << 16);
     *(uint2 *)(v + i) = make_uint2(vo[0] | (uint32_t)vo[1] << 16, vo[2] | (uint32_t)vo[3] << 16);
     if (p_bf16) {
@@ -419,23 +404,22 @@ __device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, const adamw_bc
 /* Groups of 4 elements with 16-byte loads when every array is aligned for
  * it (vec), else one element per thread. */
 __global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                             const void *__restrict__ grad, int64_t n, mt_adamw_hp hp, adamw_bc bc,
-                             int vec)
+                             const void *__restrict__ grad, int64_t n, mt_adamw_hp hp, int vec)
 {
     if (vec) {
         for (int64_t i4 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i4 < n / 4;
              i4 += (int64_t)gridDim.x * blockDim.x)
-            adamw_vec4(hp, bc, p, p_bf16, m, v, grad, 4 * i4);
+            adamw_vec4(hp, p, p_bf16, m, v, grad, 4 * i4);
         /* the n % 4 last elements */
         const int64_t i = n / 4 * 4 + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
         if (i < n) {
             if (p_bf16) {
                 uint16_t *pb = (uint16_t *)p;
-                pb[i] = loss_bf16_rne(adamw_one(hp, bc, loss_bf16_val(pb[i]), m + i, v + i,
+                pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i,
                                                       grad_at(hp, grad, i)));
             } else {
                 float *pf = (float *)p;
-                pf[i] = adamw_one(hp, bc, pf[i], m + i, v + i, grad_at(hp, grad, i));
+                pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad_at(hp, grad, i));
             }
         }
         return;
@@ -444,11 +428,11 @@ __global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint
          i += (int64_t)gridDim.x * blockDim.x) {
         if (p_bf16) {
             uint16_t *pb = (uint16_t *)p;
-            pb[i] = loss_bf16_rne(adamw_one(hp, bc, loss_bf16_val(pb[i]), m + i, v + i,
+            pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i,
                                                       grad_at(hp, grad, i)));
         } else {
             float *pf = (float *)p;
-            pf[i] = adamw_one(hp, bc, pf[i], m + i, v + i, grad_at(hp, grad, i));
+            pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad_at(hp, grad, i));
         }
     }
 }
@@ -465,7 +449,7 @@ static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t
     const int vec = ((uintptr_t)p % (p_bf16 ? 8 : 16)) == 0 && (uintptr_t)m % 8 == 0 &&
                     (uintptr_t)v % 8 == 0 && (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0;
     adamw_kernel<<<cuda_grid(vec ? (n + 3) / 4 : n, 256), 256, 0, cuda_stream(be)>>>(
-        p, p_bf16, m, v, grad, n, *hp, adamw_bc_of(hp), vec);
+        p, p_bf16, m, v, grad, n, *hp, vec);
     CUDA_LAUNCH_CHECK("adamw");
     return MT_OK;
 }
@@ -507,7 +491,7 @@ __device__ __forceinline__ uint2 aq_pack_u16x4(const uint16_t *h)
 __device__ __forceinline__ void adamw_fp8_full_block(
     void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
     const void *__restrict__ grad, int N, int K, int NB, int KB, int nb, int kb,
-    const mt_adamw_hp &hp, const adamw_bc &bc,
+    const mt_adamw_hp &hp,
     uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
     float *__restrict__ st, uint8_t (*tile)[MT_QTILE + 4], float *sh)
 {
@@ -543,7 +527,7 @@ __device__ __forceinline__ void adamw_fp8_full_block(
             float x[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                x[e] = adamw_val(hp, bc, pv[jj][e], mi[e], vi[e], gv[jj][e], &mo[e], &vo[e]);
+                x[e] = adamw_val(hp, pv[jj][e], mi[e], vi[e], gv[jj][e], &mo[e], &vo[e]);
                 if (p_bf16) {
                     h[e] = loss_bf16_rne(x[e]);
                     x[e] = loss_bf16_val(h[e]);
@@ -560,7 +544,6 @@ __device__ __forceinline__ void adamw_fp8_full_block(
     }
     amax = cu_block_max(amax, sh);
     const float sc = cuda_scale_of(amax);
-    const mt_divisor dv = mt_divisor_of(sc);
     if (threadIdx.x == 0) {
         s[(int64_t)nb * KB + kb] = sc;
         st[(int64_t)kb * NB + nb] = sc;
@@ -578,7 +561,7 @@ __device__ __forceinline__ void adamw_fp8_full_block(
         }
         uint32_t code = 0;
 #pragma unroll
-        for (int e = 0; e < 4; e++) code |= (uint32_t)cuda_e4m3_by(x[e], dv) << (8 * e);
+        for (int e = 0; e < 4; e++) code |= (uint32_t)cuda_e4m3(x[e], sc) << (8 * e);
         *(uint32_t *)(q + i) = code;
         *(uint32_t *)&tile[r][c0] = code;
     }
@@ -595,7 +578,6 @@ __device__ __forceinline__ void adamw_fp8_full_block(
 __global__ void __launch_bounds__(256)
 adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
                  const void *__restrict__ grad, int N, int K, int NB, int KB, mt_adamw_hp hp,
-                 adamw_bc bc,
                  uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
                  float *__restrict__ st, int vec)
 {
@@ -605,8 +587,8 @@ adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__rest
     const int n0 = nb * MT_QTILE, k0 = kb * MT_QTILE;
     const int nn = min(MT_QTILE, N - n0), nk = min(MT_QTILE, K - k0);
     if (vec && nn == MT_QTILE && nk == MT_QTILE) {
-        adamw_fp8_full_block(p, p_bf16, m, v, grad, N, K, NB, KB, nb, kb, hp, bc, q, s, qt, st,
-                             tile, sh);
+        adamw_fp8_full_block(p, p_bf16, m, v, grad, N, K, NB, KB, nb, kb, hp, q, s, qt, st, tile,
+                             sh);
         return;
     }
     const int c = threadIdx.x % MT_QTILE, r1 = threadIdx.x / MT_QTILE;
@@ -634,7 +616,7 @@ adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__rest
                 const int r = j0 + 2 * jj;
                 if (r >= nn) continue;
                 const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
-                float x = adamw_val(hp, bc, pv[jj], mv[jj], vv[jj], gv[jj], m + i, v + i);
+                float x = adamw_val(hp, pv[jj], mv[jj], vv[jj], gv[jj], m + i, v + i);
                 if (p_bf16) {
                     const uint16_t h = loss_bf16_rne(x);
                     pb[i] = h;
@@ -647,7 +629,6 @@ adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__rest
         }
     amax = cu_block_max(amax, sh);
     const float sc = cuda_scale_of(amax);
-    const mt_divisor dv = mt_divisor_of(sc);
     if (threadIdx.x == 0) {
         s[b] = sc;
         st[(int64_t)kb * NB + nb] = sc;
@@ -657,7 +638,7 @@ adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__rest
         for (int r = r1; r < nn; r += 2) {
             const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
             const float x = p_bf16 ? loss_bf16_val(__ldcg(pb + i)) : __ldcg(pf + i);
-            const uint8_t code = cuda_e4m3_by(x, dv);
+            const uint8_t code = cuda_e4m3(x, sc);
             q[i] = code;
             tile[r][c] = code;
         }
@@ -682,7 +663,7 @@ static int cuda_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint
                     (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0 && (uintptr_t)m % 8 == 0 &&
                     (uintptr_t)v % 8 == 0 && (uintptr_t)q % 4 == 0 && (uintptr_t)qt % 4 == 0;
     adamw_fp8_kernel<<<(unsigned)((int64_t)NB * KB), 256, 0, cuda_stream(be)>>>(
-        p, p_bf16, m, v, grad, N, K, NB, KB, *hp, adamw_bc_of(hp), q, s, qt, st, vec);
+        p, p_bf16, m, v, grad, N, K, NB, KB, *hp, q, s, qt, st, vec);
     CUDA_LAUNCH_CHECK("adamw_fp8");
     return MT_OK;
 }
