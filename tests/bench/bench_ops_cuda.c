@@ -5,7 +5,8 @@
  *
  * GEMMs (forward shapes, then weight gradients) print TFLOPS and the ratio
  * to the FP8 block-scaled (1240-1440) or BF16 (890) ceilings; memory-bound
- * ops and the optimizer print GB/s (bytes read + written once) and the
+ * ops (rmsnorm_bwd and rope at the proxy shapes too) and the optimizer
+ * print GB/s (bytes read + written once) and the
  * ratio to a device-to-device copy measured here. MOETRAIN_FP8_GEMM=
  * direct|swap compares the FP8 operand orders (kernels/cuda/cuda_gemm.cu). Timing: wall time
  * of N back-to-back calls after warm-up and a synchronisation, median of 5.
@@ -226,12 +227,12 @@ static void bench_mem(const char *what, int kind, int M, int D, double bytes)
     c.x2 = kind == 5 ? dev_random_act((int64_t)M * D, 5, 1.0f) : NULL;
     c.dw = dev_alloc((size_t)D * 4);
     CK(be->zero(be, c.dw, (size_t)D * 4));
-    c.y = kind == 5 ? NULL : dev_alloc((size_t)M * D * 2);
+    /* rmsnorm_bwd's dx is accumulated into: random values */
+    c.y = kind == 5 ? dev_random_act((int64_t)M * D, 7, 1.0f) : dev_alloc((size_t)M * D * 2);
     c.w = dev_random_act(D, 4, 1.0f);
     c.q = dev_alloc((size_t)M * D);
     c.s = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
     c.rstd = dev_alloc((size_t)M * 4);
-    c.y = kind == 5 ? dev_random_act((int64_t)M * D, 7, 1.0f) : c.y; /* dx += */
     {
         float *r = malloc((size_t)M * 4);
         for (int m = 0; m < M; m++) r[m] = 0.05f;
