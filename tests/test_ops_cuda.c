@@ -969,6 +969,7 @@ static void test_rmsnorm_shapes(void)
     test_rmsnorm(300, 512, 64, "kv_a ld576: 16-byte, 12-row last chunk");
     test_rmsnorm(2100, 520, 0, "33-row chunks, D/8 odd: 16-byte");
     test_rmsnorm(3, 12288, 0, "bwd rows past shared memory: element dx");
+    test_rmsnorm(4096, 256, 8, "64 chunks: fused bwd, 16-byte");
 }
 
 static void test_swiglu(int M, int F)
@@ -1702,8 +1703,10 @@ static void same_bytes(const char *op, const char *shape, const char *out, const
 
 /* rmsnorm_fwd, then rmsnorm_bwd with dx accumulated and with dx stored, on
  * [M, D] rows of leading dimension ld: y, rstd, dx (both) and dw (both)
- * compared, padding included. */
-static void vec_rmsnorm(int M, int D, int ld, const char *prop)
+ * compared, padding included. alias: dx is dy (both backward calls write
+ * into dy; the aligned side then runs the separate dx and dw kernels, as
+ * the fused one needs dx apart from dy and x). */
+static void vec_rmsnorm(int M, int D, int ld, int alias, const char *prop)
 {
     mt_backend *g = BE[1];
     char sh[96];
@@ -1722,17 +1725,21 @@ static void vec_rmsnorm(int M, int D, int ld, const char *prop)
         dw[v] = gpu_f32(dwh, D);
         dwz[v] = gpu_f32(dwh, D);
         VEC_OK(g->rmsnorm_fwd(g, p[v][Y], ld, rstd[v], p[v][X], ld, p[v][W], M, D, 1e-6f));
-        VEC_OK(g->rmsnorm_bwd(g, p[v][DX], ld, 1, dw[v], MT_C_F32, p[v][DY], ld, p[v][X], ld,
-                              p[v][W], rstd[v], M, D));
-        VEC_OK(g->rmsnorm_bwd(g, p[v][DXZ], ld, 0, dwz[v], MT_C_F32, p[v][DY], ld, p[v][X], ld,
-                              p[v][W], rstd[v], M, D));
+        VEC_OK(g->rmsnorm_bwd(g, p[v][alias ? DY : DX], ld, 1, dw[v], MT_C_F32, p[v][DY], ld,
+                              p[v][X], ld, p[v][W], rstd[v], M, D));
+        VEC_OK(g->rmsnorm_bwd(g, p[v][alias ? DY : DXZ], ld, 0, dwz[v], MT_C_F32, p[v][DY], ld,
+                              p[v][X], ld, p[v][W], rstd[v], M, D));
     }
     if (ok) {
         same_bytes("rmsnorm_fwd", sh, "y", p[0][Y], p[1][Y], 2 * (size_t)n);
         same_bytes("rmsnorm_fwd", sh, "rstd", rstd[0], rstd[1], 4 * (size_t)M);
-        same_bytes("rmsnorm_bwd", sh, "dx+=", p[0][DX], p[1][DX], 2 * (size_t)n);
+        if (alias) {
+            same_bytes("rmsnorm_bwd", sh, "dx(=dy)", p[0][DY], p[1][DY], 2 * (size_t)n);
+        } else {
+            same_bytes("rmsnorm_bwd", sh, "dx+=", p[0][DX], p[1][DX], 2 * (size_t)n);
+            same_bytes("rmsnorm_bwd", sh, "dx=", p[0][DXZ], p[1][DXZ], 2 * (size_t)n);
+        }
         same_bytes("rmsnorm_bwd", sh, "dw", dw[0], dw[1], 4 * (size_t)D);
-        same_bytes("rmsnorm_bwd", sh, "dx=", p[0][DXZ], p[1][DXZ], 2 * (size_t)n);
         same_bytes("rmsnorm_bwd", sh, "dw(2)", dwz[0], dwz[1], 4 * (size_t)D);
     }
     for (int v = 0; v < 2; v++) {
@@ -1778,12 +1785,18 @@ static void vec_rope(int B, int T, int H, int hs, int off, int R, int extra, con
 
 static void test_vector_paths(void)
 {
-    vec_rmsnorm(64, 7168, 7168, "DSV3 hidden");
-    vec_rmsnorm(300, 512, 576, "kv_a ld576, 12-row last chunk");
-    vec_rmsnorm(2100, 520, 520, "33-row chunks, D/8 odd");
-    vec_rmsnorm(4096, 64, 64, "64 chunks of 64 rows");
-    vec_rmsnorm(37, 100, 104, "D%8=4 tail");
-    vec_rmsnorm(5, 7, 8, "D<8: tail only");
+    /* dx apart from dy and x: the fused backward kernel */
+    vec_rmsnorm(64, 7168, 7168, 0, "DSV3 hidden");
+    vec_rmsnorm(300, 512, 576, 0, "kv_a ld576, 12-row last chunk");
+    vec_rmsnorm(2100, 520, 520, 0, "33-row chunks, D/8 odd");
+    vec_rmsnorm(4096, 64, 64, 0, "64 chunks of 64 rows");
+    vec_rmsnorm(37, 100, 104, 0, "D%8=4 tail");
+    vec_rmsnorm(5, 7, 8, 0, "D<8: tail only");
+    vec_rmsnorm(3, 12288, 12288, 0, "bwd rows past shared memory");
+    /* dx is dy: the separate 16-byte dx and dw kernels */
+    vec_rmsnorm(300, 512, 576, 1, "dx=dy, kv_a ld576");
+    vec_rmsnorm(2100, 520, 520, 1, "dx=dy, 33-row chunks");
+    vec_rmsnorm(37, 100, 104, 1, "dx=dy, D%8=4 tail");
     vec_rope(1, 128, 4, 192, 128, 64, 0, "DSV3 q heads");
     vec_rope(2, 37, 1, 576, 512, 64, 0, "kv_a rope key");
     vec_rope(2, 37, 3, 12, 4, 8, 0, "8-byte aligned");

@@ -18,7 +18,9 @@
  *                      each), each summing one chunk of rows in order into
  *                      a double partial (scratch), then one thread per
  *                      column adds the RC partials in order (deterministic,
- *                      no atomics)
+ *                      no atomics). Aligned rows and dx apart from dy and
+ *                      x: both in one launch, each chunk's dw blocks beside
+ *                      its dx blocks, so dy and x come from HBM once
  *   swiglu_fwd/bwd     element-wise grid-stride
  *   embedding_fwd      one block per row (16-byte vectors when aligned)
  *   embedding_bwd      stable radix sort of (id, row) pairs (CUB, scratch),
@@ -227,17 +229,16 @@ rmsnorm_fwd_vec_kernel(bf16 *__restrict__ y, int ldy, float *__restrict__ rstd,
         cuda_st(yr, k, __bfloat162float(sx[k]) * r * cuda_ld(w, k));
 }
 
-/* rmsnorm_bwd_dx_kernel with dy, x and w staged: smem 3 x [D pad] bf16.
- * No __restrict__ on dx, dy, x: dx may alias dy or x; the block reads all
- * of its row of dy and x (the staging) before any thread writes. */
-__global__ void __launch_bounds__(NORM_THREADS)
-rmsnorm_bwd_dx_vec_kernel(bf16 *dx, int lddx, int accumulate, const bf16 *dy, int lddy,
-                          const bf16 *x, int ldx, const bf16 *w, const float *rstd, int D)
+/* rmsnorm_bwd_dx_kernel's row m with dy, x and w staged: smem 3 x [D pad]
+ * bf16, sh the reduction's 32 doubles. No __restrict__ on dx, dy, x: dx may
+ * alias dy or x; the block reads all of its row of dy and x (the staging)
+ * before any thread writes. Contains __syncthreads: the whole block calls. */
+__device__ __forceinline__ void norm_bwd_dx_row(int m, bf16 *dx, int lddx, int accumulate,
+                                                const bf16 *dy, int lddy, const bf16 *x, int ldx,
+                                                const bf16 *w, const float *rstd, int D, double *sh)
 {
-    __shared__ double sh[32];
     const int Dp = norm_row_pad(D);
     bf16 *sdy = (bf16 *)norm_smem, *sx = sdy + Dp, *sw = sx + Dp;
-    const int m = blockIdx.x;
     const bf16 *dyr = dy + (int64_t)m * lddy, *xr = x + (int64_t)m * ldx;
     bf16 *dxr = dx + (int64_t)m * lddx;
     norm_stage_row(sdy, dyr, D);
@@ -272,6 +273,14 @@ rmsnorm_bwd_dx_vec_kernel(bf16 *dx, int lddx, int accumulate, const bf16 *dy, in
     }
 }
 
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_bwd_dx_vec_kernel(bf16 *dx, int lddx, int accumulate, const bf16 *dy, int lddy,
+                          const bf16 *x, int ldx, const bf16 *w, const float *rstd, int D)
+{
+    __shared__ double sh[32];
+    norm_bwd_dx_row(blockIdx.x, dx, lddx, accumulate, dy, lddy, x, ldx, w, rstd, D, sh);
+}
+
 /* rmsnorm_bwd_dw_part_kernel with 8 consecutive columns per thread (16-byte
  * loads) and DW_UNROLL rows loaded before they are added: each column's sum
  * still runs over the chunk's rows in order, the same expression, so part
@@ -280,14 +289,12 @@ rmsnorm_bwd_dx_vec_kernel(bf16 *dx, int lddx, int accumulate, const bf16 *dy, in
 #define DW_THREADS 64
 #define DW_UNROLL 8
 
-__global__ void __launch_bounds__(DW_THREADS)
-rmsnorm_bwd_dw_part_vec_kernel(double *__restrict__ part, const bf16 *__restrict__ dy, int lddy,
-                               const bf16 *__restrict__ x, int ldx, const float *__restrict__ rstd,
-                               int M, int D, int rows_per)
+/* part[rc, k0 .. k0 + 7] (fewer at the end of the row), k0 < D. */
+__device__ __forceinline__ void norm_bwd_dw_cols(double *__restrict__ part, const bf16 *__restrict__ dy,
+                                                 int lddy, const bf16 *__restrict__ x, int ldx,
+                                                 const float *__restrict__ rstd, int M, int D,
+                                                 int rows_per, int rc, int k0)
 {
-    const int k0 = 8 * (blockIdx.x * DW_THREADS + threadIdx.x);
-    const int rc = gridDim.y - 1 - blockIdx.y;
-    if (k0 >= D) return;
     const int m0 = rc * rows_per, m1 = min(M, m0 + rows_per);
     if (k0 + 8 <= D) {
         double acc[8];
@@ -333,8 +340,57 @@ rmsnorm_bwd_dw_part_vec_kernel(double *__restrict__ part, const bf16 *__restrict
     }
 }
 
+__global__ void __launch_bounds__(DW_THREADS)
+rmsnorm_bwd_dw_part_vec_kernel(double *__restrict__ part, const bf16 *__restrict__ dy, int lddy,
+                               const bf16 *__restrict__ x, int ldx, const float *__restrict__ rstd,
+                               int M, int D, int rows_per)
+{
+    const int k0 = 8 * (blockIdx.x * DW_THREADS + threadIdx.x);
+    if (k0 < D)
+        norm_bwd_dw_cols(part, dy, lddy, x, ldx, rstd, M, D, rows_per, gridDim.y - 1 - blockIdx.y, k0);
+}
+
+/* dx and the dw partials in one launch, when dx overlaps neither dy nor x
+ * (dw reads only dy, x and rstd, so it does not wait for dx). The blocks
+ * come in one group per row chunk rc: TPC blocks of its dw partials (256
+ * threads x 8 columns, norm_bwd_dw_cols), then the chunk's rows (one dx
+ * block each, norm_bwd_dx_row). Blocks start roughly in index order, so a
+ * chunk's dx blocks read its rows of dy and x while its dw blocks do, and
+ * one of the two reads comes from L2 (a chunk: 64 rows, 1.8 MB at D = 7168,
+ * against 117 MB for a pass over dy and x at M = 4096): HBM sees dy and x
+ * once instead of twice. The dw blocks go first because they run longest
+ * (64 rows each): last, they would make a tail. The same functions as the
+ * two kernels: bit-identical. */
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_bwd_fused_kernel(bf16 *__restrict__ dx, int lddx, int accumulate,
+                         const bf16 *__restrict__ dy, int lddy, const bf16 *__restrict__ x,
+                         int ldx, const bf16 *__restrict__ w, const float *__restrict__ rstd,
+                         double *__restrict__ part, int M, int D, int rows_per, int TPC)
+{
+    __shared__ double sh[32];
+    const int G = rows_per + TPC; /* blocks of a full chunk's group */
+    const int rc = blockIdx.x / G, local = blockIdx.x - rc * G;
+    if (local < TPC) {
+        const int k0 = 8 * (local * NORM_THREADS + threadIdx.x);
+        if (k0 < D) norm_bwd_dw_cols(part, dy, lddy, x, ldx, rstd, M, D, rows_per, rc, k0);
+        return;
+    }
+    /* block-uniform: the whole block takes this branch (__syncthreads inside) */
+    norm_bwd_dx_row(rc * rows_per + local - TPC, dx, lddx, accumulate, dy, lddy, x, ldx, w, rstd,
+                    D, sh);
+}
+
 /* Rows of p (leading dimension ld) all start 16-byte aligned. */
 static int norm_rows16(const void *p, int ld) { return ((uintptr_t)p & 15) == 0 && ld % 8 == 0; }
+
+/* Whether the [M, D] bf16 rows of a (lda) and b (ldb) share any byte. */
+static int norm_overlap(const void *a, int lda, const void *b, int ldb, int M, int D)
+{
+    const char *a0 = (const char *)a, *b0 = (const char *)b;
+    const char *a1 = a0 + 2 * ((int64_t)(M - 1) * lda + D);
+    const char *b1 = b0 + 2 * ((int64_t)(M - 1) * ldb + D);
+    return a0 < b1 && b0 < a1;
+}
 
 /* Shared memory of the staged rows: the default limit, no opt-in needed. */
 #define NORM_VEC_SMEM ((size_t)48 << 10)
@@ -378,29 +434,38 @@ static int cuda_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, 
     const int RC = mt_ceil_div(M, rows_per);
     double *part = (double *)cuda_scratch(be, sizeof(double) * (size_t)RC * D);
     if (!part) return mt_err_wrap(MT_ENOMEM, "rmsnorm_bwd: %d x %d partial sums", RC, D);
-    /* dx first, then dw, as the CPU (matters only if dx aliases dy) */
     const size_t smem = 3 * sizeof(bf16) * (size_t)norm_row_pad(D);
     const int rows_vec = norm_rows16(dy, lddy) && norm_rows16(x, ldx);
-    if (rows_vec && norm_rows16(dx, lddx) && norm_rows16(w, 0) && smem <= NORM_VEC_SMEM)
-        rmsnorm_bwd_dx_vec_kernel<<<M, NORM_THREADS, smem, st>>>(
+    const int dx_vec = rows_vec && norm_rows16(dx, lddx) && norm_rows16(w, 0) && smem <= NORM_VEC_SMEM;
+    if (dx_vec && !norm_overlap(dx, lddx, dy, lddy, M, D) && !norm_overlap(dx, lddx, x, ldx, M, D)) {
+        const int TPC = mt_ceil_div(mt_ceil_div(D, 8), NORM_THREADS);
+        const int64_t blocks = (int64_t)M + (int64_t)RC * TPC;
+        rmsnorm_bwd_fused_kernel<<<(unsigned)blocks, NORM_THREADS, smem, st>>>(
             (bf16 *)dx, lddx, accumulate, (const bf16 *)dy, lddy, (const bf16 *)x, ldx,
-            (const bf16 *)w, rstd, D);
-    else
-        rmsnorm_bwd_dx_kernel<<<M, NORM_THREADS, 0, st>>>((bf16 *)dx, lddx, accumulate,
-                                                          (const bf16 *)dy, lddy, (const bf16 *)x,
-                                                          ldx, (const bf16 *)w, rstd, D);
-    CUDA_LAUNCH_CHECK("rmsnorm_bwd");
-    if (rows_vec) {
-        dim3 grid((unsigned)mt_ceil_div(mt_ceil_div(D, 8), DW_THREADS), (unsigned)RC);
-        rmsnorm_bwd_dw_part_vec_kernel<<<grid, DW_THREADS, 0, st>>>(
-            part, (const bf16 *)dy, lddy, (const bf16 *)x, ldx, rstd, M, D, rows_per);
+            (const bf16 *)w, rstd, part, M, D, rows_per, TPC);
+        CUDA_LAUNCH_CHECK("rmsnorm_bwd");
     } else {
-        dim3 grid((unsigned)mt_ceil_div(D, NORM_THREADS), (unsigned)RC);
-        rmsnorm_bwd_dw_part_kernel<<<grid, NORM_THREADS, 0, st>>>(part, (const bf16 *)dy, lddy,
-                                                                  (const bf16 *)x, ldx, rstd, M,
-                                                                  D, rows_per);
+        /* dx first, then dw, as the CPU (matters only if dx aliases dy) */
+        if (dx_vec)
+            rmsnorm_bwd_dx_vec_kernel<<<M, NORM_THREADS, smem, st>>>(
+                (bf16 *)dx, lddx, accumulate, (const bf16 *)dy, lddy, (const bf16 *)x, ldx,
+                (const bf16 *)w, rstd, D);
+        else
+            rmsnorm_bwd_dx_kernel<<<M, NORM_THREADS, 0, st>>>(
+                (bf16 *)dx, lddx, accumulate, (const bf16 *)dy, lddy, (const bf16 *)x, ldx,
+                (const bf16 *)w, rstd, D);
+        CUDA_LAUNCH_CHECK("rmsnorm_bwd");
+        if (rows_vec) {
+            dim3 grid((unsigned)mt_ceil_div(mt_ceil_div(D, 8), DW_THREADS), (unsigned)RC);
+            rmsnorm_bwd_dw_part_vec_kernel<<<grid, DW_THREADS, 0, st>>>(
+                part, (const bf16 *)dy, lddy, (const bf16 *)x, ldx, rstd, M, D, rows_per);
+        } else {
+            dim3 grid((unsigned)mt_ceil_div(D, NORM_THREADS), (unsigned)RC);
+            rmsnorm_bwd_dw_part_kernel<<<grid, NORM_THREADS, 0, st>>>(
+                part, (const bf16 *)dy, lddy, (const bf16 *)x, ldx, rstd, M, D, rows_per);
+        }
+        CUDA_LAUNCH_CHECK("rmsnorm_bwd");
     }
-    CUDA_LAUNCH_CHECK("rmsnorm_bwd");
     rmsnorm_bwd_dw_sum_kernel<<<mt_ceil_div(D, DW_SUM_THREADS), DW_SUM_THREADS, 0, st>>>(
         dw, dw_type == MT_C_BF16, part, RC, D);
     CUDA_LAUNCH_CHECK("rmsnorm_bwd");
