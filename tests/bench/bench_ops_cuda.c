@@ -399,7 +399,8 @@ int main(int argc, char **argv)
         bench_mem("rmsnorm_fwd q_a", 3, 4096, 1536, 4096.0 * 1536 * 4);
         bench_mem("rmsnorm_fwd kv_a", 3, 4096, 512, 4096.0 * 512 * 4);
         /* bytes as the op profile counts them: dy, x read, dx read and
-         * written (the dw pass re-reads dy and x: not counted) */
+         * written (the dw partials read dy and x again, from L2 when the
+         * two run fused: not counted) */
         bench_mem("rmsnorm_bwd dx+= dw", 5, 4096, 7168, 4096.0 * 7168 * 8);
         bench_mem("rmsnorm_bwd q_a dx+= dw", 5, 4096, 1536, 4096.0 * 1536 * 8);
         bench_rope("rope q 128 heads (192, pe at 128)", 4096, 128, 192, 128, 64);
