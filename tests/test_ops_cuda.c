@@ -909,11 +909,12 @@ static void test_gemm_fp8(void)
 
 /* ---- norms, SwiGLU, embedding ------------------------------------------------------------- */
 
-static void test_rmsnorm(int M, int D, int pad)
+/* prop names what the shape exercises (which CUDA kernel path). */
+static void test_rmsnorm(int M, int D, int pad, const char *prop)
 {
     const int ld = D + pad;
     char sh[96];
-    snprintf(sh, sizeof sh, "M%d D%d ld%d", M, D, ld);
+    snprintf(sh, sizeof sh, "M%d D%d ld%d %s", M, D, ld, prop);
     float *wh = rnd_act(D, 90, 0.3f);
     for (int k = 0; k < D; k++) wh[k] = mt_bf16_round(1.0f + wh[k]);
     tb x = act_rand((int64_t)M * ld, 91, 2.0f), w = tb_from(T_ACT, D, wh);
@@ -956,6 +957,19 @@ static void test_rmsnorm(int M, int D, int pad)
     }
     tb_free(&x), tb_free(&w), tb_free(&y), tb_free(&rstd);
     free(wh), free(rh);
+}
+
+static void test_rmsnorm_shapes(void)
+{
+    test_rmsnorm(7, 100, 0, "unaligned rows: element kernels");
+    test_rmsnorm(5, 512, 3, "ld%8!=0: element kernels");
+    test_rmsnorm(300, 1024, 24, "ld>D: 16-byte kernels");
+    test_rmsnorm(64, 7168, 0, "DSV3 hidden: 16-byte kernels");
+    test_rmsnorm(37, 100, 4, "D%8=4 tail, ld>D: 16-byte kernels");
+    test_rmsnorm(300, 512, 64, "kv_a ld576: 16-byte, 12-row last chunk");
+    test_rmsnorm(2100, 520, 0, "33-row chunks, D/8 odd: 16-byte");
+    test_rmsnorm(3, 12288, 0, "bwd rows past shared memory: element dx");
+    test_rmsnorm(4096, 256, 8, "64 chunks: fused bwd, 16-byte");
 }
 
 static void test_swiglu(int M, int F)
@@ -1103,7 +1117,12 @@ static void test_attention(void)
 {
     test_rope(2, 37, 3, 12, 8, 4, 0);       /* MLA q: [N, H, Dn + R], rope part at Dn */
     test_rope(2, 37, 1, 20, 16, 4, 0);      /* kv_a output: [N, KL + R] */
-    test_rope(1, 128, 4, 192, 128, 64, 5);  /* DeepSeek-V3 head, padded rows */
+    test_rope(1, 128, 4, 192, 128, 64, 5);  /* DeepSeek-V3 head, padded rows (element kernel) */
+    /* the vector kernel: aligned head slices, R % 8 == 0 */
+    test_rope(1, 128, 4, 192, 128, 64, 0);  /* DeepSeek-V3 q heads, aligned */
+    test_rope(2, 37, 1, 576, 512, 64, 0);   /* DeepSeek-V3 kv_a's rope key (ld 576), 8 slots a token */
+    test_rope(2, 37, 3, 12, 4, 8, 0);       /* 8-byte aligned only: il0 vector, il1 element kernel */
+    test_rope(1, 16, 40, 64, 0, 64, 0);     /* 320 slots a token: a partial second block */
     const char *modes[] = {"own", "auto"};
     for (int m = 0; m < 2; m++) {
         test_attn_shape(2, 37, 3, 192, 128, modes[m]);
@@ -1621,6 +1640,169 @@ static void test_determinism(void)
     unsetenv("MOETRAIN_ATTN");
 }
 
+/* ---- vector paths against the element kernels (cuda only) -------------------------------
+ * rmsnorm and rope have 16-byte kernels for aligned rows / head slices and
+ * element kernels for the rest. The same op on the same values, once at an
+ * aligned address and once one element (2 bytes) past it, runs one and the
+ * other. Property: both give the same bytes - the vector kernels keep every
+ * operation and its order (sums included), so the GPU results did not move. */
+
+/* n act values h on the GPU, `shift` elements into a fresh allocation (*base
+ * to free). */
+static void *gpu_act_at(void **base, int shift, const float *h, int64_t n)
+{
+    mt_backend *g = BE[1];
+    float *tmp;
+    MUST(g->alloc(g, 2 * (size_t)(n + 8), base));
+    MUST(g->alloc(g, 4 * (size_t)n, (void **)&tmp));
+    MUST(g->upload(g, tmp, h, 4 * (size_t)n));
+    void *p = (char *)*base + 2 * (size_t)shift;
+    MUST(g->act_from_f32(g, p, tmp, n));
+    MUST(g->sync(g));
+    g->free(g, tmp);
+    return p;
+}
+
+static void *gpu_f32(const float *h, int64_t n)
+{
+    mt_backend *g = BE[1];
+    void *p;
+    MUST(g->alloc(g, 4 * (size_t)n, &p));
+    MUST(g->upload(g, p, h, 4 * (size_t)n));
+    return p;
+}
+
+static void same_bytes(const char *op, const char *shape, const char *out, const void *x,
+                       const void *y, size_t bytes)
+{
+    mt_backend *g = BE[1];
+    unsigned char *a = ref_alloc(bytes), *b = ref_alloc(bytes);
+    MUST(g->download(g, a, x, bytes));
+    MUST(g->download(g, b, y, bytes));
+    size_t nd = 0, first = 0;
+    for (size_t i = 0; i < bytes; i++)
+        if (a[i] != b[i] && nd++ == 0) first = i;
+    char msg[160];
+    snprintf(msg, sizeof msg, "16-byte vs element kernels: %zu of %zu bytes differ", nd, bytes);
+    if (nd) snprintf(msg + strlen(msg), sizeof msg - strlen(msg), " (first at byte %zu)", first);
+    verdict(nd == 0, op, shape, out, msg);
+    free(a), free(b);
+}
+
+#define VEC_OK(stmt)                                                                       \
+    do {                                                                                   \
+        int v_rc_ = (stmt);                                                                \
+        if (v_rc_ == MT_OK) v_rc_ = BE[1]->sync(BE[1]);                                    \
+        if (v_rc_ != MT_OK) {                                                              \
+            printf("FAIL  %-18s %s -> %s: %s\n", "vector paths", #stmt, mt_strstatus(v_rc_), \
+                   mt_errmsg());                                                           \
+            n_fail++;                                                                      \
+            ok = 0;                                                                        \
+        }                                                                                  \
+    } while (0)
+
+/* rmsnorm_fwd, then rmsnorm_bwd with dx accumulated and with dx stored, on
+ * [M, D] rows of leading dimension ld: y, rstd, dx (both) and dw (both)
+ * compared, padding included. alias: dx is dy (both backward calls write
+ * into dy; the aligned side then runs the separate dx and dw kernels, as
+ * the fused one needs dx apart from dy and x). */
+static void vec_rmsnorm(int M, int D, int ld, int alias, const char *prop)
+{
+    mt_backend *g = BE[1];
+    char sh[96];
+    snprintf(sh, sizeof sh, "M%d D%d ld%d %s", M, D, ld, prop);
+    const int64_t n = (int64_t)M * ld;
+    float *xh = rnd_act(n, 400, 2.0f), *wh = rnd_act(D, 401, 0.3f), *dyh = rnd_act(n, 402, 1.0f);
+    float *dxh = rnd_act(n, 403, 1.0f), *dwh = rnd_f32(D, 404, 1.0f);
+    for (int k = 0; k < D; k++) wh[k] = mt_bf16_round(1.0f + wh[k]);
+    enum { X, W, Y, DY, DX, DXZ, NB };
+    void *base[2][NB], *p[2][NB], *rstd[2], *dw[2], *dwz[2];
+    const float *src[NB] = {xh, wh, dxh, dyh, dxh, dxh};
+    int ok = 1;
+    for (int v = 0; v < 2; v++) { /* v = 0 aligned, 1 one element off */
+        for (int i = 0; i < NB; i++) p[v][i] = gpu_act_at(&base[v][i], v, src[i], i == W ? D : n);
+        MUST(g->alloc(g, 4 * (size_t)M, &rstd[v]));
+        dw[v] = gpu_f32(dwh, D);
+        dwz[v] = gpu_f32(dwh, D);
+        VEC_OK(g->rmsnorm_fwd(g, p[v][Y], ld, rstd[v], p[v][X], ld, p[v][W], M, D, 1e-6f));
+        VEC_OK(g->rmsnorm_bwd(g, p[v][alias ? DY : DX], ld, 1, dw[v], MT_C_F32, p[v][DY], ld,
+                              p[v][X], ld, p[v][W], rstd[v], M, D));
+        VEC_OK(g->rmsnorm_bwd(g, p[v][alias ? DY : DXZ], ld, 0, dwz[v], MT_C_F32, p[v][DY], ld,
+                              p[v][X], ld, p[v][W], rstd[v], M, D));
+    }
+    if (ok) {
+        same_bytes("rmsnorm_fwd", sh, "y", p[0][Y], p[1][Y], 2 * (size_t)n);
+        same_bytes("rmsnorm_fwd", sh, "rstd", rstd[0], rstd[1], 4 * (size_t)M);
+        if (alias) {
+            same_bytes("rmsnorm_bwd", sh, "dx(=dy)", p[0][DY], p[1][DY], 2 * (size_t)n);
+        } else {
+            same_bytes("rmsnorm_bwd", sh, "dx+=", p[0][DX], p[1][DX], 2 * (size_t)n);
+            same_bytes("rmsnorm_bwd", sh, "dx=", p[0][DXZ], p[1][DXZ], 2 * (size_t)n);
+        }
+        same_bytes("rmsnorm_bwd", sh, "dw", dw[0], dw[1], 4 * (size_t)D);
+        same_bytes("rmsnorm_bwd", sh, "dw(2)", dwz[0], dwz[1], 4 * (size_t)D);
+    }
+    for (int v = 0; v < 2; v++) {
+        for (int i = 0; i < NB; i++) g->free(g, base[v][i]);
+        g->free(g, rstd[v]), g->free(g, dw[v]), g->free(g, dwz[v]);
+    }
+    free(xh), free(wh), free(dyh), free(dxh), free(dwh);
+}
+
+/* rope, all four (interleave, inverse), on N = B T tokens of rows ld = H hs
+ * + extra: the whole buffer compared (the untouched parts too). */
+static void vec_rope(int B, int T, int H, int hs, int off, int R, int extra, const char *prop)
+{
+    mt_backend *g = BE[1];
+    const int N = B * T, ld = H * hs + extra, half = R / 2;
+    const int64_t n = (int64_t)N * ld;
+    float *ct = ref_floats((int64_t)T * half), *st = ref_floats((int64_t)T * half);
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < half; i++) {
+            double ang = t / pow(10000.0, 2.0 * i / R);
+            ct[t * half + i] = (float)(1.1 * cos(ang));
+            st[t * half + i] = (float)(1.1 * sin(ang));
+        }
+    void *c = gpu_f32(ct, (int64_t)T * half), *s = gpu_f32(st, (int64_t)T * half);
+    float *xh = rnd_act(n, 410, 1.0f);
+    for (int il = 0; il < 2; il++)
+        for (int inv = 0; inv < 2; inv++) {
+            char sh[112];
+            snprintf(sh, sizeof sh, "B%d T%d H%d ld%d hs%d off%d R%d il%d inv%d %s", B, T, H, ld, hs,
+                     off, R, il, inv, prop);
+            void *base[2], *x[2];
+            int ok = 1;
+            for (int v = 0; v < 2; v++) {
+                x[v] = gpu_act_at(&base[v], v, xh, n);
+                if (ok) VEC_OK(g->rope(g, x[v], N, T, H, ld, hs, off, R, c, s, il, inv));
+            }
+            if (ok) same_bytes("rope", sh, "x", x[0], x[1], 2 * (size_t)n);
+            g->free(g, base[0]), g->free(g, base[1]);
+        }
+    g->free(g, c), g->free(g, s);
+    free(ct), free(st), free(xh);
+}
+
+static void test_vector_paths(void)
+{
+    /* dx apart from dy and x: the fused backward kernel */
+    vec_rmsnorm(64, 7168, 7168, 0, "DSV3 hidden");
+    vec_rmsnorm(300, 512, 576, 0, "kv_a ld576, 12-row last chunk");
+    vec_rmsnorm(2100, 520, 520, 0, "33-row chunks, D/8 odd");
+    vec_rmsnorm(4096, 64, 64, 0, "64 chunks of 64 rows");
+    vec_rmsnorm(37, 100, 104, 0, "D%8=4 tail");
+    vec_rmsnorm(5, 7, 8, 0, "D<8: tail only");
+    vec_rmsnorm(3, 12288, 12288, 0, "bwd rows past shared memory");
+    /* dx is dy: the separate 16-byte dx and dw kernels */
+    vec_rmsnorm(300, 512, 576, 1, "dx=dy, kv_a ld576");
+    vec_rmsnorm(2100, 520, 520, 1, "dx=dy, 33-row chunks");
+    vec_rmsnorm(37, 100, 104, 1, "dx=dy, D%8=4 tail");
+    vec_rope(1, 128, 4, 192, 128, 64, 0, "DSV3 q heads");
+    vec_rope(2, 37, 1, 576, 512, 64, 0, "kv_a rope key");
+    vec_rope(2, 37, 3, 12, 4, 8, 0, "8-byte aligned");
+    vec_rope(1, 16, 40, 64, 0, 64, 8, "320 slots, padded rows");
+}
+
 /* ---- main ----------------------------------------------------------------------------------- */
 
 static double now_s(void)
@@ -1656,7 +1838,7 @@ int main(void)
     SECTION("gemm_grouped", test_gemm_grouped());
     SECTION("fp8 quantisation", test_fp8_quant());
     SECTION("gemm_fp8", test_gemm_fp8());
-    SECTION("rmsnorm", (test_rmsnorm(7, 100, 0), test_rmsnorm(300, 1024, 24), test_rmsnorm(64, 7168, 0)));
+    SECTION("rmsnorm", test_rmsnorm_shapes());
     SECTION("swiglu", (test_swiglu(33, 200), test_swiglu(1000, 1024), test_swiglu(7, 13)));
     SECTION("embedding", (test_embedding(50, 64, 300), test_embedding(1000, 100, 77),
                           test_embedding(129280, 64, 512)));
@@ -1667,6 +1849,7 @@ int main(void)
                           test_xent_part(3, 1, 2, 1.0f)));
     SECTION("optimizer", test_optimizer());
     SECTION("determinism (cuda, the same op twice)", test_determinism());
+    SECTION("vector paths (cuda, bit-identical to the element kernels)", test_vector_paths());
 
     /* The GEMMs again on cuBLASLt's fallback kernels (MOETRAIN_GEMM=fallback
      * is read when a backend is created). */

@@ -9,12 +9,18 @@
  * moves results by far less than a bf16 or f32 rounding step.
  *
  * Launch shapes:
- *   rmsnorm_fwd        one 256-thread block per row
- *   rmsnorm_bwd        dx: one 256-thread block per row; dw: a [D / 256,
- *                      RC] grid of column threads, each summing one chunk of
- *                      rows in order into a double partial (scratch), then
- *                      one thread per column adds the RC partials in order
- *                      (deterministic, no atomics)
+ *   rmsnorm_fwd        one 256-thread block per row (16-byte aligned rows:
+ *                      the row staged in shared memory by cp.async, 16-byte
+ *                      stores; the same sums, bit-identical)
+ *   rmsnorm_bwd        dx: one 256-thread block per row (staged likewise);
+ *                      dw: a [D / 256, RC] grid of column threads (aligned
+ *                      rows: [D / 512, RC] of 64 threads with 8 columns
+ *                      each), each summing one chunk of rows in order into
+ *                      a double partial (scratch), then one thread per
+ *                      column adds the RC partials in order (deterministic,
+ *                      no atomics). Aligned rows and dx apart from dy and
+ *                      x: both in one launch, each chunk's dw blocks beside
+ *                      its dx blocks, so dy and x come from HBM once
  *   swiglu_fwd/bwd     element-wise grid-stride
  *   embedding_fwd      one block per row (16-byte vectors when aligned)
  *   embedding_bwd      stable radix sort of (id, row) pairs (CUB, scratch),
@@ -24,11 +30,35 @@
  *                      same f32 sum from the row's value, rounded once)
  */
 #include <cub/device/device_radix_sort.cuh>
+#include <cuda_pipeline.h>
 
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
 
 #define NORM_THREADS 256
+
+/* 8 bf16 of a 16-byte vector to floats (exact) and back (round to nearest
+ * even, as __float2bfloat16_rn): element 2i in the low half of word i. */
+__device__ __forceinline__ void norm_unpack8(const uint4 &w, float *x)
+{
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[2 * i] = __uint_as_float(u[i] << 16);
+        x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 norm_pack8(const float *x)
+{
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+        o[i] = *(const uint32_t *)&b;
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
 
 /* ---- RMSNorm ------------------------------------------------------------------- */
 
@@ -51,19 +81,6 @@ rmsnorm_fwd_kernel(bf16 *__restrict__ y, int ldy, float *__restrict__ rstd,
     const float r = (float)(1.0 / sqrt(ms + (double)eps));
     if (threadIdx.x == 0) rstd[m] = r;
     for (int k = threadIdx.x; k < D; k += blockDim.x) cuda_st(yr, k, cuda_ld(xr, k) * r * cuda_ld(w, k));
-}
-
-static int cuda_rmsnorm_fwd(mt_backend *be, void *y, int ldy, float *rstd, const void *x, int ldx,
-                            const void *w, int M, int D, float eps)
-{
-    CUDA_REQUIRE(M >= 0 && D >= 1, "rmsnorm_fwd: M=%d D=%d", M, D);
-    CUDA_REQUIRE(ldy >= D && ldx >= D, "rmsnorm_fwd: ldy=%d ldx=%d < D=%d", ldy, ldx, D);
-    if (M == 0) return MT_OK;
-    CUDA_REQUIRE(y && rstd && x && w, "rmsnorm_fwd: NULL pointer");
-    rmsnorm_fwd_kernel<<<M, NORM_THREADS, 0, cuda_stream(be)>>>(
-        (bf16 *)y, ldy, rstd, (const bf16 *)x, ldx, (const bf16 *)w, D, eps);
-    CUDA_LAUNCH_CHECK("rmsnorm_fwd");
-    return MT_OK;
 }
 
 /* dx[m] = r (w dy - x c), c = r^2 / D * sum_k w dy x (all in double as the
@@ -107,14 +124,28 @@ rmsnorm_bwd_dw_part_kernel(double *__restrict__ part, const bf16 *__restrict__ d
 }
 
 /* dw[k] = dw[k] + sum_rc part[rc, k] (chunks in order); a bf16 dw gets
- * the float sum rounded to bf16, as the CPU. */
-__global__ void rmsnorm_bwd_dw_sum_kernel(void *__restrict__ dw, int dw_bf16,
-                                          const double *__restrict__ part, int RC, int D)
+ * the float sum rounded to bf16, as the CPU. The partials are loaded 8 at
+ * a time before they are added (in the same order): one dependent L2 load
+ * per chunk made this small kernel latency bound (64 chunks ~ 64 L2
+ * round trips). */
+#define DW_SUM_THREADS 64
+
+__global__ void __launch_bounds__(DW_SUM_THREADS)
+rmsnorm_bwd_dw_sum_kernel(void *__restrict__ dw, int dw_bf16, const double *__restrict__ part,
+                          int RC, int D)
 {
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= D) return;
     double acc = 0.0;
-    for (int rc = 0; rc < RC; rc++) acc += part[(int64_t)rc * D + k];
+    int rc = 0;
+    for (; rc + 8 <= RC; rc += 8) {
+        double p[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) p[i] = part[(int64_t)(rc + i) * D + k];
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc += p[i];
+    }
+    for (; rc < RC; rc++) acc += part[(int64_t)rc * D + k];
     if (dw_bf16) {
         bf16 *d = (bf16 *)dw;
         d[k] = __float2bfloat16_rn((float)((double)__bfloat162float(d[k]) + acc));
@@ -122,6 +153,264 @@ __global__ void rmsnorm_bwd_dw_sum_kernel(void *__restrict__ dw, int dw_bf16,
         float *d = (float *)dw;
         d[k] = (float)((double)d[k] + acc);
     }
+}
+
+/* ---- RMSNorm, 16-byte paths ------------------------------------------------------
+ * Taken when every row starts 16-byte aligned (bases aligned, leading
+ * dimensions multiples of 8; w aligned) and a block's staged rows fit the
+ * default 48 KiB of shared memory (D <= 24576 forward, D <= 8192 backward).
+ * D % 8 != 0 is fine: the last D % 8 elements of a row go one by one.
+ *
+ * The element kernels above are latency bound: each thread has one 2-byte
+ * load of each operand in flight and reads every row twice. Here a block
+ * first copies its row(s) into shared memory with asynchronous 16-byte
+ * copies (cp.async: the whole row in flight at once, each byte read from
+ * global memory once), then thread t sums the elements k = t, t + 256, ...
+ * from shared memory in the same order as above, so the row sums go through
+ * the same cu_block_sum tree (bit-identical rstd, s and c); the outputs are
+ * written 8 per thread with 16-byte stores, each element by the same
+ * expression as the element kernels. */
+
+/* Queues the asynchronous copy of row g [D] into sm [D] (16-byte pieces, the
+ * tail element-wise; g and sm 16-byte aligned). The caller commits, waits
+ * and synchronises the block before reading sm. */
+__device__ __forceinline__ void norm_stage_row(bf16 *sm, const bf16 *g, int D)
+{
+    const int D8 = D >> 3;
+    for (int c = threadIdx.x; c < D8; c += blockDim.x)
+        __pipeline_memcpy_async(sm + 8 * c, g + 8 * c, 16);
+    for (int k = 8 * D8 + threadIdx.x; k < D; k += blockDim.x) sm[k] = g[k];
+}
+
+__device__ __forceinline__ void norm_stage_wait(void)
+{
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    __syncthreads();
+}
+
+/* Elements of shared memory per staged row: D rounded up to 8, so the next
+ * row starts 16-byte aligned. */
+__host__ __device__ static inline int norm_row_pad(int D) { return (D + 7) & ~7; }
+
+extern __shared__ __align__(16) unsigned char norm_smem[];
+
+/* rmsnorm_fwd_kernel with the row staged: smem [D8 pad] bf16. */
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_fwd_vec_kernel(bf16 *__restrict__ y, int ldy, float *__restrict__ rstd,
+                       const bf16 *__restrict__ x, int ldx, const bf16 *__restrict__ w, int D,
+                       float eps)
+{
+    __shared__ double sh[32];
+    bf16 *sx = (bf16 *)norm_smem;
+    const int m = blockIdx.x;
+    const bf16 *xr = x + (int64_t)m * ldx;
+    bf16 *yr = y + (int64_t)m * ldy;
+    norm_stage_row(sx, xr, D);
+    norm_stage_wait();
+    double acc = 0.0;
+    for (int k = threadIdx.x; k < D; k += NORM_THREADS) {
+        double v = (double)__bfloat162float(sx[k]);
+        acc += v * v;
+    }
+    const double ms = cu_block_sum(acc, sh) / D;
+    const float r = (float)(1.0 / sqrt(ms + (double)eps));
+    if (threadIdx.x == 0) rstd[m] = r;
+    const int D8 = D >> 3;
+    for (int c = threadIdx.x; c < D8; c += NORM_THREADS) {
+        float xv[8], wv[8], o[8];
+        norm_unpack8(((const uint4 *)sx)[c], xv);
+        norm_unpack8(((const uint4 *)w)[c], wv);
+#pragma unroll
+        for (int j = 0; j < 8; j++) o[j] = xv[j] * r * wv[j];
+        ((uint4 *)yr)[c] = norm_pack8(o);
+    }
+    for (int k = 8 * D8 + threadIdx.x; k < D; k += NORM_THREADS)
+        cuda_st(yr, k, __bfloat162float(sx[k]) * r * cuda_ld(w, k));
+}
+
+/* rmsnorm_bwd_dx_kernel's row m with dy, x and w staged: smem 3 x [D pad]
+ * bf16, sh the reduction's 32 doubles. No __restrict__ on dx, dy, x: dx may
+ * alias dy or x; the block reads all of its row of dy and x (the staging)
+ * before any thread writes. Contains __syncthreads: the whole block calls. */
+__device__ __forceinline__ void norm_bwd_dx_row(int m, bf16 *dx, int lddx, int accumulate,
+                                                const bf16 *dy, int lddy, const bf16 *x, int ldx,
+                                                const bf16 *w, const float *rstd, int D, double *sh)
+{
+    const int Dp = norm_row_pad(D);
+    bf16 *sdy = (bf16 *)norm_smem, *sx = sdy + Dp, *sw = sx + Dp;
+    const bf16 *dyr = dy + (int64_t)m * lddy, *xr = x + (int64_t)m * ldx;
+    bf16 *dxr = dx + (int64_t)m * lddx;
+    norm_stage_row(sdy, dyr, D);
+    norm_stage_row(sx, xr, D);
+    norm_stage_row(sw, w, D);
+    norm_stage_wait();
+    double acc = 0.0;
+    for (int k = threadIdx.x; k < D; k += NORM_THREADS)
+        acc += (double)__bfloat162float(sw[k]) * (double)__bfloat162float(sdy[k]) *
+               (double)__bfloat162float(sx[k]);
+    const double s = cu_block_sum(acc, sh);
+    const float r = rstd[m];
+    const double c = (double)r * (double)r / D * s;
+    const int D8 = D >> 3;
+    for (int q = threadIdx.x; q < D8; q += NORM_THREADS) {
+        float wv[8], dyv[8], xv[8], o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        norm_unpack8(((const uint4 *)sw)[q], wv);
+        norm_unpack8(((const uint4 *)sdy)[q], dyv);
+        norm_unpack8(((const uint4 *)sx)[q], xv);
+        if (accumulate) norm_unpack8(((const uint4 *)dxr)[q], o);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float v = (float)((double)r * ((double)wv[j] * (double)dyv[j] - (double)xv[j] * c));
+            o[j] = accumulate ? o[j] + v : v;
+        }
+        ((uint4 *)dxr)[q] = norm_pack8(o);
+    }
+    for (int k = 8 * D8 + threadIdx.x; k < D; k += NORM_THREADS) {
+        float v = (float)((double)r * ((double)__bfloat162float(sw[k]) * (double)__bfloat162float(sdy[k]) -
+                                       (double)__bfloat162float(sx[k]) * c));
+        cuda_st(dxr, k, accumulate ? cuda_ld(dxr, k) + v : v);
+    }
+}
+
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_bwd_dx_vec_kernel(bf16 *dx, int lddx, int accumulate, const bf16 *dy, int lddy,
+                          const bf16 *x, int ldx, const bf16 *w, const float *rstd, int D)
+{
+    __shared__ double sh[32];
+    norm_bwd_dx_row(blockIdx.x, dx, lddx, accumulate, dy, lddy, x, ldx, w, rstd, D, sh);
+}
+
+/* rmsnorm_bwd_dw_part_kernel with 8 consecutive columns per thread (16-byte
+ * loads) and DW_UNROLL rows loaded before they are added: each column's sum
+ * still runs over the chunk's rows in order, the same expression, so part
+ * is bit-identical. Chunks are taken last first (rc = RC - 1 - blockIdx.y):
+ * the dx kernel has just read the last rows, which are the ones still in L2. */
+#define DW_THREADS 64
+#define DW_UNROLL 8
+
+/* part[rc, k0 .. k0 + 7] (fewer at the end of the row), k0 < D. */
+__device__ __forceinline__ void norm_bwd_dw_cols(double *__restrict__ part, const bf16 *__restrict__ dy,
+                                                 int lddy, const bf16 *__restrict__ x, int ldx,
+                                                 const float *__restrict__ rstd, int M, int D,
+                                                 int rows_per, int rc, int k0)
+{
+    const int m0 = rc * rows_per, m1 = min(M, m0 + rows_per);
+    if (k0 + 8 <= D) {
+        double acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[j] = 0.0;
+        int m = m0;
+        for (; m + DW_UNROLL <= m1; m += DW_UNROLL) {
+            uint4 a[DW_UNROLL], b[DW_UNROLL];
+            float r[DW_UNROLL];
+#pragma unroll
+            for (int i = 0; i < DW_UNROLL; i++) {
+                a[i] = *(const uint4 *)(dy + (int64_t)(m + i) * lddy + k0);
+                b[i] = *(const uint4 *)(x + (int64_t)(m + i) * ldx + k0);
+                r[i] = rstd[m + i];
+            }
+#pragma unroll
+            for (int i = 0; i < DW_UNROLL; i++) {
+                float dyv[8], xv[8];
+                norm_unpack8(a[i], dyv);
+                norm_unpack8(b[i], xv);
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[j] += (double)dyv[j] * (double)xv[j] * (double)r[i];
+            }
+        }
+        for (; m < m1; m++) {
+            float dyv[8], xv[8];
+            norm_unpack8(*(const uint4 *)(dy + (int64_t)m * lddy + k0), dyv);
+            norm_unpack8(*(const uint4 *)(x + (int64_t)m * ldx + k0), xv);
+            const float r = rstd[m];
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[j] += (double)dyv[j] * (double)xv[j] * (double)r;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) part[(int64_t)rc * D + k0 + j] = acc[j];
+    } else { /* the last D % 8 columns, one at a time (a scalar sum each) */
+        for (int k = k0; k < D; k++) {
+            double a = 0.0;
+            for (int m = m0; m < m1; m++)
+                a += (double)cuda_ld(dy, (int64_t)m * lddy + k) * (double)cuda_ld(x, (int64_t)m * ldx + k) *
+                     (double)rstd[m];
+            part[(int64_t)rc * D + k] = a;
+        }
+    }
+}
+
+__global__ void __launch_bounds__(DW_THREADS)
+rmsnorm_bwd_dw_part_vec_kernel(double *__restrict__ part, const bf16 *__restrict__ dy, int lddy,
+                               const bf16 *__restrict__ x, int ldx, const float *__restrict__ rstd,
+                               int M, int D, int rows_per)
+{
+    const int k0 = 8 * (blockIdx.x * DW_THREADS + threadIdx.x);
+    if (k0 < D)
+        norm_bwd_dw_cols(part, dy, lddy, x, ldx, rstd, M, D, rows_per, gridDim.y - 1 - blockIdx.y, k0);
+}
+
+/* dx and the dw partials in one launch, when dx overlaps neither dy nor x
+ * (dw reads only dy, x and rstd, so it does not wait for dx). The blocks
+ * come in one group per row chunk rc: TPC blocks of its dw partials (256
+ * threads x 8 columns, norm_bwd_dw_cols), then the chunk's rows (one dx
+ * block each, norm_bwd_dx_row). Blocks start roughly in index order, so a
+ * chunk's dx blocks read its rows of dy and x while its dw blocks do, and
+ * one of the two reads comes from L2 (a chunk: 64 rows, 1.8 MB at D = 7168,
+ * against 117 MB for a pass over dy and x at M = 4096): HBM sees dy and x
+ * once instead of twice. The dw blocks go first because they run longest
+ * (64 rows each): last, they would make a tail. The same functions as the
+ * two kernels: bit-identical. */
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_bwd_fused_kernel(bf16 *__restrict__ dx, int lddx, int accumulate,
+                         const bf16 *__restrict__ dy, int lddy, const bf16 *__restrict__ x,
+                         int ldx, const bf16 *__restrict__ w, const float *__restrict__ rstd,
+                         double *__restrict__ part, int M, int D, int rows_per, int TPC)
+{
+    __shared__ double sh[32];
+    const int G = rows_per + TPC; /* blocks of a full chunk's group */
+    const int rc = blockIdx.x / G, local = blockIdx.x - rc * G;
+    if (local < TPC) {
+        const int k0 = 8 * (local * NORM_THREADS + threadIdx.x);
+        if (k0 < D) norm_bwd_dw_cols(part, dy, lddy, x, ldx, rstd, M, D, rows_per, rc, k0);
+        return;
+    }
+    /* block-uniform: the whole block takes this branch (__syncthreads inside) */
+    norm_bwd_dx_row(rc * rows_per + local - TPC, dx, lddx, accumulate, dy, lddy, x, ldx, w, rstd,
+                    D, sh);
+}
+
+/* Rows of p (leading dimension ld) all start 16-byte aligned. */
+static int norm_rows16(const void *p, int ld) { return ((uintptr_t)p & 15) == 0 && ld % 8 == 0; }
+
+/* Whether the [M, D] bf16 rows of a (lda) and b (ldb) share any byte. */
+static int norm_overlap(const void *a, int lda, const void *b, int ldb, int M, int D)
+{
+    const char *a0 = (const char *)a, *b0 = (const char *)b;
+    const char *a1 = a0 + 2 * ((int64_t)(M - 1) * lda + D);
+    const char *b1 = b0 + 2 * ((int64_t)(M - 1) * ldb + D);
+    return a0 < b1 && b0 < a1;
+}
+
+/* Shared memory of the staged rows: the default limit, no opt-in needed. */
+#define NORM_VEC_SMEM ((size_t)48 << 10)
+
+static int cuda_rmsnorm_fwd(mt_backend *be, void *y, int ldy, float *rstd, const void *x, int ldx,
+                            const void *w, int M, int D, float eps)
+{
+    CUDA_REQUIRE(M >= 0 && D >= 1, "rmsnorm_fwd: M=%d D=%d", M, D);
+    CUDA_REQUIRE(ldy >= D && ldx >= D, "rmsnorm_fwd: ldy=%d ldx=%d < D=%d", ldy, ldx, D);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(y && rstd && x && w, "rmsnorm_fwd: NULL pointer");
+    const size_t smem = sizeof(bf16) * (size_t)norm_row_pad(D);
+    if (norm_rows16(y, ldy) && norm_rows16(x, ldx) && norm_rows16(w, 0) && smem <= NORM_VEC_SMEM)
+        rmsnorm_fwd_vec_kernel<<<M, NORM_THREADS, smem, cuda_stream(be)>>>(
+            (bf16 *)y, ldy, rstd, (const bf16 *)x, ldx, (const bf16 *)w, D, eps);
+    else
+        rmsnorm_fwd_kernel<<<M, NORM_THREADS, 0, cuda_stream(be)>>>(
+            (bf16 *)y, ldy, rstd, (const bf16 *)x, ldx, (const bf16 *)w, D, eps);
+    CUDA_LAUNCH_CHECK("rmsnorm_fwd");
+    return MT_OK;
 }
 
 /* Row chunks of the dw reduction: at most 64 (bounds the scratch to
@@ -145,17 +434,39 @@ static int cuda_rmsnorm_bwd(mt_backend *be, void *dx, int lddx, int accumulate, 
     const int RC = mt_ceil_div(M, rows_per);
     double *part = (double *)cuda_scratch(be, sizeof(double) * (size_t)RC * D);
     if (!part) return mt_err_wrap(MT_ENOMEM, "rmsnorm_bwd: %d x %d partial sums", RC, D);
-    /* dx first, then dw, as the CPU (matters only if dx aliases dy) */
-    rmsnorm_bwd_dx_kernel<<<M, NORM_THREADS, 0, st>>>((bf16 *)dx, lddx, accumulate,
-                                                      (const bf16 *)dy, lddy, (const bf16 *)x,
-                                                      ldx, (const bf16 *)w, rstd, D);
-    CUDA_LAUNCH_CHECK("rmsnorm_bwd");
-    dim3 grid((unsigned)mt_ceil_div(D, NORM_THREADS), (unsigned)RC);
-    rmsnorm_bwd_dw_part_kernel<<<grid, NORM_THREADS, 0, st>>>(part, (const bf16 *)dy, lddy,
-                                                              (const bf16 *)x, ldx, rstd, M, D,
-                                                              rows_per);
-    CUDA_LAUNCH_CHECK("rmsnorm_bwd");
-    rmsnorm_bwd_dw_sum_kernel<<<mt_ceil_div(D, NORM_THREADS), NORM_THREADS, 0, st>>>(
+    const size_t smem = 3 * sizeof(bf16) * (size_t)norm_row_pad(D);
+    const int rows_vec = norm_rows16(dy, lddy) && norm_rows16(x, ldx);
+    const int dx_vec = rows_vec && norm_rows16(dx, lddx) && norm_rows16(w, 0) && smem <= NORM_VEC_SMEM;
+    if (dx_vec && !norm_overlap(dx, lddx, dy, lddy, M, D) && !norm_overlap(dx, lddx, x, ldx, M, D)) {
+        const int TPC = mt_ceil_div(mt_ceil_div(D, 8), NORM_THREADS);
+        const int64_t blocks = (int64_t)M + (int64_t)RC * TPC;
+        rmsnorm_bwd_fused_kernel<<<(unsigned)blocks, NORM_THREADS, smem, st>>>(
+            (bf16 *)dx, lddx, accumulate, (const bf16 *)dy, lddy, (const bf16 *)x, ldx,
+            (const bf16 *)w, rstd, part, M, D, rows_per, TPC);
+        CUDA_LAUNCH_CHECK("rmsnorm_bwd");
+    } else {
+        /* dx first, then dw, as the CPU (matters only if dx aliases dy) */
+        if (dx_vec)
+            rmsnorm_bwd_dx_vec_kernel<<<M, NORM_THREADS, smem, st>>>(
+                (bf16 *)dx, lddx, accumulate, (const bf16 *)dy, lddy, (const bf16 *)x, ldx,
+                (const bf16 *)w, rstd, D);
+        else
+            rmsnorm_bwd_dx_kernel<<<M, NORM_THREADS, 0, st>>>(
+                (bf16 *)dx, lddx, accumulate, (const bf16 *)dy, lddy, (const bf16 *)x, ldx,
+                (const bf16 *)w, rstd, D);
+        CUDA_LAUNCH_CHECK("rmsnorm_bwd");
+        if (rows_vec) {
+            dim3 grid((unsigned)mt_ceil_div(mt_ceil_div(D, 8), DW_THREADS), (unsigned)RC);
+            rmsnorm_bwd_dw_part_vec_kernel<<<grid, DW_THREADS, 0, st>>>(
+                part, (const bf16 *)dy, lddy, (const bf16 *)x, ldx, rstd, M, D, rows_per);
+        } else {
+            dim3 grid((unsigned)mt_ceil_div(D, NORM_THREADS), (unsigned)RC);
+            rmsnorm_bwd_dw_part_kernel<<<grid, NORM_THREADS, 0, st>>>(
+                part, (const bf16 *)dy, lddy, (const bf16 *)x, ldx, rstd, M, D, rows_per);
+        }
+        CUDA_LAUNCH_CHECK("rmsnorm_bwd");
+    }
+    rmsnorm_bwd_dw_sum_kernel<<<mt_ceil_div(D, DW_SUM_THREADS), DW_SUM_THREADS, 0, st>>>(
         dw, dw_type == MT_C_BF16, part, RC, D);
     CUDA_LAUNCH_CHECK("rmsnorm_bwd");
     return MT_OK;
@@ -196,27 +507,6 @@ __global__ void swiglu_bwd_kernel(bf16 *__restrict__ dgu, const bf16 *__restrict
 /* The same with 8 consecutive f per thread (16-byte accesses; F % 8 == 0
  * and 16-byte aligned bases): one index division per 8 elements, each
  * element computed as above (bit-identical). */
-__device__ __forceinline__ void norm_unpack8(const uint4 &w, float *x)
-{
-    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        x[2 * i] = __uint_as_float(u[i] << 16);
-        x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ uint4 norm_pack8(const float *x)
-{
-    uint32_t o[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
-        o[i] = *(const uint32_t *)&b;
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
 __global__ void swiglu_fwd_vec_kernel(bf16 *__restrict__ h, const bf16 *__restrict__ gu, int M,
                                       int F)
 {

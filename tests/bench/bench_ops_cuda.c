@@ -5,13 +5,15 @@
  *
  * GEMMs (forward shapes, then weight gradients) print TFLOPS and the ratio
  * to the FP8 block-scaled (1240-1440) or BF16 (890) ceilings; memory-bound
- * ops and the optimizer print GB/s (bytes read + written once) and the
+ * ops (rmsnorm_bwd and rope at the proxy shapes too) and the optimizer
+ * print GB/s (bytes read + written once) and the
  * ratio to a device-to-device copy measured here. MOETRAIN_FP8_GEMM=
  * direct|swap compares the FP8 operand orders (kernels/cuda/cuda_gemm.cu). Timing: wall time
  * of N back-to-back calls after warm-up and a synchronisation, median of 5.
  * Results: tests/bench/RESULTS.md.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -195,7 +197,8 @@ typedef struct mem_ctx {
     int kind, M, D;
     void *x, *y, *w;
     uint8_t *q;
-    float *s, *rstd;
+    float *s, *rstd, *dw;
+    void *x2;
     int rows[1];
 } mem_ctx;
 
@@ -208,6 +211,10 @@ static void run_mem(void *p)
     case 2: CK(be->quant_cols_t(be, c->q, c->s, c->x, c->D, c->rows, 1, c->D)); break;
     case 3: CK(be->rmsnorm_fwd(be, c->y, c->D, c->rstd, c->x, c->D, c->w, c->M, c->D, 1e-6f)); break;
     case 4: CK(be->swiglu_fwd(be, c->y, c->x, c->M, c->D / 2)); break;
+    case 5: /* the residual stream's norms: dx += */
+        CK(be->rmsnorm_bwd(be, c->y, c->D, 1, c->dw, MT_C_F32, c->x, c->D, c->x2, c->D, c->w,
+                           c->rstd, c->M, c->D));
+        break;
     }
 }
 
@@ -215,13 +222,23 @@ static double copy_gbs;
 
 static void bench_mem(const char *what, int kind, int M, int D, double bytes)
 {
-    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, {M}};
+    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, {M}};
     c.x = dev_random_act((int64_t)M * D, 3, 1.0f);
-    c.y = dev_alloc((size_t)M * D * 2);
+    c.x2 = kind == 5 ? dev_random_act((int64_t)M * D, 5, 1.0f) : NULL;
+    c.dw = dev_alloc((size_t)D * 4);
+    CK(be->zero(be, c.dw, (size_t)D * 4));
+    /* rmsnorm_bwd's dx is accumulated into: random values */
+    c.y = kind == 5 ? dev_random_act((int64_t)M * D, 7, 1.0f) : dev_alloc((size_t)M * D * 2);
     c.w = dev_random_act(D, 4, 1.0f);
     c.q = dev_alloc((size_t)M * D);
     c.s = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
     c.rstd = dev_alloc((size_t)M * 4);
+    {
+        float *r = malloc((size_t)M * 4);
+        for (int m = 0; m < M; m++) r[m] = 0.05f;
+        CK(be->upload(be, c.rstd, r, (size_t)M * 4));
+        free(r);
+    }
     double ms = time_ms(run_mem, &c);
     double gbs = bytes / (ms * 1e-3) / 1e9;
     if (kind == 0) copy_gbs = gbs;
@@ -233,6 +250,48 @@ static void bench_mem(const char *what, int kind, int M, int D, double bytes)
     be->free(be, c.q);
     be->free(be, c.s);
     be->free(be, c.rstd);
+    be->free(be, c.dw);
+    if (c.x2) be->free(be, c.x2);
+}
+
+/* RoPE in place on the rope slices of N tokens: H heads of hs values
+ * (rows of H hs), the R rotated ones at off; interleaved pairs (the HF
+ * default). GB/s counts 4 N H R bytes (the slices read and written), as the
+ * op profile does. */
+typedef struct rope_ctx {
+    int N, T, H, hs, off, R;
+    void *x;
+    float *c, *s;
+} rope_ctx;
+
+static void run_rope(void *p)
+{
+    rope_ctx *r = p;
+    CK(be->rope(be, r->x, r->N, r->T, r->H, r->H * r->hs, r->hs, r->off, r->R, r->c, r->s, 1, 0));
+}
+
+static void bench_rope(const char *what, int N, int H, int hs, int off, int R)
+{
+    rope_ctx r = {N, N, H, hs, off, R, NULL, NULL, NULL};
+    r.x = dev_random_act((int64_t)N * H * hs, 6, 1.0f);
+    const size_t nt = (size_t)N * (R / 2);
+    float *h = malloc(nt * 4 * 2);
+    for (size_t i = 0; i < nt; i++) { /* a rotation: the values stay bounded */
+        const double ang = 0.001 * (double)i;
+        h[i] = (float)cos(ang), h[nt + i] = (float)sin(ang);
+    }
+    r.c = dev_alloc(nt * 4);
+    r.s = dev_alloc(nt * 4);
+    CK(be->upload(be, r.c, h, nt * 4));
+    CK(be->upload(be, r.s, h + nt, nt * 4));
+    free(h);
+    double ms = time_ms(run_rope, &r);
+    const double gbs = 4.0 * N * H * R / (ms * 1e-3) / 1e9;
+    printf("  %-34s N=%-6d H=%-6d %8.3f ms %7.0f GB/s  %4.0f%% of copy\n", what, N, H, ms, gbs,
+           copy_gbs > 0 ? 100 * gbs / copy_gbs : 100.0);
+    be->free(be, r.x);
+    be->free(be, r.c);
+    be->free(be, r.s);
 }
 
 /* ---- optimizer ------------------------------------------------------------------ */
@@ -337,6 +396,15 @@ int main(int argc, char **argv)
         bench_mem("quant_rows 1x128", 1, 4096, 7168, 4096.0 * 7168 * 3);
         bench_mem("quant_cols_t 128x1", 2, 4096, 7168, 4096.0 * 7168 * 3);
         bench_mem("rmsnorm_fwd", 3, 4096, 7168, 4096.0 * 7168 * 4);
+        bench_mem("rmsnorm_fwd q_a", 3, 4096, 1536, 4096.0 * 1536 * 4);
+        bench_mem("rmsnorm_fwd kv_a", 3, 4096, 512, 4096.0 * 512 * 4);
+        /* bytes as the op profile counts them: dy, x read, dx read and
+         * written (the dw partials read dy and x again, from L2 when the
+         * two run fused: not counted) */
+        bench_mem("rmsnorm_bwd dx+= dw", 5, 4096, 7168, 4096.0 * 7168 * 8);
+        bench_mem("rmsnorm_bwd q_a dx+= dw", 5, 4096, 1536, 4096.0 * 1536 * 8);
+        bench_rope("rope q 128 heads (192, pe at 128)", 4096, 128, 192, 128, 64);
+        bench_rope("rope kv_a key (576, pe at 512)", 4096, 1, 576, 512, 64);
         bench_mem("swiglu_fwd", 4, 4096, 4096, 4096.0 * 4096 * 3);
     }
     if (SECTION("optim")) {
