@@ -38,6 +38,7 @@ struct mt_job_ckpt {
     char root[MT_PATH_CAP];
     mt_shard_map map;          /* the job's contents under the processes' layout */
     int have_map;
+    int share_load;            /* restores read replicated weights once per group */
     /* the save in flight */
     int busy;
     int phase;
@@ -61,6 +62,9 @@ struct mt_job_ckpt {
     double t_start;
     double t_call;             /* when the save was asked for */
     double wait_ms, copy_ms;   /* of the stall: waiting for the previous save, the host copy */
+    /* phases, ms after t_start (MOETRAIN_LOG=debug prints them): this
+     * rank's shard written, every rank's records at rank 0, index, commit */
+    double ms_shard, ms_gather, ms_index, ms_commit;
     int foreground;            /* training waits for the whole save */
     mt_job_ckpt_stats st;
     pthread_mutex_t mu;        /* guards st */
@@ -154,14 +158,47 @@ static int agree(const mt_job_ckpt *jc, int rc)
     return MT_ERR(worst, "rank %d: %s", who, msg);
 }
 
-mt_tensor_reader mt_job_ckpt_reader(mt_ckpt *ck)
+mt_tensor_reader mt_job_ckpt_reader(const mt_job_ckpt *jc, mt_ckpt *ck)
 {
-    /* MT_CKPT_NO_SHARED_LOAD=1: as before issue 23 (for comparing the two:
-     * the loaded bits are the same) */
-    const char *ns = getenv("MT_CKPT_NO_SHARED_LOAD");
     mt_tensor_reader r = {ck, mt_ckpt_read_fn, mt_ckpt_read_fp8_fn, mt_ckpt_skip_fn,
-                          !(ns && !strcmp(ns, "1"))};
+                          jc->share_load};
     return r;
+}
+
+/* FNV-1a of this host's name. */
+static int64_t host_hash(void)
+{
+    char h[256] = "";
+    if (gethostname(h, sizeof h - 1) != 0) return 0;
+    uint64_t x = 0xcbf29ce484222325ull;
+    for (const char *c = h; *c; c++) x = (x ^ (uint8_t)*c) * 0x100000001b3ull;
+    return (int64_t)(x >> 1);
+}
+
+/* Whether a multi-rank restore reads each replicated weight on one replica
+ * and sends it to the others (train_state.c, share_plan). Measured on one
+ * 16-core host (tests/bench/RESULTS.md, issue 23): the ranks of one host
+ * reading everything themselves load faster (80 % of dd against 65 %) -
+ * the page cache already reads each byte from the disk once, and the
+ * replicas check and convert in parallel instead of waiting for a reader
+ * piece by piece - so sharing pays where the ranks span hosts, whose
+ * reads would each reach the (shared) file system. MT_CKPT_SHARED_LOAD=1
+ * or 0 decides instead; MT_CKPT_NO_SHARED_LOAD=1 is the same as =0.
+ * Collective over world: mt_job_ckpt_restore, which every rank reaches. */
+static int decide_share_load(mt_job_ckpt *jc)
+{
+    const char *e = getenv("MT_CKPT_SHARED_LOAD"), *ns = getenv("MT_CKPT_NO_SHARED_LOAD");
+    int spans_hosts = 0;
+    if (jc->world > 1) {
+        int64_t h = host_hash(), lo = 0, hi = 0;
+        MT_CHECK(mt_comm_all_reduce(jc->comm, &h, &lo, 1, MT_COMM_I64, MT_COMM_MIN));
+        MT_CHECK(mt_comm_all_reduce(jc->comm, &h, &hi, 1, MT_COMM_I64, MT_COMM_MAX));
+        spans_hosts = lo != hi;
+    }
+    if (e && *e) jc->share_load = !strcmp(e, "1");
+    else jc->share_load = spans_hosts;
+    if (ns && !strcmp(ns, "1")) jc->share_load = 0;
+    return MT_OK;
 }
 
 /* The reserved snapshot, when no save writes from it: its slab may stage
@@ -191,7 +228,7 @@ static int restore_from(const mt_job_ckpt *jc, mt_trainer *t, const char *path,
         return rc;
     }
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
-    mt_tensor_reader r = mt_job_ckpt_reader(ck);
+    mt_tensor_reader r = mt_job_ckpt_reader(jc, ck);
     rc = mt_train_state_restore_staged(t, &r, m->state_json, stage ? stage->slab : NULL,
                                        stage ? stage->slab_bytes : 0);
     if (rc == MT_OK) {
@@ -315,6 +352,7 @@ static void reserve_snapshot(mt_job_ckpt *jc, mt_trainer *t)
 
 int mt_job_ckpt_restore(mt_job_ckpt *jc, mt_trainer *t)
 {
+    MT_CHECK(decide_share_load(jc));
     MT_CHECK(mt_job_resume_auto(&jc->job, jc->comm)); /* issue 20 */
     reserve_snapshot(jc, t);
     if (jc->job.init.kind == MT_INIT_CHECKPOINT) MT_CHECK(restore_checkpoint(jc, t));
@@ -370,7 +408,10 @@ static int write_local(mt_job_ckpt *jc)
 static int finalize(mt_job_ckpt *jc)
 {
     MT_CHECK(mt_ckpt_write_index(jc->partial, &jc->meta, &jc->map, jc->all, jc->n_all));
-    return mt_ckpt_commit(jc->root, jc->step, jc->job.checkpoint.keep_last);
+    jc->ms_index = now_ms() - jc->t_start;
+    int rc = mt_ckpt_commit(jc->root, jc->step, jc->job.checkpoint.keep_last);
+    jc->ms_commit = now_ms() - jc->t_start;
+    return rc;
 }
 
 static void *writer_main(void *arg)
@@ -379,6 +420,7 @@ static void *writer_main(void *arg)
     int rc;
     if (jc->phase == PHASE_SHARD) {
         rc = write_local(jc);
+        jc->ms_shard = now_ms() - jc->t_start;
         if (rc == MT_OK && jc->world == 1) {
             jc->all = jc->recs;
             jc->n_all = jc->n_recs;
@@ -452,6 +494,12 @@ static int finish(mt_job_ckpt *jc)
     else if (rc < 0)
         MT_LOGE("checkpoint step_%08lld failed: %s; the previous checkpoint stays the newest",
                 (long long)jc->step, jc->err);
+    if (rc == MT_OK)
+        MT_LOGD("checkpoint step_%08lld, rank %d: shard written at %.1f ms, records gathered at "
+                "%.1f ms, index written at %.1f ms, committed at %.1f ms, done at %.1f ms",
+                (long long)jc->step, jc->rank, jc->ms_shard, jc->ms_gather, jc->ms_index,
+                jc->ms_commit, ms);
+    jc->ms_shard = jc->ms_gather = jc->ms_index = jc->ms_commit = 0;
     release(jc);
     return rc < 0 ? MT_ERR(rc, "checkpoint step_%08lld: %s", (long long)jc->step, jc->err) : MT_OK;
 }
@@ -536,6 +584,7 @@ static int progress(mt_job_ckpt *jc, int block)
             jc->th_live = 0;
         }
         MT_CHECK(gather_records(jc));
+        jc->ms_gather = now_ms() - jc->t_start;
         if (jc->rank != 0 || jc->rc < 0) return finish(jc);
         return run_phase(jc, PHASE_INDEX, !block && jc->async) < 0 ? finish(jc) : progress(jc, block);
     }

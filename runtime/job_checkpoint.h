@@ -59,10 +59,11 @@ int mt_job_ckpt_open(mt_job_ckpt **out, const mt_jobspec *job, mt_comm *world);
 
 /* The reader of a job's restore from checkpoint ck, which every rank of
  * the job reads at once (mt_train_state_restore is then collective over
- * the trainer's groups): replicated weights read once per replica group,
- * unless MT_CKPT_NO_SHARED_LOAD=1 (every rank reads all it holds). */
+ * the trainer's groups): replicated weights read once per replica group
+ * when the ranks span several hosts (or MT_CKPT_SHARED_LOAD=1), else every
+ * rank reads all it holds (job_checkpoint.c, decide_share_load). */
 struct mt_ckpt;
-struct mt_tensor_reader mt_job_ckpt_reader(struct mt_ckpt *ck);
+struct mt_tensor_reader mt_job_ckpt_reader(const mt_job_ckpt *jc, struct mt_ckpt *ck);
 
 /* Restores the trainer per init.kind (nothing for random); then checks
  * checkpoint.dir holds no checkpoint newer than the start step. */

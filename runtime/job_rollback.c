@@ -73,7 +73,7 @@ int mt_job_rollback(mt_job_ckpt *jc, mt_trainer *t, mt_comm *world, mt_rollback_
     }
     mt_ckpt_set_reader_rank(ck, rank);
     const mt_ckpt_meta *m = mt_ckpt_get_meta(ck);
-    mt_tensor_reader rd = mt_job_ckpt_reader(ck);
+    mt_tensor_reader rd = mt_job_ckpt_reader(jc, ck);
     void *stage_mem;
     size_t stage_bytes;
     mt_job_ckpt_stage_mem(jc, &stage_mem, &stage_bytes); /* the save in flight ended above */
