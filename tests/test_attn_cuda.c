@@ -428,6 +428,55 @@ out:
     case_free(&c);
 }
 
+/* The deterministic cuDNN backward whose whole-batch plan needs more
+ * workspace than the scratch (B x H x T^2 x 2 bytes) still runs on cuDNN,
+ * in chunks of samples (forced: MOETRAIN_ATTN=cudnn fails otherwise), and
+ * each sample's gradients are those of the sample's own B = 1 call, bit for
+ * bit. */
+static void attn_bwd_chunks(int B, int T, int H, int Dqk, int Dv)
+{
+    attn_case c;
+    case_init(&c, B, T, H, Dqk, Dv, 500);
+    char sh[96], what[240];
+    snprintf(sh, sizeof sh, "B%d T%d H%d Dqk%d Dv%d", B, T, H, Dqk, Dv);
+    size_t need = 0, have = 0;
+    set_path("cudnn", 1);
+    if (failed("attn plan bytes", cuda_attn_plan_bytes(gpu, 1, B, T, H, Dqk, Dv, c.scale, &need, &have)))
+        goto out;
+    snprintf(what, sizeof what, "attn_bwd %s plan (%zu MiB) exceeds the scratch (%zu MiB)", sh,
+             need >> 20, have >> 20);
+    check(what, need > have ? 0.0 : 1.0, 0.0);
+    snprintf(what, sizeof what, "attn_fwd cudnn %s", sh);
+    if (failed(what, case_fwd(&c))) goto out;
+    snprintf(what, sizeof what, "attn_bwd cudnn deterministic %s in chunks", sh);
+    if (failed(what, case_bwd(&c))) goto out;
+    printf("INFO  %-64s path: %s\n", what, cuda_attn_last_path(gpu));
+    float *g[3] = {host_bf16(c.gq, c.nq), host_bf16(c.gk, c.nq), host_bf16(c.gv, c.nv)};
+    const int64_t per[3] = {c.nq / B, c.nq / B, c.nv / B};
+    double d = 0;
+    for (int b = 0; b < B; b++) {
+        const size_t qo = (size_t)b * (size_t)per[0], vo = (size_t)b * (size_t)per[2];
+        const size_t lo = (size_t)b * (size_t)H * (size_t)T;
+        if (failed("attn_bwd one sample",
+                   gpu->attn_bwd(gpu, c.gq, c.gk, c.gv, (char *)c.ddout + 2 * vo,
+                                 (char *)c.dq_ + 2 * qo, (char *)c.dk_ + 2 * qo,
+                                 (char *)c.dv_ + 2 * vo, (char *)c.o + 2 * vo,
+                                 (float *)c.lse + lo, 1, T, H, Dqk, Dv, c.scale)))
+            break;
+        float *h[3] = {host_bf16(c.gq, per[0]), host_bf16(c.gk, per[1]), host_bf16(c.gv, per[2])};
+        const size_t off[3] = {qo, qo, vo};
+        for (int i = 0; i < 3; i++) {
+            d += maxabs(h[i], g[i] + off[i], per[i]);
+            free(h[i]);
+        }
+    }
+    snprintf(what, sizeof what, "attn_bwd %s chunks = each sample alone (bitwise, max abs)", sh);
+    check(what, d, 0.0);
+    for (int i = 0; i < 3; i++) free(g[i]);
+out:
+    case_free(&c);
+}
+
 /* ---- 4. timings ------------------------------------------------------------------ */
 
 /* Fills without per-element hashing: a 1 Mi pool of normals, tiled. */
@@ -546,6 +595,7 @@ int main(void)
     /* 3. cuDNN against the CPU and the own kernels */
     attn_vs_cpu("cudnn", 2, 256, 4, 192, 128, 1e-2);
     attn_cudnn_vs_own(1, 4096, 16, 192, 128);
+    attn_bwd_chunks(4, 4096, 40, 192, 128); /* 5.4 GB of workspace for B = 4, 2.7 for B = 2 */
 
     /* 4. timings at the DeepSeek-V3 shape */
     attn_timing(1, 4096, 128, 192, 128);

@@ -67,6 +67,7 @@ static int att_aligned(const void *const *ptrs, int n)
 /* Outcome of trying cuDNN: ran, or not (why filled), or an error (< 0). */
 typedef struct att_try {
     int ran;
+    int short_scratch; /* not run only because the plan's workspace exceeds the scratch */
     char why[1100];
 } att_try;
 
@@ -81,7 +82,9 @@ static void *att_dnn_prepare(mt_backend *be, const attn_key *k, attn_plan **pp, 
         return NULL;
     }
     size_t need = p->aux_bytes + att_align(p->ws_bytes) + 256, have = cuda_of(be)->scratch_cap;
+    t->short_scratch = 0;
     if (need > have) {
+        t->short_scratch = 1;
         snprintf(t->why, sizeof t->why,
                  "the plan needs %zu MiB of scratch (%zu bytes workspace + %zu aux), the backend "
                  "reserved %zu MiB (MOETRAIN_CUDA_SCRATCH_MB)%s",
@@ -103,6 +106,7 @@ static int att_dnn_fwd(mt_backend *be, void *o, float *lse, const void *q, const
 {
     const void *all[] = {o, lse, q, k, v};
     t->ran = 0;
+    t->short_scratch = 0;
     if (!att_aligned(all, 5)) {
         snprintf(t->why, sizeof t->why, "a tensor is not 16-byte aligned");
         return MT_OK;
@@ -126,6 +130,7 @@ static int att_dnn_bwd(mt_backend *be, void *dq, void *dk, void *dv, const void 
 {
     const void *all[] = {dq, dk, dv, dout, q, k, v, o, lse};
     t->ran = 0;
+    t->short_scratch = 0;
     if (!att_aligned(all, 9)) {
         snprintf(t->why, sizeof t->why, "a tensor is not 16-byte aligned");
         return MT_OK;
@@ -202,6 +207,42 @@ static int cuda_attn_fwd(mt_backend *be, void *o, float *lse, const void *q, con
                        T, H, Dqk, Dv, scale);
 }
 
+/* The deterministic cuDNN backward's workspace grows with B x H x T^2 (8 GiB
+ * at B = 2, T = 4096, H = 128): when the batch's plan does not fit the
+ * scratch, the samples go through in chunks of the largest size whose plan
+ * does (halving from B). Samples are independent, and the layouts put
+ * sample b at rows b T of q, k, v, o and at b H T of lse. */
+static int att_dnn_bwd_chunked(mt_backend *be, void *dq, void *dk, void *dv, const void *dout,
+                               const void *q, const void *k, const void *v, const void *o,
+                               const float *lse, int B, int T, int H, int Dqk, int Dv, float scale,
+                               att_try *t)
+{
+    MT_CHECK(att_dnn_bwd(be, dq, dk, dv, dout, q, k, v, o, lse, B, T, H, Dqk, Dv, scale, t));
+    for (int bc = B / 2; !t->ran && t->short_scratch && bc >= 1; bc /= 2) {
+        att_try c;
+        /* the first chunk decides: every chunk but a shorter last one has its shape */
+        MT_CHECK(att_dnn_bwd(be, dq, dk, dv, dout, q, k, v, o, lse, bc, T, H, Dqk, Dv, scale, &c));
+        if (!c.ran) {
+            if (!c.short_scratch) *t = c;
+            continue;
+        }
+        const size_t qr = (size_t)T * H * Dqk, vr = (size_t)T * H * Dv, lr = (size_t)H * T;
+        for (int b0 = bc; b0 < B; b0 += bc) {
+            const int n = B - b0 < bc ? B - b0 : bc;
+            const size_t b = (size_t)b0;
+            MT_CHECK(att_dnn_bwd(be, (bf16 *)dq + b * qr, (bf16 *)dk + b * qr, (bf16 *)dv + b * vr,
+                                 (const bf16 *)dout + b * vr, (const bf16 *)q + b * qr,
+                                 (const bf16 *)k + b * qr, (const bf16 *)v + b * vr,
+                                 (const bf16 *)o + b * vr, lse + b * lr, n, T, H, Dqk, Dv, scale, &c));
+            if (!c.ran)
+                return MT_ERR(MT_ECUDA, "attn_bwd: cuDNN ran samples 0..%d of %d but not %d..%d: %s",
+                              b0 - 1, B, b0, b0 + n - 1, c.why);
+        }
+        t->ran = 1;
+    }
+    return MT_OK;
+}
+
 static int cuda_attn_bwd(mt_backend *be, void *dq, void *dk, void *dv, const void *dout,
                          const void *q, const void *k, const void *v, const void *o,
                          const float *lse, int B, int T, int H, int Dqk, int Dv, float scale)
@@ -212,7 +253,8 @@ static int cuda_attn_bwd(mt_backend *be, void *dq, void *dk, void *dv, const voi
     att_mode mode = att_mode_env();
     if (mode != ATT_OWN) {
         att_try t;
-        MT_CHECK(att_dnn_bwd(be, dq, dk, dv, dout, q, k, v, o, lse, B, T, H, Dqk, Dv, scale, &t));
+        MT_CHECK(att_dnn_bwd_chunked(be, dq, dk, dv, dout, q, k, v, o, lse, B, T, H, Dqk, Dv, scale,
+                                     &t));
         attn_key key = att_key(1, B, T, H, Dqk, Dv, scale, att_det_env());
         int r = att_after_try(be, "attn_bwd", mode, &key, &t);
         if (r != 0) return r < 0 ? r : MT_OK;
