@@ -92,12 +92,18 @@ static int same_slab(const mt_shard_piece *p, const int64_t off[2], const int64_
            p->count[1] == cnt[1];
 }
 
-/* Writers hold their pieces, are the lowest holders; a held slab is a piece. */
-static void check_holders(const mt_shard_map *m)
+/* Writers hold their pieces; a held slab is a piece; and the balance of the
+ * replicated weights' writers leaves the busiest writer no busier than the
+ * lowest-holder rule would (strictly less busy when `relieved`: layouts
+ * with replicas to spread over). */
+static void check_holders(const mt_shard_map *m, int relieved)
 {
+    int64_t *load = calloc((size_t)m->world, sizeof *load), *lowest = calloc((size_t)m->world, sizeof *lowest);
     for (int t = 0; t < m->n_tensors; t++) {
         const mt_shard_tensor *x = &m->tensors[t];
         int *held_by_writer = calloc((size_t)x->n_pieces, sizeof *held_by_writer);
+        int *first = malloc((size_t)x->n_pieces * sizeof *first);
+        for (int i = 0; i < x->n_pieces; i++) first[i] = m->world;
         for (int r = 0; r < m->world; r++) {
             int64_t off[2], cnt[2];
             if (!mt_shard_map_held(m, t, r, off, cnt)) continue;
@@ -109,17 +115,34 @@ static void check_holders(const mt_shard_map *m)
                 fail();
             }
             const mt_shard_piece *p = &m->pieces[x->first_piece + found];
-            assert_true(p->writer <= r); /* the lowest holder writes */
             if (p->writer == r) held_by_writer[found] = 1;
+            if (r < first[found]) first[found] = r;
         }
-        for (int i = 0; i < x->n_pieces; i++)
+        for (int i = 0; i < x->n_pieces; i++) {
+            const mt_shard_piece *p = &m->pieces[x->first_piece + i];
             if (!held_by_writer[i]) {
-                fprintf(stderr, "%s: piece %d is not held by its writer %d\n", x->name, i,
-                        m->pieces[x->first_piece + i].writer);
+                fprintf(stderr, "%s: piece %d is not held by its writer %d\n", x->name, i, p->writer);
                 fail();
             }
+            const int64_t bytes = p->count[0] * p->count[1] * (int64_t)mt_dtype_size(x->dtype);
+            load[p->writer] += bytes;
+            lowest[first[i]] += bytes;
+        }
         free(held_by_writer);
+        free(first);
     }
+    int64_t busiest = 0, busiest_lowest = 0;
+    for (int r = 0; r < m->world; r++) {
+        if (load[r] > busiest) busiest = load[r];
+        if (lowest[r] > busiest_lowest) busiest_lowest = lowest[r];
+    }
+    if (busiest > busiest_lowest || (relieved && busiest >= busiest_lowest)) {
+        fprintf(stderr, "busiest writer %lld bytes, %lld with the lowest holders writing\n",
+                (long long)busiest, (long long)busiest_lowest);
+        fail();
+    }
+    free(load);
+    free(lowest);
 }
 
 /* Scale pieces are the block images of their weight pieces, same writers. */
@@ -171,7 +194,7 @@ static void check_layout(const mt_model_config *c, const char *lt, int fp8, int 
     check_tiling(&m);
     check_scales(&m);
     check_rank_index(&m);
-    if (holders) check_holders(&m);
+    if (holders) check_holders(&m, l.dp > 1); /* dp > 1: replicated weights to spread */
     for (int t = 0; t < m.n_tensors; t++) assert_int_equal(mt_shard_map_find(&m, m.tensors[t].name), t);
     mt_shard_map_free(&m);
 }

@@ -345,7 +345,8 @@ static int add_piece(builder *b, int t, int writer, const int64_t off[2], const 
 }
 
 /* The pieces of tensor t: one per (TP or ETP part k, ZeRO part z), written
- * by the lowest rank holding it. */
+ * by the lowest rank holding it; balance_writers then moves replicated
+ * weights to other replicas. */
 static int add_pieces(builder *b, int t)
 {
     mt_shard_map *m = b->m;
@@ -376,6 +377,62 @@ static int add_pieces(builder *b, int t)
         MT_CHECK(add_piece(b, t, writer, off, cnt));
     }
     st->n_pieces = m->n_pieces - st->first_piece;
+    return MT_OK;
+}
+
+static int64_t piece_bytes(const mt_shard_map *m, const mt_shard_piece *p)
+{
+    return p->count[0] * p->count[1] * (int64_t)mt_dtype_size(m->tensors[p->tensor].dtype);
+}
+
+/* Writers of replicated weights by balance (issue 23: a save lasts as long
+ * as its busiest writer, and the lowest replica used to write every
+ * replicated weight - rank 0 wrote 10.0 of a 4-rank proxy checkpoint's
+ * 22.2 GB). A weight piece held by the Z replicas of its dp group (edp for
+ * routed experts) goes, in tensor order, to the replica that writes the
+ * fewest bytes so far, counting the optimizer state each one writes as
+ * ZeRO-1 owner (ties: the lowest); its scale piece follows it. The same
+ * map on every rank and in every tool: a function of the config, the
+ * layout and the options alone. */
+static int balance_writers(mt_shard_map *m)
+{
+    const mt_layout *l = &m->layout;
+    int64_t *load = calloc((size_t)m->world, sizeof *load);
+    if (!load) return MT_ERR(MT_ENOMEM, "sharding map: out of memory");
+    /* replicated weights: moved below; everything else is fixed */
+    for (int p = 0; p < m->n_pieces; p++) {
+        const mt_shard_piece *pc = &m->pieces[p];
+        const mt_shard_tensor *t = &m->tensors[pc->tensor];
+        const int Z = m->priv->pcs[t->param].expert ? mt_layout_edp(l) : l->dp;
+        const int weight = t->role == MT_TS_WEIGHT || t->role == MT_TS_SCALE;
+        if (!weight || Z < 2) load[pc->writer] += piece_bytes(m, pc);
+    }
+    for (int t = 0; t < m->n_tensors; t++) {
+        const mt_shard_tensor *w = &m->tensors[t];
+        if (w->role != MT_TS_WEIGHT) continue;
+        const pclass *pc = &m->priv->pcs[w->param];
+        const int Z = pc->expert ? mt_layout_edp(l) : l->dp;
+        if (Z < 2) continue;
+        const int st = m->param_tensor[w->param][MT_TS_SCALE];
+        const mt_shard_tensor *sc = st >= 0 ? &m->tensors[st] : NULL;
+        for (int i = 0; i < w->n_pieces; i++) {
+            mt_shard_piece *a = &m->pieces[w->first_piece + i];
+            mt_shard_piece *b = sc && sc->n_pieces == w->n_pieces ? &m->pieces[sc->first_piece + i] : NULL;
+            const int64_t bytes = piece_bytes(m, a) + (b ? piece_bytes(m, b) : 0);
+            mt_rank_coords c;
+            mt_layout_coords(l, a->writer, &c); /* the lowest replica: dp (edp) 0 */
+            int best = a->writer;
+            for (int z = 1; z < Z; z++) {
+                const int r = pc->expert ? mt_layout_expert_rank(l, c.etp, c.ep, z, c.pp)
+                                         : mt_layout_rank(l, c.tp, z, c.pp);
+                if (load[r] < load[best]) best = r;
+            }
+            a->writer = best;
+            if (b) b->writer = best;
+            load[best] += bytes;
+        }
+    }
+    free(load);
     return MT_OK;
 }
 
@@ -494,6 +551,7 @@ static int build(mt_shard_map *m, const mt_param_table *pt)
     MT_CHECK(zero_owners(&m->layout, pt, m->priv->pcs, m->priv->zero));
     for (int i = 0; i < pt->n; i++) MT_CHECK(add_param(&b, &pt->p[i], i));
     for (int t = 0; t < m->n_tensors; t++) MT_CHECK(add_pieces(&b, t));
+    MT_CHECK(balance_writers(m));
     MT_CHECK(build_hash(m));
     MT_CHECK(build_rank_index(m));
     return build_aliases(m);

@@ -32,8 +32,12 @@
  *   whole number of 128 x 128 scale blocks and the scale tensor's piece is
  *   rows [off / 128, ceil((off + count) / 128)) of it. Layouts that would
  *   cut a block are rejected, naming the tensor.
- * Writers: a piece held by several ranks (replicas) is written by the
- *   lowest of them.
+ * Writers: optimizer state by its ZeRO-1 owner, its only holder; a weight
+ *   piece held by the replicas of a dp (edp) group by the replica that
+ *   writes the fewest bytes so far, in tensor order, counting the optimizer
+ *   state (ties: the lowest); its scale piece by the same rank. The busiest
+ *   writer then writes about the group's share instead of every replicated
+ *   weight. Non-replicated pieces: their holder.
  */
 #ifndef MT_SHARDING_H
 #define MT_SHARDING_H
