@@ -202,8 +202,8 @@ typedef struct mt_ckpt mt_ckpt;
 int mt_ckpt_open(mt_ckpt **out, const char *path);
 /* The rank reading ck (before its reads): large chunks of its own shard
  * are read past the page cache (O_DIRECT, MT_CKPT_DIRECT_READ), those of
- * other ranks' shards through it, since replicated pieces (written by the
- * lowest replica) are read by every replica. Unset: every shard alike. */
+ * other ranks' shards through it, since replicated pieces (written by one
+ * replica of each group) are read by every replica. Unset: every shard alike. */
 void mt_ckpt_set_reader_rank(mt_ckpt *ck, int rank);
 void mt_ckpt_close(mt_ckpt *ck);
 

@@ -923,8 +923,8 @@ static int pf_launch(mt_ckpt *ck, int q)
 /* Whether piece q is for the read-ahead: small, and in the reader's own
  * shard or not optimizer state (FORMAT.md: a parameter's optimizer state
  * has one owner, who reads it; weights in another rank's shard may be
- * replicas this rank holds too, written by the lowest replica), and not a
- * tensor another replica reads for this one (mt_ckpt_skip_fn). Every
+ * replicas this rank holds too, written by one replica of the group), and
+ * not a tensor another replica reads for this one (mt_ckpt_skip_fn). Every
  * piece when the reader's rank is unset and nothing is skipped. */
 static int pf_wanted(const mt_ckpt *ck, int q)
 {

@@ -494,11 +494,13 @@ static int finish(mt_job_ckpt *jc)
     else if (rc < 0)
         MT_LOGE("checkpoint step_%08lld failed: %s; the previous checkpoint stays the newest",
                 (long long)jc->step, jc->err);
-    if (rc == MT_OK)
+    if (rc == MT_OK && jc->rank == 0)
+        MT_LOGD("checkpoint step_%08lld, rank 0: shard written at %.1f ms, records gathered at "
+                "%.1f ms, index written at %.1f ms, committed at %.1f ms", (long long)jc->step,
+                jc->ms_shard, jc->ms_gather, jc->ms_index, jc->ms_commit);
+    else if (rc == MT_OK)
         MT_LOGD("checkpoint step_%08lld, rank %d: shard written at %.1f ms, records gathered at "
-                "%.1f ms, index written at %.1f ms, committed at %.1f ms, done at %.1f ms",
-                (long long)jc->step, jc->rank, jc->ms_shard, jc->ms_gather, jc->ms_index,
-                jc->ms_commit, ms);
+                "%.1f ms", (long long)jc->step, jc->rank, jc->ms_shard, jc->ms_gather);
     jc->ms_shard = jc->ms_gather = jc->ms_index = jc->ms_commit = 0;
     release(jc);
     return rc < 0 ? MT_ERR(rc, "checkpoint step_%08lld: %s", (long long)jc->step, jc->err) : MT_OK;

@@ -356,8 +356,9 @@ static int add_pieces(builder *b, int t)
     const mt_shard_tensor *w = &m->tensors[m->param_tensor[st->param][MT_TS_WEIGHT]];
     const int opt = st->role >= MT_TS_EXP_AVG;
     const int K = pc->split_dim < 0 ? 1 : pc->expert ? l->etp : l->tp;
-    /* weights: the lowest replica (dp / edp 0) writes; optimizer state: its
-     * ZeRO-1 owner, the only rank that holds it */
+    /* weights: the lowest replica (dp / edp 0) writes, until balance_writers
+     * picks among the replicas; optimizer state: its ZeRO-1 owner, the only
+     * rank that holds it */
     const int z = opt ? m->priv->zero[st->param] : 0;
     int stage = pc->stage[0];
     if (pc->stage[1] >= 0 && pc->stage[1] < stage) stage = pc->stage[1];
