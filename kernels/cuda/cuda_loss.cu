@@ -72,16 +72,6 @@ xent_kernel(float *__restrict__ loss, bf16 *__restrict__ logits, const int32_t *
  * same exp and division per element; the double sum adds its terms in
  * another order, which moves it by a few double ulps (the float loss and
  * the bf16 gradient see none of it in practice). */
-__device__ __forceinline__ void xent_unpack8(const uint4 &w, float *x)
-{
-    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        x[2 * i] = __uint_as_float(u[i] << 16);
-        x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-    }
-}
-
 __global__ void __launch_bounds__(XENT_THREADS)
 xent_vec_kernel(float *__restrict__ loss, bf16 *__restrict__ logits,
                 const int32_t *__restrict__ tgt, int V, int ignore, float grad_scale)
@@ -104,7 +94,7 @@ xent_vec_kernel(float *__restrict__ loss, bf16 *__restrict__ logits,
     }
     float mx = -INFINITY, v[8];
     for (int j = threadIdx.x; j < V8; j += blockDim.x) {
-        xent_unpack8(x8[j], v);
+        cu_bf16x8_unpack(x8[j], v);
 #pragma unroll
         for (int i = 0; i < 8; i++) mx = fmaxf(mx, v[i]);
     }
@@ -112,13 +102,13 @@ xent_vec_kernel(float *__restrict__ loss, bf16 *__restrict__ logits,
     const float xt = cuda_ld(x, t);
     double acc = 0.0;
     for (int j = threadIdx.x; j < V8; j += blockDim.x) {
-        xent_unpack8(x8[j], v);
+        cu_bf16x8_unpack(x8[j], v);
 #pragma unroll
         for (int i = 0; i < 8; i++) acc += (double)expf(v[i] - mx);
     }
     const double sum = cu_block_sum(acc, shd); /* all reads of x are done */
     for (int j = threadIdx.x; j < V8; j += blockDim.x) {
-        xent_unpack8(x8[j], v);
+        cu_bf16x8_unpack(x8[j], v);
         uint32_t o[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {

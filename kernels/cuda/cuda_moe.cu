@@ -594,27 +594,6 @@ __global__ void moe_gather_kernel(bf16 *y, int accumulate, const bf16 *__restric
 /* moe_gather_kernel with 8 consecutive d per thread (16-byte loads and
  * stores; D % 8 == 0, aligned rows): each of the 8 sums is the same
  * sequence of float operations as moe_gather_kernel's, so bit-identical. */
-__device__ __forceinline__ void moe_unpack8(const uint4 &w, float *x)
-{
-    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        x[2 * i] = __uint_as_float(u[i] << 16);
-        x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ uint4 moe_pack8(const float *x)
-{
-    uint32_t o[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
-        o[i] = *(const uint32_t *)&b;
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
 __global__ void moe_gather_vec_kernel(bf16 *y, int accumulate, const bf16 *__restrict__ yp,
                                       const int32_t *__restrict__ slot,
                                       const float *__restrict__ w, int K, int D)
@@ -625,7 +604,7 @@ __global__ void moe_gather_vec_kernel(bf16 *y, int accumulate, const bf16 *__res
     for (int c = threadIdx.x; c < D / 8; c += blockDim.x) {
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, v[8];
         for (int k = 0; k < K; k++) {
-            moe_unpack8(((const uint4 *)(yp + (int64_t)sl[k] * D))[c], v);
+            cu_bf16x8_unpack(((const uint4 *)(yp + (int64_t)sl[k] * D))[c], v);
             if (w) {
                 const float wk = w[(int64_t)n * K + k];
 #pragma unroll
@@ -636,11 +615,11 @@ __global__ void moe_gather_vec_kernel(bf16 *y, int accumulate, const bf16 *__res
             }
         }
         if (accumulate) {
-            moe_unpack8(yr[c], v);
+            cu_bf16x8_unpack(yr[c], v);
 #pragma unroll
             for (int i = 0; i < 8; i++) acc[i] = v[i] + acc[i];
         }
-        yr[c] = moe_pack8(acc);
+        yr[c] = cu_bf16x8_pack(acc);
     }
 }
 
@@ -727,14 +706,14 @@ __global__ void moe_unpermute_bwd_vec_kernel(bf16 *__restrict__ dyp, float *__re
         double acc = 0.0;
         for (int c = threadIdx.x; c < D / 8; c += blockDim.x) {
             float dj[8], yj[8], gj[8];
-            moe_unpack8(d[c], dj);
-            moe_unpack8(y[c], yj);
+            cu_bf16x8_unpack(d[c], dj);
+            cu_bf16x8_unpack(y[c], yj);
 #pragma unroll
             for (int i = 0; i < 8; i++) {
                 gj[i] = wa * dj[i];
                 acc += (double)dj[i] * (double)yj[i];
             }
-            g[c] = moe_pack8(gj);
+            g[c] = cu_bf16x8_pack(gj);
         }
         acc = cu_block_sum(acc, sh);
         if (threadIdx.x == 0) dw[a] = (float)acc;

@@ -37,29 +37,6 @@
 
 #define NORM_THREADS 256
 
-/* 8 bf16 of a 16-byte vector to floats (exact) and back (round to nearest
- * even, as __float2bfloat16_rn): element 2i in the low half of word i. */
-__device__ __forceinline__ void norm_unpack8(const uint4 &w, float *x)
-{
-    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        x[2 * i] = __uint_as_float(u[i] << 16);
-        x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ uint4 norm_pack8(const float *x)
-{
-    uint32_t o[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
-        o[i] = *(const uint32_t *)&b;
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
 /* ---- RMSNorm ------------------------------------------------------------------- */
 
 /* y = x * rstd * w, rstd = 1 / sqrt(mean x^2 + eps) (mean in double). */
@@ -219,11 +196,11 @@ rmsnorm_fwd_vec_kernel(bf16 *__restrict__ y, int ldy, float *__restrict__ rstd,
     const int D8 = D >> 3;
     for (int c = threadIdx.x; c < D8; c += NORM_THREADS) {
         float xv[8], wv[8], o[8];
-        norm_unpack8(((const uint4 *)sx)[c], xv);
-        norm_unpack8(((const uint4 *)w)[c], wv);
+        cu_bf16x8_unpack(((const uint4 *)sx)[c], xv);
+        cu_bf16x8_unpack(((const uint4 *)w)[c], wv);
 #pragma unroll
         for (int j = 0; j < 8; j++) o[j] = xv[j] * r * wv[j];
-        ((uint4 *)yr)[c] = norm_pack8(o);
+        ((uint4 *)yr)[c] = cu_bf16x8_pack(o);
     }
     for (int k = 8 * D8 + threadIdx.x; k < D; k += NORM_THREADS)
         cuda_st(yr, k, __bfloat162float(sx[k]) * r * cuda_ld(w, k));
@@ -255,16 +232,16 @@ __device__ __forceinline__ void norm_bwd_dx_row(int m, bf16 *dx, int lddx, int a
     const int D8 = D >> 3;
     for (int q = threadIdx.x; q < D8; q += NORM_THREADS) {
         float wv[8], dyv[8], xv[8], o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        norm_unpack8(((const uint4 *)sw)[q], wv);
-        norm_unpack8(((const uint4 *)sdy)[q], dyv);
-        norm_unpack8(((const uint4 *)sx)[q], xv);
-        if (accumulate) norm_unpack8(((const uint4 *)dxr)[q], o);
+        cu_bf16x8_unpack(((const uint4 *)sw)[q], wv);
+        cu_bf16x8_unpack(((const uint4 *)sdy)[q], dyv);
+        cu_bf16x8_unpack(((const uint4 *)sx)[q], xv);
+        if (accumulate) cu_bf16x8_unpack(((const uint4 *)dxr)[q], o);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const float v = (float)((double)r * ((double)wv[j] * (double)dyv[j] - (double)xv[j] * c));
             o[j] = accumulate ? o[j] + v : v;
         }
-        ((uint4 *)dxr)[q] = norm_pack8(o);
+        ((uint4 *)dxr)[q] = cu_bf16x8_pack(o);
     }
     for (int k = 8 * D8 + threadIdx.x; k < D; k += NORM_THREADS) {
         float v = (float)((double)r * ((double)__bfloat162float(sw[k]) * (double)__bfloat162float(sdy[k]) -
@@ -313,16 +290,16 @@ __device__ __forceinline__ void norm_bwd_dw_cols(double *__restrict__ part, cons
 #pragma unroll
             for (int i = 0; i < DW_UNROLL; i++) {
                 float dyv[8], xv[8];
-                norm_unpack8(a[i], dyv);
-                norm_unpack8(b[i], xv);
+                cu_bf16x8_unpack(a[i], dyv);
+                cu_bf16x8_unpack(b[i], xv);
 #pragma unroll
                 for (int j = 0; j < 8; j++) acc[j] += (double)dyv[j] * (double)xv[j] * (double)r[i];
             }
         }
         for (; m < m1; m++) {
             float dyv[8], xv[8];
-            norm_unpack8(*(const uint4 *)(dy + (int64_t)m * lddy + k0), dyv);
-            norm_unpack8(*(const uint4 *)(x + (int64_t)m * ldx + k0), xv);
+            cu_bf16x8_unpack(*(const uint4 *)(dy + (int64_t)m * lddy + k0), dyv);
+            cu_bf16x8_unpack(*(const uint4 *)(x + (int64_t)m * ldx + k0), xv);
             const float r = rstd[m];
 #pragma unroll
             for (int j = 0; j < 8; j++) acc[j] += (double)dyv[j] * (double)xv[j] * (double)r;
@@ -517,11 +494,11 @@ __global__ void swiglu_fwd_vec_kernel(bf16 *__restrict__ h, const bf16 *__restri
         const int64_t m = i / F8, c = i % F8;
         const uint4 *row = (const uint4 *)(gu + m * 2 * F);
         float g[8], u[8], o[8];
-        norm_unpack8(row[c], g);
-        norm_unpack8(row[F8 + c], u);
+        cu_bf16x8_unpack(row[c], g);
+        cu_bf16x8_unpack(row[F8 + c], u);
 #pragma unroll
         for (int j = 0; j < 8; j++) o[j] = g[j] * norm_sigmoid(g[j]) * u[j];
-        ((uint4 *)h)[i] = norm_pack8(o);
+        ((uint4 *)h)[i] = cu_bf16x8_pack(o);
     }
 }
 
@@ -536,17 +513,17 @@ __global__ void swiglu_bwd_vec_kernel(bf16 *__restrict__ dgu, const bf16 *__rest
         const uint4 *row = (const uint4 *)(gu + m * 2 * F);
         uint4 *drow = (uint4 *)(dgu + m * 2 * F);
         float g[8], u[8], d[8], dg[8], du[8];
-        norm_unpack8(row[c], g);
-        norm_unpack8(row[F8 + c], u);
-        norm_unpack8(((const uint4 *)dh)[i], d);
+        cu_bf16x8_unpack(row[c], g);
+        cu_bf16x8_unpack(row[F8 + c], u);
+        cu_bf16x8_unpack(((const uint4 *)dh)[i], d);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const float sg = norm_sigmoid(g[j]), silu = g[j] * sg;
             dg[j] = d[j] * u[j] * (sg * (1.0f + g[j] * (1.0f - sg)));
             du[j] = d[j] * silu;
         }
-        drow[c] = norm_pack8(dg);
-        drow[F8 + c] = norm_pack8(du);
+        drow[c] = cu_bf16x8_pack(dg);
+        drow[F8 + c] = cu_bf16x8_pack(du);
     }
 }
 

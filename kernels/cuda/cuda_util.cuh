@@ -1,6 +1,7 @@
 /* cuda_util.cuh - small device helpers shared by the element-wise, norm,
  * MoE and loss kernels (cuda_fp8.cu, cuda_norm.cu, cuda_moe.cu,
- * cuda_loss.cu): fixed-tree warp and block reductions, a
+ * cuda_loss.cu): fixed-tree warp and block reductions, 16-byte bf16
+ * vector conversions, a
  * correctly-rounded-in-practice expf, and scratch carving.
  *
  * Determinism: every reduction here is a fixed butterfly / tree over lanes
@@ -14,6 +15,29 @@
 
 #define CU_WARP 32
 #define CU_FULL 0xffffffffu
+
+/* 8 bf16 of a 16-byte vector to floats (exact), element 2i in the low half
+ * of word i; and back, rounded to nearest even (__floats2bfloat162_rn). */
+__device__ __forceinline__ void cu_bf16x8_unpack(const uint4 &w, float *x)
+{
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[2 * i] = __uint_as_float(u[i] << 16);
+        x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 cu_bf16x8_pack(const float *x)
+{
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+        o[i] = *(const uint32_t *)&b;
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
 
 __device__ __forceinline__ float cu_warp_max(float v)
 {
