@@ -1513,9 +1513,9 @@ static void test_optimizer(void)
 
 /* ---- determinism: the same CUDA op twice on the same inputs ------------------------- */
 
-/* Bit-compares n bytes of two CUDA buffers. */
-static void det_check(const char *op, const char *shape, const char *out, const void *x,
-                      const void *y, size_t bytes)
+/* Bit-compares n bytes of two CUDA buffers; `how` names the two runs. */
+static void gpu_same_bytes(const char *how, const char *op, const char *shape, const char *out,
+                           const void *x, const void *y, size_t bytes)
 {
     mt_backend *g = BE[1];
     unsigned char *a = ref_alloc(bytes), *b = ref_alloc(bytes);
@@ -1525,10 +1525,16 @@ static void det_check(const char *op, const char *shape, const char *out, const 
     for (size_t i = 0; i < bytes; i++)
         if (a[i] != b[i] && nd++ == 0) first = i;
     char msg[160];
-    snprintf(msg, sizeof msg, "run twice: %zu of %zu bytes differ%s", nd, bytes, nd ? " (first at byte" : "");
-    if (nd) snprintf(msg + strlen(msg), sizeof msg - strlen(msg), " %zu)", first);
+    snprintf(msg, sizeof msg, "%s: %zu of %zu bytes differ", how, nd, bytes);
+    if (nd) snprintf(msg + strlen(msg), sizeof msg - strlen(msg), " (first at byte %zu)", first);
     verdict(nd == 0, op, shape, out, msg);
     free(a), free(b);
+}
+
+static void det_check(const char *op, const char *shape, const char *out, const void *x,
+                      const void *y, size_t bytes)
+{
+    gpu_same_bytes("run twice", op, shape, out, x, y, bytes);
 }
 
 #define GPU_OK(stmt)                                                                       \
@@ -1675,18 +1681,7 @@ static void *gpu_f32(const float *h, int64_t n)
 static void same_bytes(const char *op, const char *shape, const char *out, const void *x,
                        const void *y, size_t bytes)
 {
-    mt_backend *g = BE[1];
-    unsigned char *a = ref_alloc(bytes), *b = ref_alloc(bytes);
-    MUST(g->download(g, a, x, bytes));
-    MUST(g->download(g, b, y, bytes));
-    size_t nd = 0, first = 0;
-    for (size_t i = 0; i < bytes; i++)
-        if (a[i] != b[i] && nd++ == 0) first = i;
-    char msg[160];
-    snprintf(msg, sizeof msg, "16-byte vs element kernels: %zu of %zu bytes differ", nd, bytes);
-    if (nd) snprintf(msg + strlen(msg), sizeof msg - strlen(msg), " (first at byte %zu)", first);
-    verdict(nd == 0, op, shape, out, msg);
-    free(a), free(b);
+    gpu_same_bytes("16-byte vs element kernels", op, shape, out, x, y, bytes);
 }
 
 #define VEC_OK(stmt)                                                                       \
