@@ -6,6 +6,7 @@
  *  - mt_hash_u64(seed, counter): a stateless counter-based draw, so that a
  *    value depends only on (seed, index) and not on how work is split. Used
  *    for parameter initialisation and stochastic rounding.
+ * And mt_hash_str, an FNV-1a-style hash of a string (tensor name tables).
  */
 #ifndef MT_RNG_H
 #define MT_RNG_H
@@ -29,6 +30,14 @@ static inline uint64_t mt_mix64(uint64_t z)
 static inline uint64_t mt_hash_u64(uint64_t seed, uint64_t counter)
 {
     return mt_mix64(mt_mix64(seed) ^ (counter * 0xd1342543de82ef95ULL));
+}
+
+/* FNV-1a-style hash of a string (64-bit prime): name tables, host identities. */
+static inline uint64_t mt_hash_str(const char *s)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ULL;
+    return h;
 }
 
 /* Uniform in [0, 1) with 53 random bits. */

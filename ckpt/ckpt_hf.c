@@ -17,6 +17,7 @@
 #include "kernels/mt_fp8.h"
 #include "base/mt_fs.h"
 #include "base/mt_log.h"
+#include "base/mt_rng.h"
 #include "base/mt_status.h"
 
 #define HF_INDEX "model.safetensors.index.json"
@@ -33,18 +34,11 @@ struct mt_hf {
     int *hash;        /* name -> k + 1 */
 };
 
-static uint64_t fnv1a(const char *s)
-{
-    uint64_t h = 1469598103934665603ULL;
-    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ULL;
-    return h;
-}
-
 static const mt_st_tensor *hf_tensor(const mt_hf *h, int k) { return &h->files[h->tfile[k]]->t[h->tidx[k]]; }
 
 static int hf_find(const mt_hf *h, const char *name)
 {
-    size_t i = (size_t)fnv1a(name) & (size_t)(h->hash_cap - 1);
+    size_t i = (size_t)mt_hash_str(name) & (size_t)(h->hash_cap - 1);
     while (h->hash[i]) {
         if (!strcmp(hf_tensor(h, h->hash[i] - 1)->name, name)) return h->hash[i] - 1;
         i = (i + 1) & (size_t)(h->hash_cap - 1);
@@ -164,7 +158,7 @@ int mt_hf_open(mt_hf **out, const char *dir)
                 rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s in two files", dir, h->files[f]->t[i].name);
                 goto fail;
             }
-            size_t j = (size_t)fnv1a(h->files[f]->t[i].name) & (size_t)(h->hash_cap - 1);
+            size_t j = (size_t)mt_hash_str(h->files[f]->t[i].name) & (size_t)(h->hash_cap - 1);
             while (h->hash[j]) j = (j + 1) & (size_t)(h->hash_cap - 1);
             h->hash[j] = k + 1;
         }

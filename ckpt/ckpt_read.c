@@ -16,18 +16,12 @@
 #include "ckpt/xxh64.h"
 #include "kernels/mt_fp8.h"
 #include "base/mt_log.h"
+#include "base/mt_rng.h"
 #include "base/mt_status.h"
-
-static uint64_t fnv1a(const char *s)
-{
-    uint64_t h = 1469598103934665603ULL;
-    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ULL;
-    return h;
-}
 
 int mt_ckpt_find(const mt_ckpt *ck, const char *name)
 {
-    size_t h = (size_t)fnv1a(name) & (size_t)(ck->hash_cap - 1);
+    size_t h = (size_t)mt_hash_str(name) & (size_t)(ck->hash_cap - 1);
     while (ck->hash[h]) {
         if (!strcmp(ck->tensors[ck->hash[h] - 1].name, name)) return ck->hash[h] - 1;
         h = (h + 1) & (size_t)(ck->hash_cap - 1);
@@ -231,7 +225,7 @@ static int read_index(mt_ckpt *ck)
                         (long long)tr[t].n_pieces, np);
             goto out;
         }
-        size_t h = (size_t)fnv1a(x->name) & (size_t)(ck->hash_cap - 1);
+        size_t h = (size_t)mt_hash_str(x->name) & (size_t)(ck->hash_cap - 1);
         while (ck->hash[h]) {
             if (!strcmp(ck->tensors[ck->hash[h] - 1].name, x->name)) {
                 rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s listed twice", path, x->name);

@@ -20,6 +20,7 @@
 #include "engine/parallel/sharding.h"
 #include "engine/train/train_state.h"
 #include "base/mt_log.h"
+#include "base/mt_rng.h"
 #include "base/mt_status.h"
 
 static double now_ms(void)
@@ -165,14 +166,12 @@ mt_tensor_reader mt_job_ckpt_reader(const mt_job_ckpt *jc, mt_ckpt *ck)
     return r;
 }
 
-/* FNV-1a of this host's name. */
+/* This host's name, hashed (non-negative: compared by MIN and MAX). */
 static int64_t host_hash(void)
 {
     char h[256] = "";
     if (gethostname(h, sizeof h - 1) != 0) return 0;
-    uint64_t x = 0xcbf29ce484222325ull;
-    for (const char *c = h; *c; c++) x = (x ^ (uint8_t)*c) * 0x100000001b3ull;
-    return (int64_t)(x >> 1);
+    return (int64_t)(mt_hash_str(h) >> 1);
 }
 
 /* Whether a multi-rank restore reads each replicated weight on one replica

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "engine/model/param_table.h"
+#include "base/mt_rng.h"
 #include "base/mt_status.h"
 
 /* ---- layout against the model ------------------------------------------------- */
@@ -178,13 +179,6 @@ const char *mt_tensor_role_name(mt_tensor_role r)
 }
 
 /* ---- map ------------------------------------------------------------------------ */
-
-static uint64_t fnv1a(const char *s)
-{
-    uint64_t h = 1469598103934665603ULL;
-    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ULL;
-    return h;
-}
 
 struct mt_shard_priv {
     pclass *pcs; /* [n_params] */
@@ -395,6 +389,13 @@ static int64_t piece_bytes(const mt_shard_map *m, const mt_shard_piece *p)
  * ZeRO-1 owner (ties: the lowest); its scale piece follows it. The same
  * map on every rank and in every tool: a function of the config, the
  * layout and the options alone. */
+/* Ranks holding parameter `param` as one rank does: its dp group, or the
+ * edp group for routed experts. */
+static int replicas(const mt_shard_map *m, int param)
+{
+    return m->priv->pcs[param].expert ? mt_layout_edp(&m->layout) : m->layout.dp;
+}
+
 static int balance_writers(mt_shard_map *m)
 {
     const mt_layout *l = &m->layout;
@@ -404,21 +405,21 @@ static int balance_writers(mt_shard_map *m)
     for (int p = 0; p < m->n_pieces; p++) {
         const mt_shard_piece *pc = &m->pieces[p];
         const mt_shard_tensor *t = &m->tensors[pc->tensor];
-        const int Z = m->priv->pcs[t->param].expert ? mt_layout_edp(l) : l->dp;
         const int weight = t->role == MT_TS_WEIGHT || t->role == MT_TS_SCALE;
-        if (!weight || Z < 2) load[pc->writer] += piece_bytes(m, pc);
+        if (!weight || replicas(m, t->param) < 2) load[pc->writer] += piece_bytes(m, pc);
     }
     for (int t = 0; t < m->n_tensors; t++) {
         const mt_shard_tensor *w = &m->tensors[t];
         if (w->role != MT_TS_WEIGHT) continue;
         const pclass *pc = &m->priv->pcs[w->param];
-        const int Z = pc->expert ? mt_layout_edp(l) : l->dp;
+        const int Z = replicas(m, w->param);
         if (Z < 2) continue;
         const int st = m->param_tensor[w->param][MT_TS_SCALE];
         const mt_shard_tensor *sc = st >= 0 ? &m->tensors[st] : NULL;
         for (int i = 0; i < w->n_pieces; i++) {
             mt_shard_piece *a = &m->pieces[w->first_piece + i];
-            mt_shard_piece *b = sc && sc->n_pieces == w->n_pieces ? &m->pieces[sc->first_piece + i] : NULL;
+            /* the scale's pieces are the block images of the weight's, one for one */
+            mt_shard_piece *b = sc ? &m->pieces[sc->first_piece + i] : NULL;
             const int64_t bytes = piece_bytes(m, a) + (b ? piece_bytes(m, b) : 0);
             mt_rank_coords c;
             mt_layout_coords(l, a->writer, &c); /* the lowest replica: dp (edp) 0 */
@@ -473,7 +474,7 @@ static int build_hash(mt_shard_map *m)
     if (!m->hash) return MT_ERR(MT_ENOMEM, "sharding map: out of memory");
     m->hash_cap = cap;
     for (int t = 0; t < m->n_tensors; t++) {
-        size_t h = (size_t)fnv1a(m->tensors[t].name) & (size_t)(cap - 1);
+        size_t h = (size_t)mt_hash_str(m->tensors[t].name) & (size_t)(cap - 1);
         while (m->hash[h]) {
             if (!strcmp(m->tensors[m->hash[h] - 1].name, m->tensors[t].name))
                 return MT_ERR(MT_EINVAL, "sharding map: duplicate tensor %s", m->tensors[t].name);
@@ -487,7 +488,7 @@ static int build_hash(mt_shard_map *m)
 int mt_shard_map_find(const mt_shard_map *m, const char *name)
 {
     if (!m->hash_cap) return -1;
-    size_t h = (size_t)fnv1a(name) & (size_t)(m->hash_cap - 1);
+    size_t h = (size_t)mt_hash_str(name) & (size_t)(m->hash_cap - 1);
     while (m->hash[h]) {
         if (!strcmp(m->tensors[m->hash[h] - 1].name, name)) return m->hash[h] - 1;
         h = (h + 1) & (size_t)(m->hash_cap - 1);
