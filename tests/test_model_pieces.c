@@ -223,15 +223,6 @@ static void test_a_stage_refuses_the_whole_model_step(void **state)
     mt_model_destroy(s);
 }
 
-static int hook_calls;
-static int count_layer_hook(void *arg, int layer)
-{
-    (void)arg;
-    (void)layer;
-    hook_calls++;
-    return MT_OK;
-}
-
 /* Host copy of every parameter gradient of m (f32, the CPU backend's
  * memory), in table order. */
 static float *grads_copy(const mt_model *m)
@@ -240,6 +231,23 @@ static float *grads_copy(const mt_model *m)
     assert_non_null(g);
     memcpy(g, m->buf_grad, (size_t)m->n_grad * sizeof *g);
     return g;
+}
+
+/* on_layer_grads: the layers in the order reported; at MT_LAYER_HEAD a
+ * copy of every gradient (hook_model's) */
+static int hook_calls, hook_seq[64];
+static const mt_model *hook_model;
+static float *hook_at_head;
+static int count_layer_hook(void *arg, int layer)
+{
+    (void)arg;
+    if (hook_calls < 64) hook_seq[hook_calls] = layer;
+    hook_calls++;
+    if (layer == MT_LAYER_HEAD && hook_model) {
+        free(hook_at_head);
+        hook_at_head = grads_copy(hook_model);
+    }
+    return MT_OK;
 }
 
 static const float *grad_of(const mt_model *m, const float *all, const char *name)
@@ -296,7 +304,8 @@ static void test_backward_split_defers_weight_gradients_and_gives_the_whole_back
             ok(mt_model_step(whole, tok[k], 1, 0.5, &st));
             memcpy((char *)dh_whole + k * nd, whole->chunks[0].slots[0].dh, nd);
         }
-        const int layers = c.num_hidden_layers + split->n_mtp + 1; /* + the embedding's -1 */
+        /* + the head's MT_LAYER_HEAD and the embedding's -1 */
+        const int layers = c.num_hidden_layers + split->n_mtp + 2;
         assert_int_equal(hook_calls, 2 * layers);
 
         /* mb 0: forward and input part; mb 1 likewise (the slot is free again) */
@@ -313,7 +322,8 @@ static void test_backward_split_defers_weight_gradients_and_gives_the_whole_back
                          "whole backward's", (int)o.recipe, k);
         }
         assert_true(h[0] != h[1]);
-        assert_int_equal(hook_calls, 0);
+        assert_int_equal(hook_calls, 2); /* each forward's head, computed there */
+        assert_int_equal(hook_seq[0], MT_LAYER_HEAD);
         after_in = grads_copy(split);
         const char *deferred[] = {"model.layers.0.self_attn.o_proj.weight",
                                   "model.layers.0.self_attn.kv_b_proj.weight",
@@ -356,6 +366,66 @@ static void test_backward_split_defers_weight_gradients_and_gives_the_whole_back
     }
 }
 
+/* The on_layer_grads order of a whole backward (tiny model: dense layer 0,
+ * MoE layer 1, one MTP module, layer 2): MT_LAYER_HEAD from inside the
+ * forward, then MTP modules and decoder layers last to first, -1 last;
+ * every parameter's mt_model_grad_ready is one of them, and the
+ * parameters ready at MT_LAYER_HEAD (the final norm and the untied head)
+ * have their final gradients by then: bit-identical to the step's end.
+ * With tied embeddings the head is the embedding, ready at -1. */
+static void test_the_head_reports_final_gradients_before_the_backward(void **state)
+{
+    (void)state;
+    mt_model_config c;
+    mt_test_tiny_config(&c);
+    mt_model_opts o;
+    opts_fp32(&o);
+    o.on_layer_grads = count_layer_hook;
+    mt_model *m = make(&c, &o);
+    hook_model = m;
+    const int L = c.num_hidden_layers, K = m->n_mtp, B = o.micro_batch, T = o.seq_len;
+    assert_true(K > 0);
+    int32_t tok[2 * 9];
+    for (int i = 0; i < B * (T + 1); i++) tok[i] = (int32_t)((i * 5 + 1) % c.vocab_size);
+    ok(mt_model_zero_grads(m));
+    hook_calls = 0;
+    mt_mb_stats st;
+    ok(mt_model_step(m, tok, 1, 1.0, &st));
+    assert_int_equal(hook_calls, L + K + 2);
+    assert_int_equal(hook_seq[0], MT_LAYER_HEAD);
+    for (int k = 0; k < L + K; k++) assert_int_equal(hook_seq[1 + k], L + K - 1 - k);
+    assert_int_equal(hook_seq[L + K + 1], -1);
+    assert_non_null(hook_at_head);
+    float *end = grads_copy(m);
+    int at_head = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const mt_param *p = &m->params[i];
+        const int r = mt_model_grad_ready(m, i);
+        assert_true(r == MT_LAYER_HEAD || r == -1 || (r >= 0 && r < L + K));
+        if (r != MT_LAYER_HEAD) continue;
+        at_head++;
+        if (memcmp(hook_at_head + p->index, end + p->index, (size_t)mt_param_numel(&p->d) * 4))
+            fail_msg("%s: its gradient changed after MT_LAYER_HEAD", p->d.name);
+    }
+    assert_int_equal(at_head, 2); /* model.norm.weight, lm_head.weight */
+    assert_int_equal(mt_model_grad_ready(m, mt_params_find(&m->table, "lm_head.weight")),
+                     MT_LAYER_HEAD);
+    assert_int_equal(mt_model_grad_ready(m, mt_model_embed_index(m)), -1);
+    free(end);
+    free(hook_at_head);
+    hook_at_head = NULL;
+    hook_model = NULL;
+    mt_model_destroy(m);
+
+    c.tie_word_embeddings = 1;
+    m = make(&c, &o);
+    assert_int_equal(mt_params_find(&m->table, "lm_head.weight"), -1);
+    assert_int_equal(mt_model_grad_ready(m, mt_model_embed_index(m)), -1);
+    assert_int_equal(mt_model_grad_ready(m, mt_params_find(&m->table, "model.norm.weight")),
+                     MT_LAYER_HEAD);
+    mt_model_destroy(m);
+}
+
 int main(void)
 {
     if (mt_backend_cpu_create(&be, 1) != MT_OK) return 1;
@@ -364,6 +434,7 @@ int main(void)
         cmocka_unit_test(test_a_chunk_without_layers_embeds_or_passes_through),
         cmocka_unit_test(test_a_stage_refuses_the_whole_model_step),
         cmocka_unit_test(test_backward_split_defers_weight_gradients_and_gives_the_whole_backward),
+        cmocka_unit_test(test_the_head_reports_final_gradients_before_the_backward),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     be->destroy(be);

@@ -473,6 +473,14 @@ int mt_model_embed_index(const mt_model *m)
     return m->embed ? (int)(m->embed - m->params) : -1;
 }
 
+int mt_model_grad_ready(const mt_model *m, int i)
+{
+    const mt_param_desc *d = &m->params[i].d;
+    if (d->layer >= 0) return d->layer;
+    const int head = d->role == MT_PR_FINAL_NORM || (d->role == MT_PR_HEAD && !m->cfg.tie_word_embeddings);
+    return head ? MT_LAYER_HEAD : -1;
+}
+
 int mt_model_create(mt_model **out, const mt_model_config *cfg, const mt_model_opts *opts,
                     mt_backend *be)
 {
@@ -676,6 +684,14 @@ static int layer_grads_final(mt_model *m, int layer)
     return m->opts.on_layer_grads ? m->opts.on_layer_grads(m->opts.on_layer_grads_arg, layer) : MT_OK;
 }
 
+/* Layer `layer`'s gradients are final once the work recorded so far has
+ * run: now, or as a mark in the deferral list of a split backward. */
+static int layer_done(mt_model *m, int layer)
+{
+    if (m->ctx.defer) return mt_wdefer_mark(m->ctx.defer, layer);
+    return layer_grads_final(m, layer);
+}
+
 /* The one forward of training, validation and scoring, for chunk ci in
  * slot `slot`; `so` (scoring outputs) may be NULL. */
 static int chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int backward,
@@ -763,6 +779,7 @@ static int chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int b
         if (backward)
             MT_CHECK(mt_head_bwd(c, &sl->mtp_head[k], sl->dmtp[k], 0, m->logits, p->hout, Vl));
     }
+    if (backward) MT_CHECK(layer_done(m, MT_LAYER_HEAD)); /* the final norm's and head's */
     for (int k = 0; k < m->n_mtp; k++) MT_CHECK(moe_aux_sum(m, &sl->mtp[k].block, &st->aux_loss));
     st->total = st->loss + lambda * st->mtp_loss + st->aux_loss;
     return MT_OK;
@@ -772,14 +789,6 @@ int mt_model_chunk_fwd(mt_model *m, int ci, int slot, const int32_t *tokens, int
                        double loss_scale, mt_mb_stats *st)
 {
     return chunk_fwd(m, ci, slot, tokens, backward, loss_scale, st, NULL);
-}
-
-/* Layer `layer`'s gradients are final once the work recorded so far has
- * run: now, or as a mark in the deferral list of a split backward. */
-static int layer_done(mt_model *m, int layer)
-{
-    if (m->ctx.defer) return mt_wdefer_mark(m->ctx.defer, layer);
-    return layer_grads_final(m, layer);
 }
 
 static int chunk_bwd(mt_model *m, int ci, int slot)

@@ -288,12 +288,15 @@ typedef struct mt_model_opts {
     /* Optional: called in every backward once a layer's parameter
      * gradients are final for the micro-batch, with the layer's index (the
      * param table's: decoder layers 0..L-1, MTP modules L..), in the order
-     * the backward finishes them (MTP modules last to first, then the
-     * decoder layers last to first), and a last time with -1 after the
-     * embedding's backward (then every gradient is final). The data
-     * parallel trainer starts its gradient reductions here. A negative
-     * return ends the step with that status. Under a pipeline each chunk's
-     * backward reports its own layers (-1: the first chunk's embedding). */
+     * the backward finishes them: MT_LAYER_HEAD first, after the last
+     * chunk's head and MTP heads (whose backward runs inside the forward),
+     * then MTP modules last to first, the decoder layers last to first,
+     * and a last time with -1 after the embedding's backward (then every
+     * gradient is final). mt_model_grad_ready names the call after which
+     * a parameter's gradient is final. The data parallel trainer starts
+     * its gradient reductions here. A negative return ends the step with
+     * that status. Under a pipeline each chunk's backward reports its own
+     * layers (-1: the first chunk's embedding). */
     int (*on_layer_grads)(void *arg, int layer);
     void *on_layer_grads_arg;
 } mt_model_opts;
@@ -446,6 +449,16 @@ size_t mt_model_defer_bytes(const mt_model *m);
 
 /* Index of the embedding parameter in m->params, or -1 (not on this rank). */
 int mt_model_embed_index(const mt_model *m);
+
+/* The on_layer_grads call after which parameter i's gradient is final for
+ * the micro-batch: its layer; MT_LAYER_HEAD for the final norm and an
+ * untied head (the head's last use, the MTP heads included, is in the last
+ * chunk's forward: their gradients are final a whole backward before the
+ * embedding's, and the data-parallel reduction of the head, as large as
+ * the embedding, runs beside that backward); -1 for the embedding (the
+ * MTP modules and a tied head use it too: final at the end). */
+#define MT_LAYER_HEAD 0x7fffffff
+int mt_model_grad_ready(const mt_model *m, int i);
 
 /* What a scoring forward hands back (host buffers; either may be NULL). */
 typedef struct mt_score_out {

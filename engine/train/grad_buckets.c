@@ -31,18 +31,14 @@ int mt_param_copy_segs(const mt_model *m, int i, mt_comm_seg *out, int owner)
     return 1;
 }
 
-/* The backward finishes layer keys from high to low; -1 (embedding, final
- * norm, head) last. */
-static int ready_key(const mt_param *p) { return p->d.layer >= 0 ? p->d.layer : -1; }
-
-/* Parameter order of the backward: key descending, then table order
+/* Parameter order of the backward: key (mt_model_grad_ready) descending, then table order
  * reversed (the order does not matter within a layer, it only has to be
  * the same everywhere). */
 static const mt_model *sort_model;
 static int by_backward(const void *a, const void *b)
 {
     const int i = *(const int *)a, k = *(const int *)b;
-    const int ki = ready_key(&sort_model->params[i]), kk = ready_key(&sort_model->params[k]);
+    const int ki = mt_model_grad_ready(sort_model, i), kk = mt_model_grad_ready(sort_model, k);
     if (ki != kk) return ki > kk ? -1 : 1;
     return i > k ? -1 : i < k;
 }
@@ -131,7 +127,7 @@ int mt_grad_buckets_build(mt_grad_buckets *gb, const mt_model *m, const int *own
         const mt_param *p = &m->params[i];
         const int g = expert_split && p->d.expert >= 0;
         const size_t bytes = (size_t)mt_param_numel(&p->d) * mt_model_grad_size(m);
-        const int key = ready_key(p);
+        const int key = mt_model_grad_ready(m, i);
         mt_grad_bucket *b = &open[g];
         const int full = cap_bytes > 0 ? b->grad_bytes > 0 && b->grad_bytes + bytes > cap_bytes
                                        : b->n_params > 0 && key != last_key[g];

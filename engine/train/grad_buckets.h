@@ -4,9 +4,10 @@
  *
  * The parameters with gradients are grouped into buckets of about
  * parallel.bucket_mb MB of gradient (0: one bucket per layer) in the order
- * the backward finishes them: MTP modules last to first, decoder layers
- * last to first, then the embedding, final norm and head (their
- * gradients are final only at the end of the backward). Dense parameters
+ * the backward finishes them (mt_model_grad_ready): the final norm and
+ * head (their last use is the last micro-batch's forward, MTP heads
+ * included), MTP modules last to first, decoder layers last to first,
+ * then the embedding (final only at the end of the backward). Dense parameters
  * and routed experts under expert or tensor parallelism are in separate
  * buckets: dense over the dp group (under tp: the dp group of this tp
  * rank), experts over the edp group. In the step's last

@@ -51,16 +51,12 @@ static int sp_role(mt_param_role r)
     }
 }
 
-/* The layer after whose backward a parameter's gradient is final (the
- * gradient buckets' key: -1, the end of the backward, for the embedding,
- * final norm and head). */
-static int ready_key(const mt_param *p) { return p->d.layer >= 0 ? p->d.layer : -1; }
-
 static const mt_model *sort_model;
 static int by_backward(const void *a, const void *b)
 {
     const int i = *(const int *)a, k = *(const int *)b;
-    const int ki = ready_key(&sort_model->params[i]), kk = ready_key(&sort_model->params[k]);
+    /* the model's key: the same one the gradient buckets start on */
+    const int ki = mt_model_grad_ready(sort_model, i), kk = mt_model_grad_ready(sort_model, k);
     if (ki != kk) return ki > kk ? -1 : 1;
     return i < k ? -1 : i > k; /* table order: the same on every tp rank */
 }
@@ -113,7 +109,7 @@ static int fix_upto(mt_trainer *t, int layer)
     const int device = mt_comm_mem_kind(t->tpc) == MT_COMM_DEVICE;
     int summed = 0;
     while (t->tp_fix_next < t->n_tp_fix &&
-           ready_key(&m->params[t->tp_fix[t->tp_fix_next]]) >= layer) {
+           mt_model_grad_ready(m, t->tp_fix[t->tp_fix_next]) >= layer) {
         mt_param *p = &m->params[t->tp_fix[t->tp_fix_next++]];
         const int64_t n = mt_param_numel(&p->d);
         /* device groups: the group's stream is not the backend's (ops.h

@@ -30,8 +30,13 @@
 #          GPU with the one-GPU run's micro-batches (global batch PROXY_GBS,
 #          default 4, times N); PROXY_SETS: settings for every proxy run
 #          (e.g. fewer layers to fit an 80 GB GPU);
-#          median step time, tokens/s and model TFLOPS per GPU of steps
-#          3..N from the metrics stream.
+#          median step time, tokens/s, model TFLOPS per GPU and the
+#          busiest expert's load (max / mean over the MoE layers) of steps
+#          PROXY_FROM (default 3)..N from the metrics stream. The untrained
+#          proxy routes most tokens to few experts (load max near 4 = E/k:
+#          one expert takes every token), so under ep one GPU holds most of
+#          the expert work; PROXY_SETS="--set loss.bias_update_rate=0.05"
+#          balances the routing within a few steps, as a trained model's is.
 #   ckpt   the proxy at CKPT_LAYOUT (default ep=R) on R = CKPT_RANKS ranks
 #          (default N; more ranks than GPUs share them and exchange through
 #          host memory, parallel.comm=mpi, as NCCL takes one rank per GPU)
@@ -72,9 +77,14 @@ max_rel() {
          END { if (NR == 0) print "no common steps"; else if (m == 0) printf "0 (all %d steps equal to the printed digits)\n", NR;
                else printf "%.2e (step %d of %d)\n", m, s, NR }'
 }
-# Median of steps 3.. of a field ("step_ms", "tokens_per_s", "tflops").
+# Median of steps FROM.. (default 3) of a field ("step_ms", "tokens_per_s",
+# "tflops"; "load_max": the largest expert load of the step over its layers).
 median() {
-  sed -n "s/^{\"step\":\([0-9]*\),.*\"$2\":\([-0-9.e+]*\),.*/\1 \2/p" "$1" | awk '$1 >= 3 { print $2 }' |
+  { if [ "$2" = load_max ]; then
+      sed -n 's/^{"step":\([0-9]*\),.*"expert_load":\(.*\)/\1 \2/p' "$1" |
+        awk '{ m = 0; n = split($2, a, "\"max\":"); for (i = 2; i <= n; i++) if (a[i] + 0 > m) m = a[i] + 0; print $1, m }'
+    else sed -n "s/^{\"step\":\([0-9]*\),.*\"$2\":\([-0-9.e+]*\),.*/\1 \2/p" "$1"; fi; } |
+    awk -v f="${FROM:-3}" '$1 >= f { print $2 }' |
     sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2); else print "-" }'
 }
 
@@ -150,11 +160,12 @@ if want eq; then
 fi
 if want proxy; then
   steps="${PROXY_STEPS:-20}"
+  FROM="${PROXY_FROM:-3}"
   proxy=(--job "$ex/dsv3-proxy.json" --set data.path="$bundle/data/synth-dsv3" --set train.steps="$steps"
          --set checkpoint.dir=)
   report() { # NAME GPUS FILE (tokens_per_s counts every rank's tokens; tflops is per rank)
     local tps; tps=$(median "$3" tokens_per_s)
-    echo "$1: step $(median "$3" step_ms) ms, tokens/s $tps ($(awk -v t="$tps" -v n="$2" 'BEGIN { if (t == "-") print "-"; else printf "%.0f", t / n }') per GPU), model TFLOPS/GPU $(median "$3" tflops) (medians of steps 3..$steps)"
+    echo "$1: step $(median "$3" step_ms) ms, tokens/s $tps ($(awk -v t="$tps" -v n="$2" 'BEGIN { if (t == "-") print "-"; else printf "%.0f", t / n }') per GPU), model TFLOPS/GPU $(median "$3" tflops), expert load max $(median "$3" load_max) (medians of steps $FROM..$steps)"
   }
   echo "== proxy: one GPU"
   CUDA_VISIBLE_DEVICES=0 "$bin/moetraind" "${proxy[@]}" ${PROXY_SETS:-} --metrics-jsonl "$out/proxy-1.jsonl" \
