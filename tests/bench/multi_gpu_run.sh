@@ -34,9 +34,10 @@
 #          busiest expert's load (max / mean over the MoE layers) of steps
 #          PROXY_FROM (default 3)..N from the metrics stream. The untrained
 #          proxy routes most tokens to few experts (load max near 4 = E/k:
-#          one expert takes every token), so under ep one GPU holds most of
-#          the expert work; PROXY_SETS="--set loss.bias_update_rate=0.05"
-#          balances the routing within a few steps, as a trained model's is.
+#          one expert takes every token) from about step 8 on, so under ep
+#          the GPU holding the busy experts does most of the expert work
+#          (a faster bias update, loss.bias_update_rate=0.05, did not hold
+#          the balance: tests/bench/RESULTS.md).
 #   ckpt   the proxy at CKPT_LAYOUT (default ep=R) on R = CKPT_RANKS ranks
 #          (default N; more ranks than GPUs share them and exchange through
 #          host memory, parallel.comm=mpi, as NCCL takes one rank per GPU)
