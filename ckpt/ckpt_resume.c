@@ -11,6 +11,7 @@
 
 #include "ckpt/ckpt.h"
 #include "ckpt/ckpt_internal.h"
+#include "base/mt_clock.h"
 #include "base/mt_fs.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
@@ -56,13 +57,6 @@ int mt_ckpt_set_aside(const char *root, int64_t step, const char *tag, char *mov
     return MT_OK;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 int mt_ckpt_find_resumable(const char *root, int64_t below, int set_aside, char *path, size_t cap,
                            int64_t *step)
 {
@@ -77,10 +71,10 @@ int mt_ckpt_find_resumable(const char *root, int64_t below, int set_aside, char 
         char dir[4400];
         rc = mt_ckpt_step_path(dir, sizeof dir, root, steps[i], 0);
         if (rc < 0) break;
-        double t0 = now_s();
+        double t0 = mt_now_s();
         int v = mt_ckpt_verify(dir, NULL, NULL, NULL);
         if (v == MT_OK) {
-            MT_LOGI("checkpoint %s verified in %.1f s", dir, now_s() - t0);
+            MT_LOGI("checkpoint %s verified in %.1f s", dir, mt_now_s() - t0);
             if ((size_t)snprintf(path, cap, "%s", dir) >= cap)
                 rc = MT_ERR(MT_EINVAL, "%s: path too long", dir);
             else

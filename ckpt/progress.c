@@ -1,18 +1,12 @@
 /* progress.c - see progress.h. */
 #define _POSIX_C_SOURCE 200809L
 #include "ckpt/progress.h"
+#include "base/mt_clock.h"
 
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 void mt_progress_start(mt_progress *p, const char *label, int64_t total, int enabled)
 {
@@ -22,7 +16,7 @@ void mt_progress_start(mt_progress *p, const char *label, int64_t total, int ena
     p->total = total > 0 ? total : 1;
     p->enabled = enabled;
     p->tty = isatty(2);
-    p->t0 = p->last = now_s();
+    p->t0 = p->last = mt_now_s();
 }
 
 void mt_progress_start_count(mt_progress *p, const char *label, int64_t total, const char *unit,
@@ -61,7 +55,7 @@ void mt_progress_add(mt_progress *p, int64_t bytes)
     if (!p) return;
     p->done += bytes;
     if (!p->enabled) return;
-    double t = now_s();
+    double t = mt_now_s();
     if (p->tty) {
         if (t - p->last < 0.1) return;
         p->last = t;
@@ -79,5 +73,5 @@ void mt_progress_end(mt_progress *p)
 {
     if (!p || !p->enabled) return;
     p->done = p->total > p->done ? p->done : p->total;
-    draw(p, now_s(), 1);
+    draw(p, mt_now_s(), 1);
 }

@@ -19,16 +19,10 @@
 #include "ckpt/hf.h"
 #include "engine/parallel/sharding.h"
 #include "engine/train/train_state.h"
+#include "base/mt_clock.h"
 #include "base/mt_log.h"
 #include "base/mt_rng.h"
 #include "base/mt_status.h"
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + 1e-6 * (double)ts.tv_nsec;
-}
 
 enum { PHASE_SHARD = 1, PHASE_INDEX = 2 };
 
@@ -214,7 +208,7 @@ static const mt_train_snapshot *idle_snapshot(const mt_job_ckpt *jc)
 static int restore_from(const mt_job_ckpt *jc, mt_trainer *t, const char *path,
                         const mt_train_snapshot *stage)
 {
-    double t0 = now_ms();
+    double t0 = mt_now_ms();
     mt_ckpt *ck = NULL;
     int rc = mt_ckpt_open(&ck, path);
     if (rc == MT_OK) {
@@ -233,7 +227,7 @@ static int restore_from(const mt_job_ckpt *jc, mt_trainer *t, const char *path,
     if (rc == MT_OK) {
         MT_LOGI("restored step %lld (%lld samples) from %s: %.2f GB in %.1f s", (long long)t->step,
                 (long long)t->consumed_samples, mt_ckpt_dir(ck), (double)mt_ckpt_bytes(ck) / 1e9,
-                (now_ms() - t0) / 1e3);
+                (mt_now_ms() - t0) / 1e3);
     }
     mt_ckpt_close(ck);
     return rc;
@@ -312,7 +306,7 @@ static int restore_checkpoint(mt_job_ckpt *jc, mt_trainer *t)
 
 static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
 {
-    double t0 = now_ms();
+    double t0 = mt_now_ms();
     mt_hf *h;
     MT_CHECK(mt_hf_open(&h, jc->job.init.path));
     char *cj = mt_train_state_config_json(mt_hf_config(h));
@@ -323,7 +317,7 @@ static int restore_hf(mt_job_ckpt *jc, mt_trainer *t)
         rc = mt_train_state_restore_staged(t, &r, NULL, idle_snapshot(jc) ? jc->snap.slab : NULL,
                                            jc->snap.slab_bytes);
     if (rc == MT_OK)
-        MT_LOGI("imported the weights of %s in %.1f s", jc->job.init.path, (now_ms() - t0) / 1e3);
+        MT_LOGI("imported the weights of %s in %.1f s", jc->job.init.path, (mt_now_ms() - t0) / 1e3);
     else
         rc = mt_err_wrap(rc, "init.path %s", jc->job.init.path);
     mt_hf_close(h);
@@ -338,11 +332,11 @@ static void reserve_snapshot(mt_job_ckpt *jc, mt_trainer *t)
 {
     if (!jc->root[0] || jc->job.checkpoint.interval <= 0 || t->model->be->kind == MT_BE_CPU)
         return;
-    double t0 = now_ms();
+    double t0 = mt_now_ms();
     if (mt_train_state_snapshot_reserve(t, &jc->snap) == MT_OK) {
         MT_LOGI("checkpoint: %.2f GB of %s host memory for the snapshot in %.1f s",
                 (double)jc->snap.slab_bytes / 1e9, jc->snap.slab_pinned ? "page-locked" : "pageable",
-                (now_ms() - t0) / 1e3);
+                (mt_now_ms() - t0) / 1e3);
     } else {
         MT_LOGW("checkpoint: %s; the first save allocates its snapshot", mt_errmsg());
         mt_err_clear();
@@ -407,9 +401,9 @@ static int write_local(mt_job_ckpt *jc)
 static int finalize(mt_job_ckpt *jc)
 {
     MT_CHECK(mt_ckpt_write_index(jc->partial, &jc->meta, &jc->map, jc->all, jc->n_all));
-    jc->ms_index = now_ms() - jc->t_start;
+    jc->ms_index = mt_now_ms() - jc->t_start;
     int rc = mt_ckpt_commit(jc->root, jc->step, jc->job.checkpoint.keep_last);
-    jc->ms_commit = now_ms() - jc->t_start;
+    jc->ms_commit = mt_now_ms() - jc->t_start;
     return rc;
 }
 
@@ -419,7 +413,7 @@ static void *writer_main(void *arg)
     int rc;
     if (jc->phase == PHASE_SHARD) {
         rc = write_local(jc);
-        jc->ms_shard = now_ms() - jc->t_start;
+        jc->ms_shard = mt_now_ms() - jc->t_start;
         if (rc == MT_OK && jc->world == 1) {
             jc->all = jc->recs;
             jc->n_all = jc->n_recs;
@@ -467,11 +461,11 @@ static void release(mt_job_ckpt *jc)
 static int finish(mt_job_ckpt *jc)
 {
     int rc = jc->rc;
-    double ms = now_ms() - jc->t_start;
+    double ms = mt_now_ms() - jc->t_start;
     pthread_mutex_lock(&jc->mu);
     jc->st.in_flight = 0;
     /* a save in the foreground blocks training from the call to the commit */
-    if (jc->foreground) jc->st.last_stall_ms = now_ms() - jc->t_call;
+    if (jc->foreground) jc->st.last_stall_ms = mt_now_ms() - jc->t_call;
     if (rc == MT_OK) {
         jc->st.saves++;
         jc->st.last_step = jc->step;
@@ -585,7 +579,7 @@ static int progress(mt_job_ckpt *jc, int block)
             jc->th_live = 0;
         }
         MT_CHECK(gather_records(jc));
-        jc->ms_gather = now_ms() - jc->t_start;
+        jc->ms_gather = mt_now_ms() - jc->t_start;
         if (jc->rank != 0 || jc->rc < 0) return finish(jc);
         return run_phase(jc, PHASE_INDEX, !block && jc->async) < 0 ? finish(jc) : progress(jc, block);
     }
@@ -599,11 +593,11 @@ static int progress(mt_job_ckpt *jc, int block)
 
 static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
 {
-    double t0 = now_ms();
+    double t0 = mt_now_ms();
     /* at most one save in flight: a due save waits for the previous one */
     int prev = progress(jc, 1);
     if (prev < 0) MT_LOGW("%s", mt_errmsg());
-    jc->t_start = now_ms();
+    jc->t_start = mt_now_ms();
     jc->t_call = t0;
     jc->wait_ms = jc->t_start - t0;
     jc->foreground = !background;
@@ -620,7 +614,7 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
         jc->cur = &jc->snap;
         rc = mt_train_state_snapshot(t, jc->cur);
     }
-    jc->copy_ms = now_ms() - jc->t_start;
+    jc->copy_ms = mt_now_ms() - jc->t_start;
     if (rc == MT_OK) {
         jc->meta.step = jc->cur->step;
         jc->meta.consumed_samples = jc->cur->consumed_samples;
@@ -642,7 +636,7 @@ static int start_save(mt_job_ckpt *jc, mt_trainer *t, int background)
             rc = MT_ERR(MT_EIO, "checkpoint: another rank could not start the save");
         if (rc == MT_OK && jc->rank != 0) rc = mt_ckpt_step_path(jc->partial, sizeof jc->partial, jc->root, jc->step, 1);
     }
-    double stall = now_ms() - t0;
+    double stall = mt_now_ms() - t0;
     pthread_mutex_lock(&jc->mu);
     jc->st.last_stall_ms = stall;
     jc->st.last_bytes = (int64_t)jc->cur->bytes;

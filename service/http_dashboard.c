@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/mt_clock.h"
 #include "base/mt_status.h"
 #include "service/http_endpoint.h"
 #include "service/web_assets.h"
@@ -24,13 +25,6 @@
 static const char page_csp[] = "default-src 'self'; script-src 'self'; style-src 'self'; "
                                "img-src 'self' data:; connect-src 'self'; base-uri 'none'; "
                                "form-action 'none'; frame-ancestors 'none'";
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static void nap_ms(int ms)
 {
@@ -292,7 +286,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
         }
         if (n) break;
         if (r < 0) break; /* the hub is closed: the daemon is going down */
-        if (now_s() - s->last_write >= HTTP_DASH_KEEPALIVE_S) {
+        if (mt_now_s() - s->last_write >= HTTP_DASH_KEEPALIVE_S) {
             char *k = strdup(": keep-alive\n\n");
             if (!k) return MHD_CONTENT_READER_END_WITH_ERROR;
             sse_pend(s, k, strlen(k));
@@ -301,7 +295,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
         nap_ms(50);
     }
     if (!n) return MHD_CONTENT_READER_END_OF_STREAM;
-    s->last_write = now_s();
+    s->last_write = mt_now_s();
     return (ssize_t)n;
 }
 
@@ -321,7 +315,7 @@ static enum MHD_Result events(http_dash *d, struct MHD_Connection *conn)
     if (!s) return http_text(conn, 503, "out of memory\n");
     s->d = d;
     s->from_step = from_step;
-    s->last_write = now_s();
+    s->last_write = mt_now_s();
     metrics_hub *hub = d->svc->hub;
     s->cursor = hub_cursor_start(hub, 0, &s->run0);
     uint64_t seq, head = hub_head(hub);
@@ -406,10 +400,10 @@ static enum MHD_Result command(http_dash *d, struct MHD_Connection *conn, const 
         return json_reply(conn, c, rc, body, len);
     }
     /* Wait for the step boundary (a save may take a while on a big model). */
-    double deadline = now_s() + HTTP_DASH_WAIT_S;
+    double deadline = mt_now_s() + HTTP_DASH_WAIT_S;
     ctl_result res;
     while (!control_ticket_poll(t, &res)) {
-        if (atomic_load(&d->stopping) || now_s() > deadline) {
+        if (atomic_load(&d->stopping) || mt_now_s() > deadline) {
             control_ticket_drop(t);
             rc = dash_command_json(name, 0, NULL, NULL, &body, &len);
             return json_reply(conn, 202, rc, body, len);

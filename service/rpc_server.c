@@ -26,6 +26,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/mt_clock.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 
@@ -77,13 +78,6 @@ struct rpc_server {
     double drain_start;
     int draining, shutdown_done, cancelled_all, cq_shut;
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* ---- call bookkeeping --------------------------------------------------------------- */
 
@@ -427,10 +421,10 @@ static void drain_step(rpc_server *s)
 {
     if (!s->draining) {
         s->draining = 1;
-        s->drain_start = now_s();
+        s->drain_start = mt_now_s();
         grpc_server_shutdown_and_notify(s->server, s->cq, &s->t_shutdown);
     }
-    if (!s->cancelled_all && s->calls && now_s() - s->drain_start > s->grace_s) {
+    if (!s->cancelled_all && s->calls && mt_now_s() - s->drain_start > s->grace_s) {
         MT_LOGW("rpc: cancelling the calls still open after %.1f s", s->grace_s);
         grpc_server_cancel_all_calls(s->server);
         s->cancelled_all = 1;
@@ -451,7 +445,7 @@ static void *cq_thread(void *arg)
         grpc_event ev = grpc_completion_queue_next(s->cq, dl, NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
         if (ev.type == GRPC_OP_COMPLETE) on_event(s, &ev);
-        double t = now_s();
+        double t = mt_now_s();
         if (ev.type == GRPC_QUEUE_TIMEOUT || t - last_poll >= POLL_MS * 1e-3) {
             poll_streams(s);
             last_poll = t;

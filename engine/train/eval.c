@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/mt_clock.h"
 #include "base/mt_fs.h"
 #include "base/mt_log.h"
 #include "base/mt_npy.h"
@@ -16,13 +17,6 @@
 #include "engine/data/data_indexed.h"
 #include "engine/data/data_samples.h"
 #include "engine/model/model.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* ---- the sequences to score --------------------------------------------------------- */
 
@@ -179,7 +173,7 @@ int mt_eval_run(const mt_eval_request *req, const mt_model_config *cfg,
                 void *ctx, volatile sig_atomic_t *stop, mt_eval_result *res)
 {
     memset(res, 0, sizeof *res);
-    const double t0 = now_s();
+    const double t0 = mt_now_s();
     if (!req->tokens_path && !req->job)
         return MT_ERR(MT_EINVAL, "nothing to score: give a token file or a job (its valid split)");
     if (req->recipe == MT_RECIPE_FP32 && be->kind != MT_BE_CPU)
@@ -301,6 +295,6 @@ out:
     free(logits);
     mt_model_destroy(m);
     source_close(&src);
-    res->seconds = now_s() - t0;
+    res->seconds = mt_now_s() - t0;
     return rc;
 }

@@ -6,14 +6,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/mt_clock.h"
 #include "base/mt_status.h"
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return 1e3 * (double)ts.tv_sec + 1e-6 * (double)ts.tv_nsec;
-}
 
 int mt_param_copy_segs(const mt_model *m, int i, mt_comm_seg *out, int owner)
 {
@@ -238,7 +232,7 @@ int mt_grad_buckets_layer_done(void *arg, int layer)
 
 int mt_grad_buckets_finish(mt_grad_buckets *gb)
 {
-    const double t0 = now_ms();
+    const double t0 = mt_now_ms();
     gb->armed = 0;
     /* stream-ordered: the starts below come after the whole backward on
      * the backend's stream (see layer_done); host-fenced: wait for it */
@@ -259,7 +253,7 @@ int mt_grad_buckets_finish(mt_grad_buckets *gb)
     if (rc == MT_OK) rc = sync_groups(gb);
     gb->next = 0;
     gb->t_finish_ms = t0;
-    gb->t_done_ms = now_ms();
+    gb->t_done_ms = mt_now_ms();
     gb->wait_ms = gb->t_done_ms - t0;
     return rc;
 }

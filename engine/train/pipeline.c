@@ -9,15 +9,9 @@
 
 #include "engine/parallel/sharding.h"
 #include "engine/train/grad_buckets.h"
+#include "base/mt_clock.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* ---- slots ------------------------------------------------------------------------- */
 
@@ -453,7 +447,7 @@ static int finish_step(mt_pipeline *p, mt_model *m, int rc, double t0, int train
     if (rc < 0) return rc;
     if (rw < 0) return rw;
     MT_CHECK(m->be->sync(m->be));
-    p->last_busy_s = now_s() - t0;
+    p->last_busy_s = mt_now_s() - t0;
     if (train) MT_CHECK(measure(p, m->be));
     return MT_OK;
 }
@@ -463,7 +457,7 @@ int mt_pipeline_forward(mt_pipeline *p, mt_model *m, int n_mb, mt_pipeline_batch
 {
     MT_CHECK(prepare(p, m));
     memset(st, 0, (size_t)n_mb * sizeof *st);
-    const double t0 = now_s();
+    const double t0 = mt_now_s();
     p->n_marks = -1; /* validation: not timed */
     int rc = forward_only(p, m, n_mb, fn, ctx, st);
     return finish_step(p, m, rc, t0, 0);
@@ -474,7 +468,7 @@ int mt_pipeline_step(mt_pipeline *p, mt_model *m, mt_pipeline_batch_fn fn, void 
 {
     MT_CHECK(prepare(p, m));
     memset(st, 0, (size_t)p->n_mb * sizeof *st);
-    const double t0 = now_s();
+    const double t0 = mt_now_s();
     walk w = {p, 0, NULL, NULL};
     p->n_marks = 0;
     MT_CHECK(mark(p, m->be));

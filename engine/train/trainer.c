@@ -14,15 +14,9 @@
 #include "engine/train/trainer_ep.h"
 #include "engine/train/trainer_tp.h"
 #include "kernels/op_profile.h"
+#include "base/mt_clock.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 void mt_router_bias_update(float *bias, const int64_t *load, int E, double gamma)
 {
@@ -466,7 +460,7 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     const int B = j->batch.micro_batch_size;
     mt_step_metrics mt;
     memset(&mt, 0, sizeof mt);
-    double t0 = now_s();
+    double t0 = mt_now_s();
     if (t->step >= j->train.steps)
         return MT_ERR(MT_ESTATE, "the job has completed its %lld steps", (long long)j->train.steps);
     if (t->rollback.pending)
@@ -507,13 +501,13 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
             else lfactor = j->train.fault.scale;
             weight *= lfactor;
         }
-        double ta = profile ? now_s() : 0;
+        double ta = profile ? mt_now_s() : 0;
         if (t->tp_size > 1) mt_trainer_tp_arm(t, i == t->accum - 1); /* fixes before the buckets */
         if (t->gb && i == t->accum - 1) mt_grad_buckets_arm(t->gb); /* reduce during its backward */
         MT_CHECK(mt_model_step(m, t->tokens, 1, weight, &st));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
-            tp[0] += now_s() - ta;
+            tp[0] += mt_now_s() - ta;
         }
         ls[0] += lfactor * st.loss / n_mb;
         ls[1] += st.mtp_loss / n_mb;
@@ -530,16 +524,16 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
      * only (timing, not ordering: buckets started during the backward go
      * on running on the groups' streams, grad_buckets.h). */
     if (t->dp) MT_CHECK(t->be->sync(t->be));
-    mt.compute_ms = (now_s() - t0) * 1e3;
+    mt.compute_ms = (mt_now_s() - t0) * 1e3;
     if (t->gb) {
-        double tr = profile ? now_s() : 0;
+        double tr = profile ? mt_now_s() : 0;
         MT_CHECK(mt_grad_buckets_finish(t->gb)); /* what the backward did not start */
         if (t->dp) /* tp ranks have the same losses */
             MT_CHECK(mt_comm_all_reduce(mt_comm_host(t->dp), ls, ls, 3, MT_COMM_F64,
                                         MT_COMM_SUM));
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
-            tp[2] = now_s() - tr;
+            tp[2] = mt_now_s() - tr;
         }
     }
     if (t->pipe) { /* trainer.h "Pipeline parallelism": reductions over the stages */
@@ -627,19 +621,19 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
         t->bad_in_row = 0;
         double clip = j->optimizer.clip_grad;
         double scale = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
-        double tu = profile ? now_s() : 0;
+        double tu = profile ? mt_now_s() : 0;
         MT_CHECK(mt_optimizer_update(t->opt, m, lr, scale));
         if (t->gb) MT_CHECK(mt_grad_buckets_share(t->gb)); /* owners' new compute copies */
         if (profile) {
             MT_CHECK(t->be->sync(t->be));
-            tp[1] = now_s() - tu;
+            tp[1] = mt_now_s() - tu;
         }
         MT_CHECK(balance_step(t, &mt));
     }
     t->step++;
     MT_CHECK(t->be->sync(t->be));
     mt_op_profile_mark(t->be, "end");
-    double dt = now_s() - t0;
+    double dt = mt_now_s() - t0;
     if (profile)
         MT_LOGI("profile step %lld: forward+backward %.1f ms (%d micro-batches), gradient "
                 "reduction after the backward %.1f ms (%d of %d buckets started during it), "
