@@ -9,6 +9,7 @@
 
 #include "engine/train/lr_schedule.h"
 #include "kernels/mt_fp8.h"
+#include "base/mt_clock.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 
@@ -909,17 +910,67 @@ int mt_train_state_load_weights(mt_model *m, const mt_tensor_reader *r,
     return rc;
 }
 
+/* A reader that times its reads: a restore's time split into waiting for
+ * the checkpoint's bytes and the rest (conversions, installs, uploads,
+ * replica exchanges), logged at MOETRAIN_LOG=debug per rank (issue 23:
+ * where a multi-rank load's time goes). */
+typedef struct timed_reader {
+    const mt_tensor_reader *in;
+    double ms;
+    int64_t reads, bytes;
+} timed_reader;
+
+static int64_t desc_bytes(const mt_tensor_desc *d)
+{
+    return d->count[0] * (d->ndim == 2 ? d->count[1] : 1) * (int64_t)mt_dtype_size(d->dtype);
+}
+
+static int timed_read(void *ctx, mt_tensor_desc *d)
+{
+    timed_reader *tr = ctx;
+    const double t0 = mt_now_ms();
+    const int rc = tr->in->read(tr->in->ctx, d);
+    tr->ms += mt_now_ms() - t0;
+    tr->reads++;
+    if (rc == MT_OK) tr->bytes += desc_bytes(d);
+    return rc;
+}
+
+static int timed_read_fp8(void *ctx, mt_tensor_desc *q, float *s)
+{
+    timed_reader *tr = ctx;
+    const double t0 = mt_now_ms();
+    const int rc = tr->in->read_fp8(tr->in->ctx, q, s);
+    tr->ms += mt_now_ms() - t0;
+    tr->reads++;
+    if (rc == MT_OK) /* the e4m3 bytes and one f32 scale per 128 x 128 block */
+        tr->bytes += desc_bytes(q) + (q->count[0] + 127) / 128 *
+                                         (((q->ndim == 2 ? q->count[1] : 1) + 127) / 128) * 4;
+    return rc;
+}
+
+static void timed_skip(void *ctx, const char *name)
+{
+    timed_reader *tr = ctx;
+    tr->in->skip(tr->in->ctx, name);
+}
+
 int mt_train_state_restore(mt_trainer *t, const mt_tensor_reader *r, const char *state_json)
 {
     return mt_train_state_restore_staged(t, r, state_json, NULL, 0);
 }
 
-int mt_train_state_restore_staged(mt_trainer *t, const mt_tensor_reader *r,
+int mt_train_state_restore_staged(mt_trainer *t, const mt_tensor_reader *r_in,
                                   const char *state_json, void *stage_mem, size_t stage_bytes)
 {
     mt_model *m = t->model;
     scalars sc;
     MT_CHECK(parse_state(state_json, &sc));
+    const double t0 = mt_now_ms();
+    timed_reader tr = {r_in, 0, 0, 0};
+    const mt_tensor_reader timed = {&tr, timed_read, r_in->read_fp8 ? timed_read_fp8 : NULL,
+                                    r_in->skip ? timed_skip : NULL, r_in->shared};
+    const mt_tensor_reader *r = &timed;
     int64_t mx, mxs;
     largest_param(m, &mx, &mxs);
     stage st;
@@ -956,6 +1007,13 @@ int mt_train_state_restore_staged(mt_trainer *t, const mt_tensor_reader *r,
                 "the other replicas", sp->n_mine, sp->n_shared, (double)sp->bytes_mine / 1e6,
                 (double)sp->bytes_recv / 1e6);
     if (sp) share_plan_free(sp);
+    if (rc == MT_OK) {
+        const double all = mt_now_ms() - t0;
+        MT_LOGD("restore: %lld reads, %.1f MB, %.1f ms waiting for them (%.0f MB/s); %.1f ms the "
+                "rest (conversions, installs, uploads, replica exchanges) of %.1f ms",
+                (long long)tr.reads, (double)tr.bytes / 1e6, tr.ms,
+                tr.ms > 0 ? (double)tr.bytes / 1e3 / tr.ms : 0.0, all - tr.ms, all);
+    }
     /* later broadcasts may have left other messages: the first failure's */
     if (rc < 0) return shared ? MT_ERR(rc, "%s", why) : rc;
     MT_CHECK(rs);
