@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_attn.h"
+#include "base/mt_clock.h"
 #include "base/mt_log.h"
 #include "op_ref.h"
 
@@ -52,13 +53,6 @@ static int failed(const char *what, int rc)
     printf("FAIL  %-64s %s: %s\n", what, mt_strstatus(rc), mt_errmsg());
     n_fail++;
     return 1;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
 /* ---- metrics ------------------------------------------------------------------ */
@@ -376,10 +370,10 @@ static void attn_cudnn_vs_own(int B, int T, int H, int Dqk, int Dv)
 
     set_path("cudnn", 1);
     snprintf(what, sizeof what, "attn_fwd cudnn vs own %s", sh);
-    double t0 = now_s();
+    double t0 = mt_now_s();
     if (!failed(what, case_fwd(&c))) {
         gpu->sync(gpu);
-        printf("INFO  %-64s first call (plan build) %.2f s\n", what, now_s() - t0);
+        printf("INFO  %-64s first call (plan build) %.2f s\n", what, mt_now_s() - t0);
         float *o = host_bf16(c.o, c.nv), *lse = host_f32(c.lse, c.nl);
         char w2[240];
         snprintf(w2, sizeof w2, "%s o (rel norm)", what);
@@ -397,10 +391,10 @@ static void attn_cudnn_vs_own(int B, int T, int H, int Dqk, int Dv)
         set_path("cudnn", det);
         const char *var = det ? "deterministic" : "dQ-atomic";
         snprintf(what, sizeof what, "attn_bwd cudnn %s vs own %s", var, sh);
-        t0 = now_s();
+        t0 = mt_now_s();
         if (failed(what, case_bwd(&c))) continue;
         gpu->sync(gpu);
-        printf("INFO  %-64s first call (plan build) %.2f s\n", what, now_s() - t0);
+        printf("INFO  %-64s first call (plan build) %.2f s\n", what, mt_now_s() - t0);
         float *g[3] = {host_bf16(c.gq, c.nq), host_bf16(c.gk, c.nq), host_bf16(c.gv, c.nv)};
         const char *name[3] = {"dq", "dk", "dv"};
         const int64_t n[3] = {c.nq, c.nq, c.nv};
@@ -568,7 +562,7 @@ int main(void)
      * workspace (~4 GiB): reserve enough scratch unless the caller chose. */
     setenv("MOETRAIN_CUDA_SCRATCH_MB", "4608", 0);
     mt_log_set_level(MT_LOG_INFO);
-    const double t0 = now_s();
+    const double t0 = mt_now_s();
     if (mt_backend_cuda_create(&gpu, 0, 0) != MT_OK) {
         printf("FAIL  mt_backend_cuda_create: %s\n", mt_errmsg());
         return 1;
@@ -604,6 +598,6 @@ int main(void)
     unsetenv("MOETRAIN_ATTN_DETERMINISTIC");
     gpu->destroy(gpu);
     cpu->destroy(cpu);
-    printf("test_attn_cuda: %d passed, %d failed (%.1f s)\n", n_pass, n_fail, now_s() - t0);
+    printf("test_attn_cuda: %d passed, %d failed (%.1f s)\n", n_pass, n_fail, mt_now_s() - t0);
     return n_fail ? 1 : 0;
 }

@@ -63,6 +63,7 @@
 #include "engine/model/model.h"
 #include "engine/model/param_table.h"
 #include "engine/train/trainer.h"
+#include "base/mt_clock.h"
 #include "base/mt_rng.h"
 #include "base/mt_status.h"
 #include "test_util.h"
@@ -90,13 +91,6 @@ static void verdict(int ok, const char *what, const char *msg)
         n_pass++;
     else
         n_fail++;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* ---- configs ------------------------------------------------------------------------ */
@@ -450,7 +444,7 @@ static double *train_curve(const char *examples, const char *corpus, const char 
         verdict(0, backend, msg);
         return NULL;
     }
-    double *loss = calloc((size_t)steps, sizeof *loss), t0 = now_s();
+    double *loss = calloc((size_t)steps, sizeof *loss), t0 = mt_now_s();
     for (int k = 0; k < steps; k++) {
         mt_step_metrics mm;
         rc = mt_trainer_step(t, &mm);
@@ -465,7 +459,7 @@ static double *train_curve(const char *examples, const char *corpus, const char 
         }
         loss[k] = mm.loss;
     }
-    *secs = now_s() - t0;
+    *secs = mt_now_s() - t0;
     mt_trainer_destroy(t);
     return loss;
 }
@@ -527,7 +521,7 @@ int main(int argc, char **argv)
         MUST(mt_backend_cpu_create(&BE[1], 0));
     else
         MUST(mt_backend_cuda_create(&BE[1], 0, (size_t)16 << 30));
-    double t0 = now_s();
+    double t0 = mt_now_s();
     mt_model_config tiny, demo;
     mt_test_tiny_config(&tiny);
     demo_config(&demo);
@@ -579,7 +573,7 @@ int main(int argc, char **argv)
         }
     }
     compare_training(argv[1]);
-    printf("==== test_model_cuda: %d passed, %d failed (%.1f s)\n", n_pass, n_fail, now_s() - t0);
+    printf("==== test_model_cuda: %d passed, %d failed (%.1f s)\n", n_pass, n_fail, mt_now_s() - t0);
     BE[1]->destroy(BE[1]);
     BE[0]->destroy(BE[0]);
     return n_fail ? 1 : 0;

@@ -46,6 +46,7 @@
 
 #include "kernels/cuda/cuda_attn.h"
 #include "kernels/mt_fp8.h"
+#include "base/mt_clock.h"
 #include "base/mt_rng.h"
 #include "base/mt_status.h"
 #include "kernels/ops.h"
@@ -1800,19 +1801,12 @@ static void test_vector_paths(void)
 
 /* ---- main ----------------------------------------------------------------------------------- */
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 #define SECTION(name, call)                                                           \
     do {                                                                              \
-        double t0_ = now_s();                                                         \
+        double t0_ = mt_now_s();                                                         \
         printf("---- %s\n", (name));                                                  \
         call;                                                                         \
-        printf("---- %s: %.1f s\n", (name), now_s() - t0_);                           \
+        printf("---- %s: %.1f s\n", (name), mt_now_s() - t0_);                           \
         fflush(stdout);                                                               \
     } while (0)
 
@@ -1826,7 +1820,7 @@ int main(void)
     MUST(mt_backend_cpu_create(&BE[0], 0));
     BE[0]->round_bf16 = 1;
     MUST(mt_backend_cuda_create(&BE[1], 0, (size_t)16 << 30));
-    double t0 = now_s();
+    double t0 = mt_now_s();
     SECTION("memory and element-wise", test_memory_and_elementwise());
     SECTION("marks", test_marks());
     SECTION("gemm", test_gemm());
@@ -1865,7 +1859,7 @@ int main(void)
         BE[1]->destroy(BE[1]);
         BE[1] = main_gpu;
     }
-    printf("==== test_ops_cuda: %d passed, %d failed (%.1f s)\n", n_pass, n_fail, now_s() - t0);
+    printf("==== test_ops_cuda: %d passed, %d failed (%.1f s)\n", n_pass, n_fail, mt_now_s() - t0);
     BE[1]->destroy(BE[1]);
     BE[0]->destroy(BE[0]);
     return n_fail ? 1 : 0;

@@ -3,13 +3,13 @@
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "kernels/cpu/cpu_impl.h"
+#include "base/mt_clock.h"
 #include "base/mt_rng.h"
 
 /* Each allocation carries a header with its size so free() can account for
@@ -134,9 +134,7 @@ static int cpu_mark(mt_backend *be, int i)
         c->marks = m;
         c->cap_marks = cap;
     }
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    c->marks[i] = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    c->marks[i] = mt_now_s();
     return MT_OK;
 }
 

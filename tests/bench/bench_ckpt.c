@@ -53,17 +53,11 @@
 
 #include "ckpt/ckpt.h"
 #include "engine/train/trainer.h"
+#include "base/mt_clock.h"
 #include "base/mt_log.h"
 #include "base/mt_status.h"
 #include "runtime/job_checkpoint.h"
 #include "runtime/runtime.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int die(const char *what)
 {
@@ -162,12 +156,12 @@ static int64_t file_size(const char *p)
 /* Runs a shell command, returns its seconds. */
 static double run_timed(const char *cmd)
 {
-    double t0 = now_s();
+    double t0 = mt_now_s();
     if (system(cmd) != 0) {
         fprintf(stderr, "bench_ckpt: failed: %s\n", cmd);
         return -1;
     }
-    return now_s() - t0;
+    return mt_now_s() - t0;
 }
 
 /* A barrier that sleeps instead of spinning (Open MPI's polls a core):
@@ -221,7 +215,7 @@ static double run_verify(const char *tool, const char *dir, double *peak_mb)
     }
     char *argv[] = {(char *)tool, "verify", "--quiet", (char *)dir, NULL};
     pid_t pid;
-    const double t0 = now_s();
+    const double t0 = mt_now_s();
     int rc = posix_spawn(&pid, tool, NULL, NULL, argv, env);
     free(env);
     if (rc != 0) {
@@ -235,7 +229,7 @@ static double run_verify(const char *tool, const char *dir, double *peak_mb)
         peak = h > peak ? h : peak;
         pid_t w = waitpid(pid, &st, WNOHANG);
         if (w == pid) {
-            s = now_s() - t0;
+            s = mt_now_s() - t0;
             break;
         }
         if (w < 0) return -1;
@@ -256,13 +250,13 @@ static double run_verify(const char *tool, const char *dir, double *peak_mb)
 static double phase_begin(void)
 {
     MPI_Barrier(MPI_COMM_WORLD);
-    return now_s();
+    return mt_now_s();
 }
 
 static double phase_end(double t0)
 {
     MPI_Barrier(MPI_COMM_WORLD);
-    return now_s() - t0;
+    return mt_now_s() - t0;
 }
 
 static double best(double a, double b) { return a < 0 || (b >= 0 && b < a) ? b : a; }
@@ -361,13 +355,13 @@ int main(int argc, char **argv)
     mt_job_opts jo = {.threads = threads};
 
     /* ---- the job, and its synchronous saves (each into a fresh root) ---- */
-    double t0 = now_s();
+    double t0 = mt_now_s();
     mt_job *a;
     if (mt_job_start(&a, rt, &ja, &jo) < 0) return die("job start");
     const double base_mb = status_mb("VmRSS");
     if (rank == 0)
         printf("job: %d rank(s), %lld parameters, created in %.1f s, %.0f MB resident\n", world,
-               (long long)mt_params_numel(&a->trainer->model->table), now_s() - t0, base_mb);
+               (long long)mt_params_numel(&a->trainer->model->table), mt_now_s() - t0, base_mb);
     double t_save = -1, m0 = mem_start();
     int64_t bytes = 0, mine = 0;
     mt_trainer *tr = a->trainer;
@@ -440,7 +434,7 @@ int main(int argc, char **argv)
         io_read(&rc0, &dk0);
         t0 = phase_begin();
         if (mt_job_ckpt_restore(cl, tr) < 0) return die("load");
-        const double mine_s = now_s() - t0;
+        const double mine_s = mt_now_s() - t0;
         io_read(&rc1, &dk1);
         const double all_s = phase_end(t0);
         if (t_load < 0 || all_s < t_load) {
@@ -542,9 +536,9 @@ int main(int argc, char **argv)
     double t_copy = -1;
     for (int k = 0; k < repeat; k++) {
         src[k] = (char)k;
-        t0 = now_s();
+        t0 = mt_now_s();
         memcpy(dst, src, snap);
-        t_copy = best(t_copy, now_s() - t0);
+        t_copy = best(t_copy, mt_now_s() - t0);
     }
     if (dst[0] != src[0]) return 2;
     free(src);

@@ -17,15 +17,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/mt_clock.h"
 #include "base/mt_status.h"
 #include "kernels/ops.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 #define CK(x)                                                                  \
     do {                                                                       \
@@ -40,14 +34,14 @@ static double rate(mt_backend *be, int down, void *host, void *dev, size_t n)
 {
     double best = 1e30;
     for (int k = 0; k < 4; k++) {
-        double t0 = now_s();
+        double t0 = mt_now_s();
         if (down) {
             CK(be->download(be, host, dev, n));
         } else {
             CK(be->upload(be, dev, host, n));
             CK(be->sync(be));
         }
-        double t = now_s() - t0;
+        double t = mt_now_s() - t0;
         if (k > 0 && t < best) best = t;
     }
     return (double)n / 1e9 / best;
@@ -79,9 +73,9 @@ int main(int argc, char **argv)
     }
     memset(pageable, 1, n); /* touched: no first-fault cost in the copies */
     void *locked;
-    double t0 = now_s();
+    double t0 = mt_now_s();
     CK(be->host_alloc(be, n, &locked));
-    const double t_lock = now_s() - t0;
+    const double t_lock = mt_now_s() - t0;
     memset(locked, 1, n);
     printf("bench_host_copy: %.2f GB each way, device 0 (%s backend)\n", (double)n / 1e9, be->name);
     printf("  host_alloc (page-locking)   %6.2f GB/s  (%.2f s for %.2f GB)\n",

@@ -14,16 +14,10 @@
 
 #include "engine/train/jobspec.h"
 #include "base/json_util.h"
+#include "base/mt_clock.h"
 #include "engine/model/model.h"
 #include "base/mt_rng.h"
 #include "base/mt_status.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 int main(int argc, char **argv)
 {
@@ -69,13 +63,13 @@ int main(int argc, char **argv)
         }
         mt_mb_stats st;
         for (int i = 0; i < 3; i++) mt_model_step(m, tok, 1, 1.0, &st); /* warm-up */
-        double t0 = now_s();
+        double t0 = mt_now_s();
         for (int i = 0; i < steps; i++)
             if (mt_model_step(m, tok, 1, 1.0, &st) < 0) {
                 fprintf(stderr, "bench: %s\n", mt_errmsg());
                 return 2;
             }
-        double dt = (now_s() - t0) / steps, ntok = (double)B * T;
+        double dt = (mt_now_s() - t0) / steps, ntok = (double)B * T;
         printf("  %-14s fwd+bwd %8.2f ms/micro-batch  %7.2f us/token  %8.0f tokens/s  %6.2f GFLOPS\n",
                names[ri], 1e3 * dt, 1e6 * dt / ntok, ntok / dt,
                mt_model_flops_per_token(&cfg, T) * ntok / dt / 1e9);

@@ -48,6 +48,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/mt_clock.h"
 #include "base/mt_rng.h"
 #include "base/mt_status.h"
 #include "engine/parallel/comm.h"
@@ -67,13 +68,6 @@ static void die(const char *what, int rc)
         int rc_ = (x);                                                                    \
         if (rc_ < 0) die(#x, rc_);                                                        \
     } while (0)
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Rank r's routes: K distinct experts per token, uniform. */
 static void routes_of(int r, int N, int K, int E, int32_t *idx)
@@ -230,13 +224,13 @@ static void layer_bench(mt_comm *c, mt_moe_dispatcher *d, mt_backend *be, mt_moe
             const int mode = order[k];
             MUST(be->sync(be));
             MUST(mt_comm_barrier(c));
-            const double t0 = now_s();
+            const double t0 = mt_now_s();
             layer_fwd(d, be, p, mode, yp[mode < 3 ? mode : 2], xl, yl, gup, hp, w1, w2, &sh, x,
                       src, rows, N, D, F);
             MUST(be->sync(be));
             MUST(mt_comm_sync(c));
             MUST(mt_comm_barrier(c));
-            if (it > 0) t[mode] += now_s() - t0;
+            if (it > 0) t[mode] += mt_now_s() - t0;
         }
     }
     /* halves against none, bit for bit (the last iteration's) */
@@ -393,30 +387,30 @@ int main(int argc, char **argv)
         double ts[5];
         MUST(be->sync(be));
         MUST(mt_comm_barrier(c));
-        ts[0] = ts[1] = now_s();
+        ts[0] = ts[1] = mt_now_s();
         void *out;
         if (it == 1) mt_moe_a2a_bytes(d, &s0, &r0);
         /* the layer's forward: rows gathered from the tokens into the wire */
         if (fp8) { /* quantised once, then e4m3 rows + scales travel */
             int one[1] = {N};
-            const double tq0 = now_s();
+            const double tq0 = mt_now_s();
             MUST(be->quant_rows(be, xq, xs, x, D, one, 1, D));
             MUST(be->sync(be));
-            if (it > 0) tquant += now_s() - tq0;
+            if (it > 0) tquant += mt_now_s() - tq0;
             MUST(d->dispatch_fp8(d, be, &plan, ql, sl, xl, xq, xs, N, src, rows, D));
         } else {
             MUST(d->dispatch(d, be, &plan, 1, &out, xl, NULL, x, src, rows, D));
         }
         MUST(be->sync(be));
         MUST(mt_comm_barrier(c)); /* phases timed apart */
-        ts[2] = now_s();
+        ts[2] = mt_now_s();
         MUST(d->combine(d, be, &plan, xp, xl, D));
         MUST(be->sync(be));
         MUST(mt_comm_barrier(c));
-        ts[3] = now_s();
+        ts[3] = mt_now_s();
         MUST(be->moe_unpermute(be, y, 0, xp, slot, w, N, K, D));
         MUST(be->sync(be));
-        ts[4] = now_s();
+        ts[4] = mt_now_s();
         if (it == 0) continue; /* warm-up: buffers grown, pages touched */
         for (int k = 0; k < 4; k++) t[k] += ts[k + 1] - ts[k];
         /* the bare exchange of the same payload, from packed buffers */
@@ -435,11 +429,11 @@ int main(int argc, char **argv)
             ro += rc[q];
         }
         MUST(mt_comm_barrier(c));
-        double ta = now_s();
+        double ta = mt_now_s();
         MUST(mt_comm_all_to_all_v(c, xp, sc, sd, xl, rc, rd, fp8 ? MT_COMM_BYTE : wire));
         MUST(mt_comm_sync(c));
         MUST(mt_comm_barrier(c));
-        double tb = now_s() - ta;
+        double tb = mt_now_s() - ta;
         best_a2a = tb < best_a2a ? tb : best_a2a;
         free(sc);
         free(sd);

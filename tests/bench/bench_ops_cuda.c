@@ -19,19 +19,13 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/mt_clock.h"
 #include "base/mt_rng.h"
 #include "base/mt_status.h"
 #include "kernels/ops.h"
 
 static mt_backend *be;
 static int iters = 10;
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 #define CK(x)                                                                  \
     do {                                                                       \
         if ((x) < 0) {                                                         \
@@ -74,10 +68,10 @@ static double time_ms(op_fn fn, void *ctx)
     CK(be->sync(be));
     double t[5];
     for (int r = 0; r < 5; r++) {
-        double t0 = now_s();
+        double t0 = mt_now_s();
         for (int i = 0; i < iters; i++) fn(ctx);
         CK(be->sync(be));
-        t[r] = (now_s() - t0) * 1e3 / iters;
+        t[r] = (mt_now_s() - t0) * 1e3 / iters;
     }
     for (int i = 0; i < 5; i++)
         for (int j = i + 1; j < 5; j++)

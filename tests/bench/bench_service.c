@@ -26,19 +26,13 @@
 
 #include "moetrain.pb-c.h"
 #include "service/rpc_client.h"
+#include "base/mt_clock.h"
 
 #define T "/moetrain.v1.Trainer/"
 
 static char tmp[512], addr[128], bin[512], examples[512];
 static atomic_int stop_load, stop_poll;
 static volatile sig_atomic_t stop_flag; /* the same, for rpc_stream_next */
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void sleep_s(double s)
 {
@@ -134,21 +128,21 @@ static void *poll_status(void *arg)
 {
     poller *p = arg;
     rpc_client *c = client();
-    double t0 = now_s();
+    double t0 = mt_now_s();
     while (!atomic_load(&stop_poll)) {
         double due = t0 + (double)p->calls / p->rate;
-        double t = now_s();
+        double t = mt_now_s();
         if (t < due) sleep_s(due - t);
         Moetrain__V1__GetStatusRequest q = MOETRAIN__V1__GET_STATUS_REQUEST__INIT;
         ProtobufCMessage *r;
         rpc_status st;
-        double a = now_s();
+        double a = mt_now_s();
         if (rpc_client_call(c, T "GetStatus", &q.base,
                             &moetrain__v1__get_status_response__descriptor, &r, 10, &st) == 0)
             protobuf_c_message_free_unpacked(r, NULL);
         else
             p->errors++;
-        if (p->calls < p->cap) p->lat[p->calls] = now_s() - a;
+        if (p->calls < p->cap) p->lat[p->calls] = mt_now_s() - a;
         p->calls++;
     }
     rpc_client_close(c);
@@ -268,7 +262,7 @@ int main(int argc, char **argv)
     poller polls[2];
     for (int p = 0; p < 3; p++) {
         ph[p].s0 = current_step(c);
-        double t0 = now_s();
+        double t0 = mt_now_s();
         if (p == 1) {
             atomic_store(&stop_load, 0);
             atomic_store(&stop_poll, 0);
@@ -291,7 +285,7 @@ int main(int argc, char **argv)
             for (int i = 0; i < npoll; i++) pthread_join(polls[i].th, NULL);
         }
         ph[p].s1 = current_step(c);
-        ph[p].wall = now_s() - t0;
+        ph[p].wall = mt_now_s() - t0;
         if (p == 1) {
             /* let the subscribers reach the last step of the phase */
             sleep_s(1.0);
