@@ -25,9 +25,9 @@ int mt_param_copy_segs(const mt_model *m, int i, mt_comm_seg *out, int owner)
     return 1;
 }
 
-/* Parameter order of the backward: key (mt_model_grad_ready) descending, then table order
- * reversed (the order does not matter within a layer, it only has to be
- * the same everywhere). */
+/* Parameter order of the backward: key (mt_model_grad_ready) descending,
+ * then table order reversed (the order does not matter within a layer, it
+ * only has to be the same everywhere). */
 static const mt_model *sort_model;
 static int by_backward(const void *a, const void *b)
 {
