@@ -1803,10 +1803,10 @@ static void test_vector_paths(void)
 
 #define SECTION(name, call)                                                           \
     do {                                                                              \
-        double t0_ = mt_now_s();                                                         \
+        double t0_ = mt_now_s();                                                      \
         printf("---- %s\n", (name));                                                  \
         call;                                                                         \
-        printf("---- %s: %.1f s\n", (name), mt_now_s() - t0_);                           \
+        printf("---- %s: %.1f s\n", (name), mt_now_s() - t0_);                        \
         fflush(stdout);                                                               \
     } while (0)
 

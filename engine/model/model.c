@@ -477,7 +477,8 @@ int mt_model_grad_ready(const mt_model *m, int i)
 {
     const mt_param_desc *d = &m->params[i].d;
     if (d->layer >= 0) return d->layer;
-    const int head = d->role == MT_PR_FINAL_NORM || (d->role == MT_PR_HEAD && !m->cfg.tie_word_embeddings);
+    const int head = d->role == MT_PR_FINAL_NORM ||
+                     (d->role == MT_PR_HEAD && !m->cfg.tie_word_embeddings);
     return head ? MT_LAYER_HEAD : -1;
 }
 

@@ -380,6 +380,13 @@ static int64_t piece_bytes(const mt_shard_map *m, const mt_shard_piece *p)
     return p->count[0] * p->count[1] * (int64_t)mt_dtype_size(m->tensors[p->tensor].dtype);
 }
 
+/* Ranks holding parameter `param` as one rank does: its dp group, or the
+ * edp group for routed experts. */
+static int replicas(const mt_shard_map *m, int param)
+{
+    return m->priv->pcs[param].expert ? mt_layout_edp(&m->layout) : m->layout.dp;
+}
+
 /* Writers of replicated weights by balance (issue 23: a save lasts as long
  * as its busiest writer, and the lowest replica used to write every
  * replicated weight - rank 0 wrote 10.0 of a 4-rank proxy checkpoint's
@@ -389,13 +396,6 @@ static int64_t piece_bytes(const mt_shard_map *m, const mt_shard_piece *p)
  * ZeRO-1 owner (ties: the lowest); its scale piece follows it. The same
  * map on every rank and in every tool: a function of the config, the
  * layout and the options alone. */
-/* Ranks holding parameter `param` as one rank does: its dp group, or the
- * edp group for routed experts. */
-static int replicas(const mt_shard_map *m, int param)
-{
-    return m->priv->pcs[param].expert ? mt_layout_edp(&m->layout) : m->layout.dp;
-}
-
 static int balance_writers(mt_shard_map *m)
 {
     const mt_layout *l = &m->layout;

@@ -920,11 +920,6 @@ typedef struct timed_reader {
     int64_t reads, bytes;
 } timed_reader;
 
-static int64_t desc_bytes(const mt_tensor_desc *d)
-{
-    return d->count[0] * (d->ndim == 2 ? d->count[1] : 1) * (int64_t)mt_dtype_size(d->dtype);
-}
-
 static int timed_read(void *ctx, mt_tensor_desc *d)
 {
     timed_reader *tr = ctx;
@@ -932,7 +927,7 @@ static int timed_read(void *ctx, mt_tensor_desc *d)
     const int rc = tr->in->read(tr->in->ctx, d);
     tr->ms += mt_now_ms() - t0;
     tr->reads++;
-    if (rc == MT_OK) tr->bytes += desc_bytes(d);
+    if (rc == MT_OK) tr->bytes += (int64_t)mt_tensor_desc_bytes(d);
     return rc;
 }
 
@@ -944,8 +939,9 @@ static int timed_read_fp8(void *ctx, mt_tensor_desc *q, float *s)
     tr->ms += mt_now_ms() - t0;
     tr->reads++;
     if (rc == MT_OK) /* the e4m3 bytes and one f32 scale per 128 x 128 block */
-        tr->bytes += desc_bytes(q) + (q->count[0] + 127) / 128 *
-                                         (((q->ndim == 2 ? q->count[1] : 1) + 127) / 128) * 4;
+        tr->bytes += (int64_t)mt_tensor_desc_bytes(q) +
+                     (int64_t)mt_ceil_div((int)q->count[0], 128) *
+                         mt_ceil_div(q->ndim == 2 ? (int)q->count[1] : 1, 128) * 4;
     return rc;
 }
 
