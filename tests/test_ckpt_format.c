@@ -841,6 +841,47 @@ static void test_verify_parallel_equals_serial(void **state)
     }
 }
 
+/* The checks after the data (the shard files' objects, the index's virtual
+ * mappings) run while the last chunks are read, and their problems still
+ * come after the data's: an index whose mapping was damaged and the last
+ * piece's first chunk flipped report the seal, then the piece, then the
+ * virtual dataset, line for line the same with one chunk in flight as with
+ * many. */
+static void test_verify_late_checks_after_data(void **state)
+{
+    (void)state;
+    char root[1200], base[1300], dir[1300], file[1400];
+    snprintf(root, sizeof root, "%s/vlate", tmp);
+    save_ckpt(root, "pp=2,dp=2", 9, 0);
+    snprintf(base, sizeof base, "%s/step_00000009", root);
+    mt_ckpt *ck;
+    assert_int_equal(mt_ckpt_open(&ck, base), MT_OK);
+    const mt_ckpt_piece_rec last = *mt_ckpt_piece_at(ck, mt_ckpt_n_pieces(ck) - 1);
+    mt_ckpt_close(ck);
+    snprintf(dir, sizeof dir, "%s/../vlate_case", root);
+    copy_tree(base, dir);
+    snprintf(file, sizeof file, "%s/index.h5", dir);
+    assert_int_equal(mt_test_damage_index(file), 0);
+    snprintf(file, sizeof file, "%s/shard_%05d.h5", dir, last.rank);
+    int64_t cr;
+    flip_byte(file, chunk_k_byte(file, last.tensor, 0, &cr));
+    report_log one, many;
+    assert_int_equal(verify_with(dir, "1", &one), MT_ECORRUPT);
+    assert_int_equal(one.n, 3);
+    const char *l1 = strchr(one.text, '\n'), *l2 = l1 ? strchr(l1 + 1, '\n') : NULL;
+    assert_non_null(l2);
+    char first[2048], second[2048];
+    snprintf(first, sizeof first, "%.*s", (int)(l1 - one.text), one.text);
+    snprintf(second, sizeof second, "%.*s", (int)(l2 - l1 - 1), l1 + 1);
+    assert_contains(first, "index.h5");
+    assert_contains(first, "seal");
+    assert_contains(second, last.tensor);
+    assert_contains(second, "Fletcher32");
+    assert_contains(l2 + 1, "virtual dataset");
+    assert_int_equal(verify_with(dir, "64", &many), MT_ECORRUPT);
+    assert_string_equal(many.text, one.text);
+}
+
 /* Issue 21, defect 6: an index damaged after its commit, so that verify
  * fails, is refused by a load too (its seal: XXH64 of every byte), naming
  * index.h5; whatever the damage: a virtual dataset mapping (HDF5 does not
@@ -1127,6 +1168,7 @@ int main(void)
         cmocka_unit_test(test_truncated_and_missing_shard),
         cmocka_unit_test(test_inconsistent_index),
         cmocka_unit_test(test_verify_parallel_equals_serial),
+        cmocka_unit_test(test_verify_late_checks_after_data),
         cmocka_unit_test(test_damaged_index_refused),
         cmocka_unit_test(test_h5dump_vds),
         cmocka_unit_test(test_commit_protocol),
