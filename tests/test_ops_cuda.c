@@ -1415,6 +1415,11 @@ static void test_optimizer(void)
         snprintf(s2, sizeof s2, "%s bf16", sh);
         BOTH(ok, "sumsq", s2, be->sumsq(be, out.p[s], gb.p[s], 1, n));
         if (ok) check_f32("sumsq", s2, "out", &out, 0, 1e-6);
+        if (n > 1) { /* not 16-byte aligned: the element loads */
+            snprintf(s2, sizeof s2, "%s bf16 from element 1", sh);
+            BOTH(ok, "sumsq", s2, be->sumsq(be, out.p[s], (const char *)gb.p[s] + 2, 1, n - 1));
+            if (ok) check_f32("sumsq", s2, "out", &out, 0, 1e-6);
+        }
         tb_free(&g), tb_free(&out), tb_free(&gb);
     }
     {
@@ -1426,13 +1431,15 @@ static void test_optimizer(void)
         if (ok) check_exact("sumsq", "n=0", "out", &out, 0);
         tb_free(&out);
     }
-    /* AdamW: three steps, f32 and bf16 master, outputs fed back */
+    /* AdamW: three steps, f32 and bf16 master, outputs fed back; from
+     * element 0 (16-byte aligned: 8 elements a thread) and from element 4
+     * (the moments 8-byte aligned: 4 a thread) */
     const int64_t n = 300007;
-    for (int pg = 0; pg < 4; pg++) {
-        const int pb = pg & 1, gbf = pg >> 1; /* bf16 master; bf16 gradients */
+    for (int pg = 0; pg < 8; pg++) {
+        const int pb = pg & 1, gbf = (pg >> 1) & 1, off = pg & 4; /* bf16 master; bf16 gradients */
         char sh[80];
-        snprintf(sh, sizeof sh, "n=%lld %s master%s, 3 steps", (long long)n, pb ? "bf16" : "f32",
-                 gbf ? " bf16 grads" : "");
+        snprintf(sh, sizeof sh, "n=%lld %s master%s, 3 steps%s", (long long)n, pb ? "bf16" : "f32",
+                 gbf ? " bf16 grads" : "", off ? ", from element 4" : "");
         tb p = main_copy_rand(n, 200, pb);
         tb m = tb_new(T_U16, n), v = tb_new(T_U16, n);
         int ok = 1;
@@ -1440,7 +1447,10 @@ static void test_optimizer(void)
             mt_adamw_hp hp = adamw_hp_at(step);
             hp.grad_bf16 = gbf;
             tb g = gbf ? bf16_rand(n, 210 + step, 1e-3f) : f32_rand(n, 210 + step, 1e-3f);
-            BOTH(ok, "adamw", sh, be->adamw(be, p.p[s], pb, m.p[s], v.p[s], g.p[s], n, &hp));
+            BOTH(ok, "adamw", sh,
+                 be->adamw(be, (char *)p.p[s] + off * (pb ? 2 : 4), pb, (uint16_t *)m.p[s] + off,
+                           (uint16_t *)v.p[s] + off, (const char *)g.p[s] + off * (gbf ? 2 : 4),
+                           n - off, &hp));
             tb_free(&g);
         }
         if (ok) {
