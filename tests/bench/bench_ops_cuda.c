@@ -337,6 +337,46 @@ static void bench_optim(const char *what, int N, int K, int fused)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(be, bufs[i]);
 }
 
+/* The optimizer's passes outside adamw_fp8 at the proxy's sizes: sumsq over
+ * n bf16 gradients (2 bytes an element read), adamw of an f32 main copy
+ * with bf16 gradients (18 bytes: main read + written, m and v bf16 read +
+ * written, the gradient read). */
+typedef struct pass_ctx {
+    int64_t n;
+    int sumsq;
+    float *p, *out;
+    uint16_t *g, *m, *v;
+} pass_ctx;
+
+static void run_pass(void *ctx)
+{
+    pass_ctx *c = ctx;
+    mt_adamw_hp hp = {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.5f, 1.0f, 1};
+    if (c->sumsq) CK(be->sumsq(be, c->out, c->g, 1, c->n));
+    else CK(be->adamw(be, c->p, 0, c->m, c->v, c->g, c->n, &hp));
+}
+
+static void bench_pass(const char *what, int sumsq, int64_t n)
+{
+    pass_ctx c = {n, sumsq, NULL, NULL, NULL, NULL, NULL};
+    c.g = dev_random_act(n, 9, 1e-3f);
+    c.out = dev_alloc(4);
+    if (!sumsq) {
+        c.p = dev_alloc((size_t)n * 4);
+        c.m = dev_alloc((size_t)n * 2);
+        c.v = dev_alloc((size_t)n * 2);
+        CK(be->zero(be, c.p, (size_t)n * 4));
+        CK(be->zero(be, c.m, (size_t)n * 2));
+        CK(be->zero(be, c.v, (size_t)n * 2));
+    }
+    const double ms = time_ms(run_pass, &c), gbs = (sumsq ? 2.0 : 18.0) * n / (ms * 1e-3) / 1e9;
+    printf("  %-34s n=%-13lld %8.3f ms %7.0f GB/s  %4.0f%% of copy\n", what, (long long)n, ms, gbs,
+           copy_gbs > 0 ? 100 * gbs / copy_gbs : 0);
+    void *bufs[] = {c.g, c.out, c.p, c.m, c.v};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) be->free(be, bufs[i]);
+}
+
 int main(int argc, char **argv)
 {
     const char *only = NULL; /* gemm | wgrad | mem | optim */
@@ -407,6 +447,8 @@ int main(int argc, char **argv)
         bench_optim("adamw_fp8 fused [7168,2048]", 7168, 2048, 1);
         bench_optim("adamw + quant + transpose [18432,7168]", 18432, 7168, 0);
         bench_optim("adamw_fp8 fused [18432,7168]", 18432, 7168, 1);
+        bench_pass("sumsq bf16 gradients", 1, (int64_t)1 << 30);
+        bench_pass("adamw f32 main, bf16 gradients", 0, (int64_t)926679040);
     }
     be->destroy(be);
     return 0;
