@@ -5,9 +5,9 @@
  * The data is checked at disk speed across files and pieces (issue 23: a
  * 4-rank checkpoint verified at 73 % of dd when the pieces were checked
  * one after another): this thread walks the pieces in index order, asks
- * HDF5 (under its lock) for each piece's attributes and chunk addresses
- * (up to 256 pieces ahead, while it would otherwise wait for the reads),
- * and hands the chunks to the pool's workers with at most `window` chunks
+ * a thread of its own for each piece's attributes and chunk addresses
+ * (HDF5 under its lock, up to 256 pieces ahead of the reads), and hands
+ * the chunks to the pool's workers with at most `window` chunks
  * in flight (MT_CKPT_VERIFY_CHUNKS; default 2 x workers + 2, so the memory
  * is window x the largest chunk: about 136 MB with 16 workers and 4 MB
  * chunks, never the model). A worker preads its chunk (O_DIRECT as the
@@ -20,9 +20,9 @@
  * piece order, each piece as soon as it and those before it are done, so
  * the report (and the error's first problem) does not depend on the
  * workers' timing: MT_CKPT_VERIFY_CHUNKS=1 (one chunk at a time) gives the
- * same report, which the tests compare. The checks of the files' objects
- * and the index's virtual datasets run while the last chunks are read;
- * their problems are reported after the data's.
+ * same report, which the tests compare. The metadata thread then checks
+ * the files' objects and the index's virtual datasets while the last
+ * chunks are read; their problems are reported after the data's.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
@@ -95,16 +95,17 @@ typedef struct vrun {
     char **msg;            /* [n_pieces][2]: attributes, data; malloc'd text or NULL */
     char *finished;        /* [n_pieces] */
     int64_t done_bytes;    /* hashed or skipped, for the progress */
-    /* where this thread's time goes (MOETRAIN_LOG=debug): HDF5's metadata
-     * of the pieces, waiting for a free slot, chunks handed out */
-    double meta_ms, idle_ms;
-    int64_t chunks;
-    /* the metadata look-ahead (meta_ahead) and the late checks (late_run) */
-    char *bad;             /* [n_files]: missing or truncated files */
+    /* the metadata thread (meta_main): pieces [taken, meta_next) have
+     * their metadata in ahead[], at most META_AHEAD of them; then the
+     * late checks (late_run); stop: the dispatcher gave up (mu) */
+    char *bad;             /* [n_files]: missing or truncated files (its own) */
     struct pmeta *ahead;   /* [META_AHEAD]: piece p at p % META_AHEAD */
-    int meta_next;         /* pieces before it have their metadata */
-    int late_done;
+    int meta_next, taken, stop;
     struct late_buf *late;
+    /* where the time goes (MOETRAIN_LOG=debug): the metadata thread in
+     * HDF5, the dispatcher waiting for metadata and for a free slot */
+    double meta_ms, meta_wait_ms, slot_wait_ms;
+    int64_t chunks;
 } vrun;
 
 static char *dup_msg(const char *s)
@@ -293,11 +294,13 @@ static int verify_window(void)
     return 2 * ck_io_threads() + 2;
 }
 
-/* The pieces' HDF5 metadata ahead of their chunks: asked by this thread
- * while it would otherwise wait for a free slot. Asked piece by piece right
- * before each piece's chunks, it ran in series with the reads: 230-340 ms
- * of a 1.2-1.8 s verify of 448 pieces (4 files, 1.47 GB, cold page cache)
- * went to it, the small pieces' reads waiting for their metadata. */
+/* The pieces' HDF5 metadata ahead of their chunks, on a thread of its own.
+ * Asked piece by piece right before each piece's chunks, it ran in series
+ * with the reads (230-340 ms of a 1.2-1.8 s cold verify of 448 pieces on
+ * the VM); asked by the dispatcher while it would otherwise wait for a
+ * slot, its cold reads queued behind the window's chunk reads (415-563 ms
+ * of HDF5 on the 16-core host) while the slots they freed stayed empty.
+ * HDF5 calls hold ck_lock, as everywhere. */
 enum { META_AHEAD = 256 };
 
 typedef struct pmeta {
@@ -305,11 +308,10 @@ typedef struct pmeta {
     int64_t cr, *addr;     /* rows per chunk, chunk addresses (malloc'd) */
 } pmeta;
 
-static void meta_ahead(vrun *run)
+static void meta_one(vrun *run, int p, pmeta *m)
 {
     mt_ckpt *ck = run->ck;
-    const int p = run->meta_next++, fi = ck->piece_file[p];
-    pmeta *m = &run->ahead[p % META_AHEAD];
+    const int fi = ck->piece_file[p];
     m->go = -1;
     m->cr = 0;
     m->addr = NULL;
@@ -354,40 +356,39 @@ static void late_keep(void *ctx, const char *file, const char *tensor, const cha
 static void verify_extras(mt_ckpt *ck, ck_problems *v);
 static void verify_vds(mt_ckpt *ck, ck_problems *v);
 
-static void late_run(vrun *run)
+/* The metadata thread: every piece's metadata in order, at most
+ * META_AHEAD pieces ahead of the dispatcher, then the late checks. */
+static void *meta_main(void *arg)
 {
+    vrun *run = arg;
+    const int n = run->ck->n_pieces;
+    for (int p = 0; p < n; p++) {
+        pthread_mutex_lock(&run->mu);
+        while (!run->stop && p >= run->taken + META_AHEAD) pthread_cond_wait(&run->cv, &run->mu);
+        const int stop = run->stop;
+        pthread_mutex_unlock(&run->mu);
+        if (stop) return NULL;
+        pmeta m;
+        meta_one(run, p, &m);
+        pthread_mutex_lock(&run->mu);
+        run->ahead[p % META_AHEAD] = m;
+        run->meta_next = p + 1;
+        pthread_cond_broadcast(&run->cv);
+        pthread_mutex_unlock(&run->mu);
+    }
     ck_problems lv = {late_keep, run->late, 0, ""};
     verify_extras(run->ck, &lv);
     verify_vds(run->ck, &lv);
-    run->late_done = 1;
+    return NULL;
 }
 
-/* Something for this thread to do instead of waiting (mu held; released
- * while it runs): the metadata of the pieces after p, then the late
- * checks. 0: nothing left. */
-static int idle_work(vrun *run, int p)
-{
-    if (run->meta_next < run->ck->n_pieces && run->meta_next < p + META_AHEAD) {
-        pthread_mutex_unlock(&run->mu);
-        meta_ahead(run);
-        pthread_mutex_lock(&run->mu);
-        return 1;
-    }
-    if (run->meta_next == run->ck->n_pieces && !run->late_done) {
-        pthread_mutex_unlock(&run->mu);
-        late_run(run);
-        pthread_mutex_lock(&run->mu);
-        return 1;
-    }
-    return 0;
-}
-
-/* Waits for a change (a slot freed, a piece finished), mu held. */
-static void idle_wait(vrun *run)
+/* Waits for a change (a slot freed, a piece finished, metadata ready), mu
+ * held; the time into *ms. */
+static void wait_timed(vrun *run, double *ms)
 {
     const double t0 = mt_now_ms();
     pthread_cond_wait(&run->cv, &run->mu);
-    run->idle_ms += mt_now_ms() - t0;
+    *ms += mt_now_ms() - t0;
 }
 
 /* Checks the data of every piece not in a bad file, then the shard files'
@@ -425,17 +426,32 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
     pthread_cond_init(&run.cv, NULL);
     int rep = 0, rc = MT_OK;
     int64_t shown = 0;
+    pthread_t meta;
+    if (pthread_create(&meta, NULL, meta_main, &run) != 0) {
+        pthread_mutex_destroy(&run.mu);
+        pthread_cond_destroy(&run.cv);
+        free(run.slots);
+        free(run.acts);
+        free(run.msg);
+        free(run.finished);
+        free(run.ahead);
+        return MT_ERR(MT_EIO, "%s: cannot start the metadata thread", ck->dir);
+    }
     for (int p = 0; p < ck->n_pieces && rc == MT_OK; p++) {
         const mt_ckpt_piece_rec *r = &ck->pieces[p];
         char name[32], path[4300];
         ck_shard_name(name, sizeof name, r->rank);
         snprintf(path, sizeof path, "%s/%s", ck->dir, name);
-        if (run.meta_next <= p) meta_ahead(&run);
+        pthread_mutex_lock(&run.mu);
+        while (run.meta_next <= p) wait_timed(&run, &run.meta_wait_ms);
         pmeta *pm = &run.ahead[p % META_AHEAD];
         const int go = pm->go;
         const int64_t cr = pm->cr;
         int64_t *addr = pm->addr;
         pm->addr = NULL;
+        run.taken = p + 1;
+        pthread_cond_broadcast(&run.cv);
+        pthread_mutex_unlock(&run.mu);
         if (go == 0) run.msg[2 * p + 1] = check_through_hdf5(ck, p, path);
         if (go <= 0) {
             pthread_mutex_lock(&run.mu);
@@ -479,8 +495,7 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
         for (int64_t c = 0; c < n; c++) {
             pthread_mutex_lock(&run.mu);
             while (!run.free_slots) {
-                if (idle_work(&run, p)) continue;
-                idle_wait(&run);
+                wait_timed(&run, &run.slot_wait_ms);
                 pthread_mutex_unlock(&run.mu);
                 flush(&run, &rep, v, prog, &shown);
                 pthread_mutex_lock(&run.mu);
@@ -529,8 +544,7 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
     /* the pieces in flight */
     pthread_mutex_lock(&run.mu);
     while (run.busy_acts) {
-        if (rc == MT_OK && idle_work(&run, ck->n_pieces)) continue;
-        idle_wait(&run);
+        wait_timed(&run, &run.slot_wait_ms);
         pthread_mutex_unlock(&run.mu);
         flush(&run, &rep, v, prog, &shown);
         pthread_mutex_lock(&run.mu);
@@ -538,18 +552,23 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
     pthread_mutex_unlock(&run.mu);
     flush(&run, &rep, v, prog, &shown);
     const double t_data = mt_now_ms() - t0;
-    if (rc == MT_OK && !run.late_done) late_run(&run);
+    pthread_mutex_lock(&run.mu);
+    run.stop = rc != MT_OK; /* else the late checks run to their end */
+    pthread_cond_broadcast(&run.cv);
+    pthread_mutex_unlock(&run.mu);
+    pthread_join(meta, NULL);
     for (int i = 0; i < late.n; i++) {
         const char *f = late.line[i], *t = f + strlen(f) + 1, *m = t + strlen(t) + 1;
         if (rc == MT_OK) ck_problem(v, f, t, "%s", m);
         free(late.line[i]);
     }
     free(late.line);
-    MT_LOGD("verify %s: %d pieces, %lld chunks (window %d): data %.1f ms, all %.1f ms; this "
-            "thread %.1f ms in HDF5 metadata, %.1f ms idle",
+    MT_LOGD("verify %s: %d pieces, %lld chunks (window %d): data %.1f ms, all %.1f ms; metadata "
+            "thread %.1f ms in HDF5; dispatcher %.1f ms waiting for metadata, %.1f ms for a free "
+            "slot",
             ck->dir, ck->n_pieces, (long long)run.chunks, run.window, t_data, mt_now_ms() - t0,
-            run.meta_ms, run.idle_ms);
-    for (int p = run.meta_next - 1; p >= 0 && p >= run.meta_next - META_AHEAD; p--)
+            run.meta_ms, run.meta_wait_ms, run.slot_wait_ms);
+    for (int p = run.meta_next - 1; p >= run.taken; p--)
         free(run.ahead[p % META_AHEAD].addr); /* cut short: looked ahead, never handed out */
     free(run.ahead);
     for (int i = 0; i < 2 * ck->n_pieces; i++) free(run.msg[i]);
