@@ -798,11 +798,42 @@ int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr)
  * a megabyte is one pread and its checksums, and the reads never overlap.
  * So the first whole read of a small piece also starts the next pieces of
  * the same file on the pool's workers (each: pread of its chunks, their
- * Fletcher32, its XXH64, into memory of its own), up to PF_BYTES held; a
+ * Fletcher32, its XXH64, into memory of its own), up to 128 MB held; a
  * later whole read of such a piece waits for it and copies it out. Larger
  * pieces are read directly, their chunks in parallel. */
-#define PF_BYTES ((int64_t)128 << 20)
-#define PF_PIECE_MAX ((int64_t)16 << 20)
+#define PF_BYTES_DEFAULT_MB 128
+#define PF_PIECE_MAX_DEFAULT_MB 16
+
+/* MT_CKPT_READAHEAD_MB (bytes held ahead) and MT_CKPT_READAHEAD_PIECE_MB
+ * (the largest piece read ahead), else the defaults: for measurements of
+ * the load against dd (tests/bench/bench_ckpt). */
+static int64_t env_mb(const char *name, int dflt)
+{
+    const char *e = getenv(name);
+    const long v = e ? atol(e) : 0;
+    return (int64_t)(v > 0 ? v : dflt) << 20;
+}
+
+static pthread_once_t pf_env_once = PTHREAD_ONCE_INIT;
+static int64_t pf_bytes_cap, pf_piece_cap;
+
+static void pf_env_read(void)
+{
+    pf_bytes_cap = env_mb("MT_CKPT_READAHEAD_MB", PF_BYTES_DEFAULT_MB);
+    pf_piece_cap = env_mb("MT_CKPT_READAHEAD_PIECE_MB", PF_PIECE_MAX_DEFAULT_MB);
+}
+
+static int64_t pf_bytes(void)
+{
+    pthread_once(&pf_env_once, pf_env_read);
+    return pf_bytes_cap;
+}
+
+static int64_t pf_piece_max(void)
+{
+    pthread_once(&pf_env_once, pf_env_read);
+    return pf_piece_cap;
+}
 
 enum { PF_NONE = 0, PF_RUNNING, PF_READY };
 
@@ -922,7 +953,7 @@ static int pf_launch(mt_ckpt *ck, int q)
  * piece when the reader's rank is unset and nothing is skipped. */
 static int pf_wanted(const mt_ckpt *ck, int q)
 {
-    if (ck->pieces[q].nbytes > PF_PIECE_MAX) return 0;
+    if (ck->pieces[q].nbytes > pf_piece_max()) return 0;
     /* a weight another replica reads (mt_ckpt_skip_fn), in any shard: the
      * writer's own shard holds the weights its replicas read */
     const int x = ck->skip ? mt_ckpt_find(ck, ck->pieces[q].tensor) : -1;
@@ -950,7 +981,7 @@ static void pf_more(mt_ckpt *ck, int fi, int after)
     const int limit = ck_io_threads();
     for (; q < ck->n_pieces; q++) {
         if (ck->piece_file[q] != fi || ck->pf[q].state != PF_NONE || !pf_wanted(ck, q)) continue;
-        if (ck->pf_held + ck->pieces[q].nbytes > PF_BYTES || ck->pf_running >= limit) break;
+        if (ck->pf_held + ck->pieces[q].nbytes > pf_bytes() || ck->pf_running >= limit) break;
         if (pf_launch(ck, q) < 0) break;
     }
     ck->pf_cursor[fi] = q;
