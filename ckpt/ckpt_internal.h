@@ -277,9 +277,6 @@ typedef struct ck_problems {
 } ck_problems;
 void ck_problem(ck_problems *v, const char *file, const char *tensor, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-/* The order verify reads the pieces in: order[n_pieces], each file's
- * pieces in index order, the files interleaved by bytes read. */
-int ck_verify_walk(const mt_ckpt *ck, int *order);
 
 /* Opens (once) the shard file of piece p; error names the file and tensor. */
 int ck_piece_file(mt_ckpt *ck, int p, hid_t *f);

@@ -95,13 +95,12 @@ typedef struct vrun {
     char **msg;            /* [n_pieces][2]: attributes, data; malloc'd text or NULL */
     char *finished;        /* [n_pieces] */
     int64_t done_bytes;    /* hashed or skipped, for the progress */
-    /* the metadata thread (meta_main): pieces [taken, meta_next) of the
-     * walk have their metadata in ahead[], at most META_AHEAD; then the
+    /* the metadata thread (meta_main): pieces [taken, meta_next) have
+     * their metadata in ahead[], at most META_AHEAD of them; then the
      * late checks (late_run); stop: the dispatcher gave up (mu) */
     char *bad;             /* [n_files]: missing or truncated files (its own) */
-    int *order;            /* [n_pieces]: the walk (walk_order) */
-    struct pmeta *ahead;   /* [META_AHEAD]: the k-th piece of the walk at k % META_AHEAD */
-    int meta_next, taken, stop; /* in steps of the walk */
+    struct pmeta *ahead;   /* [META_AHEAD]: piece p at p % META_AHEAD */
+    int meta_next, taken, stop;
     struct late_buf *late;
     /* where the time goes (MOETRAIN_LOG=debug): the metadata thread in
      * HDF5, the dispatcher waiting for metadata and for a free slot */
@@ -357,91 +356,23 @@ static void late_keep(void *ctx, const char *file, const char *tensor, const cha
 static void verify_extras(mt_ckpt *ck, ck_problems *v);
 static void verify_vds(mt_ckpt *ck, ck_problems *v);
 
-/* The order the pieces are read in (ck_verify_walk): each file's pieces in index order,
- * the files interleaved so that they advance by bytes together (next: the
- * file with the fewest bytes handed out, ties to the lower piece). In
- * index order (tensor after tensor) a 4-file checkpoint was read mostly one
- * or two files at a time, and the last file alone at the end; `dd` of
- * the 4 files at once, the bar, reads them side by side. A binary heap of
- * the files keyed by (bytes, next piece): n_pieces log n_files. */
-typedef struct wfile {
-    int64_t bytes;
-    int next; /* its next piece, n_pieces: done */
-} wfile;
-
-static int wfile_less(const wfile *a, const wfile *b)
-{
-    return a->bytes != b->bytes ? a->bytes < b->bytes : a->next < b->next;
-}
-
-static void heap_down(wfile *h, int n, int i)
-{
-    for (;;) {
-        int m = i;
-        const int l = 2 * i + 1, r = l + 1;
-        if (l < n && wfile_less(&h[l], &h[m])) m = l;
-        if (r < n && wfile_less(&h[r], &h[m])) m = r;
-        if (m == i) return;
-        const wfile t = h[i];
-        h[i] = h[m];
-        h[m] = t;
-        i = m;
-    }
-}
-
-int ck_verify_walk(const mt_ckpt *ck, int *order)
-{
-    const int n = ck->n_pieces, F = ck->n_files;
-    int *after = malloc(((size_t)n + 1) * sizeof *after); /* the file's next piece after p */
-    int *last = malloc(((size_t)F + 1) * sizeof *last);
-    wfile *h = malloc(((size_t)F + 1) * sizeof *h);
-    if (!after || !last || !h) {
-        free(after);
-        free(last);
-        free(h);
-        return MT_ERR(MT_ENOMEM, "%s: out of memory", ck->dir);
-    }
-    int hn = 0;
-    for (int f = 0; f < F; f++) last[f] = -1;
-    for (int p = 0; p < n; p++) {
-        const int f = ck->piece_file[p];
-        after[p] = n;
-        if (last[f] < 0) h[hn++] = (wfile){0, p};
-        else after[last[f]] = p;
-        last[f] = p;
-    }
-    for (int i = hn / 2 - 1; i >= 0; i--) heap_down(h, hn, i);
-    for (int k = 0; k < n; k++) {
-        const int p = h[0].next;
-        order[k] = p;
-        h[0].bytes += ck->pieces[p].nbytes;
-        h[0].next = after[p];
-        if (h[0].next == n) h[0] = h[--hn];
-        heap_down(h, hn, 0);
-    }
-    free(after);
-    free(last);
-    free(h);
-    return MT_OK;
-}
-
-/* The metadata thread: every piece's metadata in the walk's order, at most
+/* The metadata thread: every piece's metadata in order, at most
  * META_AHEAD pieces ahead of the dispatcher, then the late checks. */
 static void *meta_main(void *arg)
 {
     vrun *run = arg;
     const int n = run->ck->n_pieces;
-    for (int k = 0; k < n; k++) {
+    for (int p = 0; p < n; p++) {
         pthread_mutex_lock(&run->mu);
-        while (!run->stop && k >= run->taken + META_AHEAD) pthread_cond_wait(&run->cv, &run->mu);
+        while (!run->stop && p >= run->taken + META_AHEAD) pthread_cond_wait(&run->cv, &run->mu);
         const int stop = run->stop;
         pthread_mutex_unlock(&run->mu);
         if (stop) return NULL;
         pmeta m;
-        meta_one(run, run->order[k], &m);
+        meta_one(run, p, &m);
         pthread_mutex_lock(&run->mu);
-        run->ahead[k % META_AHEAD] = m;
-        run->meta_next = k + 1;
+        run->ahead[p % META_AHEAD] = m;
+        run->meta_next = p + 1;
         pthread_cond_broadcast(&run->cv);
         pthread_mutex_unlock(&run->mu);
     }
@@ -481,47 +412,44 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
     run.msg = calloc(2 * (size_t)ck->n_pieces + 1, sizeof *run.msg);
     run.finished = calloc((size_t)ck->n_pieces + 1, 1);
     run.ahead = calloc(META_AHEAD, sizeof *run.ahead);
-    run.order = malloc(((size_t)ck->n_pieces + 1) * sizeof *run.order);
-    int rc = run.slots && run.acts && run.msg && run.finished && run.ahead && run.order
-                 ? ck_verify_walk(ck, run.order)
-                 : MT_ERR(MT_ENOMEM, "%s: out of memory", ck->dir);
-    pthread_t meta;
-    if (rc == MT_OK) {
-        for (int i = 0; i <= run.window; i++) run.acts[i].p = -1;
-        for (int i = 0; i < run.window; i++) run.slots[i].run = &run;
-        pthread_mutex_init(&run.mu, NULL);
-        pthread_cond_init(&run.cv, NULL);
-        if (pthread_create(&meta, NULL, meta_main, &run) != 0) {
-            pthread_mutex_destroy(&run.mu);
-            pthread_cond_destroy(&run.cv);
-            rc = MT_ERR(MT_EIO, "%s: cannot start the metadata thread", ck->dir);
-        }
-    }
-    if (rc < 0) {
+    if (!run.slots || !run.acts || !run.msg || !run.finished || !run.ahead) {
         free(run.slots);
         free(run.acts);
         free(run.msg);
         free(run.finished);
         free(run.ahead);
-        free(run.order);
-        return rc;
+        return MT_ERR(MT_ENOMEM, "%s: out of memory", ck->dir);
     }
-    int rep = 0;
+    for (int i = 0; i <= run.window; i++) run.acts[i].p = -1;
+    for (int i = 0; i < run.window; i++) run.slots[i].run = &run;
+    pthread_mutex_init(&run.mu, NULL);
+    pthread_cond_init(&run.cv, NULL);
+    int rep = 0, rc = MT_OK;
     int64_t shown = 0;
-    for (int k = 0; k < ck->n_pieces && rc == MT_OK; k++) {
-        const int p = run.order[k];
+    pthread_t meta;
+    if (pthread_create(&meta, NULL, meta_main, &run) != 0) {
+        pthread_mutex_destroy(&run.mu);
+        pthread_cond_destroy(&run.cv);
+        free(run.slots);
+        free(run.acts);
+        free(run.msg);
+        free(run.finished);
+        free(run.ahead);
+        return MT_ERR(MT_EIO, "%s: cannot start the metadata thread", ck->dir);
+    }
+    for (int p = 0; p < ck->n_pieces && rc == MT_OK; p++) {
         const mt_ckpt_piece_rec *r = &ck->pieces[p];
         char name[32], path[4300];
         ck_shard_name(name, sizeof name, r->rank);
         snprintf(path, sizeof path, "%s/%s", ck->dir, name);
         pthread_mutex_lock(&run.mu);
-        while (run.meta_next <= k) wait_timed(&run, &run.meta_wait_ms);
-        pmeta *pm = &run.ahead[k % META_AHEAD];
+        while (run.meta_next <= p) wait_timed(&run, &run.meta_wait_ms);
+        pmeta *pm = &run.ahead[p % META_AHEAD];
         const int go = pm->go;
         const int64_t cr = pm->cr;
         int64_t *addr = pm->addr;
         pm->addr = NULL;
-        run.taken = k + 1;
+        run.taken = p + 1;
         pthread_cond_broadcast(&run.cv);
         pthread_mutex_unlock(&run.mu);
         if (go == 0) run.msg[2 * p + 1] = check_through_hdf5(ck, p, path);
@@ -640,10 +568,9 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
             "slot",
             ck->dir, ck->n_pieces, (long long)run.chunks, run.window, t_data, mt_now_ms() - t0,
             run.meta_ms, run.meta_wait_ms, run.slot_wait_ms);
-    for (int k = run.meta_next - 1; k >= run.taken; k--)
-        free(run.ahead[k % META_AHEAD].addr); /* cut short: looked ahead, never handed out */
+    for (int p = run.meta_next - 1; p >= run.taken; p--)
+        free(run.ahead[p % META_AHEAD].addr); /* cut short: looked ahead, never handed out */
     free(run.ahead);
-    free(run.order);
     for (int i = 0; i < 2 * ck->n_pieces; i++) free(run.msg[i]);
     for (int i = 0; i < run.window; i++) free(run.slots[i].buf);
     pthread_mutex_destroy(&run.mu);

@@ -841,50 +841,6 @@ static void test_verify_parallel_equals_serial(void **state)
     }
 }
 
-/* Verify reads the files side by side, as `dd` of every file at once does
- * (issue 23): its walk takes each piece once, each file's pieces in index
- * order, and at every step the file it reads from has read no more bytes
- * than any other file with pieces left. */
-static void test_verify_walks_files_side_by_side(void **state)
-{
-    (void)state;
-    char root[1200], base[1300];
-    snprintf(root, sizeof root, "%s/vwalk", tmp);
-    save_ckpt(root, "pp=2,dp=2", 9, 0);
-    snprintf(base, sizeof base, "%s/step_00000009", root);
-    mt_ckpt *ck;
-    assert_int_equal(mt_ckpt_open(&ck, base), MT_OK);
-    const int n = mt_ckpt_n_pieces(ck), F = ck->n_files;
-    assert_true(F >= 3);
-    int *order = malloc((size_t)n * sizeof *order), *seen = calloc((size_t)n, sizeof *seen);
-    int64_t *bytes = calloc((size_t)F, sizeof *bytes);
-    int *left = calloc((size_t)F, sizeof *left), *prev = malloc((size_t)F * sizeof *prev);
-    assert_non_null(order);
-    assert_non_null(seen);
-    assert_non_null(bytes);
-    assert_non_null(left);
-    assert_non_null(prev);
-    assert_int_equal(ck_verify_walk(ck, order), MT_OK);
-    for (int p = 0; p < n; p++) left[ck->piece_file[p]]++;
-    for (int f = 0; f < F; f++) prev[f] = -1;
-    int switches = 0;
-    for (int k = 0; k < n; k++) {
-        const int p = order[k], f = ck->piece_file[p];
-        assert_true(p >= 0 && p < n && !seen[p]);
-        seen[p] = 1;
-        assert_true(p > prev[f]); /* the file's pieces in index order */
-        for (int g = 0; g < F; g++)
-            if (left[g]) assert_true(bytes[f] <= bytes[g]);
-        switches += k > 0 && ck->piece_file[order[k - 1]] != f;
-        prev[f] = p;
-        bytes[f] += mt_ckpt_piece_at(ck, p)->nbytes;
-        left[f]--;
-    }
-    assert_true(switches >= F); /* interleaved, not file after file */
-    free(order), free(seen), free(bytes), free(left), free(prev);
-    mt_ckpt_close(ck);
-}
-
 /* The checks after the data (the shard files' objects, the index's virtual
  * mappings) run while the last chunks are read, and their problems still
  * come after the data's: an index whose mapping was damaged and the last
@@ -1213,7 +1169,6 @@ int main(void)
         cmocka_unit_test(test_inconsistent_index),
         cmocka_unit_test(test_verify_parallel_equals_serial),
         cmocka_unit_test(test_verify_late_checks_after_data),
-        cmocka_unit_test(test_verify_walks_files_side_by_side),
         cmocka_unit_test(test_damaged_index_refused),
         cmocka_unit_test(test_h5dump_vds),
         cmocka_unit_test(test_commit_protocol),
