@@ -97,7 +97,7 @@ typedef struct vrun {
     int64_t done_bytes;    /* hashed or skipped, for the progress */
     /* the metadata thread (meta_main): pieces [taken, meta_next) have
      * their metadata in ahead[], at most META_AHEAD of them; then the
-     * late checks (late_run); stop: the dispatcher gave up (mu) */
+     * late checks; stop: the dispatcher gave up (mu) */
     char *bad;             /* [n_files]: missing or truncated files (its own) */
     struct pmeta *ahead;   /* [META_AHEAD]: piece p at p % META_AHEAD */
     int meta_next, taken, stop;
@@ -330,7 +330,7 @@ static void meta_one(vrun *run, int p, pmeta *m)
  * the index's virtual datasets), kept to be reported after the data's:
  * they run while the last chunks are read. */
 typedef struct late_buf {
-    int n, cap;
+    int n, cap, lost;      /* lost: problems not kept (out of memory) */
     char **line;           /* [n]: "file\0tensor\0message" */
 } late_buf;
 
@@ -340,13 +340,19 @@ static void late_keep(void *ctx, const char *file, const char *tensor, const cha
     if (b->n == b->cap) {
         const int cap = b->cap ? 2 * b->cap : 16;
         char **l = realloc(b->line, (size_t)cap * sizeof *l);
-        if (!l) return;
+        if (!l) {
+            b->lost++;
+            return;
+        }
         b->line = l;
         b->cap = cap;
     }
     const size_t a = strlen(file) + 1, t = strlen(tensor) + 1, m = strlen(msg) + 1;
     char *x = malloc(a + t + m);
-    if (!x) return;
+    if (!x) {
+        b->lost++;
+        return;
+    }
     memcpy(x, file, a);
     memcpy(x + a, tensor, t);
     memcpy(x + a + t, msg, m);
@@ -400,7 +406,7 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
 {
     const double t0 = mt_now_ms();
     vrun run;
-    late_buf late = {0, 0, NULL};
+    late_buf late = {0, 0, 0, NULL};
     memset(&run, 0, sizeof run);
     run.ck = ck;
     run.bad = bad;
@@ -563,6 +569,9 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
         free(late.line[i]);
     }
     free(late.line);
+    if (rc == MT_OK && late.lost) /* never a clean verdict over a problem not kept */
+        ck_problem(v, ck->dir, "", "%d problem(s) of the files' objects or virtual datasets not "
+                   "reported: out of memory", late.lost);
     MT_LOGD("verify %s: %d pieces, %lld chunks (window %d): data %.1f ms, all %.1f ms; metadata "
             "thread %.1f ms in HDF5; dispatcher %.1f ms waiting for metadata, %.1f ms for a free "
             "slot",

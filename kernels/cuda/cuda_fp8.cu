@@ -265,9 +265,6 @@ static int cuda_quant_rows(mt_backend *be, uint8_t *q, float *s, const void *x, 
 
 #define QC_COLS 64
 
-/* A bf16's bits as the float it is. */
-__device__ __forceinline__ float qc_val(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-
 /* Block (it, kc): 128-row tile `it` of all segments (tiles numbered segment
  * after segment), columns k0 = kc * 64 .. +63. Tile `it` is tile ib = it -
  * tile[g] of segment g, rows r_g + ib * 128 .. + n - 1. Its per-column
@@ -317,7 +314,7 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
         for (int cc = 0; cc < QC_COLS / 8; cc++) {
             const int c = w * (QC_COLS / 8) + cc;
             float a = 0.0f;
-            for (int r = lane; r < MT_QTILE; r += 32) a = fmaxf(a, fabsf(qc_val(tile[r][c])));
+            for (int r = lane; r < MT_QTILE; r += 32) a = fmaxf(a, fabsf(fp8_bf16_lo(tile[r][c])));
             a = cu_warp_max(a);
             if (lane == 0) scl[c] = cuda_scale_of(a);
         }
@@ -335,13 +332,15 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
             if (r4 >= n) continue;
             uint32_t w = 0;
 #pragma unroll
-            for (int j = 0; j < 4; j++) w |= (uint32_t)cuda_e4m3(qc_val(tile[r4 + j][c]), scl[c]) << (8 * j);
+            for (int j = 0; j < 4; j++)
+                w |= (uint32_t)cuda_e4m3(fp8_bf16_lo(tile[r4 + j][c]), scl[c]) << (8 * j);
             *(uint32_t *)(qg + (int64_t)(k0 + c) * rows + i0 + r4) = w;
         }
     } else {
         const int r = tid % MT_QTILE;
         for (int c = tid / MT_QTILE; c < nk; c += 256 / MT_QTILE)
-            if (r < n) qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(qc_val(tile[r][c]), scl[c]);
+            if (r < n)
+                qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(fp8_bf16_lo(tile[r][c]), scl[c]);
     }
 }
 

@@ -22,7 +22,8 @@
  *                block amax, quantise, and the transposed copy via shared
  *                memory (one pass instead of adamw + quant + transpose);
  *                full blocks with 16-byte accesses
- *   adamw        groups of 4 elements with 16-byte accesses where aligned
+ *   adamw        groups of 8 elements with 16-byte accesses where every array
+ *                is 16-byte aligned, else of 4 where 8-byte aligned
  */
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -258,8 +259,8 @@ sumsq_part_kernel(double *__restrict__ part, const void *__restrict__ g, int g_b
 #pragma unroll
                 for (int k = 0; k < 8; k++) acc += (double)x[k] * (double)x[k];
             } else {
-                const float x[4] = {__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z),
-                                    __uint_as_float(w.w)};
+                const float x[4] = {__uint_as_float(w.x), __uint_as_float(w.y),
+                                    __uint_as_float(w.z), __uint_as_float(w.w)};
 #pragma unroll
                 for (int k = 0; k < 4; k++) acc += (double)x[k] * (double)x[k];
             }
@@ -420,10 +421,10 @@ __device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, void *p, int p
 
 /* Eight consecutive elements, every load issued before the arithmetic:
  * 16-byte words of the moments and bf16 gradients (two of f32 ones and of
- * an f32 parameter). adamw_vec4's 8-byte loads kept about 40 bytes a thread
- * in flight and the kernel at 60 % of the copy bandwidth on an H200 (13.8
- * ms a step for the proxy's 1.85 G bf16 embedding and head elements). The
- * element arithmetic is adamw_one's: bit-identical. */
+ * an f32 parameter). adamw_vec4's 8-byte loads keep about 40 bytes a thread
+ * in flight: on one H200 the proxy's adamw (its 1.85 G embedding and head
+ * elements, f32 main, bf16 gradients) took 17.3 ms a step 4-wide and 15.2
+ * ms 8-wide. The element arithmetic is adamw_one's: bit-identical. */
 __device__ __forceinline__ void adamw_vec8(const mt_adamw_hp &hp, void *p, int p_bf16,
                                            uint16_t *__restrict__ m, uint16_t *__restrict__ v,
                                            const void *__restrict__ grad, int64_t i)
@@ -434,14 +435,18 @@ __device__ __forceinline__ void adamw_vec8(const mt_adamw_hp &hp, void *p, int p
     if (hp.grad_bf16) {
         cu_bf16x8_unpack(*(const uint4 *)((const uint16_t *)grad + i), gv);
     } else {
-        const float4 a = *(const float4 *)((const float *)grad + i), b = *((const float4 *)((const float *)grad + i) + 1);
-        gv[0] = a.x, gv[1] = a.y, gv[2] = a.z, gv[3] = a.w, gv[4] = b.x, gv[5] = b.y, gv[6] = b.z, gv[7] = b.w;
+        const float4 *g4 = (const float4 *)((const float *)grad + i);
+        const float4 a = g4[0], b = g4[1];
+        gv[0] = a.x, gv[1] = a.y, gv[2] = a.z, gv[3] = a.w;
+        gv[4] = b.x, gv[5] = b.y, gv[6] = b.z, gv[7] = b.w;
     }
     if (p_bf16) {
         cu_bf16x8_unpack(*(const uint4 *)((const uint16_t *)p + i), pv);
     } else {
-        const float4 a = *(const float4 *)((const float *)p + i), b = *((const float4 *)((const float *)p + i) + 1);
-        pv[0] = a.x, pv[1] = a.y, pv[2] = a.z, pv[3] = a.w, pv[4] = b.x, pv[5] = b.y, pv[6] = b.z, pv[7] = b.w;
+        const float4 *p4 = (const float4 *)((const float *)p + i);
+        const float4 a = p4[0], b = p4[1];
+        pv[0] = a.x, pv[1] = a.y, pv[2] = a.z, pv[3] = a.w;
+        pv[4] = b.x, pv[5] = b.y, pv[6] = b.z, pv[7] = b.w;
     }
     const uint32_t mw[4] = {m4.x, m4.y, m4.z, m4.w}, vw[4] = {v4.x, v4.y, v4.z, v4.w};
 #pragma unroll
@@ -463,7 +468,8 @@ __device__ __forceinline__ void adamw_vec8(const mt_adamw_hp &hp, void *p, int p
     if (p_bf16) {
         uint32_t h[4];
 #pragma unroll
-        for (int j = 0; j < 4; j++) h[j] = loss_bf16_rne(pv[2 * j]) | (uint32_t)loss_bf16_rne(pv[2 * j + 1]) << 16;
+        for (int j = 0; j < 4; j++)
+            h[j] = loss_bf16_rne(pv[2 * j]) | (uint32_t)loss_bf16_rne(pv[2 * j + 1]) << 16;
         *(uint4 *)((uint16_t *)p + i) = make_uint4(h[0], h[1], h[2], h[3]);
     } else {
         float4 *o = (float4 *)((float *)p + i);
@@ -524,7 +530,8 @@ static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t
                      (uintptr_t)v % 8 == 0 && (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0;
     const int vec8 = ((uintptr_t)p | (uintptr_t)m | (uintptr_t)v | (uintptr_t)grad) % 16 == 0;
     const int vec = vec8 ? 2 : vec4;
-    adamw_kernel<<<cuda_grid(vec ? (n + 4 * vec - 1) / (4 * vec) : n, 256), 256, 0, cuda_stream(be)>>>(
+    const int64_t per = vec ? 4 * vec : 1; /* elements a thread */
+    adamw_kernel<<<cuda_grid((n + per - 1) / per, 256), 256, 0, cuda_stream(be)>>>(
         p, p_bf16, m, v, grad, n, *hp, vec);
     CUDA_LAUNCH_CHECK("adamw");
     return MT_OK;
