@@ -397,6 +397,22 @@ static void wait_timed(vrun *run, double *ms)
     *ms += mt_now_ms() - t0;
 }
 
+/* Frees what verify_data allocated (any of it NULL): the chunk addresses
+ * looked up and never handed out (a run cut short), the messages not yet
+ * reported, the chunk buffers, the arrays. */
+static void vrun_free(vrun *run)
+{
+    for (int p = run->meta_next - 1; run->ahead && p >= run->taken; p--)
+        free(run->ahead[p % META_AHEAD].addr);
+    for (int i = 0; run->msg && i < 2 * run->ck->n_pieces; i++) free(run->msg[i]);
+    for (int i = 0; run->slots && i < run->window; i++) free(run->slots[i].buf);
+    free(run->slots);
+    free(run->acts);
+    free(run->msg);
+    free(run->finished);
+    free(run->ahead);
+}
+
 /* Checks the data of every piece not in a bad file, then the shard files'
  * extra objects and the index's virtual datasets (verify_extras,
  * verify_vds); problems reported in that order, the pieces' in piece
@@ -419,11 +435,7 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
     run.finished = calloc((size_t)ck->n_pieces + 1, 1);
     run.ahead = calloc(META_AHEAD, sizeof *run.ahead);
     if (!run.slots || !run.acts || !run.msg || !run.finished || !run.ahead) {
-        free(run.slots);
-        free(run.acts);
-        free(run.msg);
-        free(run.finished);
-        free(run.ahead);
+        vrun_free(&run);
         return MT_ERR(MT_ENOMEM, "%s: out of memory", ck->dir);
     }
     for (int i = 0; i <= run.window; i++) run.acts[i].p = -1;
@@ -436,11 +448,7 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
     if (pthread_create(&meta, NULL, meta_main, &run) != 0) {
         pthread_mutex_destroy(&run.mu);
         pthread_cond_destroy(&run.cv);
-        free(run.slots);
-        free(run.acts);
-        free(run.msg);
-        free(run.finished);
-        free(run.ahead);
+        vrun_free(&run);
         return MT_ERR(MT_EIO, "%s: cannot start the metadata thread", ck->dir);
     }
     for (int p = 0; p < ck->n_pieces && rc == MT_OK; p++) {
@@ -577,17 +585,9 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
             "slot",
             ck->dir, ck->n_pieces, (long long)run.chunks, run.window, t_data, mt_now_ms() - t0,
             run.meta_ms, run.meta_wait_ms, run.slot_wait_ms);
-    for (int p = run.meta_next - 1; p >= run.taken; p--)
-        free(run.ahead[p % META_AHEAD].addr); /* cut short: looked ahead, never handed out */
-    free(run.ahead);
-    for (int i = 0; i < 2 * ck->n_pieces; i++) free(run.msg[i]);
-    for (int i = 0; i < run.window; i++) free(run.slots[i].buf);
     pthread_mutex_destroy(&run.mu);
     pthread_cond_destroy(&run.cv);
-    free(run.slots);
-    free(run.acts);
-    free(run.msg);
-    free(run.finished);
+    vrun_free(&run);
     return rc;
 }
 

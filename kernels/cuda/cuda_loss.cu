@@ -419,6 +419,14 @@ __device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, void *p, int p
     }
 }
 
+/* x[0..7] = f[0..7], two 16-byte loads (f 16-byte aligned). */
+__device__ __forceinline__ void aw_f32x8_load(const float *f, float *x)
+{
+    const float4 a = ((const float4 *)f)[0], b = ((const float4 *)f)[1];
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+    x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
 /* Eight consecutive elements, every load issued before the arithmetic:
  * 16-byte words of the moments and bf16 gradients (two of f32 ones and of
  * an f32 parameter). adamw_vec4's 8-byte loads keep about 40 bytes a thread
@@ -435,18 +443,12 @@ __device__ __forceinline__ void adamw_vec8(const mt_adamw_hp &hp, void *p, int p
     if (hp.grad_bf16) {
         cu_bf16x8_unpack(*(const uint4 *)((const uint16_t *)grad + i), gv);
     } else {
-        const float4 *g4 = (const float4 *)((const float *)grad + i);
-        const float4 a = g4[0], b = g4[1];
-        gv[0] = a.x, gv[1] = a.y, gv[2] = a.z, gv[3] = a.w;
-        gv[4] = b.x, gv[5] = b.y, gv[6] = b.z, gv[7] = b.w;
+        aw_f32x8_load((const float *)grad + i, gv);
     }
     if (p_bf16) {
         cu_bf16x8_unpack(*(const uint4 *)((const uint16_t *)p + i), pv);
     } else {
-        const float4 *p4 = (const float4 *)((const float *)p + i);
-        const float4 a = p4[0], b = p4[1];
-        pv[0] = a.x, pv[1] = a.y, pv[2] = a.z, pv[3] = a.w;
-        pv[4] = b.x, pv[5] = b.y, pv[6] = b.z, pv[7] = b.w;
+        aw_f32x8_load((const float *)p + i, pv);
     }
     const uint32_t mw[4] = {m4.x, m4.y, m4.z, m4.w}, vw[4] = {v4.x, v4.y, v4.z, v4.w};
 #pragma unroll
