@@ -703,6 +703,41 @@ static void test_e4m3_encoder(void)
     free(vals);
 }
 
+/* The quantisers' codes at scales whose reciprocal is inexact (3, 5, 1000 /
+ * 448, 0.01 / 448): every bf16 value up to each scale's amax, both signs,
+ * 127 a row after the row's amax. At scale 3 every e4m3 midpoint times 3 is
+ * a bf16 value, so x / s lands exactly on the ties, where a code computed
+ * as x * (1 / s) would differ. The codes must equal the CPU's IEEE
+ * division; quant_cols_t sees the same values in 128x1 tiles. */
+static void test_e4m3_reciprocal_scales(void)
+{
+    const float lead[] = {1344.0f, 2240.0f, 1000.0f, 0.01f};
+    const int per = 127, K = 128;
+    int64_t n = 0, cap = 0;
+    for (int i = 0; i < 4; i++) cap += 2 * (int64_t)(mt_bf16_from_f32(lead[i]) + 1) + per;
+    float *vals = ref_floats(cap);
+    int *row_lead = malloc(sizeof(int) * (size_t)(cap / per + 8));
+    int rows = 0;
+    for (int i = 0; i < 4; i++) {
+        const int64_t first = n;
+        const uint16_t top = mt_bf16_from_f32(lead[i]);
+        for (uint32_t h = 0; h <= top; h++) {
+            vals[n++] = mt_bf16_to_f32((uint16_t)h);
+            vals[n++] = -mt_bf16_to_f32((uint16_t)h);
+        }
+        for (int64_t j = first; j < n; j += per) row_lead[rows++] = i;
+        while (n % per) vals[n++] = 0.0f; /* each leader's values start a row */
+    }
+    float *x = ref_floats((int64_t)rows * K);
+    for (int r = 0; r < rows; r++) {
+        x[(int64_t)r * K] = lead[row_lead[r]];
+        for (int i = 0; i < per; i++) x[(int64_t)r * K + 1 + i] = vals[(int64_t)r * per + i];
+    }
+    const int segs[] = {rows};
+    test_quant_rows_cols(segs, 1, K, K, x);
+    free(x), free(vals), free(row_lead);
+}
+
 static void test_quant_blocks_family(int N, int K, uint64_t seed)
 {
     const int NB = mt_ceil_div(N, 128), KB = mt_ceil_div(K, 128);
@@ -769,6 +804,7 @@ static void test_fp8_quant(void)
     test_quant_rows_cols(r2, 1, 7168, 7168, NULL);
     test_quant_rows_cols(r1, 1, 384, 384, NULL); /* 3 tiles: a warp's last tiles empty */
     test_e4m3_encoder();
+    test_e4m3_reciprocal_scales();
     test_quant_blocks_family(1, 1, 60);
     test_quant_blocks_family(130, 300, 61);
     test_quant_blocks_family(384, 256, 62);

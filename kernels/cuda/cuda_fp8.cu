@@ -13,7 +13,8 @@
  *
  * Launch shapes:
  *   quant_rows        one warp per 1x128 tile, 8 tiles per 256-thread block;
- *                     full tiles: a half-warp per tile, 4 tiles per warp
+ *                     full tiles: a half-warp per tile, a warp per strip of
+ *                     8 consecutive tiles of one row
  *   quant_cols_t      one 256-thread block per (128-row tile, 64 columns)
  *   quant_blocks(_sr) one 256-thread block per 128x128 block
  *   transpose_blocks  32x32 byte tiles, 32x8 threads
@@ -186,55 +187,52 @@ quant_rows_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__
 }
 
 /* Full tiles with 16-byte loads (K % 128 == 0, 16-byte aligned rows): a
- * half-warp per tile, 8 elements per lane, the amax over the half-warp's 16
- * lanes; each warp takes 2 * QRV_PAIRS consecutive tiles and issues all of
- * their loads before the first reduction, so more bytes are in flight than
- * quant_rows_kernel's one 8-byte load per lane. Same amax, scale and codes:
- * bit-identical. */
-#define QRV_PAIRS 2
+ * warp per strip of 2 * QRV_PAIRS consecutive tiles of one row, a
+ * half-warp per tile, 8 elements per lane; the warp's 32 lanes read 512
+ * contiguous bytes per load and issue all QRV_PAIRS loads before the first
+ * reduction. The row, its segment and the strip's first tile come from one
+ * 32-bit division per warp. Same amax, scale and codes as quant_rows_kernel:
+ * bit-identical. On an H200 ([65536, 7168], the proxy's expert rows): 0.590
+ * ms with a tile pair per half-warp pair and 64-bit index arithmetic per
+ * tile, 0.384-0.396 ms as strips of 8 tiles (2 tiles 0.426, 16 tiles 0.412). */
+#define QRV_PAIRS 4
 
 __global__ void __launch_bounds__(QR_WARPS * 32)
 quant_rows_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ x,
-                      int ldx, int M, int K, int KB, const __grid_constant__ fp8_segs segs)
+                      int ldx, int M, int K, int KB, int strips,
+                      const __grid_constant__ fp8_segs segs)
 {
     const int lane = threadIdx.x & 31, hl = lane & 15, half = lane >> 4;
-    const int64_t tiles = (int64_t)M * KB;
-    const int64_t t0 = ((int64_t)blockIdx.x * QR_WARPS + (threadIdx.x >> 5)) * (2 * QRV_PAIRS);
-    if (t0 >= tiles) return; /* whole warps leave together */
-    uint4 w[QRV_PAIRS];
+    const int w = blockIdx.x * QR_WARPS + (threadIdx.x >> 5);
+    if (w >= M * strips) return; /* whole warps leave together */
+    const int m = w / strips, kb0 = (w - m * strips) * (2 * QRV_PAIRS) + half;
+    const bf16 *xr = x + (int64_t)m * ldx + 8 * hl;
+    uint8_t *qr = q + (int64_t)m * K + 8 * hl;
+    uint4 v8[QRV_PAIRS];
 #pragma unroll
     for (int i = 0; i < QRV_PAIRS; i++) {
-        const int64_t t = t0 + 2 * i + half;
-        w[i] = make_uint4(0, 0, 0, 0);
-        if (t < tiles) {
-            const int m = (int)(t / KB), kb = (int)(t % KB);
-            w[i] = *(const uint4 *)(x + (int64_t)m * ldx + kb * MT_QTILE + 8 * hl);
-        }
+        const int kb = kb0 + 2 * i;
+        v8[i] = make_uint4(0, 0, 0, 0);
+        if (kb < KB) v8[i] = *(const uint4 *)(xr + kb * MT_QTILE);
     }
+    const int g = fp8_seg_find(segs.start, segs.G, m);
+    const int r0 = segs.start[g], rows = segs.start[g + 1] - r0;
+    float *sr = s + (int64_t)KB * r0 + (m - r0);
 #pragma unroll
     for (int i = 0; i < QRV_PAIRS; i++) {
-        const int64_t t = t0 + 2 * i + half;
-        const uint32_t u[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+        const int kb = kb0 + 2 * i;
         float v[8], amax = 0.0f;
+        cu_bf16x8_unpack(v8[i], v);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            v[2 * j] = fp8_bf16_lo(u[j]);
-            v[2 * j + 1] = fp8_bf16_hi(u[j]);
-            amax = fmaxf(amax, fmaxf(fabsf(v[2 * j]), fabsf(v[2 * j + 1])));
-        }
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
         for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(CU_FULL, amax, o));
-        if (t >= tiles) continue;
+        if (kb >= KB) continue;
         const float sc = cuda_scale_of(amax);
-        const int m = (int)(t / KB), kb = (int)(t % KB);
         uint32_t c[2] = {0, 0};
 #pragma unroll
         for (int j = 0; j < 8; j++) c[j >> 2] |= (uint32_t)cuda_e4m3(v[j], sc) << (8 * (j & 3));
-        *(uint2 *)(q + (int64_t)m * K + kb * MT_QTILE + 8 * hl) = make_uint2(c[0], c[1]);
-        if (hl == 0) {
-            const int g = fp8_seg_find(segs.start, segs.G, m);
-            const int r0 = segs.start[g], rows = segs.start[g + 1] - r0;
-            s[(int64_t)KB * r0 + (int64_t)kb * rows + (m - r0)] = sc;
-        }
+        *(uint2 *)(qr + kb * MT_QTILE) = make_uint2(c[0], c[1]);
+        if (hl == 0) sr[(int64_t)kb * rows] = sc;
     }
 }
 
@@ -251,9 +249,12 @@ static int cuda_quant_rows(mt_backend *be, uint8_t *q, float *s, const void *x, 
     const int64_t tiles = (int64_t)M * KB;
     CUDA_REQUIRE(tiles / QR_WARPS < 0x7fffffff, "quant_rows: %lld tiles is too many",
                  (long long)tiles);
-    if (K % MT_QTILE == 0 && ldx % 8 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)q % 8 == 0)
-        quant_rows_vec_kernel<<<cuda_grid(tiles, QR_WARPS * 2 * QRV_PAIRS), QR_WARPS * 32, 0,
-                                cuda_stream(be)>>>(q, s, (const bf16 *)x, ldx, M, K, KB, segs);
+    const int strips = mt_ceil_div(KB, 2 * QRV_PAIRS);
+    if (K % MT_QTILE == 0 && ldx % 8 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)q % 8 == 0 &&
+        (int64_t)M * strips < 0x7fffffff - QR_WARPS)
+        quant_rows_vec_kernel<<<cuda_grid((int64_t)M * strips, QR_WARPS), QR_WARPS * 32, 0,
+                                cuda_stream(be)>>>(q, s, (const bf16 *)x, ldx, M, K, KB, strips,
+                                                   segs);
     else
         quant_rows_kernel<<<cuda_grid(tiles, QR_WARPS), QR_WARPS * 32, 0, cuda_stream(be)>>>(
             q, s, (const bf16 *)x, ldx, M, K, KB, segs);
@@ -288,17 +289,52 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
     const int tid = threadIdx.x;
 
     /* load: full column ranges from a 16-byte-aligned source as 8 bf16 per
-     * thread (32 rows x 64 columns per pass), else 4 rows x 64 columns per
-     * pass one value per thread; coalesced along k either way */
+     * thread (thread t: columns 8 (t % 8) .. + 7 of rows t / 8 + 32 i, its 4
+     * loads issued together), the column maxima of its rows kept in
+     * registers and reduced over the warp's lanes, then over the 8 warps
+     * (pmax); else 4 rows x 64 columns per pass, one value per thread, and
+     * the column maxima read back from the tile. Coalesced along k either
+     * way; the maxima (and so scales and codes) are the same either way. */
     const bf16 *xb = x + (int64_t)(r0 + i0) * ldx + k0;
+    const int lane = tid & 31, wp = tid >> 5;
     if (nk == QC_COLS && (ldx & 7) == 0 && ((uintptr_t)xb & 15) == 0) {
+        __shared__ float pmax[256 / 32][QC_COLS];
         const int c8 = (tid % 8) * 8;
-        for (int r = tid / 8; r < MT_QTILE; r += 256 / 8) {
-            uint4 w = make_uint4(0, 0, 0, 0);
-            if (r < n) w = *(const uint4 *)(xb + (int64_t)r * ldx + c8);
-            const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+        uint4 w[MT_QTILE / 32];
 #pragma unroll
-            for (int j = 0; j < 4; j++) *(uint32_t *)&tile[r][c8 + 2 * j] = u[j];
+        for (int i = 0; i < MT_QTILE / 32; i++) {
+            const int r = tid / 8 + 32 * i;
+            w[i] = make_uint4(0, 0, 0, 0);
+            if (r < n) w[i] = *(const uint4 *)(xb + (int64_t)r * ldx + c8);
+        }
+        float a[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) a[j] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MT_QTILE / 32; i++) {
+            const uint32_t u[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+            const int r = tid / 8 + 32 * i;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                *(uint32_t *)&tile[r][c8 + 2 * j] = u[j];
+                a[2 * j] = fmaxf(a[2 * j], fabsf(fp8_bf16_lo(u[j])));
+                a[2 * j + 1] = fmaxf(a[2 * j + 1], fabsf(fp8_bf16_hi(u[j])));
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            a[j] = fmaxf(a[j], __shfl_xor_sync(CU_FULL, a[j], 8));
+            a[j] = fmaxf(a[j], __shfl_xor_sync(CU_FULL, a[j], 16));
+        }
+        if (lane < 8)
+#pragma unroll
+            for (int j = 0; j < 8; j++) pmax[wp][c8 + j] = a[j];
+        __syncthreads();
+        if (tid < QC_COLS) {
+            float m = pmax[0][tid];
+#pragma unroll
+            for (int i = 1; i < 256 / 32; i++) m = fmaxf(m, pmax[i][tid]);
+            scl[tid] = cuda_scale_of(m);
         }
     } else {
         const int c = tid % QC_COLS;
@@ -306,13 +342,10 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
             tile[r][c] = (r < n && c < nk)
                              ? (uint16_t)(__float_as_uint(cuda_ld(xb, (int64_t)r * ldx + c)) >> 16)
                              : 0;
-    }
-    __syncthreads();
-    /* column maxima: warp w owns columns w * 8 .. w * 8 + 7 */
-    {
-        const int lane = tid & 31, w = tid >> 5;
+        __syncthreads();
+        /* column maxima: warp w owns columns w * 8 .. w * 8 + 7 */
         for (int cc = 0; cc < QC_COLS / 8; cc++) {
-            const int c = w * (QC_COLS / 8) + cc;
+            const int c = wp * (QC_COLS / 8) + cc;
             float a = 0.0f;
             for (int r = lane; r < MT_QTILE; r += 32) a = fmaxf(a, fabsf(fp8_bf16_lo(tile[r][c])));
             a = cu_warp_max(a);
@@ -330,10 +363,11 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
         const int r4 = (tid % 32) * 4;
         for (int c = tid / 32; c < nk; c += 256 / 32) {
             if (r4 >= n) continue;
+            const float sc = scl[c];
             uint32_t w = 0;
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                w |= (uint32_t)cuda_e4m3(fp8_bf16_lo(tile[r4 + j][c]), scl[c]) << (8 * j);
+                w |= (uint32_t)cuda_e4m3(fp8_bf16_lo(tile[r4 + j][c]), sc) << (8 * j);
             *(uint32_t *)(qg + (int64_t)(k0 + c) * rows + i0 + r4) = w;
         }
     } else {

@@ -429,6 +429,11 @@ int main(int argc, char **argv)
     if (SECTION("mem")) {
         bench_mem("quant_rows 1x128", 1, 4096, 7168, 4096.0 * 7168 * 3);
         bench_mem("quant_cols_t 128x1", 2, 4096, 7168, 4096.0 * 7168 * 3);
+        /* the proxy's routed-expert rows (8192 tokens x top-8) */
+        bench_mem("quant_rows experts' x", 1, 65536, 7168, 65536.0 * 7168 * 3);
+        bench_mem("quant_cols_t experts' x", 2, 65536, 7168, 65536.0 * 7168 * 3);
+        bench_mem("quant_rows experts' dy", 1, 65536, 2048, 65536.0 * 2048 * 3);
+        bench_mem("quant_cols_t experts' dy", 2, 65536, 2048, 65536.0 * 2048 * 3);
         bench_mem("rmsnorm_fwd", 3, 4096, 7168, 4096.0 * 7168 * 4);
         bench_mem("rmsnorm_fwd q_a", 3, 4096, 1536, 4096.0 * 1536 * 4);
         bench_mem("rmsnorm_fwd kv_a", 3, 4096, 512, 4096.0 * 512 * 4);
