@@ -728,14 +728,35 @@ static void test_e4m3_reciprocal_scales(void)
         for (int64_t j = first; j < n; j += per) row_lead[rows++] = i;
         while (n % per) vals[n++] = 0.0f; /* each leader's values start a row */
     }
-    float *x = ref_floats((int64_t)rows * K);
+    const int rows4 = (rows + 3) / 4 * 4; /* quant_cols_t's path for segments of 4s */
+    float *x = ref_floats((int64_t)rows4 * K);
+    for (int r = rows; r < rows4; r++) /* extra rows: a 448 and zeros */
+        for (int k = 0; k < K; k++) x[(int64_t)r * K + k] = k ? 0.0f : 448.0f;
     for (int r = 0; r < rows; r++) {
         x[(int64_t)r * K] = lead[row_lead[r]];
         for (int i = 0; i < per; i++) x[(int64_t)r * K + 1 + i] = vals[(int64_t)r * per + i];
     }
-    const int segs[] = {rows};
+    const int segs[] = {rows, rows4};
     test_quant_rows_cols(segs, 1, K, K, x);
+    test_quant_rows_cols(segs + 1, 1, K, K, x);
     free(x), free(vals), free(row_lead);
+}
+
+/* Zero rows, as the fp8 recipe pads every expert segment with (whole
+ * 128-row tiles of quant_rows, 4-row groups of quant_cols_t, which skip
+ * the division for them): +0 and -0 alternating, next to nonzero rows in
+ * the same column tiles; codes must be zeros of the values' signs. */
+static void test_quant_zero_rows(void)
+{
+    const int rows[] = {4, 0, 132, 256}, G = 4, K = 256, M = 392;
+    float *x = rnd_act((int64_t)M * K, 77, 1.0f);
+    for (int r = 0; r < M; r++) {
+        const int zero = (r >= 4 + 64 && r < 4 + 132) || (r >= 136 + 128) || r == 1;
+        if (zero)
+            for (int k = 0; k < K; k++) x[(int64_t)r * K + k] = (k + r) % 2 ? -0.0f : 0.0f;
+    }
+    test_quant_rows_cols(rows, G, K, K, x);
+    free(x);
 }
 
 static void test_quant_blocks_family(int N, int K, uint64_t seed)
@@ -805,6 +826,7 @@ static void test_fp8_quant(void)
     test_quant_rows_cols(r1, 1, 384, 384, NULL); /* 3 tiles: a warp's last tiles empty */
     test_e4m3_encoder();
     test_e4m3_reciprocal_scales();
+    test_quant_zero_rows();
     test_quant_blocks_family(1, 1, 60);
     test_quant_blocks_family(130, 300, 61);
     test_quant_blocks_family(384, 256, 62);

@@ -113,10 +113,13 @@ __device__ __forceinline__ void cuda_st(bf16 *p, int64_t i, float v) { p[i] = __
  * slower on an H200 ([65536, 7168] bf16 through quant_rows' strips, 0.384
  * ms dividing): x * (1 / s) with a check for an e4m3 rounding boundary
  * nearby 0.466 ms, converting x * (1 / s)'s neighbours 8 floats either side
- * 0.596; skipping the division for zeros (which take its slow path) helps
- * only where zeros are many: on the proxy's padded expert rows quant_rows
- * and quant_cols_t took 21.7-22.0 and 24.8-25.4 ms a step with it, 19.1 and
- * 22.3 ms without. */
+ * 0.596. A zero dividend takes the division's slow path, but skipping it
+ * for zeros did not pay even on the proxy's zero-padded expert rows: a test
+ * per element, quant_rows and quant_cols_t 21.7-22.0 and 24.8-25.4 ms a
+ * step against 19.1 and 22.3 without (one host); a test per zero tile of
+ * quant_rows and per 4-row group of quant_cols_t, 17.8 and 22.7 ms against
+ * 17.9-19.1 and 21.9-22.3 without (other hosts), and 2 % and 8 % slower on
+ * zero-free data (bench_ops_cuda, one host). */
 __device__ __forceinline__ uint8_t cuda_e4m3(float x, float s)
 {
     return (uint8_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3);
