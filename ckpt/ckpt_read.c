@@ -806,7 +806,8 @@ int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr)
 
 /* MT_CKPT_READAHEAD_MB (bytes held ahead) and MT_CKPT_READAHEAD_PIECE_MB
  * (the largest piece read ahead), else the defaults: for measurements of
- * the load against dd (tests/bench/bench_ckpt). */
+ * the load against dd (tests/bench/bench_ckpt). Read when asked, as the
+ * other MT_CKPT_ knobs are. */
 static int64_t env_mb(const char *name, int dflt)
 {
     const char *e = getenv(name);
@@ -814,25 +815,11 @@ static int64_t env_mb(const char *name, int dflt)
     return (int64_t)(v > 0 ? v : dflt) << 20;
 }
 
-static pthread_once_t pf_env_once = PTHREAD_ONCE_INIT;
-static int64_t pf_bytes_cap, pf_piece_cap;
-
-static void pf_env_read(void)
-{
-    pf_bytes_cap = env_mb("MT_CKPT_READAHEAD_MB", PF_BYTES_DEFAULT_MB);
-    pf_piece_cap = env_mb("MT_CKPT_READAHEAD_PIECE_MB", PF_PIECE_MAX_DEFAULT_MB);
-}
-
-static int64_t pf_bytes(void)
-{
-    pthread_once(&pf_env_once, pf_env_read);
-    return pf_bytes_cap;
-}
+static int64_t pf_bytes(void) { return env_mb("MT_CKPT_READAHEAD_MB", PF_BYTES_DEFAULT_MB); }
 
 static int64_t pf_piece_max(void)
 {
-    pthread_once(&pf_env_once, pf_env_read);
-    return pf_piece_cap;
+    return env_mb("MT_CKPT_READAHEAD_PIECE_MB", PF_PIECE_MAX_DEFAULT_MB);
 }
 
 enum { PF_NONE = 0, PF_RUNNING, PF_READY };
