@@ -964,6 +964,20 @@ static void test_gemm_fp8(void)
     /* aligned C, K >= 4096: swapped order */
     test_gemm_fp8_rows(r6, 1, 256, 4096, 0, 0, 0);
     test_gemm_fp8_rows(r5, 4, 128, 4224, 0, 1, 8);
+    /* Cases for the grouped kernel (cuda_fp8_grouped.cu, MOETRAIN_FP8_GEMM=own;
+     * it takes K % 16 == 0, N even, ldc % 4 == 0; on cuBLASLt otherwise
+     * and by default), some of its own rows: row tiles cut
+     * by their segment's end, empty segments, partial N tiles (a 2-column
+     * tail among them) and K blocks (TMA's zero fill), and more tiles than
+     * SMs, so CTAs loop and the ring of slots wraps across tiles. (main
+     * runs all of test_gemm_fp8 on it once more: the G = 1 cases too.) */
+    const int r7[] = {3, 129, 250}, r8[] = {600, 300, 0, 450, 520};
+    test_gemm_fp8_rows(r7, 3, 300, 272, 1, 1, 0);
+    test_gemm_fp8_rows(r7, 3, 300, 272, 0, 1, 4);
+    test_gemm_fp8_rows(r7, 3, 298, 272, 1, 1, 2);
+    test_gemm_fp8_rows(r7, 3, 298, 272, 0, 0, 6);
+    test_gemm_fp8_rows(r8, 5, 1024, 512, 0, 0, 0);
+    test_gemm_fp8_rows(r8, 5, 1152, 640, 1, 1, 4);
 }
 
 /* ---- norms, SwiGLU, embedding ------------------------------------------------------------- */
@@ -1878,6 +1892,23 @@ static void test_vector_paths(void)
         fflush(stdout);                                                               \
     } while (0)
 
+/* BE[1] = a CUDA backend created with var=value in the environment (GPU
+ * results labelled `label`); 0 with a failure counted if it cannot be. */
+static int second_backend(const char *var, const char *value, const char *label)
+{
+    setenv(var, value, 1);
+    int rc = mt_backend_cuda_create(&BE[1], 0, (size_t)4 << 30);
+    unsetenv(var);
+    if (rc != MT_OK) {
+        printf("FAIL  %-18s %-46s creating a backend with %s=%s: %s: %s\n", "backend", "-", var,
+               value, mt_strstatus(rc), mt_errmsg());
+        n_fail++;
+        return 0;
+    }
+    gpu_label = label;
+    return 1;
+}
+
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -1908,25 +1939,22 @@ int main(void)
     SECTION("determinism (cuda, the same op twice)", test_determinism());
     SECTION("vector paths (cuda, bit-identical to the element kernels)", test_vector_paths());
 
-    /* The GEMMs again on cuBLASLt's fallback kernels (MOETRAIN_GEMM=fallback
-     * is read when a backend is created). */
+    /* The GEMMs again on cuBLASLt's fallback kernels, and the FP8 GEMMs on
+     * the grouped kernel (cuda_fp8_grouped.cu) wherever it fits: both
+     * settings are read when a backend is created. */
     mt_backend *main_gpu = BE[1];
-    setenv("MOETRAIN_GEMM", "fallback", 1);
-    int rc = mt_backend_cuda_create(&BE[1], 0, (size_t)4 << 30);
-    unsetenv("MOETRAIN_GEMM");
-    if (rc != MT_OK) {
-        printf("FAIL  %-18s %-46s creating a second backend: %s: %s\n", "gemm fallback", "-",
-               mt_strstatus(rc), mt_errmsg());
-        n_fail++;
-        BE[1] = main_gpu;
-    } else {
-        gpu_label = "cuda-fallback";
+    if (second_backend("MOETRAIN_GEMM", "fallback", "cuda-fallback")) {
         SECTION("gemm (MOETRAIN_GEMM=fallback)", test_gemm());
         SECTION("gemm_grouped (fallback)", test_gemm_grouped());
         SECTION("gemm_fp8 (fallback)", test_gemm_fp8());
         BE[1]->destroy(BE[1]);
-        BE[1] = main_gpu;
     }
+    if (second_backend("MOETRAIN_FP8_GEMM", "own", "cuda-own")) {
+        SECTION("gemm_fp8 (MOETRAIN_FP8_GEMM=own)", test_gemm_fp8());
+        BE[1]->destroy(BE[1]);
+    }
+    BE[1] = main_gpu;
+    gpu_label = "cuda";
     printf("==== test_ops_cuda: %d passed, %d failed (%.1f s)\n", n_pass, n_fail, mt_now_s() - t0);
     BE[1]->destroy(BE[1]);
     BE[0]->destroy(BE[0]);

@@ -20,6 +20,13 @@
  * The order of a shape is a fixed rule of K (fp8_direct_pays), so runs are
  * reproducible; a shape cuBLASLt has no direct algorithm for runs swapped.
  * MOETRAIN_FP8_GEMM=direct or =swap forces one order (benchmarks).
+ * MOETRAIN_FP8_GEMM=own runs the forward and data-gradient calls (reduce =
+ * 0) on the own persistent kernel of cuda_fp8_grouped.cu wherever its
+ * requirements hold: one launch over every expert segment. It is not the
+ * default because it measured slower than the per-expert cuBLASLt calls on
+ * most of the proxy's expert shapes (one H200, tests/bench/RESULTS.md,
+ * issue 18's ninth round: 32 experts' gate 873-916 TFLOPS against 931-968,
+ * down 804-881 against 839-847), and the proxy's step 2 % longer with it.
  *
  * Plans (descriptors, layouts, the heuristic's algorithm) are cached per
  * shape. A shape cuBLASLt cannot run (no algorithm: alignment, odd sizes in
@@ -67,7 +74,9 @@ struct cuda_gemm_cache {
     gemm_plan slot[GEMM_SLOTS];
     int force_fallback;
     int fp8_order;     /* MOETRAIN_FP8_GEMM: 0 "auto" (fp8_direct_pays), 1 "direct",
-                        * 2 "swap" wherever cuBLASLt runs them */
+                        * 2 "swap" wherever cuBLASLt runs them, 3 "own": auto's
+                        * orders, and the grouped kernel wherever it fits */
+    int own_ok;        /* the grouped kernel can run on this device (cuda_fp8_grouped.cu) */
     int n_fallback_logged;
 };
 
@@ -565,8 +574,12 @@ static int cuda_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc
     const size_t ce = c_f32 ? 4 : 2;
     const int KB = (K + 127) / 128;
     const int order = c->gemm->fp8_order;
+    if (!reduce && order == 3 && c->gemm->own_ok && !c->gemm->force_fallback &&
+        cuda_fp8_grouped_fits(C, c_f32, ldc, A, B, b_stride, G, N, K))
+        return cuda_fp8_grouped(be, C, c_f32, ldc, A, sa, B, sb, b_stride, sb_stride, rows, G,
+                                N, K, accumulate);
     const int direct = !c->gemm->force_fallback &&
-                       (order == 1 || (order == 0 && fp8_direct_pays(reduce, K)));
+                       (order == 1 || ((order == 0 || order == 3) && fp8_direct_pays(reduce, K)));
     /* The direct order needs the weights' scales per row: expanded once for
      * all groups into the head of the op scratch (G * N * KB floats, 1/128 of
      * the weights' elements). Weight-gradient operands are 1x128 already. */
@@ -621,9 +634,18 @@ int cuda_install_gemm(mt_backend *be)
     const char *env = getenv("MOETRAIN_GEMM");
     c->gemm->force_fallback = env && strcmp(env, "fallback") == 0;
     env = getenv("MOETRAIN_FP8_GEMM");
-    c->gemm->fp8_order = !env ? 0 : !strcmp(env, "direct") ? 1 : !strcmp(env, "swap") ? 2 : 0;
+    c->gemm->fp8_order = !env                    ? 0
+                         : !strcmp(env, "direct") ? 1
+                         : !strcmp(env, "swap")   ? 2
+                         : !strcmp(env, "own")    ? 3
+                                                  : 0;
     if (env && c->gemm->fp8_order == 0 && strcmp(env, "auto") != 0)
-        mt_log(MT_LOG_WARN, "MOETRAIN_FP8_GEMM=%s: expected auto, direct or swap; using auto", env);
+        mt_log(MT_LOG_WARN, "MOETRAIN_FP8_GEMM=%s: expected auto, direct, swap or own; using auto",
+               env);
+    c->gemm->own_ok = c->gemm->fp8_order == 3 && cuda_fp8_grouped_init(be);
+    if (c->gemm->fp8_order == 3 && !c->gemm->own_ok)
+        mt_log(MT_LOG_WARN, "MOETRAIN_FP8_GEMM=own: the grouped kernel cannot run here (no "
+                            "cuTensorMapEncodeTiled or too little shared memory); using auto");
     be->gemm = cuda_gemm;
     be->gemm_grouped = cuda_gemm_grouped;
     be->gemm_fp8 = cuda_gemm_fp8;

@@ -8,7 +8,8 @@
  * ops (rmsnorm_bwd and rope at the proxy shapes too) and the optimizer
  * print GB/s (bytes read + written once) and the
  * ratio to a device-to-device copy measured here. MOETRAIN_FP8_GEMM=
- * direct|swap compares the FP8 operand orders (kernels/cuda/cuda_gemm.cu). Timing: wall time
+ * direct|swap compares the FP8 operand orders, =own the grouped FP8
+ * kernel (kernels/cuda/cuda_gemm.cu, cuda_fp8_grouped.cu). Timing: wall time
  * of N back-to-back calls after warm-up and a synchronisation, median of 5.
  * Results: tests/bench/RESULTS.md.
  */
@@ -413,6 +414,8 @@ int main(int argc, char **argv)
         bench_gemm("fp8 dense down [4096,18432]x[7168]", 1, 4096, 7168, 18432, 1, 1340);
         bench_gemm("fp8 experts gate 32x[1024,7168]x[2048]", 1, 1024, 2048, 7168, 32, 1340);
         bench_gemm("fp8 experts down 32x[1024,2048]x[7168]", 1, 1024, 7168, 2048, 32, 1340);
+        bench_gemm("fp8 experts gate 32x[2048,7168]x[2048]", 1, 2048, 2048, 7168, 32, 1340);
+        bench_gemm("fp8 experts down 32x[2048,2048]x[7168]", 1, 2048, 7168, 2048, 32, 1340);
         bench_gemm("bf16 head [4096,7168]x[129280]", 0, 4096, 129280, 7168, 1, 890);
     }
     if (SECTION("wgrad")) {

@@ -1,0 +1,467 @@
+/* cuda_fp8_grouped.cu - the routed experts' FP8 GEMM (forward and data
+ * gradient: gemm_fp8 with reduce = 0) as one persistent Hopper kernel over
+ * every expert segment, instead of a cuBLASLt call per expert.
+ *
+ * Contract (ops.h's gemm_fp8, reduce = 0):
+ *   A  [M, K] e4m3, K contiguous (quant_rows output), M = sum of rows[g];
+ *      segment g (rows r_g .. r_g + rows[g]) has VEC128 scales [KB, rows[g]]
+ *      at sa + KB * r_g: sa_g(i, kb) = sa[KB * r_g + kb * rows[g] + i].
+ *   B_g [N, K] e4m3 at B + g * b_stride, K contiguous, BLK128 scales
+ *      [NB, KB] at sb + g * sb_stride.
+ *   C  [M, N] bf16 or fp32 (ldc): C[r_g + i, n] (+)= sum_kb sa_g(i, kb)
+ *      sb_g(n / 128, kb) sum_{k in kb} A[r_g + i, k] B_g[n, k], a bf16 C
+ *      rounded once after the addition.
+ * Each 128-wide K block is summed by the tensor cores (wgmma, fp32 out) and
+ * promoted into an fp32 accumulator in registers with its two scales, as
+ * DeepSeek-V3's recipe says (the tensor cores' fp8 sums keep fewer bits
+ * than fp32, so no sum runs longer than 128 products).
+ *
+ * Shape of the kernel: a CTA per SM, looping over 128 x 128 output tiles
+ * (tile t: m-tile t / NT over all segments in order, n-tile t % NT, so the
+ * CTAs running together share their expert's B_g through L2).
+ *  - Warp 0 of warpgroup 0, one thread, is the producer: it moves A and B
+ *    blocks of 128 x 128 bytes into a ring of GF_STAGES shared-memory slots
+ *    with TMA (128-byte swizzle, the layout wgmma reads), signalling a
+ *    "full" mbarrier per slot with the bytes it expects.
+ *  - Warpgroups 1 and 2 each own 64 rows of the tile: per K block they wait
+ *    for the slot, issue 4 wgmma m64n128k32, wait for them, free the slot
+ *    (the "empty" mbarrier, one arrival per consumer warp) and fold the
+ *    block into their accumulator with sa * sb, the next block's scales
+ *    already loading. At the tile's end they write the accumulator to a
+ *    staging tile in shared memory and go on with the next tile.
+ *  - Warps 1..3 of warpgroup 0 store the staging tile to C as whole rows
+ *    (16-byte accesses; C read there for accumulation) while the consumers
+ *    compute the next one; two more mbarriers hand the staging tile over.
+ * TMA fills rows past a tensor's end with zeros; rows of a tile past its
+ * segment's end are computed and not stored (their scales taken as 0).
+ *
+ * Requirements (cuda_fp8_grouped_fits): Hopper (sm_90a), K % 16 == 0 and
+ * 16-byte aligned A and B with b_stride % 16 == 0 (TMA's global strides),
+ * N even, ldc % 4 == 0 and C 16-byte aligned (the row stores), at most
+ * GF_MAX_G segments. Other shapes run on cuBLASLt (cuda_gemm.cu).
+ * Deterministic: fixed tiles, fixed order of the K blocks.
+ */
+#include <cuda.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_impl.h"
+#include "base/mt_log.h"
+
+#define GF_MAX_G 256   /* segments a launch takes (their offsets are kernel parameters) */
+#define GF_BM 128      /* tile rows: 2 consumer warpgroups x 64 */
+#define GF_BK 128      /* bytes (e4m3 values) per K block: one scale block */
+#define GF_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
+#define GF_SLOT_A (GF_BM * GF_BK)
+
+#define GF_BN 128      /* tile columns: one wgmma n128, one scale block of B */
+#define GF_STAGES 4    /* ring slots (a power of 2; 32 KB each) */
+#define GF_AHEAD 3     /* K blocks the consumers' scale loads run ahead (measured on
+                        * an H200: 1 block ahead left the consumers waiting on them,
+                        * 3 gained 4-11 % on the experts' shapes) */
+#define GF_SLOT_B (GF_BN * GF_BK)
+#define GF_STAGE_LD (GF_BN + 8) /* staging row stride in floats: a warp's 8-row
+                                  * fragment writes spread over the banks */
+/* shared memory: the ring, the fp32 staging tile, 2 x GF_STAGES + 2
+ * barriers, and slack to align the ring to 1024 bytes (the swizzle period) */
+#define GF_SMEM                                                                \
+    (GF_STAGES * (GF_SLOT_A + GF_SLOT_B) + GF_BM * GF_STAGE_LD * 4 + (2 * GF_STAGES + 2) * 8 + 1024)
+
+typedef struct gf_params {
+    void *C;
+    const float *sa, *sb;
+    int64_t sb_stride;
+    int c_f32, ldc, accumulate;
+    int N, KB, NT, G, tiles;
+    int off[GF_MAX_G + 1];    /* row offset of segment g (off[G] = M) */
+    int tstart[GF_MAX_G + 1]; /* first m-tile of segment g (tstart[G]: all) */
+} gf_params;
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GF_DEVICE 1
+#endif
+
+#ifdef GF_DEVICE
+__device__ __forceinline__ uint32_t gf_smem(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void gf_bar_init(uint64_t *bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(gf_smem(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void gf_bar_expect(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(gf_smem(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void gf_bar_arrive(uint64_t *bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(gf_smem(bar)) : "memory");
+}
+
+/* Waits until the barrier's phase of parity `ph` has completed. */
+__device__ __forceinline__ void gf_bar_wait(uint64_t *bar, uint32_t ph)
+{
+    uint32_t a = gf_smem(bar), done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(a), "r"(ph)
+                     : "memory");
+    } while (!done);
+}
+
+/* TMA: a box of the tensor map at coordinates (x innermost) into shared
+ * memory, completing `bar`'s expected bytes. */
+__device__ __forceinline__ void gf_tma_2d(void *dst, const CUtensorMap *map, int x, int y,
+                                          uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(gf_smem(dst)),
+                 "l"((uint64_t)map), "r"(x), "r"(y), "r"(gf_smem(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void gf_tma_3d(void *dst, const CUtensorMap *map, int x, int y, int z,
+                                          uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(gf_smem(dst)),
+                 "l"((uint64_t)map), "r"(x), "r"(y), "r"(z), "r"(gf_smem(bar))
+                 : "memory");
+}
+
+/* wgmma shared-memory descriptor of a K-major tile written by TMA with the
+ * 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart (the
+ * stride byte offset), the leading offset unused for this layout; the tile
+ * base is 1024-byte aligned, so stepping K by 32 values adds 32 bytes to the
+ * start address and the hardware applies the swizzle. */
+__device__ __forceinline__ uint64_t gf_desc(const void *p)
+{
+    uint64_t a = gf_smem(p);
+    return ((a & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+/* Keeps the compiler from moving accumulator accesses across wgmma's
+ * asynchronous reads and writes of them. */
+__device__ __forceinline__ void gf_fence_acc(float (&d)[64])
+{
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* D[64 x 128] (+)= A[64 x 32] B[128 x 32]^T, e4m3 in, fp32 out, both operands
+ * K-major in shared memory (descriptors below); scale_d 0 starts a new sum. */
+__device__ __forceinline__ void gf_wgmma_k32(float (&d)[64], uint64_t da, uint64_t db, int scale_d)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+/* Tile t's segment g, first row inside the segment, first column. */
+__device__ __forceinline__ void gf_tile(const gf_params &p, int t, int &g, int &row0, int &n0)
+{
+    const int mt = t / p.NT;
+    n0 = (t - mt * p.NT) * GF_BN;
+    int lo = 0, hi = p.G - 1; /* the last g with tstart[g] <= mt (empty segments skipped) */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (p.tstart[mid] <= mt) lo = mid; else hi = mid - 1;
+    }
+    g = lo;
+    row0 = (mt - p.tstart[g]) * GF_BM;
+}
+
+/* Rows of the staging tile to C: warp w of `nw` takes rows w, w + nw, ...;
+ * lane l columns 4 l .. 4 l + 3 (16 bytes of fp32, 8 of bf16). */
+__device__ __forceinline__ void gf_store_tile(const gf_params &p, const float *staging, int g,
+                                              int row0, int n0, int w, int nw, int lane)
+{
+    const int Mg = p.off[g + 1] - p.off[g], n = n0 + 4 * lane;
+    if (n >= p.N) return;
+    const int rows = min(GF_BM, Mg - row0);
+    for (int rr = w; rr < rows; rr += nw) {
+        const int64_t ci = (int64_t)(p.off[g] + row0 + rr) * p.ldc + n;
+        float4 v = *(const float4 *)(staging + rr * GF_STAGE_LD + 4 * lane);
+        if (p.c_f32) {
+            float *c = (float *)p.C + ci;
+            if (n + 4 <= p.N) {
+                if (p.accumulate) {
+                    float4 o = *(const float4 *)c;
+                    v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
+                }
+                *(float4 *)c = v;
+            } else { /* N even: 2 columns left */
+                if (p.accumulate) v.x += c[0], v.y += c[1];
+                *(float2 *)c = make_float2(v.x, v.y);
+            }
+        } else {
+            bf16 *c = (bf16 *)p.C + ci;
+            if (n + 4 <= p.N) {
+                if (p.accumulate) {
+                    uint2 raw = *(const uint2 *)c;
+                    float2 o0 = __bfloat1622float2(*(__nv_bfloat162 *)&raw.x);
+                    float2 o1 = __bfloat1622float2(*(__nv_bfloat162 *)&raw.y);
+                    v.x += o0.x, v.y += o0.y, v.z += o1.x, v.w += o1.y;
+                }
+                __nv_bfloat162 w0 = __floats2bfloat162_rn(v.x, v.y);
+                __nv_bfloat162 w1 = __floats2bfloat162_rn(v.z, v.w);
+                uint2 raw;
+                raw.x = *(uint32_t *)&w0, raw.y = *(uint32_t *)&w1;
+                *(uint2 *)c = raw;
+            } else {
+                __nv_bfloat162 *c2 = (__nv_bfloat162 *)c;
+                if (p.accumulate) {
+                    float2 o = __bfloat1622float2(*c2);
+                    v.x += o.x, v.y += o.y;
+                }
+                *c2 = __floats2bfloat162_rn(v.x, v.y);
+            }
+        }
+    }
+}
+#endif
+
+__global__ void __launch_bounds__(GF_THREADS, 1)
+k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+              const __grid_constant__ gf_params p)
+{
+#ifdef GF_DEVICE
+    extern __shared__ uint8_t gf_raw[];
+    uint8_t *base = gf_raw + ((1024 - (gf_smem(gf_raw) & 1023)) & 1023);
+    uint8_t *slot_a = base, *slot_b = base + GF_STAGES * GF_SLOT_A;
+    float *staging = (float *)(slot_b + GF_STAGES * GF_SLOT_B);
+    uint64_t *full = (uint64_t *)(staging + GF_BM * GF_STAGE_LD), *empty = full + GF_STAGES;
+    uint64_t *st_full = empty + GF_STAGES, *st_empty = st_full + 1;
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GF_STAGES; s++) {
+            gf_bar_init(&full[s], 1);
+            gf_bar_init(&empty[s], 8); /* the consumer warps */
+        }
+        gf_bar_init(st_full, 8);  /* the consumer warps wrote the staging tile */
+        gf_bar_init(st_empty, 3); /* the storer warps drained it */
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0 && warp == 0) {
+        if (lane != 0) return;
+        /* the producer */
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
+        uint32_t it = 0;
+        for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+            int g, row0, n0;
+            gf_tile(p, t, g, row0, n0);
+            const int arow = p.off[g] + row0;
+            for (int kb = 0; kb < p.KB; kb++, it++) {
+                const int s = it & (GF_STAGES - 1);
+                gf_bar_wait(&empty[s], ((it / GF_STAGES) & 1) ^ 1);
+                gf_bar_expect(&full[s], GF_SLOT_A + GF_SLOT_B);
+                gf_tma_2d(slot_a + s * GF_SLOT_A, &map_a, kb * GF_BK, arow, &full[s]);
+                gf_tma_3d(slot_b + s * GF_SLOT_B, &map_b, kb * GF_BK, n0, g, &full[s]);
+            }
+        }
+        return;
+    }
+    if (wg == 0) {
+        /* the storers */
+        uint32_t ti = 0;
+        for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
+            int g, row0, n0;
+            gf_tile(p, t, g, row0, n0);
+            gf_bar_wait(st_full, ti & 1);
+            gf_store_tile(p, staging, g, row0, n0, warp - 1, 3, lane);
+            __syncwarp();
+            if (lane == 0) gf_bar_arrive(st_empty);
+        }
+        return;
+    }
+
+    /* consumers: warpgroup cw owns rows cw * 64 .. + 63 of each tile; this
+     * thread's accumulator rows are ra and ra + 8, its columns
+     * 8 j + 2 (lane % 4) + {0, 1} for j < 16 (wgmma's fp32 fragment: value
+     * 4 j + 2 h + e is row ra + 8 h, column 8 j + 2 (lane % 4) + e). */
+    const int cw = wg - 1, rt = cw * 64 + warp * 16 + (lane >> 2), ct = 2 * (lane & 3);
+    /* descriptors of slot 0; slot s is (s * slot bytes) >> 4 further */
+    const uint64_t da0 = gf_desc(slot_a + cw * 64 * GF_BK), db0 = gf_desc(slot_b);
+    uint32_t it = 0, ti = 0;
+    for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
+        int g, row0, n0;
+        gf_tile(p, t, g, row0, n0);
+        const int Mg = p.off[g + 1] - p.off[g];
+        const int ra = row0 + rt, rb = ra + 8;
+        const float *sag = p.sa + (int64_t)p.KB * p.off[g];
+        const float *sbg = p.sb + g * p.sb_stride + (int64_t)(n0 / 128) * p.KB;
+        float acc[64], d[64];
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[i] = d[i] = 0.0f;
+        /* block kb's scales in registers GF_AHEAD blocks ahead: their load
+         * takes longer than a block's tensor work */
+        float q_a[GF_AHEAD], q_a8[GF_AHEAD], q_b[GF_AHEAD];
+#pragma unroll
+        for (int i = 0; i < GF_AHEAD; i++) {
+            const int64_t o = (int64_t)i * Mg;
+            const bool in = i < p.KB;
+            q_a[i] = in && ra < Mg ? __ldg(sag + o + ra) : 0.0f;
+            q_a8[i] = in && rb < Mg ? __ldg(sag + o + rb) : 0.0f;
+            q_b[i] = in ? __ldg(sbg + i) : 0.0f;
+        }
+        for (int kb = 0; kb < p.KB; kb++, it++) {
+            const float s_a = q_a[0], s_a8 = q_a8[0], s_b = q_b[0];
+#pragma unroll
+            for (int i = 0; i + 1 < GF_AHEAD; i++)
+                q_a[i] = q_a[i + 1], q_a8[i] = q_a8[i + 1], q_b[i] = q_b[i + 1];
+            if (kb + GF_AHEAD < p.KB) {
+                const int64_t o = (int64_t)(kb + GF_AHEAD) * Mg;
+                q_a[GF_AHEAD - 1] = ra < Mg ? __ldg(sag + o + ra) : 0.0f;
+                q_a8[GF_AHEAD - 1] = rb < Mg ? __ldg(sag + o + rb) : 0.0f;
+                q_b[GF_AHEAD - 1] = __ldg(sbg + kb + GF_AHEAD);
+            }
+            const uint32_t s = it & (GF_STAGES - 1);
+            gf_bar_wait(&full[s], (it / GF_STAGES) & 1);
+            const uint64_t da = da0 + ((s * GF_SLOT_A) >> 4), db = db0 + ((s * GF_SLOT_B) >> 4);
+            gf_fence_acc(d);
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int k = 0; k < GF_BK / 32; k++) gf_wgmma_k32(d, da + 2 * k, db + 2 * k, k);
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            gf_fence_acc(d);
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            gf_fence_acc(d);
+            __syncwarp();
+            if (lane == 0) gf_bar_arrive(&empty[s]);
+            const float fa = s_a * s_b, fb = s_a8 * s_b;
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                acc[4 * j + 0] += d[4 * j + 0] * fa;
+                acc[4 * j + 1] += d[4 * j + 1] * fa;
+                acc[4 * j + 2] += d[4 * j + 2] * fb;
+                acc[4 * j + 3] += d[4 * j + 3] * fb;
+            }
+        }
+        /* the tile to the staging area once the storers have drained the
+         * previous one */
+        gf_bar_wait(st_empty, (ti & 1) ^ 1);
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+                *(float2 *)(staging + (rt + 8 * h) * GF_STAGE_LD + 8 * j + ct) =
+                    make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        __syncwarp();
+        if (lane == 0) gf_bar_arrive(st_full);
+    }
+#endif
+}
+
+/* ---- host ------------------------------------------------------------- */
+
+typedef CUresult (*gf_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                 const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                 const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* cuTensorMapEncodeTiled from the driver, found once per process (a
+ * process-wide handle: the driver's entry point does not depend on the
+ * backend); NULL if the driver has none. */
+static gf_encode_fn gf_encode(void)
+{
+    static gf_encode_fn fn;
+    static int looked;
+    if (!looked) {
+        void *f = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (gf_encode_fn)f;
+        looked = 1;
+    }
+    return fn;
+}
+
+int cuda_fp8_grouped_init(mt_backend *be)
+{
+    (void)be;
+    if (!gf_encode()) return 0;
+    if (cudaFuncSetAttribute(k_fp8_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize, GF_SMEM) !=
+        cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return 1;
+}
+
+int cuda_fp8_grouped_fits(const void *C, int c_f32, int ldc, const uint8_t *A, const uint8_t *B,
+                          int64_t b_stride, int G, int N, int K)
+{
+    (void)c_f32;
+    return G >= 1 && G <= GF_MAX_G && K > 0 && K % 16 == 0 && N > 0 && N % 2 == 0 &&
+           ldc % 4 == 0 && (uintptr_t)A % 16 == 0 && (uintptr_t)B % 16 == 0 &&
+           (G == 1 || (b_stride % 16 == 0 && b_stride >= (int64_t)N * K)) &&
+           (uintptr_t)C % 16 == 0;
+}
+
+int cuda_fp8_grouped(mt_backend *be, void *C, int c_f32, int ldc, const uint8_t *A,
+                     const float *sa, const uint8_t *B, const float *sb, int64_t b_stride,
+                     int64_t sb_stride, const int *rows, int G, int N, int K, int accumulate)
+{
+    cuda_impl *c = cuda_of(be);
+    gf_encode_fn enc = gf_encode();
+    CUDA_REQUIRE(enc, "gemm_fp8: the driver has no cuTensorMapEncodeTiled");
+    gf_params p;
+    memset(&p, 0, sizeof p);
+    p.C = C, p.sa = sa, p.sb = sb, p.sb_stride = sb_stride;
+    p.c_f32 = c_f32, p.ldc = ldc, p.accumulate = accumulate;
+    p.N = N, p.KB = (K + GF_BK - 1) / GF_BK, p.NT = (N + GF_BN - 1) / GF_BN, p.G = G;
+    int64_t mtiles = 0, M = 0;
+    for (int g = 0; g < G; g++) {
+        p.off[g] = (int)M, p.tstart[g] = (int)mtiles;
+        M += rows[g];
+        mtiles += (rows[g] + GF_BM - 1) / GF_BM;
+    }
+    p.off[G] = (int)M, p.tstart[G] = (int)mtiles;
+    CUDA_REQUIRE(M < INT32_MAX && mtiles * p.NT < INT32_MAX, "gemm_fp8: too many rows");
+    p.tiles = (int)(mtiles * p.NT);
+    if (p.tiles == 0) return MT_OK;
+
+    CUtensorMap map_a, map_b;
+    const cuuint32_t box_a[2] = {GF_BK, GF_BM}, one[3] = {1, 1, 1};
+    const cuuint64_t dim_a[2] = {(cuuint64_t)K, (cuuint64_t)M}, str_a[1] = {(cuuint64_t)K};
+    CUresult r = enc(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)A, dim_a, str_a, box_a, one,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUDA_REQUIRE(r == CUDA_SUCCESS, "gemm_fp8: tensor map of A [%lld, %d]: CUresult %d",
+                 (long long)M, K, (int)r);
+    const cuuint32_t box_b[3] = {GF_BK, GF_BN, 1};
+    const cuuint64_t dim_b[3] = {(cuuint64_t)K, (cuuint64_t)N, (cuuint64_t)G},
+                     str_b[2] = {(cuuint64_t)K, (cuuint64_t)(G > 1 ? b_stride : (int64_t)N * K)};
+    r = enc(&map_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)B, dim_b, str_b, box_b, one,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUDA_REQUIRE(r == CUDA_SUCCESS, "gemm_fp8: tensor map of B [%d, %d, %d]: CUresult %d", G, N, K,
+                 (int)r);
+    const int grid = p.tiles < c->sm_count ? p.tiles : c->sm_count;
+    k_fp8_grouped<<<grid, GF_THREADS, GF_SMEM, c->stream>>>(map_a, map_b, p);
+    CUDA_LAUNCH_CHECK("gemm_fp8 (grouped kernel)");
+    return MT_OK;
+}
