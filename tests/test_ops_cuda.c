@@ -964,13 +964,13 @@ static void test_gemm_fp8(void)
     /* aligned C, K >= 4096: swapped order */
     test_gemm_fp8_rows(r6, 1, 256, 4096, 0, 0, 0);
     test_gemm_fp8_rows(r5, 4, 128, 4224, 0, 1, 8);
-    /* Cases for the grouped kernel (cuda_fp8_grouped.cu, MOETRAIN_FP8_GEMM=own;
-     * it takes K % 16 == 0, N even, ldc % 4 == 0; on cuBLASLt otherwise
-     * and by default), some of its own rows: row tiles cut
-     * by their segment's end, empty segments, partial N tiles (a 2-column
-     * tail among them) and K blocks (TMA's zero fill), and more tiles than
-     * SMs, so CTAs loop and the ring of slots wraps across tiles. (main
-     * runs all of test_gemm_fp8 on it once more: the G = 1 cases too.) */
+    /* Cases for the grouped kernel (cuda_fp8_grouped.cu, MOETRAIN_FP8_GEMM=own:
+     * K % 16 == 0, N even, ldc % 4 == 0; cuBLASLt runs them otherwise and
+     * by default): row tiles cut by their segment's end, empty segments,
+     * partial N tiles (a 2-column tail among them) and K blocks (TMA's zero
+     * fill), and more tiles than SMs, so CTAs loop and the ring of slots
+     * wraps across tiles. main runs all of test_gemm_fp8 on that kernel
+     * once more, the G = 1 cases too. */
     const int r7[] = {3, 129, 250}, r8[] = {600, 300, 0, 450, 520};
     test_gemm_fp8_rows(r7, 3, 300, 272, 1, 1, 0);
     test_gemm_fp8_rows(r7, 3, 300, 272, 0, 1, 4);

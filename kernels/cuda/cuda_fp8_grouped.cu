@@ -26,9 +26,10 @@
  *  - Warpgroups 1 and 2 each own 64 rows of the tile: per K block they wait
  *    for the slot, issue 4 wgmma m64n128k32, wait for them, free the slot
  *    (the "empty" mbarrier, one arrival per consumer warp) and fold the
- *    block into their accumulator with sa * sb, the next block's scales
- *    already loading. At the tile's end they write the accumulator to a
- *    staging tile in shared memory and go on with the next tile.
+ *    block into their accumulator with sa * sb, the scales of a block
+ *    GF_AHEAD blocks on already loading. At the tile's end they write the
+ *    accumulator to a staging tile in shared memory and go on with the
+ *    next tile.
  *  - Warps 1..3 of warpgroup 0 store the staging tile to C as whole rows
  *    (16-byte accesses; C read there for accumulation) while the consumers
  *    compute the next one; two more mbarriers hand the staging tile over.
@@ -50,15 +51,14 @@
 
 #define GF_MAX_G 256   /* segments a launch takes (their offsets are kernel parameters) */
 #define GF_BM 128      /* tile rows: 2 consumer warpgroups x 64 */
-#define GF_BK 128      /* bytes (e4m3 values) per K block: one scale block */
-#define GF_THREADS 384 /* producer warpgroup + 2 consumer warpgroups */
-#define GF_SLOT_A (GF_BM * GF_BK)
-
 #define GF_BN 128      /* tile columns: one wgmma n128, one scale block of B */
+#define GF_BK 128      /* bytes (e4m3 values) per K block: one scale block */
+#define GF_THREADS 384 /* the producer's warpgroup + 2 consumer warpgroups */
 #define GF_STAGES 4    /* ring slots (a power of 2; 32 KB each) */
 #define GF_AHEAD 3     /* K blocks the consumers' scale loads run ahead (measured on
                         * an H200: 1 block ahead left the consumers waiting on them,
-                        * 3 gained 4-11 % on the experts' shapes) */
+                        * 3 gained 2-11 % on the experts' shapes) */
+#define GF_SLOT_A (GF_BM * GF_BK)
 #define GF_SLOT_B (GF_BN * GF_BK)
 #define GF_STAGE_LD (GF_BN + 8) /* staging row stride in floats: a warp's 8-row
                                   * fragment writes spread over the banks */

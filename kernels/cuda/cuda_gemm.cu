@@ -25,8 +25,9 @@
  * requirements hold: one launch over every expert segment. It is not the
  * default because it measured slower than the per-expert cuBLASLt calls on
  * most of the proxy's expert shapes (one H200, tests/bench/RESULTS.md,
- * issue 18's ninth round: 32 experts' gate 873-916 TFLOPS against 931-968,
- * down 804-881 against 839-847), and the proxy's step 2 % longer with it.
+ * issue 18's ninth round: 32 experts' gate 902-916 TFLOPS against 939-985,
+ * down at the proxy's 2048 rows an expert 821 against 885, at 1024 rows
+ * 888 against 842), and the proxy's step 2 % longer with it.
  *
  * Plans (descriptors, layouts, the heuristic's algorithm) are cached per
  * shape. A shape cuBLASLt cannot run (no algorithm: alignment, odd sizes in

@@ -148,10 +148,10 @@ void cuda_install_loss(mt_backend *be);    /* xent, sumsq, scale_f32, adamw, bf1
 int cuda_prof_install(mt_backend *be);
 void cuda_prof_destroy(mt_backend *be); /* logs the report */
 void cuda_gemm_destroy(mt_backend *be);
-/* The grouped FP8 GEMM kernel (cuda_fp8_grouped.cu): _init says whether it
- * can run here (1) and prepares it; _fits whether a
+/* The grouped FP8 GEMM kernel (cuda_fp8_grouped.cu, MOETRAIN_FP8_GEMM=own):
+ * _init says whether it can run here (1) and prepares it; _fits whether a
  * call's shapes and alignments suit it; cuda_fp8_grouped runs gemm_fp8's
- * reduce = 0 case. */
+ * reduce = 0 case with it. */
 int cuda_fp8_grouped_init(mt_backend *be);
 int cuda_fp8_grouped_fits(const void *C, int c_f32, int ldc, const uint8_t *A, const uint8_t *B,
                           int64_t b_stride, int G, int N, int K);
