@@ -39,17 +39,16 @@
  * Requirements (cuda_fp8_grouped_fits): Hopper (sm_90a), K % 16 == 0 and
  * 16-byte aligned A and B with b_stride % 16 == 0 (TMA's global strides),
  * N even, ldc % 4 == 0 and C 16-byte aligned (the row stores), at most
- * GF_MAX_G segments. Other shapes run on cuBLASLt (cuda_gemm.cu).
+ * FP8_SEG_MAX segments. Other shapes run on cuBLASLt (cuda_gemm.cu).
  * Deterministic: fixed tiles, fixed order of the K blocks.
  */
 #include <cuda.h>
 #include <stdio.h>
-#include <string.h>
 
 #include "kernels/cuda/cuda_impl.h"
+#include "kernels/cuda/cuda_util.cuh"
 #include "base/mt_log.h"
 
-#define GF_MAX_G 256   /* segments a launch takes (their offsets are kernel parameters) */
 #define GF_BM 128      /* tile rows: 2 consumer warpgroups x 64 */
 #define GF_BN 128      /* tile columns: one wgmma n128, one scale block of B */
 #define GF_BK 128      /* bytes (e4m3 values) per K block: one scale block */
@@ -72,10 +71,12 @@ typedef struct gf_params {
     const float *sa, *sb;
     int64_t sb_stride;
     int c_f32, ldc, accumulate;
-    int N, KB, NT, G, tiles;
-    int off[GF_MAX_G + 1];    /* row offset of segment g (off[G] = M) */
-    int tstart[GF_MAX_G + 1]; /* first m-tile of segment g (tstart[G]: all) */
+    int N, KB, NT, tiles;
+    fp8_segs segs; /* start[g]: segment g's first row; tile[g]: its first m-tile */
 } gf_params;
+
+/* the segment table counts tiles of the quantisers' 128 rows */
+static_assert(GF_BM == MT_QTILE, "m-tiles are the segment table's tiles");
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GF_DEVICE 1
@@ -180,13 +181,8 @@ __device__ __forceinline__ void gf_tile(const gf_params &p, int t, int &g, int &
 {
     const int mt = t / p.NT;
     n0 = (t - mt * p.NT) * GF_BN;
-    int lo = 0, hi = p.G - 1; /* the last g with tstart[g] <= mt (empty segments skipped) */
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (p.tstart[mid] <= mt) lo = mid; else hi = mid - 1;
-    }
-    g = lo;
-    row0 = (mt - p.tstart[g]) * GF_BM;
+    g = fp8_seg_find(p.segs.tile, p.segs.G, mt);
+    row0 = (mt - p.segs.tile[g]) * GF_BM;
 }
 
 /* Rows of the staging tile to C: warp w of `nw` takes rows w, w + nw, ...;
@@ -194,11 +190,11 @@ __device__ __forceinline__ void gf_tile(const gf_params &p, int t, int &g, int &
 __device__ __forceinline__ void gf_store_tile(const gf_params &p, const float *staging, int g,
                                               int row0, int n0, int w, int nw, int lane)
 {
-    const int Mg = p.off[g + 1] - p.off[g], n = n0 + 4 * lane;
+    const int Mg = p.segs.start[g + 1] - p.segs.start[g], n = n0 + 4 * lane;
     if (n >= p.N) return;
     const int rows = min(GF_BM, Mg - row0);
     for (int rr = w; rr < rows; rr += nw) {
-        const int64_t ci = (int64_t)(p.off[g] + row0 + rr) * p.ldc + n;
+        const int64_t ci = (int64_t)(p.segs.start[g] + row0 + rr) * p.ldc + n;
         float4 v = *(const float4 *)(staging + rr * GF_STAGE_LD + 4 * lane);
         if (p.c_f32) {
             float *c = (float *)p.C + ci;
@@ -271,7 +267,7 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
         for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
             int g, row0, n0;
             gf_tile(p, t, g, row0, n0);
-            const int arow = p.off[g] + row0;
+            const int arow = p.segs.start[g] + row0;
             for (int kb = 0; kb < p.KB; kb++, it++) {
                 const int s = it & (GF_STAGES - 1);
                 gf_bar_wait(&empty[s], ((it / GF_STAGES) & 1) ^ 1);
@@ -307,9 +303,9 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
     for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
         int g, row0, n0;
         gf_tile(p, t, g, row0, n0);
-        const int Mg = p.off[g + 1] - p.off[g];
+        const int Mg = p.segs.start[g + 1] - p.segs.start[g];
         const int ra = row0 + rt, rb = ra + 8;
-        const float *sag = p.sa + (int64_t)p.KB * p.off[g];
+        const float *sag = p.sa + (int64_t)p.KB * p.segs.start[g];
         const float *sbg = p.sb + g * p.sb_stride + (int64_t)(n0 / 128) * p.KB;
         float acc[64], d[64];
 #pragma unroll
@@ -399,9 +395,8 @@ static gf_encode_fn gf_encode(void)
     return fn;
 }
 
-int cuda_fp8_grouped_init(mt_backend *be)
+int cuda_fp8_grouped_init(void)
 {
-    (void)be;
     if (!gf_encode()) return 0;
     if (cudaFuncSetAttribute(k_fp8_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize, GF_SMEM) !=
         cudaSuccess) {
@@ -415,7 +410,7 @@ int cuda_fp8_grouped_fits(const void *C, int c_f32, int ldc, const uint8_t *A, c
                           int64_t b_stride, int G, int N, int K)
 {
     (void)c_f32;
-    return G >= 1 && G <= GF_MAX_G && K > 0 && K % 16 == 0 && N > 0 && N % 2 == 0 &&
+    return G >= 1 && G <= FP8_SEG_MAX && K > 0 && K % 16 == 0 && N > 0 && N % 2 == 0 &&
            ldc % 4 == 0 && (uintptr_t)A % 16 == 0 && (uintptr_t)B % 16 == 0 &&
            (G == 1 || (b_stride % 16 == 0 && b_stride >= (int64_t)N * K)) &&
            (uintptr_t)C % 16 == 0;
@@ -428,20 +423,15 @@ int cuda_fp8_grouped(mt_backend *be, void *C, int c_f32, int ldc, const uint8_t 
     cuda_impl *c = cuda_of(be);
     gf_encode_fn enc = gf_encode();
     CUDA_REQUIRE(enc, "gemm_fp8: the driver has no cuTensorMapEncodeTiled");
-    gf_params p;
-    memset(&p, 0, sizeof p);
+    gf_params p; /* about 8 KB, copied into the launch's parameters */
+    int M;
+    MT_CHECK(fp8_segs_fill("gemm_fp8", &p.segs, rows, G, &M));
     p.C = C, p.sa = sa, p.sb = sb, p.sb_stride = sb_stride;
     p.c_f32 = c_f32, p.ldc = ldc, p.accumulate = accumulate;
-    p.N = N, p.KB = (K + GF_BK - 1) / GF_BK, p.NT = (N + GF_BN - 1) / GF_BN, p.G = G;
-    int64_t mtiles = 0, M = 0;
-    for (int g = 0; g < G; g++) {
-        p.off[g] = (int)M, p.tstart[g] = (int)mtiles;
-        M += rows[g];
-        mtiles += (rows[g] + GF_BM - 1) / GF_BM;
-    }
-    p.off[G] = (int)M, p.tstart[G] = (int)mtiles;
-    CUDA_REQUIRE(M < INT32_MAX && mtiles * p.NT < INT32_MAX, "gemm_fp8: too many rows");
-    p.tiles = (int)(mtiles * p.NT);
+    p.N = N, p.KB = (K + GF_BK - 1) / GF_BK, p.NT = (N + GF_BN - 1) / GF_BN;
+    const int64_t tiles = (int64_t)p.segs.tile[G] * p.NT;
+    CUDA_REQUIRE(tiles < INT32_MAX, "gemm_fp8: %lld output tiles is too many", (long long)tiles);
+    p.tiles = (int)tiles;
     if (p.tiles == 0) return MT_OK;
 
     CUtensorMap map_a, map_b;

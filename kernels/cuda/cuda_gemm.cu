@@ -643,7 +643,7 @@ int cuda_install_gemm(mt_backend *be)
     if (env && c->gemm->fp8_order == 0 && strcmp(env, "auto") != 0)
         mt_log(MT_LOG_WARN, "MOETRAIN_FP8_GEMM=%s: expected auto, direct, swap or own; using auto",
                env);
-    c->gemm->own_ok = c->gemm->fp8_order == 3 && cuda_fp8_grouped_init(be);
+    c->gemm->own_ok = c->gemm->fp8_order == 3 && cuda_fp8_grouped_init();
     if (c->gemm->fp8_order == 3 && !c->gemm->own_ok)
         mt_log(MT_LOG_WARN, "MOETRAIN_FP8_GEMM=own: the grouped kernel cannot run here (no "
                             "cuTensorMapEncodeTiled or too little shared memory); using auto");

@@ -152,7 +152,7 @@ void cuda_gemm_destroy(mt_backend *be);
  * _init says whether it can run here (1) and prepares it; _fits whether a
  * call's shapes and alignments suit it; cuda_fp8_grouped runs gemm_fp8's
  * reduce = 0 case with it. */
-int cuda_fp8_grouped_init(mt_backend *be);
+int cuda_fp8_grouped_init(void);
 int cuda_fp8_grouped_fits(const void *C, int c_f32, int ldc, const uint8_t *A, const uint8_t *B,
                           int64_t b_stride, int G, int N, int K);
 int cuda_fp8_grouped(mt_backend *be, void *C, int c_f32, int ldc, const uint8_t *A,

@@ -1,8 +1,8 @@
 /* cuda_util.cuh - small device helpers shared by the element-wise, norm,
  * MoE and loss kernels (cuda_fp8.cu, cuda_norm.cu, cuda_moe.cu,
- * cuda_loss.cu): fixed-tree warp and block reductions, 16-byte bf16
- * vector conversions, a
- * correctly-rounded-in-practice expf, and scratch carving.
+ * cuda_loss.cu, cuda_fp8_grouped.cu): fixed-tree warp and block
+ * reductions, 16-byte bf16 vector conversions, a correctly-rounded-in-
+ * practice expf, scratch carving, and the expert segments' table.
  *
  * Determinism: every reduction here is a fixed butterfly / tree over lanes
  * and warps for a given blockDim, so a result depends only on the launch
@@ -98,6 +98,51 @@ static inline void *cu_take(cu_carve *c, size_t bytes)
     void *p = c->base + c->off;
     c->off += cu_align256(bytes);
     return p;
+}
+
+/* ---- segment tables ------------------------------------------------------- */
+
+/* Segments of a grouped quantisation or FP8 GEMM (cuda_fp8.cu,
+ * cuda_fp8_grouped.cu), passed by value (kernel parameters
+ * may be up to 32 KB on sm_70+ since CUDA 12.1; __grid_constant__ reads
+ * them in place without a local copy). start[g] = r_g (g <= G); tile[g] =
+ * 128-row tiles of the segments before g (quant_cols_t). */
+#define FP8_SEG_MAX 1024
+
+typedef struct fp8_segs {
+    int G;
+    int start[FP8_SEG_MAX + 1];
+    int tile[FP8_SEG_MAX + 1];
+} fp8_segs;
+
+/* Largest g < G with t[g] <= v: the segment holding row (or tile) v when
+ * t is a non-decreasing prefix array and v < t[G]. Empty segments are
+ * skipped because a later segment starts at the same value. */
+__device__ __forceinline__ int fp8_seg_find(const int *t, int G, int64_t v)
+{
+    int lo = 0, hi = G - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (t[mid] <= v) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Host: fills the table from rows[G] (checked); *total = their sum. */
+static inline int fp8_segs_fill(const char *op, fp8_segs *t, const int *rows, int G, int *total)
+{
+    MT_CHECK(mt_segments_total(op, rows, G, total));
+    CUDA_REQUIRE(G <= FP8_SEG_MAX, "%s: G=%d segments, at most %d supported", op, G,
+                 FP8_SEG_MAX);
+    t->G = G;
+    t->start[0] = 0;
+    t->tile[0] = 0;
+    for (int g = 0; g < G; g++) {
+        t->start[g + 1] = t->start[g] + rows[g];
+        t->tile[g + 1] = t->tile[g] + mt_ceil_div(rows[g], MT_QTILE);
+    }
+    return MT_OK;
 }
 
 #endif
