@@ -149,11 +149,13 @@ hid_t ck_piece_row_type(void);
 hid_t ck_file_row_type(void);
 
 /* A piece of the read-ahead (ckpt_read.c). */
+struct pf_run;
 struct ck_pf {
     int state;                   /* none, running, ready */
     int drop;                    /* skipped while running: freed when done */
     int rc;
     char *data;                  /* the piece's bytes, row-major */
+    struct pf_run *run;          /* while running: its chunks' reads */
     char msg[512];
 };
 
@@ -182,7 +184,8 @@ struct mt_ckpt {
     size_t buf_cap;
     /* read-ahead of whole pieces (ckpt_read.c): the pieces after the one
      * read whole, in the order of their file, read and checked by the
-     * pool's workers into memory the next whole read takes; in another
+     * pool's workers (a task per chunk) into memory the next whole read
+     * takes; in another
      * rank's shard (when the reader's rank is set) only pieces that are
      * not optimizer state; never tensors another replica reads (skip);
      * pieces the reader skips are dropped */
@@ -194,6 +197,12 @@ struct mt_ckpt {
     int *pf_low;                 /* [n_files] pieces below were taken or skipped */
     int64_t pf_held;             /* bytes of the entries, running or ready */
     int pf_running;
+    pthread_t pf_meta;           /* the pieces' starts (HDF5 metadata), in launch order */
+    int pf_meta_on, pf_quit;
+    int *pf_queue;               /* [n_pieces + 1] ring of pieces to start */
+    int64_t pf_qhead, pf_qtail;
+    int64_t pf_pieces, pf_chunks; /* read ahead, for the debug log */
+    double pf_meta_ms, pf_wait_ms;
 };
 
 /* Reads index.h5 of ck->dir into ck (takes the lock). */

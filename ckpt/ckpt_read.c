@@ -10,11 +10,13 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "ckpt/ckpt_internal.h"
 #include "ckpt/xxh64.h"
 #include "kernels/mt_fp8.h"
+#include "base/mt_clock.h"
 #include "base/mt_log.h"
 #include "base/mt_rng.h"
 #include "base/mt_status.h"
@@ -456,6 +458,13 @@ char *ck_chunk_buf_alloc(size_t n)
     return posix_memalign(&b, CK_DIRECT_ALIGN, chunk_buf_bytes(n)) == 0 ? b : NULL;
 }
 
+/* Whether stored chunks of n bytes in file fi are read with O_DIRECT. */
+static int chunk_direct(const mt_ckpt *ck, int fi, size_t n)
+{
+    return ck->file_dfd[fi] >= 0 && n >= CK_DIRECT_READ_MIN &&
+           (ck->reader_rank < 0 || ck->file_rank[fi] == ck->reader_rank);
+}
+
 /* Reads the n stored bytes at offset addr of file fi into buf (of
  * chunk_buf_bytes(n), aligned): where they start in buf, or NULL with
  * *err = errno (0: the file ends before them). O_DIRECT reads whole blocks
@@ -464,8 +473,7 @@ char *ck_chunk_buf_alloc(size_t n)
 char *ck_chunk_pread(const mt_ckpt *ck, int fi, char *buf, size_t n, int64_t addr, int *err)
 {
     const int dfd = ck->file_dfd[fi];
-    if (dfd >= 0 && n >= CK_DIRECT_READ_MIN &&
-        (ck->reader_rank < 0 || ck->file_rank[fi] == ck->reader_rank)) {
+    if (chunk_direct(ck, fi, n)) {
         const int64_t a0 = addr - addr % CK_DIRECT_ALIGN;
         const size_t lead = (size_t)(addr - a0), need = lead + n;
         const size_t len = (need + CK_DIRECT_ALIGN - 1) / CK_DIRECT_ALIGN * CK_DIRECT_ALIGN;
@@ -502,15 +510,15 @@ char *ck_chunk_pread(const mt_ckpt *ck, int fi, char *buf, size_t n, int64_t add
  * a file that ends before it; cb bytes of data, then their Fletcher32
  * little-endian) checked: MT_OK, or MT_EIO / MT_ECORRUPT with the problem
  * in msg, naming the file, the tensor and the chunk's first row. */
-int ck_chunk_check(const char *buf, int err, size_t cb, const char *path, const char *tensor,
-                   int64_t row, char *msg, size_t cap)
+/* ck_chunk_check with the stored checksum's 4 bytes at tail. */
+static int chunk_check_tail(const char *buf, const uint8_t *t, int err, size_t cb, const char *path,
+                            const char *tensor, int64_t row, char *msg, size_t cap)
 {
     if (!buf) {
         snprintf(msg, cap, "%s: tensor %s: chunk at row %lld unreadable: %s", path, tensor,
                  (long long)row, err ? strerror(err) : "the file ends before it: truncated");
         return err ? MT_EIO : MT_ECORRUPT;
     }
-    const uint8_t *t = (const uint8_t *)buf + cb;
     uint32_t want = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
     if (ck_fletcher32(buf, cb) != want) {
         snprintf(msg, cap, "%s: tensor %s: chunk at row %lld fails its Fletcher32 checksum: data corrupted",
@@ -518,6 +526,13 @@ int ck_chunk_check(const char *buf, int err, size_t cb, const char *path, const 
         return MT_ECORRUPT;
     }
     return MT_OK;
+}
+
+int ck_chunk_check(const char *buf, int err, size_t cb, const char *path, const char *tensor,
+                   int64_t row, char *msg, size_t cap)
+{
+    return chunk_check_tail(buf, buf ? (const uint8_t *)buf + cb : NULL, err, cb, path, tensor, row, msg,
+                            cap);
 }
 
 void ck_piece_hash_msg(char *msg, size_t cap, const char *path, const mt_ckpt_piece_rec *r,
@@ -793,16 +808,28 @@ int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr)
 
 /* ---- read-ahead of whole pieces ---------------------------------------------------
  *
- * A load reads its pieces whole, one after another, in about the order they
- * were written (a rank's pieces in tensor order): one at a time, a piece of
- * a megabyte is one pread and its checksums, and the reads never overlap.
- * So the first whole read of a small piece also starts the next pieces of
- * the same file on the pool's workers (each: pread of its chunks, their
- * Fletcher32, its XXH64, into memory of its own), up to 128 MB held; a
- * later whole read of such a piece waits for it and copies it out. Larger
- * pieces are read directly, their chunks in parallel. */
-#define PF_BYTES_DEFAULT_MB 128
-#define PF_PIECE_MAX_DEFAULT_MB 16
+ * A load takes its pieces whole, in about the order they were written (a
+ * rank's pieces in tensor order), and converts and uploads each before it
+ * asks for the next: read on demand, the disk would idle through every
+ * conversion, and a piece's own chunks would be the only reads in flight.
+ * So the first whole read of a piece also starts the pieces after it in
+ * the same file, up to PF_BYTES held (the piece asked for, and the next one
+ * when nothing else is held, whatever their size up to the largest piece
+ * read ahead): a pool task looks up a piece's chunk addresses (HDF5, under
+ * its lock), then every chunk is a task of its own that preads it in place
+ * into the piece's memory (the checksum aside, so no copy), checks its
+ * Fletcher32 and, when it is the next chunk of its piece to hash, feeds the
+ * piece's XXH64 with it and the ready chunks after it: no task waits for
+ * another, and the pool keeps as many reads in flight as it has workers,
+ * across pieces. A later whole read of the piece waits for it and copies
+ * it out. (Issue 23: with one task per piece reading its chunks one after
+ * another and pieces over 16 MB read only when asked, one rank's load
+ * reached 56-72 % of dd on the 2-core VM and 69-93 % on the lent 16-core
+ * hosts, where verify's chunks in parallel reached 80-105 %.) Larger
+ * pieces are read directly into the caller's memory, their chunks in
+ * parallel, and the read-ahead goes on after them. */
+#define PF_BYTES_DEFAULT_MB 256
+#define PF_PIECE_MAX_DEFAULT_MB 256
 
 /* MT_CKPT_READAHEAD_MB (bytes held ahead) and MT_CKPT_READAHEAD_PIECE_MB
  * (the largest piece read ahead), else the defaults: for measurements of
@@ -822,113 +849,294 @@ static int64_t pf_piece_max(void)
     return env_mb("MT_CKPT_READAHEAD_PIECE_MB", PF_PIECE_MAX_DEFAULT_MB);
 }
 
+/* Pieces in flight at most: enough to keep the workers busy on small
+ * pieces (a piece of a few kilobytes is one short read), few enough that
+ * the tasks of the piece asked for are not queued behind many others. */
+static int pf_max_running(void) { return 4 * ck_io_threads(); }
+
 enum { PF_NONE = 0, PF_RUNNING, PF_READY };
+enum { CH_PENDING = 0, CH_OK, CH_FAILED };
 
 typedef struct pf_arg {
     mt_ckpt *ck;
     int p;
+    int64_t c;             /* chunk of the piece; -1: the piece's start */
 } pf_arg;
 
-/* Reads piece p whole into data, serially (a pool task: it waits for no
- * other task), checking every chunk's Fletcher32 and the XXH64. */
-static int read_whole_serial(mt_ckpt *ck, int p, char *data)
-{
-    const mt_ckpt_piece_rec *r = &ck->pieces[p];
-    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
-    const size_t es = mt_dtype_size(x->dtype);
-    char name[32], path[4300], eb[256];
-    ck_shard_name(name, sizeof name, r->rank);
-    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
-    const int64_t rows = r->count[0], cols = r->count[1];
-    int64_t *addr = NULL, cr = 0;
-    hid_t ds = -1;
-    ck_lock();
-    int rc = open_piece_ds(ck, p, path, &ds);
-    if (rc == MT_OK && (cr = direct_chunk_rows(ds, x->ndim, cols)) > 0) {
-        addr = malloc((size_t)((rows + cr - 1) / cr + 1) * sizeof *addr);
-        rc = addr ? chunk_addrs(ds, path, r, cr, (size_t)cr * (size_t)cols * es,
-                                ck->file_base[ck->piece_file[p]], 0, rows, addr)
-                  : MT_ERR(MT_ENOMEM, "%s: out of memory", path);
-    } else if (rc == MT_OK) {
-        /* not written by moetrain: through HDF5 (and its filter) */
-        hid_t type = ck_h5_type(x->dtype);
-        if (H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
-            rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: read failed: %s", path, r->tensor,
-                        ck_h5_errstr(eb, sizeof eb));
-        H5Tclose(type);
-    }
-    if (ds >= 0) H5Dclose(ds);
-    ck_unlock();
-    const size_t cb = (size_t)cr * (size_t)cols * es, row = (size_t)cols * es;
-    char *raw = cr > 0 && rc == MT_OK ? ck_chunk_buf_alloc(cb + 4) : NULL;
-    if (cr > 0 && rc == MT_OK && !raw) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", path);
-    for (int64_t c = 0; cr > 0 && rc == MT_OK && c * cr < rows; c++) {
-        int err = 0;
-        char msg[512];
-        const char *buf = ck_chunk_pread(ck, ck->piece_file[p], raw, cb + 4, addr[c], &err);
-        if ((rc = ck_chunk_check(buf, err, cb, path, r->tensor, c * cr, msg, sizeof msg)) < 0) {
-            rc = MT_ERR(rc, "%s", msg);
-            break;
-        }
-        const int64_t n = rows - c * cr < cr ? rows - c * cr : cr;
-        memcpy(data + (size_t)(c * cr) * row, buf, (size_t)n * row);
-    }
-    free(raw);
-    free(addr);
-    if (rc == MT_OK) {
-        uint64_t got = mt_xxh64_oneshot(data, (size_t)r->nbytes, 0);
-        if (got != r->xxh64) {
-            char msg[1024];
-            ck_piece_hash_msg(msg, sizeof msg, path, r, got);
-            rc = MT_ERR(MT_ECORRUPT, "%s", msg);
-        }
-    }
-    return rc;
-}
+/* A piece being read ahead (all of it under pf_mu but the chunks' bytes). */
+struct pf_run {
+    int fi;
+    size_t row, cb;        /* bytes of a row; data bytes of a stored chunk */
+    int64_t rows, cr, n;   /* rows of the piece, rows per chunk, chunks */
+    int64_t *addr;         /* [n] file offsets of the stored chunks */
+    uint8_t *cst;          /* [n] CH_* */
+    pf_arg *task;          /* [n] the chunks' task arguments */
+    int64_t finished;      /* chunks checked or failed */
+    int64_t next;          /* the next chunk to hash */
+    int64_t fail;          /* the first failed chunk in row order; n: none */
+    int fail_rc;
+    int hashing;           /* a worker is hashing */
+    mt_xxh64 h;
+    char path[4300];
+};
 
-static void pf_task(void *arg)
+/* Piece p is done (pf_mu held): its verdict, then its memory goes back if
+ * the reader went past it. */
+static void pf_done(mt_ckpt *ck, int p, int rc)
 {
-    pf_arg *a = arg;
-    mt_ckpt *ck = a->ck;
-    struct ck_pf *e = &ck->pf[a->p];
-    int rc = read_whole_serial(ck, a->p, e->data);
-    pthread_mutex_lock(&ck->pf_mu);
+    struct ck_pf *e = &ck->pf[p];
+    struct pf_run *u = e->run;
+    if (rc == MT_OK && u->fail < u->n) rc = u->fail_rc; /* its message is in e->msg */
+    if (rc == MT_OK && u->cr > 0) {
+        const uint64_t got = mt_xxh64_digest(&u->h);
+        if (got != ck->pieces[p].xxh64) {
+            ck_piece_hash_msg(e->msg, sizeof e->msg, u->path, &ck->pieces[p], got);
+            rc = MT_ECORRUPT;
+        }
+    }
+    free(u->addr);
+    free(u->cst);
+    free(u->task);
+    free(u);
+    e->run = NULL;
     e->rc = rc;
-    if (rc < 0) snprintf(e->msg, sizeof e->msg, "%s", mt_errmsg());
     e->state = PF_READY;
     if (e->drop) { /* the reader went past it */
         free(e->data);
         e->data = NULL;
         e->drop = 0;
         e->state = PF_NONE;
-        ck->pf_held -= ck->pieces[a->p].nbytes;
+        ck->pf_held -= ck->pieces[p].nbytes;
     }
     ck->pf_running--;
     pthread_cond_broadcast(&ck->pf_cv);
-    pthread_mutex_unlock(&ck->pf_mu);
-    free(a);
 }
 
-/* Starts piece q (pf_mu held). 0, or -1 without memory. */
+/* Hashes the piece's checked chunks that are next in row order, while
+ * there are any (pf_mu held, released while hashing; one worker at a
+ * time), then finishes the piece if nothing of it is left. */
+static void pf_advance(mt_ckpt *ck, int p)
+{
+    struct ck_pf *e = &ck->pf[p];
+    struct pf_run *u = e->run;
+    if (!u->hashing) {
+        u->hashing = 1;
+        for (;;) {
+            int64_t c1 = u->next;
+            while (c1 < u->n && c1 < u->fail && u->cst[c1] == CH_OK) c1++;
+            if (c1 == u->next) break;
+            const size_t a = (size_t)u->next * u->cb;
+            const size_t b = c1 == u->n ? (size_t)ck->pieces[p].nbytes : (size_t)c1 * u->cb;
+            pthread_mutex_unlock(&ck->pf_mu);
+            mt_xxh64_update(&u->h, e->data + a, b - a);
+            pthread_mutex_lock(&ck->pf_mu);
+            u->next = c1;
+        }
+        u->hashing = 0;
+    }
+    if (u->finished == u->n && !u->hashing && (u->fail < u->n || u->next == u->n)) pf_done(ck, p, MT_OK);
+}
+
+/* One chunk of a piece read ahead: its rows in place in the piece's memory
+ * (the stored chunk's padding rows, for the last, in the slack allocated
+ * after the piece), its checksum aside; then checked and hashed in order. */
+static void pf_chunk_task(void *arg)
+{
+    pf_arg *t = arg;
+    mt_ckpt *ck = t->ck;
+    const int p = t->p;
+    const int64_t c = t->c;
+    struct ck_pf *e = &ck->pf[p];
+    struct pf_run *u = e->run; /* set before the chunks' tasks, freed after the last */
+    char *dst = e->data + (size_t)c * u->cb;
+    uint8_t tail[4];
+    int err = 0;
+    const char *got = NULL;
+    if (chunk_direct(ck, u->fi, u->cb + 4)) {
+        /* whole aligned blocks into a buffer of its own, then the copy */
+        char *buf = ck_chunk_buf_alloc(u->cb + 4);
+        err = ENOMEM;
+        if (buf && (got = ck_chunk_pread(ck, u->fi, buf, u->cb + 4, u->addr[c], &err))) {
+            memcpy(dst, got, u->cb);
+            memcpy(tail, got + u->cb, 4);
+            got = dst;
+        }
+        free(buf);
+    } else {
+        size_t done = 0;
+        const size_t want = u->cb + 4;
+        while (done < want) {
+            struct iovec v[2];
+            int nv = 0;
+            if (done < u->cb) v[nv++] = (struct iovec){dst + done, u->cb - done};
+            const size_t t0 = done > u->cb ? done - u->cb : 0;
+            v[nv++] = (struct iovec){tail + t0, 4 - t0};
+            const ssize_t k = preadv(ck->file_fd[u->fi], v, nv, (off_t)(u->addr[c] + (int64_t)done));
+            if (k < 0 && errno == EINTR) continue;
+            if (k <= 0) {
+                err = k < 0 ? errno : 0;
+                break;
+            }
+            done += (size_t)k;
+        }
+        if (done == want) got = dst;
+    }
+    char msg[512];
+    const int rc = chunk_check_tail(got, tail, err, u->cb, u->path, ck->pieces[p].tensor, c * u->cr, msg,
+                                    sizeof msg);
+    pthread_mutex_lock(&ck->pf_mu);
+    u->cst[c] = rc == MT_OK ? CH_OK : CH_FAILED;
+    u->finished++;
+    if (rc < 0 && c < u->fail) {
+        u->fail = c;
+        u->fail_rc = rc;
+        snprintf(e->msg, sizeof e->msg, "%s", msg);
+    }
+    pf_advance(ck, p);
+    pthread_mutex_unlock(&ck->pf_mu);
+}
+
+/* The start of a piece read ahead: its dataset checked against the index
+ * and its chunks' addresses (HDF5, under its lock), then a task per chunk;
+ * a dataset not written by moetrain is read here through HDF5 (and its
+ * filter) and hashed whole. */
+static void pf_start(mt_ckpt *ck, int p)
+{
+    struct ck_pf *e = &ck->pf[p];
+    struct pf_run *u = e->run;
+    const mt_ckpt_piece_rec *r = &ck->pieces[p];
+    const mt_ckpt_tensor *x = &ck->tensors[mt_ckpt_find(ck, r->tensor)];
+    const size_t es = mt_dtype_size(x->dtype);
+    char name[32], eb[256];
+    ck_shard_name(name, sizeof name, r->rank);
+    snprintf(u->path, sizeof u->path, "%s/%s", ck->dir, name);
+    u->fi = ck->piece_file[p];
+    u->rows = r->count[0];
+    u->row = (size_t)r->count[1] * es;
+    hid_t ds = -1;
+    const double t0 = mt_now_ms();
+    ck_lock();
+    int rc = open_piece_ds(ck, p, u->path, &ds);
+    if (rc == MT_OK && (u->cr = direct_chunk_rows(ds, x->ndim, r->count[1])) > 0) {
+        u->n = (u->rows + u->cr - 1) / u->cr;
+        u->cb = (size_t)u->cr * u->row;
+        u->addr = malloc((size_t)(u->n + 1) * sizeof *u->addr);
+        rc = u->addr ? chunk_addrs(ds, u->path, r, u->cr, u->cb, ck->file_base[u->fi], 0, u->rows, u->addr)
+                     : MT_ERR(MT_ENOMEM, "%s: out of memory", u->path);
+    } else if (rc == MT_OK) {
+        hid_t type = ck_h5_type(x->dtype);
+        if (H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, e->data) < 0)
+            rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: read failed: %s", u->path, r->tensor,
+                        ck_h5_errstr(eb, sizeof eb));
+        H5Tclose(type);
+    }
+    if (ds >= 0) H5Dclose(ds);
+    ck_unlock();
+    const double ms = mt_now_ms() - t0;
+    pthread_mutex_lock(&ck->pf_mu);
+    ck->pf_meta_ms += ms;
+    ck->pf_pieces++;
+    ck->pf_chunks += u->n;
+    pthread_mutex_unlock(&ck->pf_mu);
+    if (rc == MT_OK && u->cr > 0) {
+        /* the last stored chunk is whole: room for its padding rows */
+        char *d = realloc(e->data, (size_t)u->n * u->cb + 1);
+        u->cst = calloc((size_t)u->n + 1, 1);
+        u->task = malloc((size_t)(u->n + 1) * sizeof *u->task);
+        if (d) e->data = d;
+        if (!d || !u->cst || !u->task)
+            rc = MT_ERR(MT_ENOMEM, "%s: tensor %s: out of memory", u->path, r->tensor);
+    }
+    if (rc == MT_OK && u->cr > 0 && u->n > 0) {
+        u->fail = u->n;
+        mt_xxh64_init(&u->h, 0);
+        /* u goes when the last chunk is done: nothing of it after its task */
+        const int64_t n = u->n;
+        pf_arg *task = u->task;
+        for (int64_t c = 0; c < n; c++) task[c] = (pf_arg){ck, p, c};
+        for (int64_t c = 0; c < n; c++) ck_pool_submit(pf_chunk_task, &task[c]);
+        return;
+    }
+    if (rc < 0) snprintf(e->msg, sizeof e->msg, "%s", mt_errmsg());
+    else if (u->cr == 0) { /* read through HDF5: its hash now */
+        const uint64_t got = mt_xxh64_oneshot(e->data, (size_t)r->nbytes, 0);
+        if (got != r->xxh64) {
+            ck_piece_hash_msg(e->msg, sizeof e->msg, u->path, r, got);
+            rc = MT_ECORRUPT;
+        }
+    } else { /* no rows: the hash of nothing */
+        mt_xxh64_init(&u->h, 0);
+        u->fail = u->n;
+    }
+    pthread_mutex_lock(&ck->pf_mu);
+    if (rc < 0 || u->cr == 0) u->cr = 0, u->fail = u->n = 0; /* pf_done: no chunk verdict, no hash */
+    pf_done(ck, p, rc);
+    pthread_mutex_unlock(&ck->pf_mu);
+}
+
+/* The read-ahead's metadata thread: the pieces' starts in launch order.
+ * On the pool's workers, the starts of the pieces launched together queued
+ * on the HDF5 lock (cold metadata reads under it) and held the workers
+ * the chunks' reads need; here they run one after another, as the lock
+ * has them run anyway, while the workers read. */
+static void *pf_meta_main(void *arg)
+{
+    mt_ckpt *ck = arg;
+    pthread_mutex_lock(&ck->pf_mu);
+    for (;;) {
+        while (ck->pf_qhead == ck->pf_qtail && !ck->pf_quit) pthread_cond_wait(&ck->pf_cv, &ck->pf_mu);
+        if (ck->pf_qhead == ck->pf_qtail) break; /* quitting, nothing queued */
+        const int p = ck->pf_queue[ck->pf_qhead++ % (ck->n_pieces + 1)];
+        pthread_mutex_unlock(&ck->pf_mu);
+        pf_start(ck, p);
+        pthread_mutex_lock(&ck->pf_mu);
+    }
+    pthread_mutex_unlock(&ck->pf_mu);
+    return NULL;
+}
+
+static void pf_start_task(void *arg)
+{
+    pf_arg *t = arg;
+    mt_ckpt *ck = t->ck;
+    const int p = t->p;
+    free(t);
+    pf_start(ck, p);
+}
+
+/* Starts piece q (pf_mu held): on the metadata thread, or a pool task if
+ * that thread could not start. 0, or -1 without memory. */
 static int pf_launch(mt_ckpt *ck, int q)
 {
     struct ck_pf *e = &ck->pf[q];
-    pf_arg *a = malloc(sizeof *a);
+    if (!ck->pf_queue && (ck->pf_queue = malloc((size_t)(ck->n_pieces + 1) * sizeof *ck->pf_queue)))
+        ck->pf_meta_on = pthread_create(&ck->pf_meta, NULL, pf_meta_main, ck) == 0;
+    pf_arg *a = ck->pf_meta_on ? NULL : malloc(sizeof *a);
+    struct pf_run *u = calloc(1, sizeof *u);
     e->data = malloc((size_t)ck->pieces[q].nbytes + 1);
-    if (!a || !e->data) {
+    if ((!ck->pf_meta_on && !a) || !u || !e->data) {
         free(a);
+        free(u);
         free(e->data);
         e->data = NULL;
         return -1;
     }
-    a->ck = ck;
-    a->p = q;
+    e->run = u;
     e->state = PF_RUNNING;
     e->drop = 0;
     e->rc = MT_OK;
+    e->msg[0] = 0;
     ck->pf_held += ck->pieces[q].nbytes;
     ck->pf_running++;
-    ck_pool_submit(pf_task, a);
+    if (ck->pf_meta_on) {
+        /* a piece is launched once until taken or dropped: the ring of
+         * n_pieces + 1 never overflows */
+        ck->pf_queue[ck->pf_qtail++ % (ck->n_pieces + 1)] = q;
+        pthread_cond_broadcast(&ck->pf_cv);
+    } else {
+        *a = (pf_arg){ck, q, -1};
+        ck_pool_submit(pf_start_task, a);
+    }
     return 0;
 }
 
@@ -965,50 +1173,30 @@ void mt_ckpt_skip_fn(void *ctx, const char *name)
 static void pf_more(mt_ckpt *ck, int fi, int after)
 {
     int q = ck->pf_cursor[fi] > after + 1 ? ck->pf_cursor[fi] : after + 1;
-    const int limit = ck_io_threads();
+    const int limit = pf_max_running();
     for (; q < ck->n_pieces; q++) {
         if (ck->piece_file[q] != fi || ck->pf[q].state != PF_NONE || !pf_wanted(ck, q)) continue;
-        if (ck->pf_held + ck->pieces[q].nbytes > pf_bytes() || ck->pf_running >= limit) break;
+        if ((ck->pf_held > 0 && ck->pf_held + ck->pieces[q].nbytes > pf_bytes()) || ck->pf_running >= limit)
+            break;
         if (pf_launch(ck, q) < 0) break;
     }
     ck->pf_cursor[fi] = q;
 }
 
-/* Piece p whole through the read-ahead: its bytes (the caller frees them),
- * or NULL with *rc set; 0 returned if p is not for the read-ahead. */
-static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
+static void pf_init(mt_ckpt *ck)
 {
-    /* in another rank's shard this rank reads only some pieces (the
-     * replicated weights among that rank's optimizer state): reading its
-     * optimizer state ahead would fetch, check and hold pieces nobody here
-     * takes, and fill the read-ahead's budget (issue 23: the 4-rank load) */
-    if (!pf_wanted(ck, p) || getenv("MT_CKPT_NO_READAHEAD")) return 0;
     if (!ck->pf_on) {
         pthread_mutex_init(&ck->pf_mu, NULL);
         pthread_cond_init(&ck->pf_cv, NULL);
         ck->pf_on = 1;
     }
-    struct ck_pf *e = &ck->pf[p];
-    pthread_mutex_lock(&ck->pf_mu);
-    e->drop = 0; /* skipped before, wanted now */
-    if (e->state == PF_NONE && pf_launch(ck, p) < 0) {
-        pthread_mutex_unlock(&ck->pf_mu);
-        return 0; /* no memory for it: read it directly */
-    }
-    pf_more(ck, ck->piece_file[p], p);
-    while (e->state != PF_READY) pthread_cond_wait(&ck->pf_cv, &ck->pf_mu);
-    *rc = e->rc;
-    *data = e->data;
-    if (e->rc < 0) {
-        *rc = MT_ERR(e->rc, "%s", e->msg);
-        free(e->data);
-        *data = NULL;
-    }
-    e->data = NULL;
-    e->state = PF_NONE;
-    ck->pf_held -= ck->pieces[p].nbytes;
-    /* pieces of this file before p read ahead and not taken: the reader
-     * went past them; their memory goes back to the read-ahead */
+}
+
+/* The reader is past piece p of its file (pf_mu held): the pieces before
+ * p read ahead and not taken go (their memory back to the read-ahead),
+ * the read-ahead tops up after p. */
+static void pf_past(mt_ckpt *ck, int p)
+{
     const int fi = ck->piece_file[p];
     for (int q = ck->pf_low[fi]; q < p; q++) {
         struct ck_pf *s = &ck->pf[q];
@@ -1024,8 +1212,53 @@ static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
     }
     if (p + 1 > ck->pf_low[fi]) ck->pf_low[fi] = p + 1;
     pf_more(ck, fi, p);
+}
+
+/* Piece p whole through the read-ahead: its bytes (the caller frees them),
+ * or NULL with *rc set; 0 returned if p is not for the read-ahead. */
+static int pf_take(mt_ckpt *ck, int p, char **data, int *rc)
+{
+    /* in another rank's shard this rank reads only some pieces (the
+     * replicated weights among that rank's optimizer state): reading its
+     * optimizer state ahead would fetch, check and hold pieces nobody here
+     * takes, and fill the read-ahead's budget (issue 23: the 4-rank load) */
+    if (!pf_wanted(ck, p) || getenv("MT_CKPT_NO_READAHEAD")) return 0;
+    pf_init(ck);
+    struct ck_pf *e = &ck->pf[p];
+    pthread_mutex_lock(&ck->pf_mu);
+    e->drop = 0; /* skipped before, wanted now */
+    if (e->state == PF_NONE && pf_launch(ck, p) < 0) {
+        pthread_mutex_unlock(&ck->pf_mu);
+        return 0; /* no memory for it: read it directly */
+    }
+    pf_more(ck, ck->piece_file[p], p);
+    const double t0 = mt_now_ms();
+    while (e->state != PF_READY) pthread_cond_wait(&ck->pf_cv, &ck->pf_mu);
+    ck->pf_wait_ms += mt_now_ms() - t0;
+    *rc = e->rc;
+    *data = e->data;
+    if (e->rc < 0) {
+        *rc = MT_ERR(e->rc, "%s", e->msg);
+        free(e->data);
+        *data = NULL;
+    }
+    e->data = NULL;
+    e->state = PF_NONE;
+    ck->pf_held -= ck->pieces[p].nbytes;
+    pf_past(ck, p);
     pthread_mutex_unlock(&ck->pf_mu);
     return 1;
+}
+
+/* After piece p was read whole without the read-ahead (larger than it
+ * takes): the pieces after it are read while the caller converts p. */
+static void pf_after(mt_ckpt *ck, int p)
+{
+    if (getenv("MT_CKPT_NO_READAHEAD")) return;
+    pf_init(ck);
+    pthread_mutex_lock(&ck->pf_mu);
+    pf_past(ck, p);
+    pthread_mutex_unlock(&ck->pf_mu);
 }
 
 /* Waits for the read-ahead's tasks (they use ck) and frees what they read. */
@@ -1034,10 +1267,21 @@ static void pf_stop(mt_ckpt *ck)
     if (ck->pf_on) {
         pthread_mutex_lock(&ck->pf_mu);
         while (ck->pf_running) pthread_cond_wait(&ck->pf_cv, &ck->pf_mu);
+        ck->pf_quit = 1;
+        pthread_cond_broadcast(&ck->pf_cv);
         pthread_mutex_unlock(&ck->pf_mu);
+        if (ck->pf_meta_on) pthread_join(ck->pf_meta, NULL);
         pthread_mutex_destroy(&ck->pf_mu);
         pthread_cond_destroy(&ck->pf_cv);
+        if (ck->pf_pieces)
+            MT_LOGD("checkpoint %s: read ahead %lld pieces (%lld chunks), %.1f ms of their HDF5 "
+                    "metadata on %s; the reader waited %.1f ms for them",
+                    ck->dir, (long long)ck->pf_pieces, (long long)ck->pf_chunks, ck->pf_meta_ms,
+                    ck->pf_meta_on ? "a thread of its own" : "the workers", ck->pf_wait_ms);
     }
+    free(ck->pf_queue);
+    ck->pf_queue = NULL;
+    ck->pf_meta_on = 0;
     for (int q = 0; ck->pf && q < ck->n_pieces; q++) free(ck->pf[q].data);
     free(ck->pf);
     free(ck->pf_cursor);
@@ -1150,6 +1394,7 @@ unlock:
             rc = MT_ERR(MT_ECORRUPT, "%s", msg);
         }
     }
+    if (rc == MT_OK && whole) pf_after(ck, p);
     return rc;
 }
 
