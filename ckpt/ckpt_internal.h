@@ -52,6 +52,18 @@ int ck_io_threads(void);
  * use); the caller tracks completion. A task must not wait for another. */
 void ck_pool_submit(void (*fn)(void *), void *arg);
 
+/* The kernel's sequential read-ahead of files read through the page cache
+ * (ckpt_kahead.c): a thread asking readahead(2) for each file's bytes up to
+ * MT_CKPT_KERNEL_READAHEAD_MB (default 256; 0: off, start returns NULL)
+ * past the last ones wanted. fd[n] stays the caller's and open until stop.
+ * want(NULL, ...) and stop(NULL) do nothing. */
+typedef struct ck_kahead ck_kahead;
+ck_kahead *ck_kahead_start(const int *fd, int n);
+/* Bytes [a, b) of file fi are being read (the first call for fi: where the
+ * kernel's read-ahead of it starts). */
+void ck_kahead_want(ck_kahead *k, int fi, int64_t a, int64_t b);
+void ck_kahead_stop(ck_kahead *k);
+
 /* The file driver of shard files (ckpt_vfd.c), or -1 (HDF5 other than
  * 1.10, or MT_CKPT_SERIAL_WRITES set): HDF5's POSIX driver except that the
  * raw write of the buffer announced by ck_vfd_expect(buf, size) on this
@@ -201,8 +213,10 @@ struct mt_ckpt {
     int pf_meta_on, pf_quit;
     int *pf_queue;               /* [n_pieces + 1] ring of pieces to start */
     int64_t pf_qhead, pf_qtail;
+    ck_kahead *pf_kahead;        /* the kernel's read-ahead of the files read ahead, or NULL */
+    int pf_kahead_tried;
     int64_t pf_pieces, pf_chunks; /* read ahead, for the debug log */
-    double pf_meta_ms, pf_wait_ms;
+    double pf_meta_ms, pf_wait_ms, pf_copy_ms;
 };
 
 /* Reads index.h5 of ck->dir into ck (takes the lock). */
@@ -261,6 +275,9 @@ int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr);
 /* A buffer for one stored chunk of n bytes (CK_DIRECT_ALIGN-aligned, room
  * for the whole blocks an O_DIRECT read takes around it); free() it. */
 char *ck_chunk_buf_alloc(size_t n);
+/* Whether ck_chunk_pread reads a stored chunk of n bytes of file fi with
+ * O_DIRECT (else through the page cache). */
+int ck_chunk_direct(const mt_ckpt *ck, int fi, size_t n);
 /* Reads the n stored bytes at offset addr of file fi into buf (of
  * ck_chunk_buf_alloc(n)): where they start in buf, or NULL with *err =
  * errno (0: the file ends before them). Large chunks with O_DIRECT as

@@ -458,8 +458,7 @@ char *ck_chunk_buf_alloc(size_t n)
     return posix_memalign(&b, CK_DIRECT_ALIGN, chunk_buf_bytes(n)) == 0 ? b : NULL;
 }
 
-/* Whether stored chunks of n bytes in file fi are read with O_DIRECT. */
-static int chunk_direct(const mt_ckpt *ck, int fi, size_t n)
+int ck_chunk_direct(const mt_ckpt *ck, int fi, size_t n)
 {
     return ck->file_dfd[fi] >= 0 && n >= CK_DIRECT_READ_MIN &&
            (ck->reader_rank < 0 || ck->file_rank[fi] == ck->reader_rank);
@@ -473,7 +472,7 @@ static int chunk_direct(const mt_ckpt *ck, int fi, size_t n)
 char *ck_chunk_pread(const mt_ckpt *ck, int fi, char *buf, size_t n, int64_t addr, int *err)
 {
     const int dfd = ck->file_dfd[fi];
-    if (chunk_direct(ck, fi, n)) {
+    if (ck_chunk_direct(ck, fi, n)) {
         const int64_t a0 = addr - addr % CK_DIRECT_ALIGN;
         const size_t lead = (size_t)(addr - a0), need = lead + n;
         const size_t len = (need + CK_DIRECT_ALIGN - 1) / CK_DIRECT_ALIGN * CK_DIRECT_ALIGN;
@@ -952,7 +951,7 @@ static void pf_chunk_task(void *arg)
     uint8_t tail[4];
     int err = 0;
     const char *got = NULL;
-    if (chunk_direct(ck, u->fi, u->cb + 4)) {
+    if (ck_chunk_direct(ck, u->fi, u->cb + 4)) {
         /* whole aligned blocks into a buffer of its own, then the copy */
         char *buf = ck_chunk_buf_alloc(u->cb + 4);
         err = ENOMEM;
@@ -994,6 +993,23 @@ static void pf_chunk_task(void *arg)
     }
     pf_advance(ck, p);
     pthread_mutex_unlock(&ck->pf_mu);
+}
+
+/* Bytes [a, b) of file fi are being read ahead through the page cache:
+ * the kernel reads on past them (ckpt_kahead.c) if the file is read whole,
+ * as the reader's own shard is (or every file when the reader's rank is
+ * unset); of other ranks' shards a rank reads only some pieces. */
+static void pf_kernel_ahead(mt_ckpt *ck, int fi, int64_t a, int64_t b)
+{
+    if (ck->reader_rank >= 0 && ck->file_rank[fi] != ck->reader_rank) return;
+    pthread_mutex_lock(&ck->pf_mu);
+    if (!ck->pf_kahead_tried) {
+        ck->pf_kahead_tried = 1;
+        ck->pf_kahead = ck_kahead_start(ck->file_fd, ck->n_files);
+    }
+    ck_kahead *k = ck->pf_kahead;
+    pthread_mutex_unlock(&ck->pf_mu);
+    ck_kahead_want(k, fi, a, b);
 }
 
 /* The start of a piece read ahead: its dataset checked against the index
@@ -1054,6 +1070,8 @@ static void pf_start(mt_ckpt *ck, int p)
         const int64_t n = u->n;
         pf_arg *task = u->task;
         for (int64_t c = 0; c < n; c++) task[c] = (pf_arg){ck, p, c};
+        if (!ck_chunk_direct(ck, u->fi, u->cb + 4))
+            pf_kernel_ahead(ck, u->fi, u->addr[0], u->addr[n - 1] + (int64_t)u->cb + 4);
         for (int64_t c = 0; c < n; c++) ck_pool_submit(pf_chunk_task, &task[c]);
         return;
     }
@@ -1275,13 +1293,15 @@ static void pf_stop(mt_ckpt *ck)
         pthread_cond_destroy(&ck->pf_cv);
         if (ck->pf_pieces)
             MT_LOGD("checkpoint %s: read ahead %lld pieces (%lld chunks), %.1f ms of their HDF5 "
-                    "metadata on %s; the reader waited %.1f ms for them",
+                    "metadata on %s; the reader waited %.1f ms for them and copied them out in %.1f ms",
                     ck->dir, (long long)ck->pf_pieces, (long long)ck->pf_chunks, ck->pf_meta_ms,
-                    ck->pf_meta_on ? "a thread of its own" : "the workers", ck->pf_wait_ms);
+                    ck->pf_meta_on ? "a thread of its own" : "the workers", ck->pf_wait_ms, ck->pf_copy_ms);
     }
     free(ck->pf_queue);
+    ck_kahead_stop(ck->pf_kahead);
     ck->pf_queue = NULL;
-    ck->pf_meta_on = 0;
+    ck->pf_kahead = NULL;
+    ck->pf_meta_on = ck->pf_kahead_tried = 0;
     for (int q = 0; ck->pf && q < ck->n_pieces; q++) free(ck->pf[q].data);
     free(ck->pf);
     free(ck->pf_cursor);
@@ -1329,10 +1349,16 @@ int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d)
     char *ready = NULL;
     if (whole && pf_take(ck, p, &ready, &rc)) {
         if (rc < 0) return rc;
+        const double t0 = mt_now_ms();
         const size_t row = (size_t)cnt[1] * es;
-        for (hsize_t i = 0; i < cnt[0]; i++)
-            memcpy((char *)d->data + ((size_t)(mo[0] + i) * (size_t)dc1 + mo[1]) * es, ready + i * row, row);
+        if (mo[1] == 0 && (int64_t)cnt[1] == dc1)
+            memcpy((char *)d->data + (size_t)mo[0] * row, ready, (size_t)cnt[0] * row);
+        else
+            for (hsize_t i = 0; i < cnt[0]; i++)
+                memcpy((char *)d->data + ((size_t)(mo[0] + i) * (size_t)dc1 + mo[1]) * es, ready + i * row,
+                       row);
         free(ready);
+        ck->pf_copy_ms += mt_now_ms() - t0;
         return MT_OK;
     }
     int64_t *addr = NULL, cr = 0;
