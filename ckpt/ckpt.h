@@ -25,18 +25,21 @@
  *    through the page cache, said once in the log), write-back of the rest
  *    started every 64 MB, one fsync per file;
  *  - reading: chunk addresses from HDF5, the chunks pread and checked by the
- *    workers; whole small pieces of the reader's own shard are read ahead
- *    in file order;
+ *    workers; whole pieces (up to 256 MB) of the reader's own shard are read
+ *    ahead in file order, a task per chunk, their metadata on a thread of
+ *    its own, with the kernel's sequential read-ahead of the file;
  *  - verify: the chunks of all pieces of all files pread and checked by the
  *    workers, a window of them in flight, each piece's XXH64 fed in chunk
  *    order by whichever worker completes its next chunk (ckpt_verify.c).
- * Memory stays bounded (about 128 MB for a writer, 128 MB of read-ahead,
- * verify's window: 2 x workers + 2 chunks of at most 4 MB), never the model. Environment: MT_CKPT_THREADS (workers; default the CPUs
+ * Memory stays bounded (about 128 MB for a writer, 256 MB of read-ahead
+ * and one piece, verify's window: 2 x workers + 2 chunks of at most 4 MB),
+ * never the model. Environment: MT_CKPT_THREADS (workers; default the CPUs
  * divided among the host's ranks, clamped to [4, 16]), MT_CKPT_DIRECT=0
  * (shard chunks through the page cache; 1 or unset: O_DIRECT),
  * MT_CKPT_DIRECT_READ=0 / 1 (large chunks of the reader's own shard read
  * with O_DIRECT; default off), and for comparisons MT_CKPT_SERIAL_WRITES=1 (HDF5's own
- * driver), MT_CKPT_NO_READAHEAD=1, MT_CKPT_WRITEBACK=0, MT_CKPT_NO_SIMD=1
+ * driver), MT_CKPT_NO_READAHEAD=1, MT_CKPT_READAHEAD_MB / _PIECE_MB,
+ * MT_CKPT_KERNEL_READAHEAD_MB (0: off), MT_CKPT_WRITEBACK=0, MT_CKPT_NO_SIMD=1
  * (Fletcher32 without AVX2), MT_CKPT_VERIFY_CHUNKS=N (verify's chunks in
  * flight; 1: one at a time). An mt_ckpt is read by one thread at a time.
  */

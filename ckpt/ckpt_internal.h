@@ -52,10 +52,10 @@ int ck_io_threads(void);
  * use); the caller tracks completion. A task must not wait for another. */
 void ck_pool_submit(void (*fn)(void *), void *arg);
 
-/* The kernel's sequential read-ahead of files read through the page cache
- * (ckpt_kahead.c): a thread asking readahead(2) for each file's bytes up to
- * MT_CKPT_KERNEL_READAHEAD_MB (default 256; 0: off, start returns NULL)
- * past the last ones wanted. fd[n] stays the caller's and open until stop.
+/* The kernel's sequential read-ahead of files a load reads ahead through
+ * the page cache (ckpt_kahead.c): a thread asking readahead(2) for each
+ * file's bytes up to MT_CKPT_KERNEL_READAHEAD_MB (default 256; 0: off,
+ * start returns NULL) past the last ones wanted. fd[n] stays the caller's and open until stop.
  * want(NULL, ...) and stop(NULL) do nothing. */
 typedef struct ck_kahead ck_kahead;
 ck_kahead *ck_kahead_start(const int *fd, int n);
@@ -275,9 +275,6 @@ int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr);
 /* A buffer for one stored chunk of n bytes (CK_DIRECT_ALIGN-aligned, room
  * for the whole blocks an O_DIRECT read takes around it); free() it. */
 char *ck_chunk_buf_alloc(size_t n);
-/* Whether ck_chunk_pread reads a stored chunk of n bytes of file fi with
- * O_DIRECT (else through the page cache). */
-int ck_chunk_direct(const mt_ckpt *ck, int fi, size_t n);
 /* Reads the n stored bytes at offset addr of file fi into buf (of
  * ck_chunk_buf_alloc(n)): where they start in buf, or NULL with *err =
  * errno (0: the file ends before them). Large chunks with O_DIRECT as

@@ -458,7 +458,8 @@ char *ck_chunk_buf_alloc(size_t n)
     return posix_memalign(&b, CK_DIRECT_ALIGN, chunk_buf_bytes(n)) == 0 ? b : NULL;
 }
 
-int ck_chunk_direct(const mt_ckpt *ck, int fi, size_t n)
+/* Whether stored chunks of n bytes in file fi are read with O_DIRECT. */
+static int chunk_direct(const mt_ckpt *ck, int fi, size_t n)
 {
     return ck->file_dfd[fi] >= 0 && n >= CK_DIRECT_READ_MIN &&
            (ck->reader_rank < 0 || ck->file_rank[fi] == ck->reader_rank);
@@ -472,7 +473,7 @@ int ck_chunk_direct(const mt_ckpt *ck, int fi, size_t n)
 char *ck_chunk_pread(const mt_ckpt *ck, int fi, char *buf, size_t n, int64_t addr, int *err)
 {
     const int dfd = ck->file_dfd[fi];
-    if (ck_chunk_direct(ck, fi, n)) {
+    if (chunk_direct(ck, fi, n)) {
         const int64_t a0 = addr - addr % CK_DIRECT_ALIGN;
         const size_t lead = (size_t)(addr - a0), need = lead + n;
         const size_t len = (need + CK_DIRECT_ALIGN - 1) / CK_DIRECT_ALIGN * CK_DIRECT_ALIGN;
@@ -814,19 +815,20 @@ int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr)
  * So the first whole read of a piece also starts the pieces after it in
  * the same file, up to PF_BYTES held (the piece asked for, and the next one
  * when nothing else is held, whatever their size up to the largest piece
- * read ahead): a pool task looks up a piece's chunk addresses (HDF5, under
- * its lock), then every chunk is a task of its own that preads it in place
- * into the piece's memory (the checksum aside, so no copy), checks its
- * Fletcher32 and, when it is the next chunk of its piece to hash, feeds the
- * piece's XXH64 with it and the ready chunks after it: no task waits for
- * another, and the pool keeps as many reads in flight as it has workers,
- * across pieces. A later whole read of the piece waits for it and copies
- * it out. (Issue 23: with one task per piece reading its chunks one after
- * another and pieces over 16 MB read only when asked, one rank's load
- * reached 56-72 % of dd on the 2-core VM and 69-93 % on the lent 16-core
- * hosts, where verify's chunks in parallel reached 80-105 %.) Larger
- * pieces are read directly into the caller's memory, their chunks in
- * parallel, and the read-ahead goes on after them. */
+ * read ahead): a thread of the read-ahead's own looks up a piece's chunk
+ * addresses (HDF5, under its lock), then every chunk is a pool task that
+ * preads it in place into the piece's memory (the checksum aside, so no
+ * copy), checks its Fletcher32 and, when it is the next chunk of its piece
+ * to hash, feeds the piece's XXH64 with it and the ready chunks after it:
+ * no task waits for another, and the pool keeps as many reads in flight as
+ * it has workers, across pieces; the kernel reads the file on ahead of
+ * them (ckpt_kahead.c). A later whole read of the piece waits for it and
+ * copies it out. Larger pieces are read directly into the caller's memory,
+ * their chunks in parallel, and the read-ahead goes on after them.
+ * (Issue 23, one rank, 3.06 GB, on a lent 16-core host: before, one task
+ * per piece read its chunks one after another and pieces over 16 MB were
+ * read when asked: loads of 2.13-2.37 s; the chunks in parallel alone
+ * 2.16-2.33 s; with the kernel's read-ahead 2.06-2.14 s, dd's rate.) */
 #define PF_BYTES_DEFAULT_MB 256
 #define PF_PIECE_MAX_DEFAULT_MB 256
 
@@ -951,7 +953,7 @@ static void pf_chunk_task(void *arg)
     uint8_t tail[4];
     int err = 0;
     const char *got = NULL;
-    if (ck_chunk_direct(ck, u->fi, u->cb + 4)) {
+    if (chunk_direct(ck, u->fi, u->cb + 4)) {
         /* whole aligned blocks into a buffer of its own, then the copy */
         char *buf = ck_chunk_buf_alloc(u->cb + 4);
         err = ENOMEM;
@@ -1070,7 +1072,7 @@ static void pf_start(mt_ckpt *ck, int p)
         const int64_t n = u->n;
         pf_arg *task = u->task;
         for (int64_t c = 0; c < n; c++) task[c] = (pf_arg){ck, p, c};
-        if (!ck_chunk_direct(ck, u->fi, u->cb + 4))
+        if (!chunk_direct(ck, u->fi, u->cb + 4))
             pf_kernel_ahead(ck, u->fi, u->addr[0], u->addr[n - 1] + (int64_t)u->cb + 4);
         for (int64_t c = 0; c < n; c++) ck_pool_submit(pf_chunk_task, &task[c]);
         return;

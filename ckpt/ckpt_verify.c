@@ -444,11 +444,8 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
     pthread_cond_init(&run.cv, NULL);
     int rep = 0, rc = MT_OK;
     int64_t shown = 0;
-    /* every byte of every file is read, in about file order */
-    ck_kahead *ka = ck_kahead_start(ck->file_fd, ck->n_files);
     pthread_t meta;
     if (pthread_create(&meta, NULL, meta_main, &run) != 0) {
-        ck_kahead_stop(ka);
         pthread_mutex_destroy(&run.mu);
         pthread_cond_destroy(&run.cv);
         vrun_free(&run);
@@ -509,8 +506,6 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
         /* a piece finishes when its n-th chunk is hashed: never before
          * this loop has handed them all out */
         const int64_t n = a->n;
-        if (n > 0 && !ck_chunk_direct(ck, fi, a->cb + 4))
-            ck_kahead_want(ka, fi, addr[0], addr[n - 1] + (int64_t)a->cb + 4);
         for (int64_t c = 0; c < n; c++) {
             pthread_mutex_lock(&run.mu);
             while (!run.free_slots) {
@@ -576,7 +571,6 @@ static int verify_data(mt_ckpt *ck, char *bad, ck_problems *v, mt_progress *prog
     pthread_cond_broadcast(&run.cv);
     pthread_mutex_unlock(&run.mu);
     pthread_join(meta, NULL);
-    ck_kahead_stop(ka);
     for (int i = 0; i < late.n; i++) {
         const char *f = late.line[i], *t = f + strlen(f) + 1, *m = t + strlen(t) + 1;
         if (rc == MT_OK) ck_problem(v, f, t, "%s", m);
