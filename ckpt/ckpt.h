@@ -162,6 +162,19 @@ int mt_ckpt_write_shard(const char *dir, int rank, const mt_tensor_desc *d, int 
 int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shard_map *map,
                         const mt_ckpt_piece_rec *recs, int n);
 
+/* The same in two steps, so that the index is written while the shards
+ * are (issue 23): begin creates DIR/index.h5 from the shard map alone
+ * (metadata, the tensor table, the virtual datasets: all but the pieces'
+ * checksums and the files' sizes); finish takes the written pieces' rows
+ * (which must be the map's pieces), writes the rest, closes, seals and
+ * fsyncs it, and frees ix, as abort does (ix NULL: nothing) without
+ * finishing. map must stay valid until then. */
+typedef struct mt_ckpt_index mt_ckpt_index;
+int mt_ckpt_index_begin(mt_ckpt_index **ix, const char *dir, const mt_ckpt_meta *meta,
+                        const mt_shard_map *map);
+int mt_ckpt_index_finish(mt_ckpt_index *ix, const mt_ckpt_piece_rec *recs, int n);
+void mt_ckpt_index_abort(mt_ckpt_index *ix);
+
 /* ---- reading ------------------------------------------------------------------- */
 
 /* A source of global tensors: a checkpoint, or a Hugging Face directory. */

@@ -745,24 +745,18 @@ static int collect(const mt_shard_map *map, const mt_ckpt_piece_rec *recs, int n
     return MT_OK;
 }
 
-int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shard_map *map,
-                        const mt_ckpt_piece_rec *recs, int n)
+/* The index's rows of the pieces recs[n] (grouped by tensor in the order
+ * of recs) and of the tensors of map, every tensor's tiling checked. */
+static int index_rows(const char *path, const mt_shard_map *map, const mt_ckpt_piece_rec *recs, int n,
+                      tensor_row **trp, piece_row **prp)
 {
-    char path[4200], eb[256];
-    snprintf(path, sizeof path, "%s/%s", dir, CK_INDEX);
     int *order = NULL, *first = NULL;
     MT_CHECK(collect(map, recs, n, &order, &first));
     tensor_row *tr = calloc((size_t)map->n_tensors + 1, sizeof *tr);
     piece_row *pr = calloc((size_t)n + 1, sizeof *pr);
     const mt_ckpt_piece_rec **pp = malloc((size_t)(n + 1) * sizeof *pp);
-    file_row *fr = NULL;
-    int n_files = 0, rc = MT_OK;
-    hid_t f = -1, g = -1;
-    if (!tr || !pr || !pp) {
-        rc = MT_ERR(MT_ENOMEM, "index: out of memory");
-        goto out;
-    }
-    /* tensors and pieces, with the tiling of each tensor checked */
+    int rc = MT_OK;
+    if (!tr || !pr || !pp) rc = MT_ERR(MT_ENOMEM, "index: out of memory");
     for (int t = 0; t < map->n_tensors && rc == MT_OK; t++) {
         const mt_shard_tensor *st = &map->tensors[t];
         int k0 = first[t], k1 = first[t + 1];
@@ -791,21 +785,33 @@ int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shar
             pr[k].xxh64 = r->xxh64;
         }
     }
-    if (rc < 0) goto out;
-    /* shard files with their sizes now (truncation shows at load) */
-    int max_rank = -1;
+    free(order);
+    free(first);
+    free((void *)pp);
+    if (rc < 0) {
+        free(tr);
+        free(pr);
+        return rc;
+    }
+    *trp = tr;
+    *prp = pr;
+    return MT_OK;
+}
+
+/* The shard files of recs[n] with their sizes now (truncation shows at
+ * load). */
+static int index_files(const char *dir, const mt_ckpt_piece_rec *recs, int n, file_row **frp, int *nf)
+{
+    int max_rank = -1, rc = MT_OK;
     for (int i = 0; i < n; i++) max_rank = recs[i].rank > max_rank ? recs[i].rank : max_rank;
     char *seen = calloc((size_t)max_rank + 2, 1);
-    fr = calloc((size_t)max_rank + 2, sizeof *fr);
-    if (!seen || !fr) {
-        free(seen);
-        rc = MT_ERR(MT_ENOMEM, "index: out of memory");
-        goto out;
-    }
-    for (int i = 0; i < n; i++) seen[recs[i].rank] = 1;
+    file_row *fr = calloc((size_t)max_rank + 2, sizeof *fr);
+    *nf = 0;
+    if (!seen || !fr) rc = MT_ERR(MT_ENOMEM, "index: out of memory");
+    for (int i = 0; i < n && rc == MT_OK; i++) seen[recs[i].rank] = 1;
     for (int r = 0; r <= max_rank && rc == MT_OK; r++) {
         if (!seen[r]) continue;
-        file_row *x = &fr[n_files++];
+        file_row *x = &fr[(*nf)++];
         ck_shard_name(x->name, sizeof x->name, r);
         x->rank = r;
         char sp[4300];
@@ -815,56 +821,208 @@ int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shar
         x->bytes = (int64_t)st.st_size;
     }
     free(seen);
-    if (rc < 0) goto out;
+    if (rc < 0) {
+        free(fr);
+        return rc;
+    }
+    *frp = fr;
+    return MT_OK;
+}
 
+/* An index being written: open from its begin to its finish. */
+struct mt_ckpt_index {
+    char dir[4096], path[4200];
+    const mt_shard_map *map;
+    hid_t f, g;
+    tensor_row *tr;
+    piece_row *pr;       /* the rows the virtual datasets were made of */
+    int n;
+};
+
+/* Creates the index with what does not depend on the pieces' checksums or
+ * the files' sizes: metadata, the tensor table, one virtual dataset per
+ * global tensor over its pieces (pr). */
+static int index_open(mt_ckpt_index *ix, const mt_ckpt_meta *meta)
+{
+    char eb[256];
+    const mt_shard_map *map = ix->map;
+    int rc = MT_OK;
     ck_lock();
-    f = create_file(path, CK_INDEX_USERBLOCK, 0);
-    if (f < 0) {
-        rc = MT_ERR(MT_EIO, "%s: cannot create (%s)", path, ck_h5_errstr(eb, sizeof eb));
-        goto unlock;
+    ix->f = create_file(ix->path, CK_INDEX_USERBLOCK, 0);
+    if (ix->f < 0) {
+        ck_unlock();
+        return MT_ERR(MT_EIO, "%s: cannot create (%s)", ix->path, ck_h5_errstr(eb, sizeof eb));
     }
     int64_t ver = MT_CKPT_FORMAT_VERSION;
     char *lj = ck_layout_json(&meta->layout), *oj = ck_opts_json(&meta->opts);
     int64_t pos[3] = {meta->step, meta->consumed_samples, meta->consumed_tokens};
     if (!lj || !oj) rc = MT_ERR(MT_ENOMEM, "index: out of memory");
-    if (rc == MT_OK) rc = ck_attr_str(f, "format", MT_CKPT_FORMAT);
-    if (rc == MT_OK) rc = ck_attr_i64(f, "format_version", &ver, 1);
-    if (rc == MT_OK) rc = ck_attr_i64(f, "step", &meta->step, 1);
+    if (rc == MT_OK) rc = ck_attr_str(ix->f, "format", MT_CKPT_FORMAT);
+    if (rc == MT_OK) rc = ck_attr_i64(ix->f, "format_version", &ver, 1);
+    if (rc == MT_OK) rc = ck_attr_i64(ix->f, "step", &meta->step, 1);
     if (rc == MT_OK) {
-        g = H5Gcreate2(f, CK_META_GROUP, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-        if (g < 0) rc = MT_ERR(MT_EHDF5, "%s: cannot create group %s", path, CK_META_GROUP);
+        ix->g = H5Gcreate2(ix->f, CK_META_GROUP, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+        if (ix->g < 0) rc = MT_ERR(MT_EHDF5, "%s: cannot create group %s", ix->path, CK_META_GROUP);
     }
-    if (rc == MT_OK) rc = ck_attr_i64(g, "step_samples_tokens", pos, 3);
-    if (rc == MT_OK) rc = ck_write_string(g, "config", meta->config_json ? meta->config_json : "{}");
-    if (rc == MT_OK) rc = ck_write_string(g, "job", meta->job_json ? meta->job_json : "null");
-    if (rc == MT_OK) rc = ck_write_string(g, "state", meta->state_json ? meta->state_json : "{}");
-    if (rc == MT_OK) rc = ck_write_string(g, "layout", lj);
-    if (rc == MT_OK) rc = ck_write_string(g, "contents", oj);
+    if (rc == MT_OK) rc = ck_attr_i64(ix->g, "step_samples_tokens", pos, 3);
+    if (rc == MT_OK) rc = ck_write_string(ix->g, "config", meta->config_json ? meta->config_json : "{}");
+    if (rc == MT_OK) rc = ck_write_string(ix->g, "job", meta->job_json ? meta->job_json : "null");
+    if (rc == MT_OK) rc = ck_write_string(ix->g, "state", meta->state_json ? meta->state_json : "{}");
+    if (rc == MT_OK) rc = ck_write_string(ix->g, "layout", lj);
+    if (rc == MT_OK) rc = ck_write_string(ix->g, "contents", oj);
     free(lj);
     free(oj);
-    hid_t tt = ck_tensor_row_type(), pt = ck_piece_row_type(), ft = ck_file_row_type();
-    if (rc == MT_OK) rc = write_table(g, "tensors", tt, tr, (size_t)map->n_tensors);
-    if (rc == MT_OK) rc = write_table(g, "pieces", pt, pr, (size_t)n);
-    if (rc == MT_OK) rc = write_table(g, "files", ft, fr, (size_t)n_files);
+    hid_t tt = ck_tensor_row_type();
+    if (rc == MT_OK) rc = write_table(ix->g, "tensors", tt, ix->tr, (size_t)map->n_tensors);
     H5Tclose(tt);
+    for (int t = 0; t < map->n_tensors && rc == MT_OK; t++)
+        rc = write_vds(ix->f, &map->tensors[t], ix->pr + ix->tr[t].first_piece, (int)ix->tr[t].n_pieces);
+    ck_unlock();
+    return rc;
+}
+
+static void index_free(mt_ckpt_index *ix)
+{
+    ck_lock();
+    if (ix->g >= 0) H5Gclose(ix->g);
+    if (ix->f >= 0) H5Fclose(ix->f);
+    ck_unlock();
+    free(ix->tr);
+    free(ix->pr);
+    free(ix);
+}
+
+/* The pieces' rows pr[n] (with their checksums) and the files' table, then
+ * the index closed, sealed and fsynced; ix freed. */
+static int index_close(mt_ckpt_index *ix, const piece_row *pr, int n, const file_row *fr, int nf)
+{
+    char eb[256], path[4200];
+    snprintf(path, sizeof path, "%s", ix->path);
+    int rc = MT_OK;
+    ck_lock();
+    hid_t pt = ck_piece_row_type(), ft = ck_file_row_type();
+    rc = write_table(ix->g, "pieces", pt, pr, (size_t)n);
+    if (rc == MT_OK) rc = write_table(ix->g, "files", ft, fr, (size_t)nf);
     H5Tclose(pt);
     H5Tclose(ft);
-    for (int t = 0; t < map->n_tensors && rc == MT_OK; t++)
-        rc = write_vds(f, &map->tensors[t], pr + tr[t].first_piece, (int)tr[t].n_pieces);
-    if (g >= 0) H5Gclose(g);
-    if (H5Fclose(f) < 0 && rc == MT_OK)
+    H5Gclose(ix->g);
+    ix->g = -1;
+    if (H5Fclose(ix->f) < 0 && rc == MT_OK)
         rc = MT_ERR(MT_EIO, "%s: close failed (%s)", path, ck_h5_errstr(eb, sizeof eb));
-    f = -1;
-unlock:
+    ix->f = -1;
     ck_unlock();
+    index_free(ix);
     if (rc == MT_OK) rc = ck_index_seal(path);
     if (rc == MT_OK) rc = mt_fsync_path(path);
-out:
-    free(order);
-    free(first);
-    free(tr);
-    free(pr);
-    free((void *)pp);
+    return rc;
+}
+
+static int index_new(mt_ckpt_index **out, const char *dir, const mt_shard_map *map)
+{
+    mt_ckpt_index *ix = calloc(1, sizeof *ix);
+    if (!ix) return MT_ERR(MT_ENOMEM, "index: out of memory");
+    snprintf(ix->dir, sizeof ix->dir, "%s", dir);
+    snprintf(ix->path, sizeof ix->path, "%s/%s", dir, CK_INDEX);
+    ix->map = map;
+    ix->f = ix->g = -1;
+    *out = ix;
+    return MT_OK;
+}
+
+int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shard_map *map,
+                        const mt_ckpt_piece_rec *recs, int n)
+{
+    mt_ckpt_index *ix;
+    MT_CHECK(index_new(&ix, dir, map));
+    file_row *fr = NULL;
+    int nf = 0;
+    int rc = index_rows(ix->path, map, recs, n, &ix->tr, &ix->pr);
+    ix->n = n;
+    if (rc == MT_OK) rc = index_files(dir, recs, n, &fr, &nf);
+    if (rc == MT_OK) rc = index_open(ix, meta);
+    if (rc < 0) {
+        free(fr);
+        index_free(ix);
+        return rc;
+    }
+    rc = index_close(ix, ix->pr, n, fr, nf);
     free(fr);
     return rc;
+}
+
+int mt_ckpt_index_begin(mt_ckpt_index **out, const char *dir, const mt_ckpt_meta *meta,
+                        const mt_shard_map *map)
+{
+    *out = NULL;
+    mt_ckpt_index *ix;
+    MT_CHECK(index_new(&ix, dir, map));
+    /* the pieces as their writers will record them, checksums aside */
+    mt_ckpt_piece_rec *recs = calloc((size_t)map->n_pieces + 1, sizeof *recs);
+    int rc = recs ? MT_OK : MT_ERR(MT_ENOMEM, "index: out of memory");
+    for (int p = 0; p < map->n_pieces && rc == MT_OK; p++) {
+        mt_tensor_desc d;
+        mt_shard_piece_desc(map, p, &d);
+        mt_ckpt_piece_rec *r = &recs[p];
+        snprintf(r->tensor, sizeof r->tensor, "%s", d.name);
+        r->rank = map->pieces[p].writer;
+        for (int k = 0; k < 2; k++) {
+            r->off[k] = k < d.ndim ? d.off[k] : 0;
+            r->count[k] = k < d.ndim ? d.count[k] : 1;
+        }
+        r->nbytes = d.count[0] * (d.ndim == 1 ? 1 : d.count[1]) * (int64_t)mt_dtype_size(d.dtype);
+    }
+    if (rc == MT_OK) rc = index_rows(ix->path, map, recs, map->n_pieces, &ix->tr, &ix->pr);
+    ix->n = map->n_pieces;
+    free(recs);
+    if (rc == MT_OK) rc = index_open(ix, meta);
+    if (rc < 0) {
+        index_free(ix);
+        return rc;
+    }
+    *out = ix;
+    return MT_OK;
+}
+
+/* Whether rows a[n] and b[n] of one tensor are the same pieces (any
+ * order), checksums aside. */
+static int same_pieces(const piece_row *a, const piece_row *b, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        int64_t j = 0;
+        while (j < n && !(a[i].rank == b[j].rank && a[i].offset[0] == b[j].offset[0] &&
+                          a[i].offset[1] == b[j].offset[1] && a[i].count[0] == b[j].count[0] &&
+                          a[i].count[1] == b[j].count[1] && a[i].nbytes == b[j].nbytes))
+            j++;
+        if (j == n) return 0;
+    }
+    return 1;
+}
+
+int mt_ckpt_index_finish(mt_ckpt_index *ix, const mt_ckpt_piece_rec *recs, int n)
+{
+    tensor_row *tr = NULL;
+    piece_row *pr = NULL;
+    file_row *fr = NULL;
+    int nf = 0;
+    int rc = index_rows(ix->path, ix->map, recs, n, &tr, &pr);
+    /* the virtual datasets were made from the map: the written pieces must be its pieces */
+    if (rc == MT_OK && n != ix->n)
+        rc = MT_ERR(MT_EINVAL, "%s: %d pieces written, the shard map has %d", ix->path, n, ix->n);
+    for (int t = 0; t < ix->map->n_tensors && rc == MT_OK; t++)
+        if (tr[t].n_pieces != ix->tr[t].n_pieces ||
+            !same_pieces(pr + tr[t].first_piece, ix->pr + ix->tr[t].first_piece, tr[t].n_pieces))
+            rc = MT_ERR(MT_EINVAL, "%s: tensor %s: the pieces written are not the shard map's", ix->path,
+                        tr[t].name);
+    if (rc == MT_OK) rc = index_files(ix->dir, recs, n, &fr, &nf);
+    if (rc == MT_OK) rc = index_close(ix, pr, n, fr, nf);
+    else index_free(ix);
+    free(tr);
+    free(pr);
+    free(fr);
+    return rc;
+}
+
+void mt_ckpt_index_abort(mt_ckpt_index *ix)
+{
+    if (ix) index_free(ix);
 }

@@ -125,6 +125,11 @@ static mt_shard_opts opts_full(void)
 }
 
 /* Saves a synthetic checkpoint of `step` under root with a layout. */
+/* save_ckpt's index: begun from the shard map before the shards are
+ * written and finished with their records (as rank 0 of several writes
+ * it), or written whole after them. */
+static int index_begun;
+
 static void save_ckpt(const char *root, const char *layout, int64_t step, int keep)
 {
     mt_model_config c;
@@ -152,6 +157,12 @@ static void save_ckpt(const char *root, const char *layout, int64_t step, int ke
     meta.opts = o;
     char part[2048];
     assert_int_equal(mt_ckpt_begin(root, step, part, sizeof part), MT_OK);
+    mt_ckpt_index *ix = NULL;
+    if (index_begun) { /* as rank 0 of a multi-rank save: before the shards are done */
+        rc = mt_ckpt_index_begin(&ix, part, &meta, &map);
+        if (rc) fprintf(stderr, "%s\n", mt_errmsg());
+        assert_int_equal(rc, MT_OK);
+    }
     mt_ckpt_piece_rec *recs = calloc((size_t)map.n_pieces, sizeof *recs);
     mt_tensor_desc *d = calloc((size_t)map.n_pieces, sizeof *d);
     int k = 0;
@@ -166,7 +177,7 @@ static void save_ckpt(const char *root, const char *layout, int64_t step, int ke
         k += n;
     }
     assert_int_equal(k, map.n_pieces);
-    rc = mt_ckpt_write_index(part, &meta, &map, recs, k);
+    rc = ix ? mt_ckpt_index_finish(ix, recs, k) : mt_ckpt_write_index(part, &meta, &map, recs, k);
     if (rc) fprintf(stderr, "%s\n", mt_errmsg());
     assert_int_equal(rc, MT_OK);
     assert_int_equal(mt_ckpt_commit(root, step, keep), MT_OK);
@@ -201,15 +212,18 @@ static void check_slab(mt_ckpt *ck, const mt_ckpt_tensor *x, int64_t r0, int64_t
 }
 
 /* Save -> load exact: every tensor whole and random hyperslabs crossing
- * piece boundaries, under two layouts; metadata round-trips. */
+ * piece boundaries, under two layouts, with the index written after the
+ * shards or begun from the shard map before them; metadata round-trips. */
 static void test_save_load_exact(void **state)
 {
     (void)state;
     const char *layouts[] = {"tp=2,pp=2,ep=2", "tp=1,pp=2,ep=4,dp=4"};
-    for (int li = 0; li < 2; li++) {
+    for (int li = 0; li < 4; li++) {
         char root[1200];
         snprintf(root, sizeof root, "%s/exact%d", tmp, li);
-        save_ckpt(root, layouts[li], 7, 0);
+        index_begun = li >= 2; /* the index begun before the shards, then finished */
+        save_ckpt(root, layouts[li % 2], 7, 0);
+        index_begun = 0;
         mt_ckpt *ck;
         int rc = mt_ckpt_open(&ck, root);
         if (rc) fprintf(stderr, "%s\n", mt_errmsg());
@@ -221,7 +235,7 @@ static void test_save_load_exact(void **state)
         assert_string_equal(m->state_json, "{\"step\":7}");
         assert_string_equal(m->job_json, "{\"name\":\"synthetic\"}");
         mt_layout l;
-        mt_layout_parse(&l, layouts[li]);
+        mt_layout_parse(&l, layouts[li % 2]);
         assert_memory_equal(&m->layout, &l, sizeof l);
         assert_true(m->opts.fp8 && m->opts.optimizer && m->opts.has_main);
         mt_rng r;
@@ -446,6 +460,77 @@ static void test_flipped_byte(void **state)
         assert_contains(mt_errmsg(), "index.h5");
         assert_contains(mt_errmsg(), tables[i] + 9);
     }
+}
+
+/* An index begun from the shard map is finished only with the map's
+ * pieces: a piece missing, or recorded by another rank than the map's
+ * writer, is refused naming the tensor, and no sealed index is left (the
+ * checkpoint does not open); aborted, the same. */
+static void test_index_begun_refuses_other_pieces(void **state)
+{
+    (void)state;
+    mt_model_config c;
+    cfg(&c);
+    mt_layout l;
+    assert_int_equal(mt_layout_parse(&l, "tp=1,pp=2,ep=2,dp=2"), MT_OK);
+    mt_shard_map map;
+    mt_shard_opts o = opts_full();
+    assert_int_equal(mt_shard_map_build(&map, &c, &l, &o), MT_OK);
+    mt_ckpt_meta meta;
+    memset(&meta, 0, sizeof meta);
+    json_t *cj = mt_config_to_json(&c);
+    meta.config_json = json_dumps(cj, JSON_SORT_KEYS | JSON_COMPACT);
+    json_decref(cj);
+    meta.layout = l;
+    meta.opts = o;
+    char root[1200], part[2048], done[1300], want[MT_TENSOR_NAME_CAP + 16];
+    snprintf(root, sizeof root, "%s/begun", tmp);
+    mt_ckpt_piece_rec *recs = calloc((size_t)map.n_pieces, sizeof *recs);
+    mt_tensor_desc *d = calloc((size_t)map.n_pieces, sizeof *d);
+    /* rounds: a piece recorded by the next rank instead of its writer; the
+     * last piece missing; the index aborted; the pieces as written */
+    for (int round = 0; round < 4; round++) {
+        const int64_t step = 3 + round;
+        meta.step = step;
+        assert_int_equal(mt_ckpt_begin(root, step, part, sizeof part), MT_OK);
+        mt_ckpt_index *ix;
+        assert_int_equal(mt_ckpt_index_begin(&ix, part, &meta, &map), MT_OK);
+        int k = 0;
+        for (int r = 0; r < map.world; r++) {
+            int n;
+            const int *idx = mt_shard_map_rank_pieces(&map, r, &n);
+            for (int i = 0; i < n; i++) mt_shard_piece_desc(&map, idx[i], &d[i]);
+            if (n) assert_int_equal(mt_ckpt_write_shard(part, r, d, n, fill_gen, NULL, recs + k, NULL), MT_OK);
+            k += n;
+        }
+        assert_int_equal(k, map.n_pieces);
+        if (round == 0) recs[k / 2].rank = (recs[k / 2].rank + 1) % map.world;
+        snprintf(want, sizeof want, "tensor %s", recs[round == 0 ? k / 2 : k - 1].tensor);
+        if (round == 2) mt_ckpt_index_abort(ix);
+        else {
+            const int rc = mt_ckpt_index_finish(ix, recs, round == 1 ? k - 1 : k);
+            if (round == 3 && rc) fprintf(stderr, "%s\n", mt_errmsg());
+            assert_int_equal(rc, round == 3 ? MT_OK : MT_EINVAL);
+            if (round == 0) assert_contains(mt_errmsg(), want);
+            if (round == 1) assert_contains(mt_errmsg(), "pieces");
+        }
+        assert_int_equal(mt_ckpt_commit(root, step, 0), MT_OK);
+        snprintf(done, sizeof done, "%s/step_%08lld", root, (long long)step);
+        mt_ckpt *ck;
+        const int rc = mt_ckpt_open(&ck, done);
+        if (round < 3) {
+            assert_true(rc < 0); /* no sealed index: not a checkpoint */
+            continue;
+        }
+        if (rc) fprintf(stderr, "%s\n", mt_errmsg());
+        assert_int_equal(rc, MT_OK);
+        mt_ckpt_close(ck);
+        assert_int_equal(mt_ckpt_verify(done, NULL, NULL, NULL), MT_OK);
+    }
+    free(recs);
+    free(d);
+    mt_ckpt_meta_free(&meta);
+    mt_shard_map_free(&map);
 }
 
 /* Pages of [at, at + n) of file in the page cache, and of all. */
@@ -1163,6 +1248,7 @@ int main(void)
         cmocka_unit_test(test_safetensors_roundtrip),
         cmocka_unit_test(test_fletcher32_matches_hdf5),
         cmocka_unit_test(test_save_load_exact),
+        cmocka_unit_test(test_index_begun_refuses_other_pieces),
         cmocka_unit_test(test_conversions),
         cmocka_unit_test(test_flipped_byte),
         cmocka_unit_test(test_truncated_and_missing_shard),
