@@ -55,8 +55,8 @@ void ck_pool_submit(void (*fn)(void *), void *arg);
 /* The kernel's sequential read-ahead of files a load reads ahead through
  * the page cache (ckpt_kahead.c): a thread asking readahead(2) for each
  * file's bytes up to MT_CKPT_KERNEL_READAHEAD_MB (default 256; 0: off,
- * start returns NULL) past the last ones wanted. fd[n] stays the caller's and open until stop.
- * want(NULL, ...) and stop(NULL) do nothing. */
+ * start returns NULL) past the last ones wanted. fd[n] stays the caller's,
+ * open until stop; want(NULL, ...) and stop(NULL) do nothing. */
 typedef struct ck_kahead ck_kahead;
 ck_kahead *ck_kahead_start(const int *fd, int n);
 /* Bytes [a, b) of file fi are being read (the first call for fi: where the
@@ -197,10 +197,9 @@ struct mt_ckpt {
     /* read-ahead of whole pieces (ckpt_read.c): the pieces after the one
      * read whole, in the order of their file, read and checked by the
      * pool's workers (a task per chunk) into memory the next whole read
-     * takes; in another
-     * rank's shard (when the reader's rank is set) only pieces that are
-     * not optimizer state; never tensors another replica reads (skip);
-     * pieces the reader skips are dropped */
+     * takes; in another rank's shard (when the reader's rank is set) only
+     * pieces that are not optimizer state; never tensors another replica
+     * reads (skip); pieces the reader skips are dropped */
     pthread_mutex_t pf_mu;
     pthread_cond_t pf_cv;
     int pf_on;                   /* mutex and condition initialised */
