@@ -867,8 +867,8 @@ typedef struct pf_arg {
 /* A piece being read ahead (all of it under pf_mu but the chunks' bytes). */
 struct pf_run {
     int fi;
-    size_t row, cb;        /* bytes of a row; data bytes of a stored chunk */
-    int64_t rows, cr, n;   /* rows of the piece, rows per chunk, chunks */
+    size_t cb;             /* data bytes of a stored chunk */
+    int64_t cr, n;         /* rows per chunk, chunks */
     int64_t *addr;         /* [n] file offsets of the stored chunks */
     uint8_t *cst;          /* [n] CH_* */
     pf_arg *task;          /* [n] the chunks' task arguments */
@@ -1029,17 +1029,16 @@ static void pf_start(mt_ckpt *ck, int p)
     ck_shard_name(name, sizeof name, r->rank);
     snprintf(u->path, sizeof u->path, "%s/%s", ck->dir, name);
     u->fi = ck->piece_file[p];
-    u->rows = r->count[0];
-    u->row = (size_t)r->count[1] * es;
+    const int64_t rows = r->count[0];
     hid_t ds = -1;
     const double t0 = mt_now_ms();
     ck_lock();
     int rc = open_piece_ds(ck, p, u->path, &ds);
     if (rc == MT_OK && (u->cr = direct_chunk_rows(ds, x->ndim, r->count[1])) > 0) {
-        u->n = (u->rows + u->cr - 1) / u->cr;
-        u->cb = (size_t)u->cr * u->row;
+        u->n = (rows + u->cr - 1) / u->cr;
+        u->cb = (size_t)u->cr * (size_t)r->count[1] * es;
         u->addr = malloc((size_t)(u->n + 1) * sizeof *u->addr);
-        rc = u->addr ? chunk_addrs(ds, u->path, r, u->cr, u->cb, ck->file_base[u->fi], 0, u->rows, u->addr)
+        rc = u->addr ? chunk_addrs(ds, u->path, r, u->cr, u->cb, ck->file_base[u->fi], 0, rows, u->addr)
                      : MT_ERR(MT_ENOMEM, "%s: out of memory", u->path);
     } else if (rc == MT_OK) {
         hid_t type = ck_h5_type(x->dtype);

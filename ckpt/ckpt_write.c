@@ -33,6 +33,20 @@ static size_t row_bytes(const mt_tensor_desc *d)
     return (size_t)(d->ndim == 1 ? 1 : d->count[1]) * mt_dtype_size(d->dtype);
 }
 
+/* The shard-map row of descriptor d written by rank, its checksum aside
+ * (zero): as the writer records it and as the index is begun from. */
+static void piece_rec_of(const mt_tensor_desc *d, int rank, mt_ckpt_piece_rec *rec)
+{
+    memset(rec, 0, sizeof *rec);
+    snprintf(rec->tensor, sizeof rec->tensor, "%s", d->name);
+    rec->rank = rank;
+    for (int k = 0; k < 2; k++) {
+        rec->off[k] = k < d->ndim ? d->off[k] : 0;
+        rec->count[k] = k < d->ndim ? d->count[k] : 1;
+    }
+    rec->nbytes = d->count[0] * (int64_t)row_bytes(d);
+}
+
 /* userblock: bytes reserved at the start of the file (the index's seal);
  * shard: through the driver whose chunk writes the writer hands to workers
  * (ckpt_vfd.c). */
@@ -455,15 +469,8 @@ static int write_chunks(wpipe *p, hid_t f, int wfd, mt_ckpt_piece_rec *recs, mt_
                 rc = MT_ERR(MT_EIO, "%s: tensor %s: close failed", p->path, d->name);
             ck_unlock();
             ds = -1;
-            mt_ckpt_piece_rec *rec = &recs[s->piece];
-            memset(rec, 0, sizeof *rec);
-            snprintf(rec->tensor, sizeof rec->tensor, "%s", d->name);
-            for (int k = 0; k < 2; k++) {
-                rec->off[k] = k < d->ndim ? d->off[k] : 0;
-                rec->count[k] = k < d->ndim ? d->count[k] : 1;
-            }
-            rec->nbytes = d->count[0] * (int64_t)row_bytes(d);
-            rec->xxh64 = p->digest[s->piece];
+            piece_rec_of(d, 0, &recs[s->piece]); /* its rank: after the pipeline */
+            recs[s->piece].xxh64 = p->digest[s->piece];
         }
         slot_done(p, s, 0);
     }
@@ -962,14 +969,7 @@ int mt_ckpt_index_begin(mt_ckpt_index **out, const char *dir, const mt_ckpt_meta
     for (int p = 0; p < map->n_pieces && rc == MT_OK; p++) {
         mt_tensor_desc d;
         mt_shard_piece_desc(map, p, &d);
-        mt_ckpt_piece_rec *r = &recs[p];
-        snprintf(r->tensor, sizeof r->tensor, "%s", d.name);
-        r->rank = map->pieces[p].writer;
-        for (int k = 0; k < 2; k++) {
-            r->off[k] = k < d.ndim ? d.off[k] : 0;
-            r->count[k] = k < d.ndim ? d.count[k] : 1;
-        }
-        r->nbytes = d.count[0] * (d.ndim == 1 ? 1 : d.count[1]) * (int64_t)mt_dtype_size(d.dtype);
+        piece_rec_of(&d, map->pieces[p].writer, &recs[p]);
     }
     if (rc == MT_OK) rc = index_rows(ix->path, map, recs, map->n_pieces, &ix->tr, &ix->pr);
     ix->n = map->n_pieces;

@@ -124,12 +124,32 @@ static mt_shard_opts opts_full(void)
     return o;
 }
 
-/* Saves a synthetic checkpoint of `step` under root with a layout. */
+/* Writes every rank's shard of map into the partial directory part
+ * (descriptor scratch d[map->n_pieces]); their records into recs, rank
+ * after rank. */
+static void write_shards(const char *part, const mt_shard_map *map, mt_tensor_desc *d,
+                         mt_ckpt_piece_rec *recs)
+{
+    int k = 0;
+    for (int r = 0; r < map->world; r++) {
+        int n;
+        const int *idx = mt_shard_map_rank_pieces(map, r, &n);
+        if (!n) continue;
+        for (int i = 0; i < n; i++) mt_shard_piece_desc(map, idx[i], &d[i]);
+        const int rc = mt_ckpt_write_shard(part, r, d, n, fill_gen, NULL, recs + k, NULL);
+        if (rc) fprintf(stderr, "%s\n", mt_errmsg());
+        assert_int_equal(rc, MT_OK);
+        k += n;
+    }
+    assert_int_equal(k, map->n_pieces);
+}
+
 /* save_ckpt's index: begun from the shard map before the shards are
  * written and finished with their records (as rank 0 of several writes
  * it), or written whole after them. */
 static int index_begun;
 
+/* Saves a synthetic checkpoint of `step` under root with a layout. */
 static void save_ckpt(const char *root, const char *layout, int64_t step, int keep)
 {
     mt_model_config c;
@@ -165,18 +185,8 @@ static void save_ckpt(const char *root, const char *layout, int64_t step, int ke
     }
     mt_ckpt_piece_rec *recs = calloc((size_t)map.n_pieces, sizeof *recs);
     mt_tensor_desc *d = calloc((size_t)map.n_pieces, sizeof *d);
-    int k = 0;
-    for (int r = 0; r < map.world; r++) {
-        int n;
-        const int *idx = mt_shard_map_rank_pieces(&map, r, &n);
-        if (!n) continue;
-        for (int i = 0; i < n; i++) mt_shard_piece_desc(&map, idx[i], &d[i]);
-        rc = mt_ckpt_write_shard(part, r, d, n, fill_gen, NULL, recs + k, NULL);
-        if (rc) fprintf(stderr, "%s\n", mt_errmsg());
-        assert_int_equal(rc, MT_OK);
-        k += n;
-    }
-    assert_int_equal(k, map.n_pieces);
+    write_shards(part, &map, d, recs);
+    const int k = map.n_pieces;
     rc = ix ? mt_ckpt_index_finish(ix, recs, k) : mt_ckpt_write_index(part, &meta, &map, recs, k);
     if (rc) fprintf(stderr, "%s\n", mt_errmsg());
     assert_int_equal(rc, MT_OK);
@@ -495,15 +505,8 @@ static void test_index_begun_refuses_other_pieces(void **state)
         assert_int_equal(mt_ckpt_begin(root, step, part, sizeof part), MT_OK);
         mt_ckpt_index *ix;
         assert_int_equal(mt_ckpt_index_begin(&ix, part, &meta, &map), MT_OK);
-        int k = 0;
-        for (int r = 0; r < map.world; r++) {
-            int n;
-            const int *idx = mt_shard_map_rank_pieces(&map, r, &n);
-            for (int i = 0; i < n; i++) mt_shard_piece_desc(&map, idx[i], &d[i]);
-            if (n) assert_int_equal(mt_ckpt_write_shard(part, r, d, n, fill_gen, NULL, recs + k, NULL), MT_OK);
-            k += n;
-        }
-        assert_int_equal(k, map.n_pieces);
+        write_shards(part, &map, d, recs);
+        const int k = map.n_pieces;
         if (round == 0) recs[k / 2].rank = (recs[k / 2].rank + 1) % map.world;
         snprintf(want, sizeof want, "tensor %s", recs[round == 0 ? k / 2 : k - 1].tensor);
         if (round == 2) mt_ckpt_index_abort(ix);
