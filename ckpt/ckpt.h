@@ -24,10 +24,12 @@
  *    1 MB and more with O_DIRECT where the file system takes it (else
  *    through the page cache, said once in the log), write-back of the rest
  *    started every 64 MB, one fsync per file;
- *  - reading: chunk addresses from HDF5, the chunks pread and checked by the
- *    workers; whole pieces (up to 256 MB) of the reader's own shard are read
- *    ahead in file order, a task per chunk, their metadata on a thread of
- *    its own, with the kernel's sequential read-ahead of the file;
+ *  - reading: chunk addresses from the index's chunks table (the writer
+ *    records where its chunks went; HDF5's chunk index only for indexes
+ *    without it), the chunks pread and checked by the workers; whole
+ *    pieces (up to 256 MB) of the reader's own shard are read ahead in file
+ *    order, a task per chunk, started on a thread of their own, with the
+ *    kernel's sequential read-ahead of the file;
  *  - verify: the chunks of all pieces of all files pread and checked by the
  *    workers, a window of them in flight, each piece's XXH64 fed in chunk
  *    order by whichever worker completes its next chunk (ckpt_verify.c).
@@ -39,7 +41,8 @@
  * MT_CKPT_DIRECT_READ=0 / 1 (large chunks of the reader's own shard read
  * with O_DIRECT; default off), and for comparisons MT_CKPT_SERIAL_WRITES=1 (HDF5's own
  * driver), MT_CKPT_NO_READAHEAD=1, MT_CKPT_READAHEAD_MB / _PIECE_MB,
- * MT_CKPT_KERNEL_READAHEAD_MB (0: off), MT_CKPT_WRITEBACK=0, MT_CKPT_NO_SIMD=1
+ * MT_CKPT_KERNEL_READAHEAD_MB (0: off), MT_CKPT_INDEX_CHUNKS=0 (the index's
+ * chunks table unread: addresses from HDF5), MT_CKPT_WRITEBACK=0, MT_CKPT_NO_SIMD=1
  * (Fletcher32 without AVX2), MT_CKPT_VERIFY_CHUNKS=N (verify's chunks in
  * flight; 1: one at a time). An mt_ckpt is read by one thread at a time.
  */
@@ -142,6 +145,11 @@ typedef struct mt_ckpt_piece_rec {
     int64_t off[2], count[2];
     int64_t nbytes;
     uint64_t xxh64;             /* of the piece's bytes in row-major order */
+    /* where the writer put the piece's stored chunks (FORMAT.md, the
+     * index's `chunks` table): rows a chunk, the file offset of the first,
+     * bytes from one to the next (equal steps); chunk_rows 0: not recorded
+     * (a load then finds them through HDF5) */
+    int64_t chunk_rows, chunk_addr, chunk_stride;
 } mt_ckpt_piece_rec;
 
 /* Supplies rows [band->off[0], +band->count[0]) (all of the piece's

@@ -155,10 +155,17 @@ typedef struct file_row {
     int64_t bytes;
 } file_row;
 
+/* A piece's stored chunks, row for row with the pieces table (the
+ * `chunks` table; rows 0: not recorded). */
+typedef struct chunk_row {
+    int64_t rows, addr, stride;
+} chunk_row;
+
 /* Their HDF5 compound types (close with H5Tclose). */
 hid_t ck_tensor_row_type(void);
 hid_t ck_piece_row_type(void);
 hid_t ck_file_row_type(void);
+hid_t ck_chunk_row_type(void);
 
 /* A piece of the read-ahead (ckpt_read.c). */
 struct pf_run;
@@ -178,7 +185,7 @@ struct mt_ckpt {
     int n_tensors;
     mt_ckpt_tensor *tensors;
     int n_pieces;
-    mt_ckpt_piece_rec *pieces;   /* grouped by tensor */
+    mt_ckpt_piece_rec *pieces;   /* grouped by tensor; their chunks as recorded, if they are */
     int n_files;
     int *file_rank;              /* [n_files] */
     int64_t *file_bytes;         /* [n_files] recorded sizes */

@@ -110,6 +110,30 @@ static int read_table(hid_t g, const char *path, const char *name, hid_t type, s
     return MT_OK;
 }
 
+/* Piece i's row of the chunks table, checked: chunks of whole rows, each
+ * inside its file as the files table sizes it, none overlapping. */
+static int chunks_of_row(mt_ckpt *ck, int i, const chunk_row *c, const char *path)
+{
+    mt_ckpt_piece_rec *r = &ck->pieces[i];
+    const int64_t fb = ck->file_bytes[ck->piece_file[i]];
+    int ok = c->rows >= 1 && c->rows <= r->count[0] && c->addr >= 0 && c->stride >= 0 && c->stride <= fb;
+    if (ok) {
+        const int64_t n = (r->count[0] + c->rows - 1) / c->rows;
+        const int64_t cb = r->nbytes / r->count[0] * c->rows + 4; /* stored, with its checksum */
+        ok = c->stride >= cb && c->addr <= fb && (fb - c->addr - cb) / c->stride >= n - 1 &&
+             fb - c->addr >= cb;
+    }
+    if (!ok)
+        return MT_ERR(MT_ECORRUPT,
+                      "%s: tensor %s: piece %d: chunks table row (%lld rows, at %lld, every %lld "
+                      "bytes) does not fit the piece and its file",
+                      path, r->tensor, i, (long long)c->rows, (long long)c->addr, (long long)c->stride);
+    r->chunk_rows = c->rows;
+    r->chunk_addr = c->addr;
+    r->chunk_stride = c->stride;
+    return MT_OK;
+}
+
 /* Reads and checks index.h5 into ck (the lock is held). */
 static int read_index(mt_ckpt *ck)
 {
@@ -119,11 +143,13 @@ static int read_index(mt_ckpt *ck)
     if (f < 0)
         return MT_ERR(MT_ECORRUPT, "%s: cannot open (%s)", path, ck_h5_errstr(eb, sizeof eb));
     int rc = MT_OK;
-    hid_t g = -1, tt = ck_tensor_row_type(), pt = ck_piece_row_type(), ft = ck_file_row_type();
+    hid_t g = -1, tt = ck_tensor_row_type(), pt = ck_piece_row_type(), ft = ck_file_row_type(),
+          ct = ck_chunk_row_type();
     tensor_row *tr = NULL;
     piece_row *pr = NULL;
     file_row *fr = NULL;
-    int nt = 0, np = 0, nf = 0;
+    chunk_row *cr = NULL;
+    int nt = 0, np = 0, nf = 0, nc = 0;
     int64_t ver = 0;
     if (ck_attr_read_str(f, "format", fmt, sizeof fmt) < 0 || strcmp(fmt, MT_CKPT_FORMAT) != 0) {
         rc = MT_ERR(MT_ECORRUPT, "%s: not a moetrain checkpoint index (format attribute)", path);
@@ -168,6 +194,15 @@ static int read_index(mt_ckpt *ck)
     if ((rc = read_table(g, path, "tensors", tt, sizeof *tr, (void **)&tr, &nt)) < 0 ||
         (rc = read_table(g, path, "pieces", pt, sizeof *pr, (void **)&pr, &np)) < 0 ||
         (rc = read_table(g, path, "files", ft, sizeof *fr, (void **)&fr, &nf)) < 0)
+        goto out;
+    /* the pieces' chunk addresses: indexes written before them have none;
+     * MT_CKPT_INDEX_CHUNKS=0 leaves them unread (found through HDF5, as
+     * before the table: for measurements) */
+    const char *ic = getenv("MT_CKPT_INDEX_CHUNKS");
+    if (!(ic && !strcmp(ic, "0")) && H5Lexists(g, "chunks", H5P_DEFAULT) > 0 &&
+        ((rc = read_table(g, path, "chunks", ct, sizeof *cr, (void **)&cr, &nc)) < 0 ||
+         (nc != np && (rc = MT_ERR(MT_ECORRUPT, "%s: chunks table has %d rows for %d pieces", path, nc,
+                                   np)) < 0)))
         goto out;
     ck->n_tensors = nt;
     ck->n_pieces = np;
@@ -261,6 +296,7 @@ static int read_index(mt_ckpt *ck)
                         path, x->name, i, r->rank, (long long)r->nbytes);
             goto out;
         }
+        if (cr && cr[i].rows != 0 && (rc = chunks_of_row(ck, i, &cr[i], path)) < 0) goto out;
     }
     /* coverage: every tensor tiled exactly by its pieces */
     for (int t = 0; t < nt && rc == MT_OK; t++) {
@@ -280,9 +316,11 @@ out:
     free(tr);
     free(pr);
     free(fr);
+    free(cr);
     H5Tclose(tt);
     H5Tclose(pt);
     H5Tclose(ft);
+    H5Tclose(ct);
     if (g >= 0) H5Gclose(g);
     H5Fclose(f);
     return rc;
@@ -332,13 +370,30 @@ static int check_files(const mt_ckpt *ck)
     return MT_OK;
 }
 
+/* Our own descriptors of piece p's file (its chunks' preads), opened on
+ * first use (HDF5 lock held: the reader and the read-ahead's thread). */
+static int piece_fd(mt_ckpt *ck, int p, const char *path)
+{
+    const int fi = ck->piece_file[p];
+    if (ck->file_fd[fi] >= 0) return MT_OK;
+    ck->file_fd[fi] = open(path, O_RDONLY | O_CLOEXEC);
+    if (ck->file_fd[fi] < 0)
+        return MT_ERR(MT_EIO, "%s: cannot open: %s, needed for tensor %s", path, strerror(errno),
+                      ck->pieces[p].tensor);
+    if (ck_io_direct_read()) {
+        ck->file_dfd[fi] = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+        if (ck->file_dfd[fi] < 0) ck_io_direct_refused(path, "reads", errno);
+    }
+    return MT_OK;
+}
+
 int ck_piece_file(mt_ckpt *ck, int p, hid_t *out)
 {
     int fi = ck->piece_file[p];
+    char name[32], path[4300], eb[256];
+    ck_shard_name(name, sizeof name, ck->file_rank[fi]);
+    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
     if (ck->file_h[fi] < 0) {
-        char name[32], path[4300], eb[256];
-        ck_shard_name(name, sizeof name, ck->file_rank[fi]);
-        snprintf(path, sizeof path, "%s/%s", ck->dir, name);
         hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
         if (f < 0)
             return MT_ERR(MT_ECORRUPT, "%s: cannot open (%s), needed for tensor %s", path,
@@ -352,17 +407,20 @@ int ck_piece_file(mt_ckpt *ck, int p, hid_t *out)
             H5Pclose(fcpl);
         }
         ck->file_base[fi] = (int64_t)ub;
-        ck->file_fd[fi] = open(path, O_RDONLY | O_CLOEXEC);
-        if (ck->file_fd[fi] < 0)
-            return MT_ERR(MT_EIO, "%s: cannot open: %s, needed for tensor %s", path,
-                          strerror(errno), ck->pieces[p].tensor);
-        if (ck_io_direct_read()) {
-            ck->file_dfd[fi] = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
-            if (ck->file_dfd[fi] < 0) ck_io_direct_refused(path, "reads", errno);
-        }
     }
+    MT_CHECK(piece_fd(ck, p, path));
     *out = ck->file_h[fi];
     return MT_OK;
+}
+
+/* The descriptors for piece p's chunks whose offsets the index records:
+ * the file opened without HDF5 (takes the lock). */
+static int piece_fd_locked(mt_ckpt *ck, int p, const char *path)
+{
+    ck_lock();
+    const int rc = piece_fd(ck, p, path);
+    ck_unlock();
+    return rc;
 }
 
 /* Locks dir shared and checks it is still the directory at that path
@@ -667,6 +725,13 @@ static int chunk_addrs(hid_t ds, const char *path, const mt_ckpt_piece_rec *r, i
     return MT_OK;
 }
 
+/* Offsets of the stored chunks first .. first + n - 1 of a piece whose
+ * chunks the index records (chunk_rows > 0). */
+static void index_chunk_addrs(const mt_ckpt_piece_rec *r, int64_t first, int64_t n, int64_t *addr)
+{
+    for (int64_t k = 0; k < n; k++) addr[k] = r->chunk_addr + (first + k) * r->chunk_stride;
+}
+
 /* Reads rows fo[0] .. + cnt[0], columns fo[1] .. + cnt[1] of a piece
  * (chunk addresses addr[], from chunk fo[0] / cr on) into dst at row
  * mo[0], column mo[1] of a [*, ldd] buffer; h, if given, hashes the rows
@@ -815,8 +880,9 @@ int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr)
  * So the first whole read of a piece also starts the pieces after it in
  * the same file, up to PF_BYTES held (the piece asked for, and the next one
  * when nothing else is held, whatever their size up to the largest piece
- * read ahead): a thread of the read-ahead's own looks up a piece's chunk
- * addresses (HDF5, under its lock), then every chunk is a pool task that
+ * read ahead): a thread of the read-ahead's own starts each piece, its
+ * chunk addresses from the index's chunks table (or HDF5's chunk index,
+ * under its lock, for an index without one), then every chunk is a pool task that
  * preads it in place into the piece's memory (the checksum aside, so no
  * copy), checks its Fletcher32 and, when it is the next chunk of its piece
  * to hash, feeds the piece's XXH64 with it and the ready chunks after it:
@@ -828,7 +894,10 @@ int ck_piece_chunks(mt_ckpt *ck, int p, int64_t *cr, int64_t **addr)
  * (Issue 23, one rank, 3.06 GB, on a lent 16-core host: before, one task
  * per piece read its chunks one after another and pieces over 16 MB were
  * read when asked: loads of 2.13-2.37 s; the chunks in parallel alone
- * 2.16-2.33 s; with the kernel's read-ahead 2.06-2.14 s, dd's rate.) */
+ * 2.16-2.33 s; with the kernel's read-ahead 2.06-2.14 s, dd's rate. The
+ * chunks table took the pieces' HDF5 metadata, 0.5-1.5 s of the starting
+ * thread's time a rank, to about 1 ms; 4-rank loads alternating with and
+ * without it: 2.03 against 2.14 s on average over 11 pairs.) */
 #define PF_BYTES_DEFAULT_MB 256
 #define PF_PIECE_MAX_DEFAULT_MB 256
 
@@ -1014,10 +1083,10 @@ static void pf_kernel_ahead(mt_ckpt *ck, int fi, int64_t a, int64_t b)
     ck_kahead_want(k, fi, a, b);
 }
 
-/* The start of a piece read ahead: its dataset checked against the index
- * and its chunks' addresses (HDF5, under its lock), then a task per chunk;
- * a dataset not written by moetrain is read here through HDF5 (and its
- * filter) and hashed whole. */
+/* The start of a piece read ahead: its chunks' addresses from the index,
+ * or else its dataset checked against the index and the addresses from
+ * HDF5 (under its lock), then a task per chunk; a dataset not written by
+ * moetrain is read here through HDF5 (and its filter) and hashed whole. */
 static void pf_start(mt_ckpt *ck, int p)
 {
     struct ck_pf *e = &ck->pf[p];
@@ -1030,25 +1099,35 @@ static void pf_start(mt_ckpt *ck, int p)
     snprintf(u->path, sizeof u->path, "%s/%s", ck->dir, name);
     u->fi = ck->piece_file[p];
     const int64_t rows = r->count[0];
-    hid_t ds = -1;
     const double t0 = mt_now_ms();
-    ck_lock();
-    int rc = open_piece_ds(ck, p, u->path, &ds);
-    if (rc == MT_OK && (u->cr = direct_chunk_rows(ds, x->ndim, r->count[1])) > 0) {
+    int rc = MT_OK;
+    if (r->chunk_rows > 0) { /* recorded in the index: no HDF5 metadata to read */
+        u->cr = r->chunk_rows;
         u->n = (rows + u->cr - 1) / u->cr;
         u->cb = (size_t)u->cr * (size_t)r->count[1] * es;
         u->addr = malloc((size_t)(u->n + 1) * sizeof *u->addr);
-        rc = u->addr ? chunk_addrs(ds, u->path, r, u->cr, u->cb, ck->file_base[u->fi], 0, rows, u->addr)
-                     : MT_ERR(MT_ENOMEM, "%s: out of memory", u->path);
-    } else if (rc == MT_OK) {
-        hid_t type = ck_h5_type(x->dtype);
-        if (H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, e->data) < 0)
-            rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: read failed: %s", u->path, r->tensor,
-                        ck_h5_errstr(eb, sizeof eb));
-        H5Tclose(type);
+        if (!u->addr) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", u->path);
+        else if ((rc = piece_fd_locked(ck, p, u->path)) == MT_OK) index_chunk_addrs(r, 0, u->n, u->addr);
+    } else {
+        hid_t ds = -1;
+        ck_lock();
+        rc = open_piece_ds(ck, p, u->path, &ds);
+        if (rc == MT_OK && (u->cr = direct_chunk_rows(ds, x->ndim, r->count[1])) > 0) {
+            u->n = (rows + u->cr - 1) / u->cr;
+            u->cb = (size_t)u->cr * (size_t)r->count[1] * es;
+            u->addr = malloc((size_t)(u->n + 1) * sizeof *u->addr);
+            rc = u->addr ? chunk_addrs(ds, u->path, r, u->cr, u->cb, ck->file_base[u->fi], 0, rows, u->addr)
+                         : MT_ERR(MT_ENOMEM, "%s: out of memory", u->path);
+        } else if (rc == MT_OK) {
+            hid_t type = ck_h5_type(x->dtype);
+            if (H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, e->data) < 0)
+                rc = MT_ERR(MT_ECORRUPT, "%s: tensor %s: read failed: %s", u->path, r->tensor,
+                            ck_h5_errstr(eb, sizeof eb));
+            H5Tclose(type);
+        }
+        if (ds >= 0) H5Dclose(ds);
+        ck_unlock();
     }
-    if (ds >= 0) H5Dclose(ds);
-    ck_unlock();
     const double ms = mt_now_ms() - t0;
     pthread_mutex_lock(&ck->pf_mu);
     ck->pf_meta_ms += ms;
@@ -1362,9 +1441,18 @@ int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d)
         ck->pf_copy_ms += mt_now_ms() - t0;
         return MT_OK;
     }
-    int64_t *addr = NULL, cr = 0;
+    int64_t *addr = NULL, cr = r->chunk_rows;
     int direct = 0;
     hid_t ds = -1, fsp = -1, type = -1, msp = -1;
+    if (cr > 0) { /* recorded in the index: no HDF5 metadata to read */
+        const int64_t c0 = (int64_t)fo[0] / cr, c1 = ((int64_t)(fo[0] + cnt[0]) + cr - 1) / cr;
+        if ((rc = piece_fd_locked(ck, p, path)) < 0) return rc;
+        if (!(addr = malloc((size_t)(c1 - c0 + 1) * sizeof *addr)))
+            return MT_ERR(MT_ENOMEM, "%s: out of memory", path);
+        index_chunk_addrs(r, c0, c1 - c0, addr);
+        direct = 1;
+        goto read;
+    }
     ck_lock();
     if ((rc = open_piece_ds(ck, p, path, &ds)) < 0) goto unlock;
     fsp = H5Dget_space(ds);
@@ -1399,6 +1487,7 @@ unlock:
         free(addr);
         return rc;
     }
+read:;
     mt_xxh64 h;
     mt_xxh64_init(&h, 0);
     const size_t rb = (size_t)cnt[1] * es;

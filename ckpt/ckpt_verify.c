@@ -282,6 +282,19 @@ static int piece_meta(vrun *run, int p, int64_t *cr, int64_t **addr)
         run->msg[2 * p + 1] = dup_msg(mt_errmsg());
         return -1;
     }
+    /* a load reads the chunks where the index says (FORMAT.md, `chunks`) */
+    if (r->chunk_rows > 0) {
+        int64_t k = 0, n = *cr > 0 ? (r->count[0] + *cr - 1) / *cr : 0;
+        while (k < n && (*addr)[k] == r->chunk_addr + k * r->chunk_stride) k++;
+        if (*cr != r->chunk_rows || k < n) {
+            snprintf(m, sizeof m,
+                     "the index's chunks table (%lld rows a chunk, at %lld, every %lld bytes) "
+                     "disagrees with the dataset's chunks (%lld rows a chunk; chunk %lld at %lld)",
+                     (long long)r->chunk_rows, (long long)r->chunk_addr, (long long)r->chunk_stride,
+                     (long long)*cr, (long long)k, (long long)(k < n ? (*addr)[k] : -1));
+            if (!run->msg[2 * p]) run->msg[2 * p] = dup_msg(m);
+        }
+    }
     return *cr > 0;
 }
 

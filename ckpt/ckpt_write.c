@@ -423,6 +423,9 @@ static int write_chunks(wpipe *p, hid_t f, int wfd, mt_ckpt_piece_rec *recs, mt_
     char eb[256];
     int rc = MT_OK;
     int64_t since_wb = 0;
+    /* the current piece's chunks as placed: the first's offset, the step
+     * between them while equal (-1: unequal or not known) */
+    int64_t at0 = -1, step = 0;
     for (int64_t seq = 0; rc == MT_OK; seq++) {
         wslot *s = wait_ready(p, seq, NULL);
         if (!s) break;
@@ -440,6 +443,11 @@ static int write_chunks(wpipe *p, hid_t f, int wfd, mt_ckpt_piece_rec *recs, mt_
         int64_t addr;
         const int deferred = ck_vfd_take(&fd, &dfd, &addr);
         ck_unlock();
+        const int64_t k = s->row / cr; /* the chunk's index in its piece */
+        if (s->first) at0 = deferred ? addr : -1, step = 0;
+        else if (!deferred || at0 < 0) at0 = -1;
+        else if (k == 1) step = addr - at0;
+        else if (addr != at0 + k * step) at0 = -1;
         if (deferred && rc == MT_OK) {
             pthread_mutex_lock(&p->mu);
             s->io = 1;
@@ -469,8 +477,14 @@ static int write_chunks(wpipe *p, hid_t f, int wfd, mt_ckpt_piece_rec *recs, mt_
                 rc = MT_ERR(MT_EIO, "%s: tensor %s: close failed", p->path, d->name);
             ck_unlock();
             ds = -1;
-            piece_rec_of(d, 0, &recs[s->piece]); /* its rank: after the pipeline */
-            recs[s->piece].xxh64 = p->digest[s->piece];
+            mt_ckpt_piece_rec *rec = &recs[s->piece];
+            piece_rec_of(d, 0, rec); /* its rank: after the pipeline */
+            rec->xxh64 = p->digest[s->piece];
+            if (at0 >= 0 && (k == 0 || step >= (int64_t)s->cb + 4)) {
+                rec->chunk_rows = cr;
+                rec->chunk_addr = at0;
+                rec->chunk_stride = k == 0 ? (int64_t)s->cb + 4 : step;
+            }
         }
         slot_done(p, s, 0);
     }
@@ -647,6 +661,15 @@ hid_t ck_file_row_type(void)
     return t;
 }
 
+hid_t ck_chunk_row_type(void)
+{
+    hid_t t = H5Tcreate(H5T_COMPOUND, sizeof(chunk_row));
+    H5Tinsert(t, "rows", HOFFSET(chunk_row, rows), H5T_STD_I64LE);
+    H5Tinsert(t, "addr", HOFFSET(chunk_row, addr), H5T_STD_I64LE);
+    H5Tinsert(t, "stride", HOFFSET(chunk_row, stride), H5T_STD_I64LE);
+    return t;
+}
+
 static int write_table(hid_t loc, const char *name, hid_t type, const void *rows, size_t n)
 {
     hsize_t dims = n, ch = n < 4096 ? (n > 0 ? n : 1) : 4096;
@@ -755,15 +778,16 @@ static int collect(const mt_shard_map *map, const mt_ckpt_piece_rec *recs, int n
 /* The index's rows of the pieces recs[n] (grouped by tensor in the order
  * of recs) and of the tensors of map, every tensor's tiling checked. */
 static int index_rows(const char *path, const mt_shard_map *map, const mt_ckpt_piece_rec *recs, int n,
-                      tensor_row **trp, piece_row **prp)
+                      tensor_row **trp, piece_row **prp, chunk_row **crp)
 {
     int *order = NULL, *first = NULL;
     MT_CHECK(collect(map, recs, n, &order, &first));
     tensor_row *tr = calloc((size_t)map->n_tensors + 1, sizeof *tr);
     piece_row *pr = calloc((size_t)n + 1, sizeof *pr);
+    chunk_row *cr = crp ? calloc((size_t)n + 1, sizeof *cr) : NULL;
     const mt_ckpt_piece_rec **pp = malloc((size_t)(n + 1) * sizeof *pp);
     int rc = MT_OK;
-    if (!tr || !pr || !pp) rc = MT_ERR(MT_ENOMEM, "index: out of memory");
+    if (!tr || !pr || !pp || (crp && !cr)) rc = MT_ERR(MT_ENOMEM, "index: out of memory");
     for (int t = 0; t < map->n_tensors && rc == MT_OK; t++) {
         const mt_shard_tensor *st = &map->tensors[t];
         int k0 = first[t], k1 = first[t + 1];
@@ -790,6 +814,8 @@ static int index_rows(const char *path, const mt_shard_map *map, const mt_ckpt_p
             }
             pr[k].nbytes = r->nbytes;
             pr[k].xxh64 = r->xxh64;
+            if (cr && r->chunk_rows > 0)
+                cr[k] = (chunk_row){r->chunk_rows, r->chunk_addr, r->chunk_stride};
         }
     }
     free(order);
@@ -798,10 +824,12 @@ static int index_rows(const char *path, const mt_shard_map *map, const mt_ckpt_p
     if (rc < 0) {
         free(tr);
         free(pr);
+        free(cr);
         return rc;
     }
     *trp = tr;
     *prp = pr;
+    if (crp) *crp = cr;
     return MT_OK;
 }
 
@@ -901,17 +929,20 @@ static void index_free(mt_ckpt_index *ix)
 
 /* The pieces' rows pr[n] (with their checksums) and the files' table, then
  * the index closed, sealed and fsynced; ix freed. */
-static int index_close(mt_ckpt_index *ix, const piece_row *pr, int n, const file_row *fr, int nf)
+static int index_close(mt_ckpt_index *ix, const piece_row *pr, const chunk_row *cr, int n,
+                       const file_row *fr, int nf)
 {
     char eb[256], path[4200];
     snprintf(path, sizeof path, "%s", ix->path);
     int rc = MT_OK;
     ck_lock();
-    hid_t pt = ck_piece_row_type(), ft = ck_file_row_type();
+    hid_t pt = ck_piece_row_type(), ft = ck_file_row_type(), ct = ck_chunk_row_type();
     rc = write_table(ix->g, "pieces", pt, pr, (size_t)n);
     if (rc == MT_OK) rc = write_table(ix->g, "files", ft, fr, (size_t)nf);
+    if (rc == MT_OK) rc = write_table(ix->g, "chunks", ct, cr, (size_t)n);
     H5Tclose(pt);
     H5Tclose(ft);
+    H5Tclose(ct);
     H5Gclose(ix->g);
     ix->g = -1;
     if (H5Fclose(ix->f) < 0 && rc == MT_OK)
@@ -942,18 +973,21 @@ int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shar
     mt_ckpt_index *ix;
     MT_CHECK(index_new(&ix, dir, map));
     file_row *fr = NULL;
+    chunk_row *cr = NULL;
     int nf = 0;
-    int rc = index_rows(ix->path, map, recs, n, &ix->tr, &ix->pr);
+    int rc = index_rows(ix->path, map, recs, n, &ix->tr, &ix->pr, &cr);
     ix->n = n;
     if (rc == MT_OK) rc = index_files(dir, recs, n, &fr, &nf);
     if (rc == MT_OK) rc = index_open(ix, meta);
     if (rc < 0) {
         free(fr);
+        free(cr);
         index_free(ix);
         return rc;
     }
-    rc = index_close(ix, ix->pr, n, fr, nf);
+    rc = index_close(ix, ix->pr, cr, n, fr, nf);
     free(fr);
+    free(cr);
     return rc;
 }
 
@@ -971,7 +1005,7 @@ int mt_ckpt_index_begin(mt_ckpt_index **out, const char *dir, const mt_ckpt_meta
         mt_shard_piece_desc(map, p, &d);
         piece_rec_of(&d, map->pieces[p].writer, &recs[p]);
     }
-    if (rc == MT_OK) rc = index_rows(ix->path, map, recs, map->n_pieces, &ix->tr, &ix->pr);
+    if (rc == MT_OK) rc = index_rows(ix->path, map, recs, map->n_pieces, &ix->tr, &ix->pr, NULL);
     ix->n = map->n_pieces;
     free(recs);
     if (rc == MT_OK) rc = index_open(ix, meta);
@@ -1002,9 +1036,10 @@ int mt_ckpt_index_finish(mt_ckpt_index *ix, const mt_ckpt_piece_rec *recs, int n
 {
     tensor_row *tr = NULL;
     piece_row *pr = NULL;
+    chunk_row *cr = NULL;
     file_row *fr = NULL;
     int nf = 0;
-    int rc = index_rows(ix->path, ix->map, recs, n, &tr, &pr);
+    int rc = index_rows(ix->path, ix->map, recs, n, &tr, &pr, &cr);
     /* the virtual datasets were made from the map: the written pieces must be its pieces */
     if (rc == MT_OK && n != ix->n)
         rc = MT_ERR(MT_EINVAL, "%s: %d pieces written, the shard map has %d", ix->path, n, ix->n);
@@ -1014,10 +1049,11 @@ int mt_ckpt_index_finish(mt_ckpt_index *ix, const mt_ckpt_piece_rec *recs, int n
             rc = MT_ERR(MT_EINVAL, "%s: tensor %s: the pieces written are not the shard map's", ix->path,
                         tr[t].name);
     if (rc == MT_OK) rc = index_files(ix->dir, recs, n, &fr, &nf);
-    if (rc == MT_OK) rc = index_close(ix, pr, n, fr, nf);
+    if (rc == MT_OK) rc = index_close(ix, pr, cr, n, fr, nf);
     else index_free(ix);
     free(tr);
     free(pr);
+    free(cr);
     free(fr);
     return rc;
 }

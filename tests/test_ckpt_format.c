@@ -7,6 +7,8 @@
  *    the project's rules;
  *  - a flipped byte in any dataset, a truncated shard, a missing shard, an
  *    inconsistent index: verify and load fail naming the file and tensor;
+ *  - the index's chunks table records where HDF5 put every chunk; a load
+ *    without a row finds the chunks through HDF5, a wrong row fails;
  *  - h5dump prints a whole global tensor through the index's virtual
  *    dataset, across shard files;
  *  - the commit protocol: partial directories are never checkpoints and are
@@ -221,6 +223,25 @@ static void check_slab(mt_ckpt *ck, const mt_ckpt_tensor *x, int64_t r0, int64_t
     free(want);
 }
 
+/* The index's chunks table (FORMAT.md) records every piece's chunks where
+ * HDF5's chunk index of the shard has them: a load reads them from there
+ * without the shard's metadata. */
+static void check_chunks_recorded(mt_ckpt *ck)
+{
+    for (int p = 0; p < mt_ckpt_n_pieces(ck); p++) {
+        const mt_ckpt_piece_rec *r = mt_ckpt_piece_at(ck, p);
+        int64_t cr = 0, *addr = NULL;
+        assert_int_equal(ck_piece_chunks(ck, p, &cr, &addr), MT_OK);
+        if (ck_vfd_id() >= 0) assert_true(r->chunk_rows > 0); /* the writer's driver places them */
+        if (r->chunk_rows > 0) {
+            assert_int_equal(r->chunk_rows, cr);
+            for (int64_t k = 0; k * cr < r->count[0]; k++)
+                assert_int_equal(addr[k], r->chunk_addr + k * r->chunk_stride);
+        }
+        free(addr);
+    }
+}
+
 /* Save -> load exact: every tensor whole and random hyperslabs crossing
  * piece boundaries, under two layouts, with the index written after the
  * shards or begun from the shard map before them; metadata round-trips. */
@@ -259,6 +280,7 @@ static void test_save_load_exact(void **state)
             int64_t nc = 1 + (int64_t)mt_rng_below(&r, (uint64_t)(x->shape[1] - c0));
             check_slab(ck, x, r0, c0, nr, nc);
         }
+        check_chunks_recorded(ck);
         mt_shard_map map;
         assert_int_equal(mt_ckpt_map(ck, &map), MT_OK);
         assert_int_equal(map.n_tensors, mt_ckpt_n_tensors(ck));
@@ -766,6 +788,52 @@ static void test_inconsistent_index(void **state)
     expect_load_fails(dir, "shard_00001.h5", tn);
 }
 
+/* The file layout of a chunks row (FORMAT.md): rows, addr, stride (i64). */
+static void chunks_unrecorded(void *r) { ((chunk_row *)r)->rows = 0; }
+static void chunks_moved(void *r) { ((chunk_row *)r)->addr += 4096; }
+static void chunks_past_end(void *r) { ((chunk_row *)r)->addr = (int64_t)1 << 40; }
+static void chunks_overlap(void *r) { ((chunk_row *)r)->stride = 8; }
+
+/* What a load does with the chunks table's rows: a piece without one is
+ * read through HDF5's chunk index, byte for byte the same; one that points
+ * elsewhere in its file fails the load at that piece (the chunk checksums)
+ * and verify (the row disagrees with HDF5's); one outside the file, or
+ * whose chunks would overlap, fails at open, naming the index and tensor. */
+static void test_chunks_table(void **state)
+{
+    (void)state;
+    char root[1200], base[1300], dir[1300];
+    snprintf(root, sizeof root, "%s/chunks", tmp);
+    save_ckpt(root, "tp=2", 5, 0);
+    snprintf(base, sizeof base, "%s/step_00000005", root);
+    snprintf(dir, sizeof dir, "%s/../chunks_case", root);
+    const char *tn = "model.embed_tokens.weight";
+    int first;
+    copy_tree(base, dir);
+    assert_int_equal(piece_of(dir, tn, &first), 2);
+    edit_index_row(dir, "moetrain/chunks", sizeof(chunk_row), first, chunks_unrecorded, 1);
+    mt_ckpt *ck;
+    assert_int_equal(mt_ckpt_open(&ck, dir), MT_OK);
+    assert_int_equal(mt_ckpt_piece_at(ck, first)->chunk_rows, 0);
+    for (int t = 0; t < mt_ckpt_n_tensors(ck); t++) {
+        const mt_ckpt_tensor *x = mt_ckpt_tensor_at(ck, t);
+        check_slab(ck, x, 0, 0, x->shape[0], x->shape[1]);
+    }
+    mt_ckpt_close(ck);
+    assert_int_equal(mt_ckpt_verify(dir, NULL, NULL, NULL), MT_OK);
+    copy_tree(base, dir);
+    edit_index_row(dir, "moetrain/chunks", sizeof(chunk_row), first, chunks_moved, 1);
+    expect_load_fails(dir, "shard_00000.h5", tn);
+    expect_verify_fails(dir, "shard_00000.h5", tn);
+    void (*bad[])(void *) = {chunks_past_end, chunks_overlap};
+    for (int i = 0; i < 2; i++) {
+        copy_tree(base, dir);
+        edit_index_row(dir, "moetrain/chunks", sizeof(chunk_row), first + 1, bad[i], 1);
+        expect_load_fails(dir, "index.h5", tn);
+        expect_verify_fails(dir, "index.h5", tn);
+    }
+}
+
 /* ---- verify in parallel ------------------------------------------------------------- */
 
 /* Every report of a verify, in order, one line each. */
@@ -1256,6 +1324,7 @@ int main(void)
         cmocka_unit_test(test_flipped_byte),
         cmocka_unit_test(test_truncated_and_missing_shard),
         cmocka_unit_test(test_inconsistent_index),
+        cmocka_unit_test(test_chunks_table),
         cmocka_unit_test(test_verify_parallel_equals_serial),
         cmocka_unit_test(test_verify_late_checks_after_data),
         cmocka_unit_test(test_damaged_index_refused),
