@@ -119,19 +119,29 @@ echo "ok: a hung rank (SIGSTOP): every rank gone after $took s (step_timeout_s 3
 
 # 2. kill -9 of a random rank at random moments; --resume auto each time
 times=() restarts=0 completed=0 logged=0
+# trial $i finished the job before its kill (a resumed one may be near the
+# end): its resume counts, its steps must be the uninterrupted run's, and
+# the next trial starts afresh
+ended_alone() {
+    grep -q "resume auto: continuing from" "$tmp/kill.$i.log" && restarts=$((restarts + 1))
+    local n
+    n=$(same_as_ref "$tmp/kill.$i.jsonl") || fail "trial $i: $n"
+    logged=$((logged + n))
+    completed=$((completed + 1)); mv "$tmp/kill" "$tmp/kill.done.$completed"
+}
 for ((i = 1; i <= trials; i++)); do
     mpi_bg "$tmp/kill.$i.log" --set checkpoint.dir="$tmp/kill" --resume auto \
         --metrics-jsonl "$tmp/kill.$i.jsonl"
     if ! ranks; then
         wait "$mp" || fail "trial $i ended on its own: $(tail -n 5 "$tmp/kill.$i.log")"
-        completed=$((completed + 1)); mv "$tmp/kill" "$tmp/kill.done.$completed"; continue
+        ended_alone; continue
     fi
     # a random moment in the 3 s after the first step: steps, saves, commits
     for _ in $(seq 300); do [ -s "$tmp/kill.$i.jsonl" ] || ! kill -0 "$mp" 2> /dev/null && break; sleep 0.1; done
     sleep "$(printf '%d.%03d' $((RANDOM % 3)) $((RANDOM % 1000)))"
     if ! kill -0 "$mp" 2> /dev/null; then
         wait "$mp" || fail "trial $i failed: $(tail -n 5 "$tmp/kill.$i.log")"
-        completed=$((completed + 1)); mv "$tmp/kill" "$tmp/kill.done.$completed"; continue
+        ended_alone; continue
     fi
     victim=${kids[$((RANDOM % 2))]}
     t0=$(date +%s.%N)
@@ -156,7 +166,7 @@ last=$(printf 'step_%08d' $STEPS)
 left=$(find "$OMPI_MCA_orte_tmpdir_base" -mindepth 1 -maxdepth 1 | wc -l)
 [ "$left" = 0 ] || fail "$left OpenMPI session folder(s) left in $OMPI_MCA_orte_tmpdir_base"
 echo "ok: ${#times[@]} kills, $restarts resumed from a checkpoint, $completed completed runs;" \
-     "$logged steps logged by killed runs all equal the uninterrupted run's; final checkpoint identical"
+     "$logged steps logged by the trials' runs all equal the uninterrupted run's; final checkpoint identical"
 
 # 3. the daemon: rank 0 reports the failure to its clients before it exits
 mpirun --allow-run-as-root --oversubscribe -np 2 "$d" --listen 127.0.0.1:0 --workdir "$tmp/wd" \
