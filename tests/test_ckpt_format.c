@@ -760,18 +760,27 @@ static int piece_of(const char *dir, const char *tensor, int *first)
     return n;
 }
 
+/* A tp = 2 checkpoint saved under tmp/NAME (its step directory: base) and
+ * a copy of it to damage (dir); *first: the first of the two pieces of
+ * model.embed_tokens.weight. */
+static void damage_case(const char *name, char base[1300], char dir[1300], int *first)
+{
+    char root[1200];
+    snprintf(root, sizeof root, "%s/%s", tmp, name);
+    save_ckpt(root, "tp=2", 5, 0);
+    snprintf(base, 1300, "%s/step_00000005", root);
+    snprintf(dir, 1300, "%s/../%s_case", root, name);
+    copy_tree(base, dir);
+    assert_int_equal(piece_of(dir, "model.embed_tokens.weight", first), 2);
+}
+
 static void test_inconsistent_index(void **state)
 {
     (void)state;
-    char root[1200], base[1300], dir[1300];
-    snprintf(root, sizeof root, "%s/index", tmp);
-    save_ckpt(root, "tp=2", 5, 0);
-    snprintf(base, sizeof base, "%s/step_00000005", root);
-    snprintf(dir, sizeof dir, "%s/../index_case", root);
+    char base[1300], dir[1300];
     const char *tn = "model.embed_tokens.weight";
     int first;
-    copy_tree(base, dir);
-    assert_int_equal(piece_of(dir, tn, &first), 2);
+    damage_case("index", base, dir, &first);
     /* a gap: a piece one row short (and its byte count inconsistent) */
     edit_index_row(dir, "moetrain/pieces", sizeof(prow), first + 1, shrink_count, 1);
     expect_verify_fails(dir, "index.h5", tn);
@@ -802,15 +811,10 @@ static void chunks_overlap(void *r) { ((chunk_row *)r)->stride = 8; }
 static void test_chunks_table(void **state)
 {
     (void)state;
-    char root[1200], base[1300], dir[1300];
-    snprintf(root, sizeof root, "%s/chunks", tmp);
-    save_ckpt(root, "tp=2", 5, 0);
-    snprintf(base, sizeof base, "%s/step_00000005", root);
-    snprintf(dir, sizeof dir, "%s/../chunks_case", root);
+    char base[1300], dir[1300];
     const char *tn = "model.embed_tokens.weight";
     int first;
-    copy_tree(base, dir);
-    assert_int_equal(piece_of(dir, tn, &first), 2);
+    damage_case("chunks", base, dir, &first);
     edit_index_row(dir, "moetrain/chunks", sizeof(chunk_row), first, chunks_unrecorded, 1);
     mt_ckpt *ck;
     assert_int_equal(mt_ckpt_open(&ck, dir), MT_OK);
