@@ -372,10 +372,13 @@ static int check_files(const mt_ckpt *ck)
 
 /* Our own descriptors of piece p's file (its chunks' preads), opened on
  * first use (HDF5 lock held: the reader and the read-ahead's thread). */
-static int piece_fd(mt_ckpt *ck, int p, const char *path)
+static int piece_fd(mt_ckpt *ck, int p)
 {
     const int fi = ck->piece_file[p];
     if (ck->file_fd[fi] >= 0) return MT_OK;
+    char name[32], path[4300];
+    ck_shard_name(name, sizeof name, ck->file_rank[fi]);
+    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
     ck->file_fd[fi] = open(path, O_RDONLY | O_CLOEXEC);
     if (ck->file_fd[fi] < 0)
         return MT_ERR(MT_EIO, "%s: cannot open: %s, needed for tensor %s", path, strerror(errno),
@@ -390,10 +393,10 @@ static int piece_fd(mt_ckpt *ck, int p, const char *path)
 int ck_piece_file(mt_ckpt *ck, int p, hid_t *out)
 {
     int fi = ck->piece_file[p];
-    char name[32], path[4300], eb[256];
-    ck_shard_name(name, sizeof name, ck->file_rank[fi]);
-    snprintf(path, sizeof path, "%s/%s", ck->dir, name);
     if (ck->file_h[fi] < 0) {
+        char name[32], path[4300], eb[256];
+        ck_shard_name(name, sizeof name, ck->file_rank[fi]);
+        snprintf(path, sizeof path, "%s/%s", ck->dir, name);
         hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
         if (f < 0)
             return MT_ERR(MT_ECORRUPT, "%s: cannot open (%s), needed for tensor %s", path,
@@ -408,17 +411,17 @@ int ck_piece_file(mt_ckpt *ck, int p, hid_t *out)
         }
         ck->file_base[fi] = (int64_t)ub;
     }
-    MT_CHECK(piece_fd(ck, p, path));
+    MT_CHECK(piece_fd(ck, p));
     *out = ck->file_h[fi];
     return MT_OK;
 }
 
 /* The descriptors for piece p's chunks whose offsets the index records:
  * the file opened without HDF5 (takes the lock). */
-static int piece_fd_locked(mt_ckpt *ck, int p, const char *path)
+static int piece_fd_locked(mt_ckpt *ck, int p)
 {
     ck_lock();
-    const int rc = piece_fd(ck, p, path);
+    const int rc = piece_fd(ck, p);
     ck_unlock();
     return rc;
 }
@@ -1107,7 +1110,7 @@ static void pf_start(mt_ckpt *ck, int p)
         u->cb = (size_t)u->cr * (size_t)r->count[1] * es;
         u->addr = malloc((size_t)(u->n + 1) * sizeof *u->addr);
         if (!u->addr) rc = MT_ERR(MT_ENOMEM, "%s: out of memory", u->path);
-        else if ((rc = piece_fd_locked(ck, p, u->path)) == MT_OK) index_chunk_addrs(r, 0, u->n, u->addr);
+        else if ((rc = piece_fd_locked(ck, p)) == MT_OK) index_chunk_addrs(r, 0, u->n, u->addr);
     } else {
         hid_t ds = -1;
         ck_lock();
@@ -1446,7 +1449,7 @@ int ck_read_piece(mt_ckpt *ck, int p, mt_tensor_desc *d)
     hid_t ds = -1, fsp = -1, type = -1, msp = -1;
     if (cr > 0) { /* recorded in the index: no HDF5 metadata to read */
         const int64_t c0 = (int64_t)fo[0] / cr, c1 = ((int64_t)(fo[0] + cnt[0]) + cr - 1) / cr;
-        if ((rc = piece_fd_locked(ck, p, path)) < 0) return rc;
+        if ((rc = piece_fd_locked(ck, p)) < 0) return rc;
         if (!(addr = malloc((size_t)(c1 - c0 + 1) * sizeof *addr)))
             return MT_ERR(MT_ENOMEM, "%s: out of memory", path);
         index_chunk_addrs(r, c0, c1 - c0, addr);
