@@ -335,6 +335,93 @@ static void test_pipeline_placement(void **state)
     mt_shard_map_free(&m);
 }
 
+/* The least possible largest run when a[0..n) is cut into at most Z
+ * contiguous runs (every split tried: the specification zero_owners must
+ * meet). */
+static int64_t best_largest_run(const int64_t *a, int n, int Z)
+{
+    /* f[z][j]: the least largest run of a[0..j) in z runs */
+    int64_t *f = malloc(sizeof *f * (size_t)(Z + 1) * (size_t)(n + 1));
+    assert_non_null(f);
+#define F(z, j) f[(size_t)(z) * (size_t)(n + 1) + (size_t)(j)]
+    for (int j = 0; j <= n; j++) F(0, j) = j == 0 ? 0 : INT64_MAX;
+    for (int z = 1; z <= Z; z++)
+        for (int j = 0; j <= n; j++) {
+            int64_t best = INT64_MAX, run = 0;
+            for (int i = j; i >= 0; i--) { /* the last run is a[i..j) */
+                if (i < j) run += a[i];
+                const int64_t prev = F(z - 1, i);
+                const int64_t worst = prev > run ? prev : run;
+                if (worst < best) best = worst;
+            }
+            F(z, j) = best;
+        }
+    const int64_t r = F(Z, n);
+#undef F
+    free(f);
+    return r;
+}
+
+/* ZeRO-1 owners in a model whose output head (vocabulary x hidden) is more
+ * than a dp rank's share of the dense parameters: the busiest owner keeps
+ * no more elements than the best contiguous split allows (the elements'
+ * midpoint rule alone put the head on top of a full share: 46 M elements
+ * against 33.5 M possible at dp = 4, issue 23), owners stay contiguous in
+ * table order, and every rank owns something. */
+static void test_zero_owners_least_largest_run(void **state)
+{
+    (void)state;
+    mt_model_config c;
+    small_config(&c);
+    c.vocab_size = 32768, c.hidden_size = 1024, c.intermediate_size = 4096;
+    c.moe_intermediate_size = 1024, c.num_attention_heads = 16, c.num_key_value_heads = 16;
+    c.q_lora_rank = 512, c.kv_lora_rank = 512, c.qk_nope_head_dim = 128;
+    c.qk_rope_head_dim = 64, c.v_head_dim = 128, c.n_routed_experts = 16, c.n_group = 8;
+    c.topk_group = 4;
+    for (int dp = 2; dp <= 6; dp++) {
+        mt_layout l;
+        char spec[32];
+        snprintf(spec, sizeof spec, "dp=%d", dp);
+        assert_int_equal(mt_layout_parse(&l, spec), MT_OK);
+        mt_shard_map m;
+        mt_shard_opts o = full_opts(1);
+        assert_int_equal(mt_shard_map_build(&m, &c, &l, &o), MT_OK);
+        int *own = calloc((size_t)m.n_params, sizeof *own);
+        int64_t *dense = calloc((size_t)m.n_params, sizeof *dense), held[6] = {0};
+        int64_t expert_held[6] = {0}, experts = 0;
+        assert_true(own && dense);
+        assert_int_equal(mt_zero_owners(&c, &l, own), MT_OK);
+        int n = 0, last = 0;
+        for (int i = 0; i < m.n_params; i++) {
+            if (own[i] < 0) continue; /* router bias */
+            const mt_shard_tensor *w = &m.tensors[m.param_tensor[i][MT_TS_WEIGHT]];
+            const int64_t e = w->shape[0] * (w->ndim > 1 ? w->shape[1] : 1);
+            if (strstr(w->name, ".experts.")) {
+                expert_held[own[i]] += e, experts += e;
+                continue;
+            }
+            assert_true(own[i] >= last); /* contiguous runs in rank order */
+            last = own[i];
+            held[own[i]] += e;
+            dense[n++] = e;
+        }
+        const int64_t best = best_largest_run(dense, n, dp);
+        int64_t largest = 0;
+        for (int z = 0; z < dp; z++) {
+            assert_true(held[z] > 0);
+            if (held[z] > largest) largest = held[z];
+            /* the experts (equal parameters) split as evenly as whole ones can */
+            assert_true(expert_held[z] * dp >= experts - dp * (int64_t)1024 * 1024);
+            assert_true(expert_held[z] * dp <= experts + dp * (int64_t)1024 * 1024);
+        }
+        assert_int_equal(largest, best);
+        assert_true(best >= (int64_t)32768 * 1024); /* the head alone */
+        free(own);
+        free(dense);
+        mt_shard_map_free(&m);
+    }
+}
+
 /* ZeRO-1: each parameter's optimizer state is kept whole (its TP slab) by
  * one rank of its DP (EDP) group, the owners in contiguous runs balanced by
  * elements; weights stay replicated; the map and mt_zero_owners agree. */
@@ -405,6 +492,7 @@ int main(void)
         cmocka_unit_test(test_small_layouts_tile),  cmocka_unit_test(test_dsv3_layouts_tile),
         cmocka_unit_test(test_fp8_block_rule),      cmocka_unit_test(test_layout_rules),
         cmocka_unit_test(test_pipeline_placement),  cmocka_unit_test(test_zero_owners),
+        cmocka_unit_test(test_zero_owners_least_largest_run),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -21,12 +21,15 @@
  *   optimizer state (exp_avg, exp_avg_sq, main) is kept by one rank of the
  *   DP (EDP) group per parameter, whole (its TP-local slab): per group of
  *   parameters (the dense ones of a stage; the routed experts of a stage
- *   and EP rank), in table order, parameter i with first element `start`
- *   and n elements belongs to rank floor((start + n / 2) * Z / N) of the
- *   group's Z ranks, N the group's elements (mt_zero_owners): contiguous
- *   runs balanced by elements. Whole parameters keep every update local
- *   (an FP8 weight's 128x128 blocks are re-quantised by one rank) and every
- *   piece a rectangle.
+ *   and EP rank), in table order, contiguous runs over the group's Z
+ *   ranks whose largest has as few elements as any contiguous split
+ *   allows, each run ending where the elements' midpoint rule (parameter
+ *   i with first element `start` and n elements to rank
+ *   floor((start + n / 2) * Z / N), N the group's elements) ends it, or as
+ *   near as that bound lets (mt_zero_owners; the rule alone left a head of
+ *   more than N / Z elements on top of a full share). Whole parameters
+ *   keep every update local (an FP8 weight's 128x128 blocks are
+ *   re-quantised by one rank) and every piece a rectangle.
  * FP8 weights (opts.fp8): every TP / ETP split boundary of an e4m3 tensor
  *   must fall on a multiple of 128 (or the end), so each rank's slab is a
  *   whole number of 128 x 128 scale blocks and the scale tensor's piece is
