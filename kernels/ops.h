@@ -88,6 +88,21 @@ typedef struct mt_adamw_hp {
     int grad_bf16;       /* the gradient is bf16 bits (precision.grads bf16), else f32 */
 } mt_adamw_hp;
 
+/* One FP8 weight of adamw_fp8_n: adamw_fp8's arguments, and the weight's
+ * own decoupled decay (0 for the weights that take none). */
+typedef struct mt_adamw_fp8_arg {
+    void *p;
+    int p_bf16;
+    uint16_t *m, *v;
+    const void *grad;
+    int N, K;
+    float weight_decay;
+    uint8_t *q;
+    float *s;
+    uint8_t *qt;
+    float *st;
+} mt_adamw_fp8_arg;
+
 typedef struct mt_backend mt_backend;
 
 struct mt_backend {
@@ -372,6 +387,11 @@ struct mt_backend {
     int (*adamw_fp8)(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
                      const void *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
                      float *s, uint8_t *qt, float *st);
+    /* adamw_fp8 of n weights that share no memory, each with hp but its own
+     * weight_decay: the same bits as n adamw_fp8 calls; the backend may run
+     * them at once (CUDA: over the expert streams, joined before the next
+     * op). The optimizer's FP8 weights in one call. */
+    int (*adamw_fp8_n)(mt_backend *be, int n, const mt_adamw_fp8_arg *w, const mt_adamw_hp *hp);
     /* Stochastic rounding (the main_params "none" mode, where the compute
      * copy is the only copy of a weight). The random bits of element i are
      * mt_hash_u64(seed, i) on every backend, so results are bit-identical.

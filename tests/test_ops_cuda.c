@@ -1533,9 +1533,10 @@ static void test_optimizer(void)
         tb_free(&p), tb_free(&m), tb_free(&v);
     }
     /* adamw_fp8: the fused update + re-quantisation, f32 and bf16 master, at
-     * shapes with partial 128x128 blocks; every output bit-exact */
+     * shapes with partial 128x128 blocks and with whole ones only (the
+     * shared-memory kernel); every output bit-exact */
     {
-        const int shp[][2] = {{128, 128}, {200, 300}, {7, 130}, {384, 1000}};
+        const int shp[][2] = {{128, 128}, {200, 300}, {7, 130}, {384, 1000}, {256, 640}};
         for (size_t i = 0; i < sizeof shp / sizeof shp[0]; i++)
             for (int pg = 0; pg < 4; pg++) {
                 const int pb = pg & 1, gbf = pg >> 1; /* bf16 master; bf16 gradients */
@@ -1568,6 +1569,57 @@ static void test_optimizer(void)
                 tb_free(&p), tb_free(&m), tb_free(&v), tb_free(&q), tb_free(&qt);
                 tb_free(&sc), tb_free(&st);
             }
+    }
+    /* adamw_fp8_n: six weights in one call (more than the four expert
+     * streams they fan out over), f32 and bf16 masters and decays mixed,
+     * whole and partial blocks; every output bit-exact against the CPU */
+    for (int gbf = 0; gbf < 2; gbf++) {
+        enum { W = 6 };
+        const int shp[W][2] = {{256, 640}, {200, 300}, {128, 128}, {7, 130}, {384, 1000}, {256, 256}};
+        tb p[W], m[W], v[W], q[W], qt[W], sc[W], st[W];
+        char sh[96];
+        snprintf(sh, sizeof sh, "%d weights, mixed masters%s, 2 steps", W, gbf ? ", bf16 grads" : "");
+        for (int i = 0; i < W; i++) {
+            const int64_t n = (int64_t)shp[i][0] * shp[i][1];
+            const int64_t nsc = (int64_t)mt_ceil_div(shp[i][0], 128) * mt_ceil_div(shp[i][1], 128);
+            p[i] = main_copy_rand(n, 260 + i, i % 2);
+            m[i] = tb_new(T_U16, n), v[i] = tb_new(T_U16, n), q[i] = tb_new(T_U8, n);
+            qt[i] = tb_new(T_U8, n), sc[i] = tb_new(T_F32, nsc), st[i] = tb_new(T_F32, nsc);
+        }
+        int ok = 1;
+        for (int step = 1; step <= 2 && ok; step++) {
+            mt_adamw_hp hp = adamw_hp_at(step);
+            hp.grad_bf16 = gbf;
+            tb g[W];
+            for (int i = 0; i < W; i++) {
+                const int64_t n = (int64_t)shp[i][0] * shp[i][1];
+                g[i] = gbf ? bf16_rand(n, 270 + 10 * step + i, 1e-3f)
+                           : f32_rand(n, 270 + 10 * step + i, 1e-3f);
+            }
+            mt_adamw_fp8_arg a[2][W];
+            for (int s = 0; s < 2; s++)
+                for (int i = 0; i < W; i++)
+                    a[s][i] = (mt_adamw_fp8_arg){
+                        .p = p[i].p[s], .p_bf16 = i % 2, .m = m[i].p[s], .v = v[i].p[s],
+                        .grad = g[i].p[s], .N = shp[i][0], .K = shp[i][1],
+                        .weight_decay = i % 3 ? 0.1f : 0.0f, .q = q[i].p[s], .s = sc[i].p[s],
+                        .qt = qt[i].p[s], .st = st[i].p[s]};
+            BOTH(ok, "adamw_fp8_n", sh, be->adamw_fp8_n(be, W, a[s], &hp));
+            for (int i = 0; i < W; i++) tb_free(&g[i]);
+        }
+        for (int i = 0; i < W; i++) {
+            if (ok) {
+                check_exact("adamw_fp8_n", sh, "p", &p[i], 0);
+                check_exact("adamw_fp8_n", sh, "m", &m[i], 0);
+                check_exact("adamw_fp8_n", sh, "v", &v[i], 0);
+                check_exact("adamw_fp8_n", sh, "q", &q[i], 0);
+                check_exact("adamw_fp8_n", sh, "s", &sc[i], 0);
+                check_exact("adamw_fp8_n", sh, "qt", &qt[i], 0);
+                check_exact("adamw_fp8_n", sh, "st", &st[i], 0);
+            }
+            tb_free(&p[i]), tb_free(&m[i]), tb_free(&v[i]), tb_free(&q[i]), tb_free(&qt[i]);
+            tb_free(&sc[i]), tb_free(&st[i]);
+        }
     }
     /* bf16 -> f32: every code */
     {

@@ -22,7 +22,10 @@ int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j,
     mt_optimizer *o = calloc(1, sizeof *o);
     if (!o) return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
     o->off = malloc((size_t)(m->table.n > 0 ? m->table.n : 1) * sizeof *o->off);
-    if (!o->off) {
+    o->fp8 = malloc((size_t)(m->table.n > 0 ? m->table.n : 1) * sizeof *o->fp8);
+    if (!o->off || !o->fp8) {
+        free(o->off);
+        free(o->fp8);
         free(o);
         return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
     }
@@ -66,6 +69,7 @@ void mt_optimizer_destroy(mt_optimizer *o)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) o->be->free(o->be, bufs[i]);
     free(o->off);
+    free(o->fp8);
     free(o);
 }
 
@@ -193,6 +197,7 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
         .grad_scale = (float)grad_scale,
         .grad_bf16 = m->grad_type == MT_C_BF16,
     };
+    int n_fp8 = 0;
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];
         if (!in_shard(o, i)) continue;
@@ -203,10 +208,11 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
             continue;
         }
         void *w = master_of(o, i);
-        if (p->q) { /* FP8 weight: update and re-quantise in one pass */
-            MT_CHECK(be->adamw_fp8(be, w, o->main == MT_MAIN_BF16, o->m + off, o->v + off,
-                                   p->grad, (int)p->d.rows, (int)p->d.cols, &hp, p->q, p->s,
-                                   p->qt, p->st));
+        if (p->q) { /* FP8 weight: update and re-quantise in one pass, all of them in one call */
+            o->fp8[n_fp8++] = (mt_adamw_fp8_arg){
+                .p = w, .p_bf16 = o->main == MT_MAIN_BF16, .m = o->m + off, .v = o->v + off,
+                .grad = p->grad, .N = (int)p->d.rows, .K = (int)p->d.cols,
+                .weight_decay = hp.weight_decay, .q = p->q, .s = p->s, .qt = p->qt, .st = p->st};
             continue;
         }
         MT_CHECK(be->adamw(be, w, o->main == MT_MAIN_BF16, o->m + off, o->v + off, p->grad, n,
@@ -218,6 +224,7 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
         }
         MT_CHECK(mt_model_set_param_dev(m, i, wf));
     }
+    MT_CHECK(be->adamw_fp8_n(be, n_fp8, o->fp8, &hp));
     o->step++;
     return MT_OK;
 }

@@ -35,6 +35,7 @@ typedef struct mt_optimizer {
     float *tmp;         /* f32 [tmp_n]: dequantised weights (slab by slab), bf16 master as f32 */
     int64_t tmp_n;      /* bf16 main: the largest parameter; else mt_params_stage_elems */
     float *sumsq;       /* f32 [1] */
+    mt_adamw_fp8_arg *fp8; /* host [n_params]: one update's FP8 weights, for adamw_fp8_n */
     int64_t step;       /* updates applied so far */
     uint64_t seed;      /* stochastic rounding stream */
 } mt_optimizer;

@@ -116,10 +116,25 @@ static int cpu_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint1
     return rc;
 }
 
+static int cpu_adamw_fp8_n(mt_backend *be, int n, const mt_adamw_fp8_arg *w,
+                           const mt_adamw_hp *hp)
+{
+    CPU_REQUIRE(n >= 0, "adamw_fp8_n: n=%d is negative", n);
+    CPU_REQUIRE(hp != NULL && (n == 0 || w != NULL), "adamw_fp8_n: NULL pointer");
+    for (int i = 0; i < n; i++) {
+        mt_adamw_hp h = *hp;
+        h.weight_decay = w[i].weight_decay;
+        MT_CHECK(cpu_adamw_fp8(be, w[i].p, w[i].p_bf16, w[i].m, w[i].v, w[i].grad, w[i].N,
+                               w[i].K, &h, w[i].q, w[i].s, w[i].qt, w[i].st));
+    }
+    return MT_OK;
+}
+
 void cpu_install_optim(mt_backend *be)
 {
     be->sumsq = cpu_sumsq;
     be->scale_f32 = cpu_scale_f32;
     be->adamw = cpu_adamw;
     be->adamw_fp8 = cpu_adamw_fp8;
+    be->adamw_fp8_n = cpu_adamw_fp8_n;
 }

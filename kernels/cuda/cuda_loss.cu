@@ -735,9 +735,10 @@ adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__rest
         if (c < nn) qt[(int64_t)(k0 + kk) * N + n0 + c] = tile[c][kk];
 }
 
-static int cuda_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                          const void *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
-                          float *s, uint8_t *qt, float *st)
+/* Checks one weight's arguments and enqueues its kernel on `stream`. */
+static int aq_launch(mt_backend *be, cudaStream_t stream, void *p, int p_bf16, uint16_t *m,
+                     uint16_t *v, const void *grad, int N, int K, const mt_adamw_hp *hp,
+                     uint8_t *q, float *s, uint8_t *qt, float *st)
 {
     CUDA_REQUIRE(N >= 1 && K >= 1, "adamw_fp8: N=%d K=%d", N, K);
     CUDA_REQUIRE(hp != NULL, "adamw_fp8: hp is NULL");
@@ -750,10 +751,48 @@ static int cuda_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint
     const int vec = K % 4 == 0 && N % 4 == 0 && (uintptr_t)p % (p_bf16 ? 8 : 16) == 0 &&
                     (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0 && (uintptr_t)m % 8 == 0 &&
                     (uintptr_t)v % 8 == 0 && (uintptr_t)q % 4 == 0 && (uintptr_t)qt % 4 == 0;
-    adamw_fp8_kernel<<<(unsigned)((int64_t)NB * KB), 256, 0, cuda_stream(be)>>>(
+    adamw_fp8_kernel<<<(unsigned)((int64_t)NB * KB), 256, 0, stream>>>(
         p, p_bf16, m, v, grad, N, K, NB, KB, *hp, q, s, qt, st, vec);
     CUDA_LAUNCH_CHECK("adamw_fp8");
     return MT_OK;
+}
+
+static int cuda_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
+                          const void *grad, int N, int K, const mt_adamw_hp *hp, uint8_t *q,
+                          float *s, uint8_t *qt, float *st)
+{
+    return aq_launch(be, cuda_stream(be), p, p_bf16, m, v, grad, N, K, hp, q, s, qt, st);
+}
+
+/* The weights over the expert streams, weight i on stream i % 4, joined
+ * back into the main stream at the end: a weight of a few hundred blocks
+ * (an expert's [2048, 7168]: 896 blocks against 528 resident) leaves most
+ * SMs idle in its last wave on one stream; here the next weights' blocks
+ * fill them. */
+static int cuda_adamw_fp8_n(mt_backend *be, int n, const mt_adamw_fp8_arg *w,
+                            const mt_adamw_hp *hp)
+{
+    CUDA_REQUIRE(n >= 0, "adamw_fp8_n: n=%d is negative", n);
+    CUDA_REQUIRE(hp != NULL && (n == 0 || w != NULL), "adamw_fp8_n: NULL pointer");
+    if (n == 0) return MT_OK;
+    cuda_impl *c = cuda_of(be);
+    const int S = n < CUDA_EXPERT_STREAMS ? n : CUDA_EXPERT_STREAMS;
+    MT_CUDA_CHECK(cudaEventRecord(c->xevent[CUDA_EXPERT_STREAMS], c->stream));
+    for (int i = 0; i < S; i++)
+        MT_CUDA_CHECK(cudaStreamWaitEvent(c->xstream[i], c->xevent[CUDA_EXPERT_STREAMS], 0));
+    int rc = MT_OK;
+    for (int i = 0; i < n && rc == MT_OK; i++) {
+        mt_adamw_hp h = *hp;
+        h.weight_decay = w[i].weight_decay;
+        rc = aq_launch(be, c->xstream[i % S], w[i].p, w[i].p_bf16, w[i].m, w[i].v, w[i].grad,
+                       w[i].N, w[i].K, &h, w[i].q, w[i].s, w[i].qt, w[i].st);
+    }
+    /* joined even after an error: the main stream never runs ahead of them */
+    for (int i = 0; i < S; i++) {
+        MT_CUDA_CHECK(cudaEventRecord(c->xevent[i], c->xstream[i]));
+        MT_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->xevent[i], 0));
+    }
+    return rc;
 }
 
 /* ---- bf16_to_f32 ------------------------------------------------------------------------ */
@@ -785,5 +824,6 @@ void cuda_install_loss(mt_backend *be)
     be->scale_f32 = cuda_scale_f32;
     be->adamw = cuda_adamw;
     be->adamw_fp8 = cuda_adamw_fp8;
+    be->adamw_fp8_n = cuda_adamw_fp8_n;
     be->bf16_to_f32 = cuda_bf16_to_f32;
 }

@@ -360,6 +360,11 @@ PROF(adamw_fp8,
      (be, pp, p_bf16, m, v, grad, N, K, hp, q, s, qt, st),
      kind = W_BYTES; w = ((p_bf16 ? 18.0 : 22.0) - (hp->grad_bf16 ? 2.0 : 0.0)) * N * K;
      SHAPE("%s%s", p_bf16 ? "bf16 main" : "f32 main", hp->grad_bf16 ? " bf16 grads" : ""))
+PROF(adamw_fp8_n, (mt_backend *be, int n, const mt_adamw_fp8_arg *wt, const mt_adamw_hp *hp),
+     (be, n, wt, hp), kind = W_BYTES;
+     for (int i = 0; i < n; i++) w += ((wt[i].p_bf16 ? 18.0 : 22.0) - (hp->grad_bf16 ? 2.0 : 0.0)) *
+                                      wt[i].N * wt[i].K;
+     SHAPE("%d weights%s", n, hp->grad_bf16 ? ", bf16 grads" : ""))
 PROF(act_from_f32_sr, (mt_backend *be, void *dst, const float *src, int64_t n, uint64_t seed),
      (be, dst, src, n, seed), kind = W_BYTES; w = 6.0 * n)
 PROF(quant_blocks_sr,
@@ -659,7 +664,7 @@ int cuda_prof_install(mt_backend *be)
     WRAP(mla_kv_fwd); WRAP(mla_kv_bwd); WRAP(router_fwd); WRAP(router_bwd); WRAP(aux_loss);
     WRAP(moe_index); WRAP(moe_permute); WRAP(moe_permute_bwd); WRAP(moe_unpermute);
     WRAP(moe_unpermute_bwd); WRAP(xent); WRAP(sumsq); WRAP(scale_f32); WRAP(adamw);
-    WRAP(adamw_fp8); WRAP(act_from_f32_sr); WRAP(quant_blocks_sr); WRAP(bf16_to_f32);
+    WRAP(adamw_fp8); WRAP(adamw_fp8_n); WRAP(act_from_f32_sr); WRAP(quant_blocks_sr); WRAP(bf16_to_f32);
 #undef WRAP
     MT_LOGI("op profile: on, from step %d (MOETRAIN_OP_PROFILE)", p->from_step);
     return MT_OK;
