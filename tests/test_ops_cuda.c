@@ -1572,7 +1572,8 @@ static void test_optimizer(void)
     }
     /* adamw_fp8_n: six weights in one call (more than the four expert
      * streams they fan out over), f32 and bf16 masters and decays mixed,
-     * whole and partial blocks; every output bit-exact against the CPU */
+     * whole and partial blocks, gradients with zero and tiny rows; every
+     * output bit-exact against the CPU */
     for (int gbf = 0; gbf < 2; gbf++) {
         enum { W = 6 };
         const int shp[W][2] = {{256, 640}, {200, 300}, {128, 128}, {7, 130}, {384, 1000}, {256, 256}};
@@ -1593,8 +1594,27 @@ static void test_optimizer(void)
             tb g[W];
             for (int i = 0; i < W; i++) {
                 const int64_t n = (int64_t)shp[i][0] * shp[i][1];
-                g[i] = gbf ? bf16_rand(n, 270 + 10 * step + i, 1e-3f)
-                           : f32_rand(n, 270 + 10 * step + i, 1e-3f);
+                if (i < 4) {
+                    g[i] = gbf ? bf16_rand(n, 270 + 10 * step + i, 1e-3f)
+                               : f32_rand(n, 270 + 10 * step + i, 1e-3f);
+                    continue;
+                }
+                /* rows of zeros (a vocabulary row that saw no token: zero
+                 * moments), of 1e-17 (v below 2^-100) and of 1e-31 (m
+                 * below it, v zero), among ordinary ones: every path of
+                 * the kernels' divisions */
+                float *h = rnd_f32(n, 270 + 10 * step + i, 1e-3f);
+                static const float row_scale[4] = {0.0f, 1e-14f, 1e-28f, 1.0f};
+                for (int64_t e = 0; e < n; e++) h[e] *= row_scale[(e / shp[i][1]) % 4];
+                if (gbf) {
+                    uint16_t *u = ref_alloc(2 * (size_t)n);
+                    for (int64_t e = 0; e < n; e++) u[e] = mt_bf16_from_f32(h[e]);
+                    g[i] = tb_from(T_U16, n, u);
+                    free(u);
+                } else {
+                    g[i] = tb_from(T_F32, n, h);
+                }
+                free(h);
             }
             mt_adamw_fp8_arg a[2][W];
             for (int s = 0; s < 2; s++)

@@ -344,7 +344,31 @@ __device__ __forceinline__ uint16_t loss_bf16_rne(float x)
  *   g = grad gs; m' = b1 m + (1 - b1) g; v' = b2 v + (1 - b2) g^2
  *   p - lr ((m' / bc1) / (sqrt(v' / bc2) + eps) + wd p)
  * with m', v' used unrounded and stored rounded to bf16. */
-__device__ __forceinline__ float adamw_val(const mt_adamw_hp &hp, float p, uint16_t m, uint16_t v,
+/* The hyper-parameters and the reciprocals of the bias corrections (IEEE,
+ * once a thread) for cuda_div_by. */
+struct aw_hp : mt_adamw_hp {
+    float r1, r2;
+};
+
+__device__ __forceinline__ aw_hp aw_of(const mt_adamw_hp &h)
+{
+    aw_hp k;
+    static_cast<mt_adamw_hp &>(k) = h;
+    k.r1 = __frcp_rn(h.bc1);
+    k.r2 = __frcp_rn(h.bc2);
+    return k;
+}
+
+/* The operations are those written above, each rounded once. With D, the
+ * two divisions by the bias corrections go through cuda_div_by and zeros
+ * (the moments of a vocabulary's rows that saw no token) pass sqrt and the
+ * last division as the quotients they are: the same bits, without the
+ * division's slow path. adamw takes D (issue 18: it was bound by its
+ * instructions, 69 % of the issue slots busy at 33 % of the DRAM bandwidth
+ * on the proxy's embedding; 15.5 -> 10.6 ms a step); adamw_fp8, at 88 % of
+ * the copy already, ran 3 % slower with it and does not. */
+template <int D>
+__device__ __forceinline__ float adamw_val(const aw_hp &hp, float p, uint16_t m, uint16_t v,
                                            float grad, uint16_t *m_out, uint16_t *v_out)
 {
     const float g = __fmul_rn(grad, hp.grad_scale);
@@ -354,8 +378,16 @@ __device__ __forceinline__ float adamw_val(const mt_adamw_hp &hp, float p, uint1
                                __fmul_rn(__fsub_rn(1.0f, hp.beta2), __fmul_rn(g, g)));
     *m_out = loss_bf16_rne(mi);
     *v_out = loss_bf16_rne(vi);
-    const float den = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, hp.bc2)), hp.eps);
-    const float upd = __fadd_rn(__fdiv_rn(__fdiv_rn(mi, hp.bc1), den), __fmul_rn(hp.weight_decay, p));
+    if (!D) {
+        const float den = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, hp.bc2)), hp.eps);
+        const float upd =
+            __fadd_rn(__fdiv_rn(__fdiv_rn(mi, hp.bc1), den), __fmul_rn(hp.weight_decay, p));
+        return __fsub_rn(p, __fmul_rn(hp.lr, upd));
+    }
+    const float vh = cuda_div_by(vi, hp.bc2, hp.r2), mh = cuda_div_by(mi, hp.bc1, hp.r1);
+    const float den = __fadd_rn(vh == 0.0f ? vh : __fsqrt_rn(vh), hp.eps);
+    const float q = mh == 0.0f && den > 0.0f && den < INFINITY ? mh : __fdiv_rn(mh, den);
+    const float upd = __fadd_rn(q, __fmul_rn(hp.weight_decay, p));
     return __fsub_rn(p, __fmul_rn(hp.lr, upd));
 }
 
@@ -378,15 +410,15 @@ __device__ __forceinline__ void grad_at4(const mt_adamw_hp &hp, const void *g, i
     }
 }
 
-__device__ __forceinline__ float adamw_one(const mt_adamw_hp &hp, float p, uint16_t *m,
+__device__ __forceinline__ float adamw_one(const aw_hp &hp, float p, uint16_t *m,
                                            uint16_t *v, float grad)
 {
-    return adamw_val(hp, p, *m, *v, grad, m, v);
+    return adamw_val<1>(hp, p, *m, *v, grad, m, v);
 }
 
 /* Four consecutive elements from 16-byte (f32) / 8-byte (bf16) words; the
  * element arithmetic is adamw_one's, so results are bit-identical. */
-__device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, void *p, int p_bf16,
+__device__ __forceinline__ void adamw_vec4(const aw_hp &hp, void *p, int p_bf16,
                                            uint16_t *__restrict__ m, uint16_t *__restrict__ v,
                                            const void *__restrict__ grad, int64_t i)
 {
@@ -406,7 +438,7 @@ __device__ __forceinline__ void adamw_vec4(const mt_adamw_hp &hp, void *p, int p
     }
     uint16_t mo[4], vo[4];
 #pragma unroll
-    for (int j = 0; j < 4; j++) pv[j] = adamw_val(hp, pv[j], mv[j], vv[j], gv[j], &mo[j], &vo[j]);
+    for (int j = 0; j < 4; j++) pv[j] = adamw_val<1>(hp, pv[j], mv[j], vv[j], gv[j], &mo[j], &vo[j]);
     *(uint2 *)(m + i) = make_uint2(mo[0] | (uint32_t)mo[1] << 16, mo[2] | (uint32_t)mo[3] << 16);
     *(uint2 *)(v + i) = make_uint2(vo[0] | (uint32_t)vo[1] << 16, vo[2] | (uint32_t)vo[3] << 16);
     if (p_bf16) {
@@ -433,7 +465,7 @@ __device__ __forceinline__ void aw_f32x8_load(const float *f, float *x)
  * in flight: on one H200 the proxy's adamw (its 1.85 G embedding and head
  * elements, f32 main, bf16 gradients) took 17.3 ms a step 4-wide and 15.2
  * ms 8-wide. The element arithmetic is adamw_one's: bit-identical. */
-__device__ __forceinline__ void adamw_vec8(const mt_adamw_hp &hp, void *p, int p_bf16,
+__device__ __forceinline__ void adamw_vec8(const aw_hp &hp, void *p, int p_bf16,
                                            uint16_t *__restrict__ m, uint16_t *__restrict__ v,
                                            const void *__restrict__ grad, int64_t i)
 {
@@ -458,7 +490,7 @@ __device__ __forceinline__ void adamw_vec8(const mt_adamw_hp &hp, void *p, int p
     }
     uint16_t mo[8], vo[8];
 #pragma unroll
-    for (int j = 0; j < 8; j++) pv[j] = adamw_val(hp, pv[j], mv[j], vv[j], gv[j], &mo[j], &vo[j]);
+    for (int j = 0; j < 8; j++) pv[j] = adamw_val<1>(hp, pv[j], mv[j], vv[j], gv[j], &mo[j], &vo[j]);
     uint32_t mq[4], vq[4];
 #pragma unroll
     for (int j = 0; j < 4; j++) {
@@ -483,8 +515,9 @@ __device__ __forceinline__ void adamw_vec8(const mt_adamw_hp &hp, void *p, int p
 /* Groups of 8 elements (vec 2: every array 16-byte aligned) or 4 (vec 1:
  * aligned for adamw_vec4), else one element per thread. */
 __global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                             const void *__restrict__ grad, int64_t n, mt_adamw_hp hp, int vec)
+                             const void *__restrict__ grad, int64_t n, mt_adamw_hp hp0, int vec)
 {
+    const aw_hp hp = aw_of(hp0);
     if (vec) {
         const int w = vec == 2 ? 8 : 4;
         for (int64_t iw = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; iw < n / w;
@@ -579,7 +612,7 @@ __device__ __forceinline__ uint2 aq_pack_u16x4(const uint16_t *h)
 __device__ __forceinline__ void adamw_fp8_full_block(
     void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
     const void *__restrict__ grad, int N, int K, int NB, int KB, int nb, int kb,
-    const mt_adamw_hp &hp,
+    const aw_hp &hp,
     uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
     float *__restrict__ st, uint8_t (*tile)[MT_QTILE + 4], float *sh)
 {
@@ -615,7 +648,7 @@ __device__ __forceinline__ void adamw_fp8_full_block(
             float x[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                x[e] = adamw_val(hp, pv[jj][e], mi[e], vi[e], gv[jj][e], &mo[e], &vo[e]);
+                x[e] = adamw_val<0>(hp, pv[jj][e], mi[e], vi[e], gv[jj][e], &mo[e], &vo[e]);
                 if (p_bf16) {
                     h[e] = loss_bf16_rne(x[e]);
                     x[e] = loss_bf16_val(h[e]);
@@ -665,10 +698,11 @@ __device__ __forceinline__ void adamw_fp8_full_block(
 
 __global__ void __launch_bounds__(256)
 adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                 const void *__restrict__ grad, int N, int K, int NB, int KB, mt_adamw_hp hp,
+                 const void *__restrict__ grad, int N, int K, int NB, int KB, mt_adamw_hp hp0,
                  uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
                  float *__restrict__ st, int vec)
 {
+    const aw_hp hp = aw_of(hp0);
     __shared__ float sh[32];
     __shared__ __align__(16) uint8_t tile[MT_QTILE][MT_QTILE + 4];
     const int b = blockIdx.x, nb = b / KB, kb = b % KB;
@@ -704,7 +738,7 @@ adamw_fp8_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__rest
                 const int r = j0 + 2 * jj;
                 if (r >= nn) continue;
                 const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
-                float x = adamw_val(hp, pv[jj], mv[jj], vv[jj], gv[jj], m + i, v + i);
+                float x = adamw_val<0>(hp, pv[jj], mv[jj], vv[jj], gv[jj], m + i, v + i);
                 if (p_bf16) {
                     const uint16_t h = loss_bf16_rne(x);
                     pb[i] = h;
