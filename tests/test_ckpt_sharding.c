@@ -365,8 +365,8 @@ static int64_t best_largest_run(const int64_t *a, int n, int Z)
 /* ZeRO-1 owners in a model whose output head (vocabulary x hidden) is more
  * than a dp rank's share of the dense parameters: the busiest owner keeps
  * no more elements than the best contiguous split allows (the elements'
- * midpoint rule alone put the head on top of a full share: 46 M elements
- * against 33.5 M possible at dp = 4, issue 23), owners stay contiguous in
+ * midpoint rule alone put the head on top of a full share: 45.7 M elements
+ * against 39.6 M possible at dp = 4, issue 23), owners stay contiguous in
  * table order, and every rank owns something. */
 static void test_zero_owners_least_largest_run(void **state)
 {
