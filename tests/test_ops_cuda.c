@@ -1469,6 +1469,29 @@ static mt_adamw_hp adamw_hp_at(int step)
     return hp;
 }
 
+/* Gradients in rows of `row` elements scaled 0, 1e-14, 1e-28 and 1 in turn
+ * (normal draws of sigma 1e-3): zero rows (a vocabulary row that saw no
+ * token: zero moments), 1e-17 ones (v below 2^-100) and 1e-31 ones (m below
+ * it, v zero) among ordinary ones, so that every path of adamw's divisions
+ * (cuda_div_by's product, its zeros, its division) runs. */
+static tb grad_rows_rand(int64_t n, int64_t row, uint64_t seed, int bf16)
+{
+    static const float row_scale[4] = {0.0f, 1e-14f, 1e-28f, 1.0f};
+    float *h = rnd_f32(n, seed, 1e-3f);
+    for (int64_t e = 0; e < n; e++) h[e] *= row_scale[(e / row) % 4];
+    tb g;
+    if (bf16) {
+        uint16_t *u = ref_alloc(2 * (size_t)(n > 0 ? n : 1));
+        for (int64_t e = 0; e < n; e++) u[e] = mt_bf16_from_f32(h[e]);
+        g = tb_from(T_U16, n, u);
+        free(u);
+    } else {
+        g = tb_from(T_F32, n, h);
+    }
+    free(h);
+    return g;
+}
+
 static void test_optimizer(void)
 {
     const int64_t sizes[] = {1, 1000, 5000003};
@@ -1505,20 +1528,25 @@ static void test_optimizer(void)
     }
     /* AdamW: three steps, f32 and bf16 master, outputs fed back; from
      * element 0 (16-byte aligned: 8 elements a thread) and from element 4
-     * (the moments 8-byte aligned: 4 a thread) */
+     * (the moments 8-byte aligned: 4 a thread); dense gradients, and rows
+     * of zero and tiny ones (grad_rows_rand) */
     const int64_t n = 300007;
-    for (int pg = 0; pg < 8; pg++) {
+    for (int pg = 0; pg < 16; pg++) {
         const int pb = pg & 1, gbf = (pg >> 1) & 1, off = pg & 4; /* bf16 master; bf16 gradients */
-        char sh[80];
-        snprintf(sh, sizeof sh, "n=%lld %s master%s, 3 steps%s", (long long)n, pb ? "bf16" : "f32",
-                 gbf ? " bf16 grads" : "", off ? ", from element 4" : "");
+        const int rows = pg & 8;
+        char sh[96];
+        snprintf(sh, sizeof sh, "n=%lld %s master%s, 3 steps%s%s", (long long)n,
+                 pb ? "bf16" : "f32", gbf ? " bf16 grads" : "", off ? ", from element 4" : "",
+                 rows ? ", zero and tiny rows" : "");
         tb p = main_copy_rand(n, 200, pb);
         tb m = tb_new(T_U16, n), v = tb_new(T_U16, n);
         int ok = 1;
         for (int step = 1; step <= 3 && ok; step++) {
             mt_adamw_hp hp = adamw_hp_at(step);
             hp.grad_bf16 = gbf;
-            tb g = gbf ? bf16_rand(n, 210 + step, 1e-3f) : f32_rand(n, 210 + step, 1e-3f);
+            tb g = rows ? grad_rows_rand(n, 1000, 210 + step, gbf)
+                   : gbf ? bf16_rand(n, 210 + step, 1e-3f)
+                         : f32_rand(n, 210 + step, 1e-3f);
             BOTH(ok, "adamw", sh,
                  be->adamw(be, (char *)p.p[s] + off * (pb ? 2 : 4), pb, (uint16_t *)m.p[s] + off,
                            (uint16_t *)v.p[s] + off, (const char *)g.p[s] + off * (gbf ? 2 : 4),
@@ -1533,8 +1561,8 @@ static void test_optimizer(void)
         tb_free(&p), tb_free(&m), tb_free(&v);
     }
     /* adamw_fp8: the fused update + re-quantisation, f32 and bf16 master, at
-     * shapes with partial 128x128 blocks and with whole ones only (the
-     * shared-memory kernel); every output bit-exact */
+     * shapes with partial 128x128 blocks and with whole ones only; every
+     * output bit-exact */
     {
         const int shp[][2] = {{128, 128}, {200, 300}, {7, 130}, {384, 1000}, {256, 640}};
         for (size_t i = 0; i < sizeof shp / sizeof shp[0]; i++)
@@ -1572,8 +1600,8 @@ static void test_optimizer(void)
     }
     /* adamw_fp8_n: six weights in one call (more than the four expert
      * streams they fan out over), f32 and bf16 masters and decays mixed,
-     * whole and partial blocks, gradients with zero and tiny rows; every
-     * output bit-exact against the CPU */
+     * whole and partial blocks, gradients with zero and tiny rows
+     * (grad_rows_rand); every output bit-exact against the CPU */
     for (int gbf = 0; gbf < 2; gbf++) {
         enum { W = 6 };
         const int shp[W][2] = {{256, 640}, {200, 300}, {128, 128}, {7, 130}, {384, 1000}, {256, 256}};
@@ -1594,27 +1622,9 @@ static void test_optimizer(void)
             tb g[W];
             for (int i = 0; i < W; i++) {
                 const int64_t n = (int64_t)shp[i][0] * shp[i][1];
-                if (i < 4) {
-                    g[i] = gbf ? bf16_rand(n, 270 + 10 * step + i, 1e-3f)
-                               : f32_rand(n, 270 + 10 * step + i, 1e-3f);
-                    continue;
-                }
-                /* rows of zeros (a vocabulary row that saw no token: zero
-                 * moments), of 1e-17 (v below 2^-100) and of 1e-31 (m
-                 * below it, v zero), among ordinary ones: every path of
-                 * the kernels' divisions */
-                float *h = rnd_f32(n, 270 + 10 * step + i, 1e-3f);
-                static const float row_scale[4] = {0.0f, 1e-14f, 1e-28f, 1.0f};
-                for (int64_t e = 0; e < n; e++) h[e] *= row_scale[(e / shp[i][1]) % 4];
-                if (gbf) {
-                    uint16_t *u = ref_alloc(2 * (size_t)n);
-                    for (int64_t e = 0; e < n; e++) u[e] = mt_bf16_from_f32(h[e]);
-                    g[i] = tb_from(T_U16, n, u);
-                    free(u);
-                } else {
-                    g[i] = tb_from(T_F32, n, h);
-                }
-                free(h);
+                g[i] = i >= 4 ? grad_rows_rand(n, shp[i][1], 270 + 10 * step + i, gbf)
+                       : gbf  ? bf16_rand(n, 270 + 10 * step + i, 1e-3f)
+                              : f32_rand(n, 270 + 10 * step + i, 1e-3f);
             }
             mt_adamw_fp8_arg a[2][W];
             for (int s = 0; s < 2; s++)
