@@ -339,14 +339,23 @@ static int check_bf16(const char *op, const char *shape, const char *out, const 
     return ok;
 }
 
+/* Host floats h [n] as f32, or as bf16 bits (rounded to nearest even). */
+static tb tb_from_floats(const float *h, int64_t n, int bf16)
+{
+    if (!bf16) return tb_from(T_F32, n, h);
+    uint16_t *u = ref_alloc(2 * (size_t)(n > 0 ? n : 1));
+    for (int64_t i = 0; i < n; i++) u[i] = mt_bf16_from_f32(h[i]);
+    tb b = tb_from(T_U16, n, u);
+    free(u);
+    return b;
+}
+
 /* Random bf16 bits (precision.grads bf16 accumulators): normal(0, sigma). */
 static tb bf16_rand(int64_t n, uint64_t seed, float sigma)
 {
     float *h = rnd_f32(n, seed, sigma);
-    uint16_t *u = ref_alloc(2 * (size_t)(n > 0 ? n : 1));
-    for (int64_t i = 0; i < n; i++) u[i] = mt_bf16_from_f32(h[i]);
-    tb b = tb_from(T_U16, n, u);
-    free(h), free(u);
+    tb b = tb_from_floats(h, n, 1);
+    free(h);
     return b;
 }
 
@@ -1447,15 +1456,7 @@ static void test_xent_part(int M, int V, int v_lo, float gscale)
 static tb main_copy_rand(int64_t n, uint64_t seed, int bf16)
 {
     float *ph = rnd_f32(n, seed, 0.05f);
-    tb p;
-    if (bf16) {
-        uint16_t *pbh = ref_alloc(2 * (size_t)n);
-        for (int64_t i = 0; i < n; i++) pbh[i] = mt_bf16_from_f32(ph[i]);
-        p = tb_from(T_U16, n, pbh);
-        free(pbh);
-    } else {
-        p = tb_from(T_F32, n, ph);
-    }
+    tb p = tb_from_floats(ph, n, bf16);
     free(ph);
     return p;
 }
@@ -1479,15 +1480,7 @@ static tb grad_rows_rand(int64_t n, int64_t row, uint64_t seed, int bf16)
     static const float row_scale[4] = {0.0f, 1e-14f, 1e-28f, 1.0f};
     float *h = rnd_f32(n, seed, 1e-3f);
     for (int64_t e = 0; e < n; e++) h[e] *= row_scale[(e / row) % 4];
-    tb g;
-    if (bf16) {
-        uint16_t *u = ref_alloc(2 * (size_t)(n > 0 ? n : 1));
-        for (int64_t e = 0; e < n; e++) u[e] = mt_bf16_from_f32(h[e]);
-        g = tb_from(T_U16, n, u);
-        free(u);
-    } else {
-        g = tb_from(T_F32, n, h);
-    }
+    tb g = tb_from_floats(h, n, bf16);
     free(h);
     return g;
 }

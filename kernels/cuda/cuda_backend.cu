@@ -32,6 +32,26 @@ void *cuda_scratch(mt_backend *be, size_t bytes)
     return c->scratch;
 }
 
+int cuda_fan_out(mt_backend *be, int S)
+{
+    cuda_impl *c = cuda_of(be);
+    if (S <= 0) return MT_OK;
+    MT_CUDA_CHECK(cudaEventRecord(c->xevent[CUDA_EXPERT_STREAMS], c->stream));
+    for (int i = 0; i < S; i++)
+        MT_CUDA_CHECK(cudaStreamWaitEvent(c->xstream[i], c->xevent[CUDA_EXPERT_STREAMS], 0));
+    return MT_OK;
+}
+
+int cuda_fan_in(mt_backend *be, int S)
+{
+    cuda_impl *c = cuda_of(be);
+    for (int i = 0; i < S; i++) {
+        MT_CUDA_CHECK(cudaEventRecord(c->xevent[i], c->xstream[i]));
+        MT_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->xevent[i], 0));
+    }
+    return MT_OK;
+}
+
 /* ---- arena ------------------------------------------------------------------ */
 
 static int blocks_insert(cuda_impl *c, int at, cuda_block b)

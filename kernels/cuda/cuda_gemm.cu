@@ -459,14 +459,9 @@ typedef struct fanout {
 
 static int fan_begin(mt_backend *be, int G, size_t reserved, fanout *f)
 {
-    cuda_impl *c = cuda_of(be);
     f->S = G > 1 ? (G < CUDA_EXPERT_STREAMS ? G : CUDA_EXPERT_STREAMS) : 0;
     f->reserved = reserved;
-    if (!f->S) return MT_OK;
-    MT_CUDA_CHECK(cudaEventRecord(c->xevent[CUDA_EXPERT_STREAMS], c->stream));
-    for (int i = 0; i < f->S; i++)
-        MT_CUDA_CHECK(cudaStreamWaitEvent(c->xstream[i], c->xevent[CUDA_EXPERT_STREAMS], 0));
-    return MT_OK;
+    return cuda_fan_out(be, f->S);
 }
 
 /* The stream, cuBLASLt workspace and scratch slice of group g. */
@@ -491,15 +486,7 @@ static void fan_stream(mt_backend *be, const fanout *f, int g, cudaStream_t *s, 
     *tmp_bytes = part;
 }
 
-static int fan_end(mt_backend *be, const fanout *f)
-{
-    cuda_impl *c = cuda_of(be);
-    for (int i = 0; i < f->S; i++) {
-        MT_CUDA_CHECK(cudaEventRecord(c->xevent[i], c->xstream[i]));
-        MT_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->xevent[i], 0));
-    }
-    return MT_OK;
-}
+static int fan_end(mt_backend *be, const fanout *f) { return cuda_fan_in(be, f->S); }
 
 static int cuda_gemm_grouped(mt_backend *be, int reduce, void *C, int c_f32, int ldc,
                              int64_t c_stride, const void *A, int lda, int ta, const void *B,

@@ -83,6 +83,13 @@ static inline cudaStream_t cuda_stream(const mt_backend *be) { return cuda_of(be
  * error set when the scratch reserved at creation is too small. */
 void *cuda_scratch(mt_backend *be, size_t bytes);
 
+/* Fan-out over the expert streams (grouped GEMMs, adamw_fp8_n): cuda_fan_out
+ * makes expert streams 0..S-1 wait for the main stream's work so far;
+ * cuda_fan_in makes the main stream wait for theirs (before the op returns,
+ * so ops stay ordered on the main stream). S <= CUDA_EXPERT_STREAMS. */
+int cuda_fan_out(mt_backend *be, int S);
+int cuda_fan_in(mt_backend *be, int S);
+
 
 /* Grid size for n elements at `threads` per block (at least 1 block). */
 static inline unsigned cuda_grid(int64_t n, int threads)

@@ -811,9 +811,7 @@ static int cuda_adamw_fp8_n(mt_backend *be, int n, const mt_adamw_fp8_arg *w,
     if (n == 0) return MT_OK;
     cuda_impl *c = cuda_of(be);
     const int S = n < CUDA_EXPERT_STREAMS ? n : CUDA_EXPERT_STREAMS;
-    MT_CUDA_CHECK(cudaEventRecord(c->xevent[CUDA_EXPERT_STREAMS], c->stream));
-    for (int i = 0; i < S; i++)
-        MT_CUDA_CHECK(cudaStreamWaitEvent(c->xstream[i], c->xevent[CUDA_EXPERT_STREAMS], 0));
+    MT_CHECK(cuda_fan_out(be, S));
     int rc = MT_OK;
     for (int i = 0; i < n && rc == MT_OK; i++) {
         mt_adamw_hp h = *hp;
@@ -822,11 +820,8 @@ static int cuda_adamw_fp8_n(mt_backend *be, int n, const mt_adamw_fp8_arg *w,
                        w[i].N, w[i].K, &h, w[i].q, w[i].s, w[i].qt, w[i].st);
     }
     /* joined even after an error: the main stream never runs ahead of them */
-    for (int i = 0; i < S; i++) {
-        MT_CUDA_CHECK(cudaEventRecord(c->xevent[i], c->xstream[i]));
-        MT_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->xevent[i], 0));
-    }
-    return rc;
+    const int rc2 = cuda_fan_in(be, S);
+    return rc != MT_OK ? rc : rc2;
 }
 
 /* ---- bf16_to_f32 ------------------------------------------------------------------------ */
