@@ -1594,11 +1594,20 @@ static void test_optimizer(void)
     /* adamw_fp8_n: six weights in one call (more than the four expert
      * streams they fan out over), f32 and bf16 masters and decays mixed,
      * whole and partial blocks, gradients with zero and tiny rows
-     * (grad_rows_rand); every output bit-exact against the CPU */
-    for (int gbf = 0; gbf < 2; gbf++) {
-        enum { W = 6 };
-        const int shp[W][2] = {{256, 640}, {200, 300}, {128, 128}, {7, 130}, {384, 1000}, {256, 256}};
-        tb p[W], m[W], v[W], q[W], qt[W], sc[W], st[W];
+     * (grad_rows_rand); then 70 small weights (more than two of the CUDA
+     * backend's launches of 32 weights, so blocks of a launch belong to
+     * weights of every size); every output bit-exact against the CPU */
+    for (int cfg = 0; cfg < 3; cfg++) {
+        enum { WMAX = 70 };
+        const int gbf = cfg == 1, W = cfg < 2 ? 6 : WMAX;
+        const int big[6][2] = {{256, 640}, {200, 300}, {128, 128}, {7, 130}, {384, 1000}, {256, 256}};
+        const int small[5][2] = {{128, 128}, {7, 130}, {256, 384}, {130, 7}, {129, 257}};
+        int shp[WMAX][2];
+        for (int i = 0; i < W; i++) {
+            shp[i][0] = W == 6 ? big[i][0] : small[i % 5][0];
+            shp[i][1] = W == 6 ? big[i][1] : small[i % 5][1];
+        }
+        tb p[WMAX], m[WMAX], v[WMAX], q[WMAX], qt[WMAX], sc[WMAX], st[WMAX];
         char sh[96];
         snprintf(sh, sizeof sh, "%d weights, mixed masters%s, 2 steps", W, gbf ? ", bf16 grads" : "");
         for (int i = 0; i < W; i++) {
@@ -1612,14 +1621,14 @@ static void test_optimizer(void)
         for (int step = 1; step <= 2 && ok; step++) {
             mt_adamw_hp hp = adamw_hp_at(step);
             hp.grad_bf16 = gbf;
-            tb g[W];
+            tb g[WMAX];
             for (int i = 0; i < W; i++) {
                 const int64_t n = (int64_t)shp[i][0] * shp[i][1];
-                g[i] = i >= 4 ? grad_rows_rand(n, shp[i][1], 270 + 10 * step + i, gbf)
+                g[i] = i % 6 >= 4 ? grad_rows_rand(n, shp[i][1], 270 + 10 * step + i, gbf)
                        : gbf  ? bf16_rand(n, 270 + 10 * step + i, 1e-3f)
                               : f32_rand(n, 270 + 10 * step + i, 1e-3f);
             }
-            mt_adamw_fp8_arg a[2][W];
+            mt_adamw_fp8_arg a[2][WMAX];
             for (int s = 0; s < 2; s++)
                 for (int i = 0; i < W; i++)
                     a[s][i] = (mt_adamw_fp8_arg){
