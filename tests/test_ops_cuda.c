@@ -987,6 +987,22 @@ static void test_gemm_fp8(void)
     test_gemm_fp8_rows(r7, 3, 298, 272, 0, 0, 6);
     test_gemm_fp8_rows(r8, 5, 1024, 512, 0, 0, 0);
     test_gemm_fp8_rows(r8, 5, 1152, 640, 1, 1, 4);
+    /* more groups than expert streams, of unequal sizes out of order: the
+     * CUDA backend launches them longest first, each on the least loaded
+     * stream, with every segment's offsets and scales its own */
+    const int r9[] = {0, 384, 128, 0, 640, 256, 128, 512, 1};
+    test_gemm_fp8_rows(r9, 9, 256, 384, 0, 1, 0);
+    test_gemm_fp8_rows(r9, 9, 128, 4224, 1, 0, 0);
+    test_gemm_fp8_reduce(r8, 5, 256, 384, 1, 1, 0);
+    test_gemm_fp8_reduce(r9, 9, 128, 256, MT_C_BF16, 1, 0);
+    test_gemm_fp8_reduce(r9, 9, 128, 256, 1, 0, 1);
+    /* segments of a few rows after whole tiles, on both sides of the
+     * backend's smallest cuBLASLt row count (16), in both orders */
+    const int r10[] = {512, 16, 1, 17, 8, 32, 2, 128};
+    test_gemm_fp8_rows(r10, 8, 256, 384, 0, 1, 0);
+    test_gemm_fp8_rows(r10, 8, 256, 384, 1, 0, 0);
+    test_gemm_fp8_rows(r10, 8, 128, 4224, 0, 0, 0);
+    test_gemm_fp8_rows(r10, 8, 128, 4224, 1, 1, 0);
 }
 
 /* ---- norms, SwiGLU, embedding ------------------------------------------------------------- */

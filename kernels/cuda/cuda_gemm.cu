@@ -364,16 +364,23 @@ static int run_bf16(mt_backend *be, cudaStream_t s, void *ws, void *C, int c_f32
     return MT_OK;
 }
 
-/* FP8 TN GEMM: A [M, K] with VEC128 sa, B [N, K] with sb (VEC128 if b_vec, else
- * BLK128); sb_vec, when not NULL, is B's scales as VEC128 (s[kb * N + n]) for
- * the direct order. */
-static int run_fp8(mt_backend *be, cudaStream_t s, void *ws, void *tmp, size_t tmp_bytes, void *C,
-                   int c_f32, int ldc, const uint8_t *A, int lda, const float *sa,
-                   const uint8_t *B, int ldb, const float *sb, int b_vec, const float *sb_vec,
-                   int M, int N, int K, int accumulate)
+/* Rows below which cuBLASLt is not asked: a segment of one row (an expert
+ * with one token) after 2048 rows of others came back wrong from both
+ * orders on an H200 (test_ops_cuda, cuBLASLt 13.1: the row's values off by
+ * up to 5x the largest), where the fallback kernel matches the CPU; at a
+ * few rows the fallback costs nothing that matters. Segments of 16, 17 and
+ * 32 rows are checked through cuBLASLt. The fp8 recipe pads every expert
+ * segment to whole 128-row tiles, so the model never gets here. */
+#define FP8_LT_MIN_M 16
+
+/* FP8 TN GEMM through cuBLASLt, in the direct order (sb_vec) or the swapped
+ * one: 1 when it ran, 0 when the shape needs run_fp8's fallback (remembered
+ * in the plan), < 0 on an error. */
+static int run_fp8_lt(mt_backend *be, cudaStream_t s, void *ws, void *tmp, size_t tmp_bytes,
+                      void *C, int c_f32, int ldc, const uint8_t *A, int lda, const float *sa,
+                      const uint8_t *B, int ldb, const float *sb, int b_vec, const float *sb_vec,
+                      int M, int N, int K, int accumulate)
 {
-    if (M <= 0 || N <= 0) return MT_OK;
-    if (K <= 0) return empty_sum(s, C, c_f32, ldc, M, N, accumulate);
     if (sb_vec) {
         gemm_key k;
         memset(&k, 0, sizeof k);
@@ -389,7 +396,7 @@ static int run_fp8(mt_backend *be, cudaStream_t s, void *ws, void *tmp, size_t t
             cublasStatus_t st = cublasLtMatmul(cuda_of(be)->lt, p->op, &alpha, B, p->la, A, p->lb,
                                                &beta, C, p->lc, C, p->lc, &p->algo, ws,
                                                CUDA_LT_WORKSPACE, s);
-            if (st == CUBLAS_STATUS_SUCCESS) return MT_OK;
+            if (st == CUBLAS_STATUS_SUCCESS) return 1;
             if (st != CUBLAS_STATUS_NOT_SUPPORTED)
                 return mt_err_at(MT_ECUBLAS, __FILE__, __LINE__, "gemm_fp8 M=%d N=%d K=%d: %s", M,
                                  N, K, cublasGetStatusString(st));
@@ -418,7 +425,7 @@ static int run_fp8(mt_backend *be, cudaStream_t s, void *ws, void *tmp, size_t t
             dim3 tg(cuda_grid(N, 32), cuda_grid(M, 32)), tb(32, 8);
             k_transpose_into<<<tg, tb, 0, s>>>(C, c_f32, ldc, d, M, N, accumulate);
             CUDA_LAUNCH_CHECK("gemm_fp8 (transpose)");
-            return MT_OK;
+            return 1;
         }
         /* the heuristic accepted what the kernel refuses (odd M: the fp32 D
          * of M rows is not 16-byte aligned): remember, use the fallback */
@@ -426,6 +433,24 @@ static int run_fp8(mt_backend *be, cudaStream_t s, void *ws, void *tmp, size_t t
             return mt_err_at(MT_ECUBLAS, __FILE__, __LINE__, "gemm_fp8 M=%d N=%d K=%d: %s", M, N,
                              K, cublasGetStatusString(st));
         p->ok = 0;
+    }
+    return 0;
+}
+
+/* FP8 TN GEMM: A [M, K] with VEC128 sa, B [N, K] with sb (VEC128 if b_vec, else
+ * BLK128); sb_vec, when not NULL, is B's scales as VEC128 (s[kb * N + n]) for
+ * the direct order. */
+static int run_fp8(mt_backend *be, cudaStream_t s, void *ws, void *tmp, size_t tmp_bytes, void *C,
+                   int c_f32, int ldc, const uint8_t *A, int lda, const float *sa,
+                   const uint8_t *B, int ldb, const float *sb, int b_vec, const float *sb_vec,
+                   int M, int N, int K, int accumulate)
+{
+    if (M <= 0 || N <= 0) return MT_OK;
+    if (K <= 0) return empty_sum(s, C, c_f32, ldc, M, N, accumulate);
+    if (M >= FP8_LT_MIN_M) {
+        const int rc = run_fp8_lt(be, s, ws, tmp, tmp_bytes, C, c_f32, ldc, A, lda, sa, B, ldb, sb,
+                                  b_vec, sb_vec, M, N, K, accumulate);
+        if (rc != 0) return rc < 0 ? rc : MT_OK;
     }
     dim3 grid(cuda_grid(N, FT), cuda_grid(M, FT)), block(FT, FT);
     k_gemm_fp8<<<grid, block, 0, s>>>(C, c_f32, ldc, A, lda, sa, B, ldb, sb, b_vec, M, N, K,
