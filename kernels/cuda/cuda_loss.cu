@@ -11,9 +11,10 @@
  * difference from glibc's expf is far below the comparison tolerance.
  *
  * Launch shapes:
- *   xent         one 512-thread block per row: max, sum of exp (double),
- *                then the gradient written in place; 16-byte accesses when
- *                V % 8 == 0
+ *   xent         one block per row: max, sum of exp, then the gradient
+ *                written in place; 1024 threads, 16-byte accesses and
+ *                float arithmetic per element when V % 8 == 0, else 512
+ *                threads and double
  *   sumsq        P <= 4096 blocks each summing a fixed contiguous range in
  *                double (fixed tree), then one block adding the P partials
  *                (fixed tree): deterministic for a given n
@@ -68,12 +69,22 @@ xent_kernel(float *__restrict__ loss, bf16 *__restrict__ logits, const int32_t *
     if (threadIdx.x == 0) loss[m] = (float)((double)mx + log(sum) - (double)xt);
 }
 
-/* xent_kernel with 16-byte accesses: thread t holds the 8 logits of chunks
- * t, t + 512, ... (V % 8 == 0, 16-byte aligned rows). The same max, the
- * same exp and division per element; the double sum adds its terms in
- * another order, which moves it by a few double ulps (the float loss and
- * the bf16 gradient see none of it in practice). */
-__global__ void __launch_bounds__(XENT_THREADS)
+/* xent_kernel with 16-byte accesses (V % 8 == 0, 16-byte aligned rows) and
+ * float arithmetic per element: thread t holds the 8 logits of chunks t, t
+ * + 1024, ...; the sum of exp adds each chunk's 8 terms in float, then the
+ * chunk sums in double, and each probability is exp(x - max) times the
+ * float reciprocal of that sum. xent_kernel (and the CPU) convert every
+ * term to double and divide in double: on an H200 those conversions and
+ * divisions bounded the proxy's head (8192 x 129280: 3.0 ms a call, 37 %
+ * of the copy; 2.0 ms like this). Here p is within about 1 float ulp of
+ * theirs (so the bf16 gradient differs from theirs by one bf16 ulp where p
+ * lies that close to a bf16 rounding boundary) and the sum within a few
+ * float ulps (the loss: a few 1e-7 relative). Those few gradient elements
+ * are enough to move a training run's later losses in their fourth digit
+ * (tests/bench/RESULTS.md), as any other rounding would. */
+#define XENT_VEC_THREADS 1024
+
+__global__ void __launch_bounds__(XENT_VEC_THREADS)
 xent_vec_kernel(float *__restrict__ loss, bf16 *__restrict__ logits,
                 const int32_t *__restrict__ tgt, int V, int ignore, float grad_scale)
 {
@@ -94,6 +105,7 @@ xent_vec_kernel(float *__restrict__ loss, bf16 *__restrict__ logits,
         return;
     }
     float mx = -INFINITY, v[8];
+#pragma unroll 4
     for (int j = threadIdx.x; j < V8; j += blockDim.x) {
         cu_bf16x8_unpack(x8[j], v);
 #pragma unroll
@@ -102,12 +114,17 @@ xent_vec_kernel(float *__restrict__ loss, bf16 *__restrict__ logits,
     mx = cu_block_max(mx, shf);
     const float xt = cuda_ld(x, t);
     double acc = 0.0;
+#pragma unroll 2
     for (int j = threadIdx.x; j < V8; j += blockDim.x) {
         cu_bf16x8_unpack(x8[j], v);
+        float e8 = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc += (double)expf(v[i] - mx);
+        for (int i = 0; i < 8; i++) e8 += expf(v[i] - mx);
+        acc += (double)e8;
     }
     const double sum = cu_block_sum(acc, shd); /* all reads of x are done */
+    const float rs = (float)(1.0 / sum);
+#pragma unroll 2
     for (int j = threadIdx.x; j < V8; j += blockDim.x) {
         cu_bf16x8_unpack(x8[j], v);
         uint32_t o[4];
@@ -117,7 +134,7 @@ xent_vec_kernel(float *__restrict__ loss, bf16 *__restrict__ logits,
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int col = 8 * j + 2 * i + h;
-                const float p = (float)((double)expf(v[2 * i + h] - mx) / sum);
+                const float p = expf(v[2 * i + h] - mx) * rs;
                 g[h] = grad_scale * (col == t ? p - 1.0f : p);
             }
             const __nv_bfloat162 b = __floats2bfloat162_rn(g[0], g[1]);
@@ -135,8 +152,8 @@ static int cuda_xent(mt_backend *be, float *loss, void *logits, const int32_t *t
     if (M == 0) return MT_OK;
     CUDA_REQUIRE(loss && logits && tgt, "xent: NULL pointer");
     if (V % 8 == 0 && (uintptr_t)logits % 16 == 0)
-        xent_vec_kernel<<<M, XENT_THREADS, 0, cuda_stream(be)>>>(loss, (bf16 *)logits, tgt, V,
-                                                                 ignore, grad_scale);
+        xent_vec_kernel<<<M, XENT_VEC_THREADS, 0, cuda_stream(be)>>>(loss, (bf16 *)logits, tgt, V,
+                                                                     ignore, grad_scale);
     else
         xent_kernel<<<M, XENT_THREADS, 0, cuda_stream(be)>>>(loss, (bf16 *)logits, tgt, V, ignore,
                                                              grad_scale);
