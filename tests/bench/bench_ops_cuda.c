@@ -91,6 +91,22 @@ static double time_ms(op_fn fn, void *ctx)
     return t[2];
 }
 
+/* Row counts of G segments averaging `per` rows: equal, or (skew) the
+ * routed experts' unequal loads as the DeepSeek-V3 proxy sees them (up to
+ * 4x the mean in its early steps: weights 4 1 2 1 3 1 2 repeated), each
+ * rounded to whole 128-row tiles as the fp8 recipe pads them. Returns the
+ * total. */
+static int64_t bench_rows(int *rows, int G, int per, int skew)
+{
+    static const int weight[7] = {4, 1, 2, 1, 3, 1, 2}; /* mean 2; 7: not a stream pattern */
+    int64_t total = 0;
+    for (int g = 0; g < G; g++) {
+        rows[g] = skew ? (int)(((int64_t)per * weight[g % 7] / 2 + 127) / 128 * 128) : per;
+        total += rows[g];
+    }
+    return total;
+}
+
 /* ---- GEMMs ----------------------------------------------------------------- */
 
 typedef struct gemm_ctx {
@@ -113,15 +129,15 @@ static void run_gemm(void *p)
                     g->G, g->N, g->K, 0));
 }
 
-static void bench_gemm(const char *what, int fp8, int M, int N, int K, int G, double ceiling)
+static void bench_gemm_rows(const char *what, int fp8, int M, int N, int K, int G, int skew,
+                            double ceiling)
 {
     gemm_ctx g = {fp8, M, N, K, G, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
-    int64_t Mt = (int64_t)M * G;
+    g.rows = malloc((size_t)G * sizeof *g.rows);
+    const int64_t Mt = bench_rows(g.rows, G, M, skew);
     g.A = dev_random_act(Mt * K, 1, 1.0f);
     g.B = dev_random_act((int64_t)G * N * K, 2, 0.02f);
     g.C = dev_alloc((size_t)Mt * N * 2);
-    g.rows = malloc((size_t)G * sizeof *g.rows);
-    for (int i = 0; i < G; i++) g.rows[i] = M;
     if (fp8) {
         const int KB = (K + 127) / 128, NB = (N + 127) / 128;
         float *wf = dev_alloc((size_t)N * K * 4);
@@ -152,6 +168,11 @@ static void bench_gemm(const char *what, int fp8, int M, int N, int K, int G, do
     free(g.rows);
 }
 
+static void bench_gemm(const char *what, int fp8, int M, int N, int K, int G, double ceiling)
+{
+    bench_gemm_rows(what, fp8, M, N, K, G, 0, ceiling);
+}
+
 /* Weight gradients: dW[g] (fp32, [N, K]) += dy_g^T x_g over M tokens per group,
  * both operands re-quantised 128x1 along the tokens, as engine/model/linear.c does.
  * The fp32 read-modify-write of dW is part of the time. */
@@ -169,13 +190,14 @@ static void run_wgrad(void *p)
                     0, 0, w->rows, w->G, w->N, w->K, 1));
 }
 
-static void bench_wgrad(const char *what, int M, int N, int K, int G, double ceiling)
+static void bench_wgrad(const char *what, int M, int N, int K, int G, int skew, double ceiling)
 {
     wgrad_ctx w = {M, N, K, G, NULL, NULL, NULL, NULL, NULL, NULL};
-    int64_t Mt = (int64_t)M * G, tiles = (int64_t)G * ((M + 127) / 128);
-    void *dy = dev_random_act(Mt * N, 3, 1.0f), *x = dev_random_act(Mt * K, 4, 1.0f);
     w.rows = malloc((size_t)G * sizeof *w.rows);
-    for (int i = 0; i < G; i++) w.rows[i] = M;
+    const int64_t Mt = bench_rows(w.rows, G, M, skew);
+    int64_t tiles = 0;
+    for (int i = 0; i < G; i++) tiles += (w.rows[i] + 127) / 128;
+    void *dy = dev_random_act(Mt * N, 3, 1.0f), *x = dev_random_act(Mt * K, 4, 1.0f);
     w.dyt = dev_alloc((size_t)(Mt * N));
     w.xt = dev_alloc((size_t)(Mt * K));
     w.dyts = dev_alloc((size_t)(tiles * N * 4));
@@ -202,6 +224,8 @@ typedef struct mem_ctx {
     float *s, *rstd, *dw;
     void *x2;
     int rows[1];
+    const int *grows; /* kinds 6, 7: G segments */
+    int G;
 } mem_ctx;
 
 static void run_mem(void *p)
@@ -217,6 +241,11 @@ static void run_mem(void *p)
         CK(be->rmsnorm_bwd(be, c->y, c->D, 1, c->dw, MT_C_F32, c->x, c->D, c->x2, c->D, c->w,
                            c->rstd, c->M, c->D));
         break;
+    case 6: CK(be->quant_rows(be, c->q, c->s, c->x, c->D, c->grows, c->G, c->D)); break;
+    case 7: CK(be->quant_cols_t(be, c->q, c->s, c->x, c->D, c->grows, c->G, c->D)); break;
+    case 8: /* in place: from the second call on, softmax of the last gradient */
+        CK(be->xent(be, c->rstd, c->x, (const int32_t *)c->y, c->M, c->D, -100, 1.0f / c->M));
+        break;
     }
 }
 
@@ -224,13 +253,19 @@ static double copy_gbs;
 
 static void bench_mem(const char *what, int kind, int M, int D, double bytes)
 {
-    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, {M}};
+    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, {M}, NULL, 0};
     c.x = dev_random_act((int64_t)M * D, 3, 1.0f);
     c.x2 = kind == 5 ? dev_random_act((int64_t)M * D, 5, 1.0f) : NULL;
     c.dw = dev_alloc((size_t)D * 4);
     CK(be->zero(be, c.dw, (size_t)D * 4));
     /* rmsnorm_bwd's dx is accumulated into: random values */
     c.y = kind == 5 ? dev_random_act((int64_t)M * D, 7, 1.0f) : dev_alloc((size_t)M * D * 2);
+    if (kind == 8) { /* targets: row m -> m * 7919 % D */
+        int32_t *t = malloc((size_t)M * 4);
+        for (int m = 0; m < M; m++) t[m] = (int32_t)((int64_t)m * 7919 % D);
+        CK(be->upload(be, c.y, t, (size_t)M * 4));
+        free(t);
+    }
     c.w = dev_random_act(D, 4, 1.0f);
     c.q = dev_alloc((size_t)M * D);
     c.s = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
@@ -254,6 +289,41 @@ static void bench_mem(const char *what, int kind, int M, int D, double bytes)
     be->free(be, c.rstd);
     be->free(be, c.dw);
     if (c.x2) be->free(be, c.x2);
+}
+
+/* The quantisers on the routed experts' rows as the MoE layer lays them out:
+ * 32 segments of unequal size (the proxy's load reaches 4x the mean), each
+ * padded with zero rows to whole 128-row tiles, values of magnitude `scale`
+ * (1: activations; 1e-7: the gradients' range). Bytes: the tokens' rows
+ * only, as the op profile counts them. */
+static void bench_mem_grouped(const char *what, int kind, int tokens, int D, float scale)
+{
+    enum { G = 32 };
+    static const int weight[8] = {4, 1, 2, 1, 1, 3, 1, 1}; /* sums to 14 */
+    int rows[G], M = 0, used = 0;
+    for (int g = 0; g < G; g++) {
+        const int t = g == G - 1 ? tokens - used : (int)((int64_t)tokens * weight[g % 8] / (14 * 4));
+        used += t;
+        rows[g] = (t + 127) / 128 * 128;
+        M += rows[g];
+    }
+    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, {M}, rows, G};
+    c.x = dev_random_act((int64_t)M * D, 3, scale);
+    for (int g = 0, r0 = 0, u = 0; g < G; r0 += rows[g], g++) {
+        const int t = g == G - 1 ? tokens - u : (int)((int64_t)tokens * weight[g % 8] / (14 * 4));
+        u += t;
+        if (rows[g] > t)
+            CK(be->zero(be, (char *)c.x + ((size_t)(r0 + t) * D) * 2, (size_t)(rows[g] - t) * D * 2));
+    }
+    c.q = dev_alloc((size_t)M * D);
+    c.s = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
+    double ms = time_ms(run_mem, &c);
+    double gbs = 3.0 * tokens * D / (ms * 1e-3) / 1e9;
+    printf("  %-34s M=%-6d D=%-6d %8.3f ms %7.0f GB/s  %4.0f%% of copy\n", what, M, D, ms, gbs,
+           copy_gbs > 0 ? 100 * gbs / copy_gbs : 100.0);
+    be->free(be, c.x);
+    be->free(be, c.q);
+    be->free(be, c.s);
 }
 
 /* RoPE in place on the rope slices of N tokens: H heads of hs values
@@ -423,14 +493,20 @@ int main(int argc, char **argv)
         bench_gemm("fp8 experts down 32x[1024,2048]x[7168]", 1, 1024, 7168, 2048, 32, 1340);
         bench_gemm("fp8 experts gate 32x[2048,7168]x[2048]", 1, 2048, 2048, 7168, 32, 1340);
         bench_gemm("fp8 experts down 32x[2048,2048]x[7168]", 1, 2048, 7168, 2048, 32, 1340);
+        /* the proxy's unequal loads, 2048 rows an expert on average */
+        bench_gemm_rows("fp8 experts gate, unequal loads", 1, 2048, 2048, 7168, 32, 1, 1340);
+        bench_gemm_rows("fp8 experts down, unequal loads", 1, 2048, 7168, 2048, 32, 1, 1340);
         bench_gemm("bf16 head [4096,7168]x[129280]", 0, 4096, 129280, 7168, 1, 890);
     }
     if (SECTION("wgrad")) {
         printf("weight gradients (fp8, fp32 dW accumulated)\n");
-        bench_wgrad("wgrad o    [7168,16384] over 4096", 4096, 7168, 16384, 1, 1340);
-        bench_wgrad("wgrad dense gate [18432,7168]", 4096, 18432, 7168, 1, 1340);
-        bench_wgrad("wgrad experts gate 32x[2048,7168]", 1024, 2048, 7168, 32, 1340);
-        bench_wgrad("wgrad experts down 32x[7168,2048]", 1024, 7168, 2048, 32, 1340);
+        bench_wgrad("wgrad o    [7168,16384] over 4096", 4096, 7168, 16384, 1, 0, 1340);
+        bench_wgrad("wgrad dense gate [18432,7168]", 4096, 18432, 7168, 1, 0, 1340);
+        bench_wgrad("wgrad experts gate 32x[2048,7168]", 1024, 2048, 7168, 32, 0, 1340);
+        bench_wgrad("wgrad experts down 32x[7168,2048]", 1024, 7168, 2048, 32, 0, 1340);
+        /* the proxy's unequal loads, 2048 rows an expert on average */
+        bench_wgrad("wgrad experts gate, unequal loads", 2048, 2048, 7168, 32, 1, 1340);
+        bench_wgrad("wgrad experts down, unequal loads", 2048, 7168, 2048, 32, 1, 1340);
     }
     if (SECTION("mem") || SECTION("optim")) {
         printf("memory-bound ops (bf16 activations)\n");
@@ -444,6 +520,10 @@ int main(int argc, char **argv)
         bench_mem("quant_cols_t experts' x", 2, 65536, 7168, 65536.0 * 7168 * 3);
         bench_mem("quant_rows experts' dy", 1, 65536, 2048, 65536.0 * 2048 * 3);
         bench_mem("quant_cols_t experts' dy", 2, 65536, 2048, 65536.0 * 2048 * 3);
+        bench_mem_grouped("quant_rows 32 segments x", 6, 65536, 7168, 1.0f);
+        bench_mem_grouped("quant_cols_t 32 segments x", 7, 65536, 7168, 1.0f);
+        bench_mem_grouped("quant_cols_t 32 segments dy 1e-7", 7, 65536, 7168, 1e-7f);
+        bench_mem_grouped("quant_cols_t 32 segments dy 1e-7", 7, 65536, 2048, 1e-7f);
         bench_mem("rmsnorm_fwd", 3, 4096, 7168, 4096.0 * 7168 * 4);
         bench_mem("rmsnorm_fwd q_a", 3, 4096, 1536, 4096.0 * 1536 * 4);
         bench_mem("rmsnorm_fwd kv_a", 3, 4096, 512, 4096.0 * 512 * 4);
@@ -455,6 +535,9 @@ int main(int argc, char **argv)
         bench_rope("rope q 128 heads (192, pe at 128)", 4096, 128, 192, 128, 64);
         bench_rope("rope kv_a key (576, pe at 512)", 4096, 1, 576, 512, 64);
         bench_mem("swiglu_fwd", 4, 4096, 4096, 4096.0 * 4096 * 3);
+        /* bytes as the op profile counts them: the logits read, the
+         * gradient written in their place */
+        bench_mem("xent (proxy head) ", 8, 8192, 129280, 8192.0 * 129280 * 4);
     }
     if (SECTION("optim")) {
         printf("optimizer (fp32 main copy, FP8 weight re-quantised)\n");
