@@ -987,9 +987,9 @@ static void test_gemm_fp8(void)
     test_gemm_fp8_rows(r7, 3, 298, 272, 0, 0, 6);
     test_gemm_fp8_rows(r8, 5, 1024, 512, 0, 0, 0);
     test_gemm_fp8_rows(r8, 5, 1152, 640, 1, 1, 4);
-    /* more groups than expert streams, of unequal sizes out of order: the
-     * CUDA backend launches them longest first, each on the least loaded
-     * stream, with every segment's offsets and scales its own */
+    /* more groups than expert streams (the CUDA backend's stream g % 4), of
+     * unequal sizes out of order, empty ones and a 1-row one among them,
+     * every segment with its own offsets and scales */
     const int r9[] = {0, 384, 128, 0, 640, 256, 128, 512, 1};
     test_gemm_fp8_rows(r9, 9, 256, 384, 0, 1, 0);
     test_gemm_fp8_rows(r9, 9, 128, 4224, 1, 0, 0);

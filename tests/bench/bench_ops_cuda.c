@@ -300,21 +300,19 @@ static void bench_mem_grouped(const char *what, int kind, int tokens, int D, flo
 {
     enum { G = 32 };
     static const int weight[8] = {4, 1, 2, 1, 1, 3, 1, 1}; /* sums to 14 */
-    int rows[G], M = 0, used = 0;
+    int tok[G], rows[G], M = 0, used = 0;
     for (int g = 0; g < G; g++) {
-        const int t = g == G - 1 ? tokens - used : (int)((int64_t)tokens * weight[g % 8] / (14 * 4));
-        used += t;
-        rows[g] = (t + 127) / 128 * 128;
+        tok[g] = g == G - 1 ? tokens - used : (int)((int64_t)tokens * weight[g % 8] / (14 * 4));
+        used += tok[g];
+        rows[g] = (tok[g] + 127) / 128 * 128;
         M += rows[g];
     }
     mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, {M}, rows, G};
     c.x = dev_random_act((int64_t)M * D, 3, scale);
-    for (int g = 0, r0 = 0, u = 0; g < G; r0 += rows[g], g++) {
-        const int t = g == G - 1 ? tokens - u : (int)((int64_t)tokens * weight[g % 8] / (14 * 4));
-        u += t;
-        if (rows[g] > t)
-            CK(be->zero(be, (char *)c.x + ((size_t)(r0 + t) * D) * 2, (size_t)(rows[g] - t) * D * 2));
-    }
+    for (int g = 0, r0 = 0; g < G; r0 += rows[g], g++)
+        if (rows[g] > tok[g])
+            CK(be->zero(be, (char *)c.x + (size_t)(r0 + tok[g]) * D * 2,
+                        (size_t)(rows[g] - tok[g]) * D * 2));
     c.q = dev_alloc((size_t)M * D);
     c.s = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
     double ms = time_ms(run_mem, &c);
