@@ -376,9 +376,11 @@ struct mt_backend {
      *   p -= lr * (m / bc1 / (sqrt(v / bc2) + eps) + wd * p)
      * m, v are bf16 bits (round to nearest even on store); p is f32, or bf16
      * bits when p_bf16 (round to nearest even). grad is f32, or bf16 bits
-     * when hp->grad_bf16. */
+     * when hp->grad_bf16. act, when not NULL: [n] of the act type, set to
+     * act_from_f32 of the updated p (bf16: of its rounded value), the
+     * weight's compute copy written in the same pass over p. */
     int (*adamw)(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                 const void *grad, int64_t n, const mt_adamw_hp *hp);
+                 const void *grad, int64_t n, const mt_adamw_hp *hp, void *act);
     /* AdamW of an FP8 weight's main copy fused with its re-quantisation:
      * p [N, K] (f32, or bf16 bits when p_bf16), m, v, grad as adamw; then
      * q, s = quant_blocks(p) and qt, st = transpose_blocks(q, s), all from

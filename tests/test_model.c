@@ -314,6 +314,61 @@ static void test_recompute_gives_identical_gradients(void **state)
     free(ref);
 }
 
+/* Deferred zeroing (mt_model_zero_grads_deferred: the first weight-gradient
+ * GEMM writes a linear weight's or the head's gradient) gives bit for bit
+ * the gradients of zeroing them, over two micro-batches, from gradient
+ * memory full of NaN: under the FP8 and BF16 recipes, f32 and bf16
+ * gradients, and with a router bias that leaves experts 4..7 without a
+ * token (their gradients, written by no GEMM, must come out zero). */
+static void test_deferred_zeroing_gives_the_zeroed_gradients(void **state)
+{
+    (void)state;
+    mt_model_config c;
+    mt_model_opts o;
+    mt_test_tiny_config(&c);
+    int32_t tok[2][2 * 9];
+    random_tokens(tok[0], 2 * 9, 16, 21);
+    random_tokens(tok[1], 2 * 9, 16, 22);
+    for (int v = 0; v < 8; v++) {
+        const int fp8 = v & 1, gbf = (v >> 1) & 1, biased = (v >> 2) & 1;
+        tiny_opts(&o, fp8 ? MT_RECIPE_FP8_BLOCKWISE : MT_RECIPE_BF16);
+        o.grads_bf16 = gbf;
+        mt_model *a = make_model(&c, &o, 5), *b = make_model(&c, &o, 5);
+        if (biased) { /* groups 0 and 1 (experts 0..3) win every token */
+            float bias[8] = {10, 10, 10, 10, 0, 0, 0, 0};
+            for (int l = 1; l <= 2; l++) {
+                assert_int_equal(mt_model_set_router_bias(a, l, bias), MT_OK);
+                assert_int_equal(mt_model_set_router_bias(b, l, bias), MT_OK);
+            }
+        }
+        const size_t bytes = (size_t)b->n_grad * mt_model_grad_size(b);
+        unsigned char *nan = malloc(bytes);
+        assert_non_null(nan);
+        memset(nan, 0xff, bytes); /* NaN in f32 and in bf16 */
+        assert_int_equal(be->upload(be, b->buf_grad, nan, bytes), MT_OK);
+        free(nan);
+        assert_int_equal(mt_model_zero_grads(a), MT_OK);
+        assert_int_equal(mt_model_zero_grads_deferred(b), MT_OK);
+        mt_model_reset_load(b);
+        for (int mb = 0; mb < 2; mb++) {
+            mt_mb_stats sa, sb;
+            assert_int_equal(mt_model_step(a, tok[mb], 1, 0.5, &sa), MT_OK);
+            assert_int_equal(mt_model_step(b, tok[mb], 1, 0.5, &sb), MT_OK);
+            assert_memory_equal(&sa.total, &sb.total, sizeof sa.total);
+        }
+        if (biased) {
+            const int64_t *load = mt_model_expert_load(b, 1);
+            for (int e = 4; e < 8; e++) assert_int_equal(load[e], 0);
+        }
+        float *ga = all_grads(a), *gb = all_grads(b);
+        assert_memory_equal(ga, gb, (size_t)a->n_grad * 4);
+        free(ga);
+        free(gb);
+        mt_model_destroy(a);
+        mt_model_destroy(b);
+    }
+}
+
 static void test_step_is_deterministic(void **state)
 {
     (void)state;
@@ -595,6 +650,7 @@ int main(void)
         cmocka_unit_test(test_recompute_gives_identical_gradients),
         cmocka_unit_test(test_bf16_grads_track_f32_grads),
         cmocka_unit_test(test_step_is_deterministic),
+        cmocka_unit_test(test_deferred_zeroing_gives_the_zeroed_gradients),
         cmocka_unit_test(test_fp8_loss_within_one_percent_of_bf16),
         cmocka_unit_test(test_initial_loss_is_near_log_vocab),
         cmocka_unit_test(test_score_is_the_training_forward),

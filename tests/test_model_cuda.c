@@ -379,6 +379,31 @@ static void compare_step(const char *model_name, const mt_model_config *c, mt_re
         printf(" %s %.2e%s", m[0]->table.p[errs[k].i].name, errs[k].rel, k + 1 < ne && k < 4 ? "," : "");
     printf("\n");
     free(errs);
+
+    /* deferred zeroing (model.h): the step again on the cuda side from
+     * gradient memory full of NaN, each linear weight's and the head's
+     * first weight-gradient GEMM writing instead of adding to zeros: the
+     * gradients just compared, bit for bit */
+    {
+        const size_t ge = mt_model_grad_size(m[1]), gbytes = (size_t)m[1]->n_grad * ge;
+        unsigned char *g1 = malloc(gbytes), *g2 = malloc(gbytes);
+        mt_mb_stats s2;
+        MUST(BE[1]->download(BE[1], g1, m[1]->buf_grad, gbytes));
+        memset(g2, 0xff, gbytes);
+        MUST(BE[1]->upload(BE[1], m[1]->buf_grad, g2, gbytes));
+        MUST(mt_model_zero_grads_deferred(m[1]));
+        MUST(mt_model_step(m[1], tok, 1, 1.0, &s2));
+        MUST(BE[1]->sync(BE[1]));
+        MUST(BE[1]->download(BE[1], g2, m[1]->buf_grad, gbytes));
+        int64_t nd = 0;
+        for (int64_t j = 0; j < m[1]->n_grad; j++) nd += memcmp(g1 + j * ge, g2 + j * ge, ge) != 0;
+        snprintf(what, sizeof what, "%s: deferred zeroing", tag);
+        snprintf(msg, sizeof msg, "%lld of %lld gradient elements differ from the zeroed step's, "
+                 "total %.9g against %.9g", (long long)nd, (long long)m[1]->n_grad, s2.total,
+                 st[1].total);
+        verdict(nd == 0 && s2.total == st[1].total, what, msg);
+        free(g1), free(g2);
+    }
 out:
     free(tok), free(a), free(b);
     mt_model_destroy(m[0]);

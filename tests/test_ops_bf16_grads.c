@@ -200,9 +200,9 @@ static void test_optimizer_reads_bf16_grads_exactly(void **state)
     memcpy(p2, p1, 4 * (size_t)n);
     uint16_t *m1 = ref_alloc(2 * (size_t)n), *v1 = ref_alloc(2 * (size_t)n);
     uint16_t *m2 = ref_alloc(2 * (size_t)n), *v2 = ref_alloc(2 * (size_t)n);
-    REF_OK(be->adamw(be, p1, 0, m1, v1, g.f, n, &hp));
+    REF_OK(be->adamw(be, p1, 0, m1, v1, g.f, n, &hp, NULL));
     hp.grad_bf16 = 1;
-    REF_OK(be->adamw(be, p2, 0, m2, v2, g.b, n, &hp));
+    REF_OK(be->adamw(be, p2, 0, m2, v2, g.b, n, &hp, NULL));
     assert_memory_equal(p1, p2, 4 * (size_t)n);
     assert_memory_equal(m1, m2, 2 * (size_t)n);
     assert_memory_equal(v1, v2, 2 * (size_t)n);

@@ -1548,7 +1548,7 @@ static void test_optimizer(void)
                  pb ? "bf16" : "f32", gbf ? " bf16 grads" : "", off ? ", from element 4" : "",
                  rows ? ", zero and tiny rows" : "");
         tb p = main_copy_rand(n, 200, pb);
-        tb m = tb_new(T_U16, n), v = tb_new(T_U16, n);
+        tb m = tb_new(T_U16, n), v = tb_new(T_U16, n), a = tb_new(T_ACT, n);
         int ok = 1;
         for (int step = 1; step <= 3 && ok; step++) {
             mt_adamw_hp hp = adamw_hp_at(step);
@@ -1556,18 +1556,21 @@ static void test_optimizer(void)
             tb g = rows ? grad_rows_rand(n, 1000, 210 + step, gbf)
                    : gbf ? bf16_rand(n, 210 + step, 1e-3f)
                          : f32_rand(n, 210 + step, 1e-3f);
+            /* the weight's act copy from the last step's pass */
             BOTH(ok, "adamw", sh,
                  be->adamw(be, (char *)p.p[s] + off * (pb ? 2 : 4), pb, (uint16_t *)m.p[s] + off,
                            (uint16_t *)v.p[s] + off, (const char *)g.p[s] + off * (gbf ? 2 : 4),
-                           n - off, &hp));
+                           n - off, &hp,
+                           step == 3 ? (char *)a.p[s] + off * BE[s]->act_bytes : NULL));
             tb_free(&g);
         }
         if (ok) {
             check_exact("adamw", sh, "p", &p, 0);
             check_exact("adamw", sh, "m", &m, 0);
             check_exact("adamw", sh, "v", &v, 0);
+            check_exact("adamw", sh, "act copy", &a, 0);
         }
-        tb_free(&p), tb_free(&m), tb_free(&v);
+        tb_free(&p), tb_free(&m), tb_free(&v), tb_free(&a);
     }
     /* adamw_fp8: the fused update + re-quantisation, f32 and bf16 master, at
      * shapes with partial 128x128 blocks and with whole ones only; every

@@ -57,7 +57,7 @@ static void test_adamw_matches_fp64_formula(void **state)
             if (p_bf16) p[i] = mt_bf16_to_f32(pb[i]);
         }
         float *p0 = ref_dup(p, n);
-        REF_OK(be->adamw(be, p_bf16 ? (void *)pb : (void *)p, p_bf16, m, v, grad, n, &hp));
+        REF_OK(be->adamw(be, p_bf16 ? (void *)pb : (void *)p, p_bf16, m, v, grad, n, &hp, NULL));
         for (int64_t i = 0; i < n; i++) {
             double g = (double)grad[i] * hp.grad_scale;
             double mm = hp.beta1 * (double)mt_bf16_to_f32(m0[i]) + (1 - (double)hp.beta1) * g;
@@ -86,9 +86,45 @@ static void test_adamw_first_step_is_sign_descent(void **state)
     float *p = ref_floats(n), *g = ref_floats(n);
     uint16_t *m = ref_alloc(2 * n), *v = ref_alloc(2 * n);
     ref_fill_normal(g, n, 511, 1.0f);
-    REF_OK(be->adamw(be, p, 0, m, v, g, n, &hp));
+    REF_OK(be->adamw(be, p, 0, m, v, g, n, &hp, NULL));
     for (int64_t i = 0; i < n; i++) assert_float_equal(p[i], g[i] > 0 ? -1e-3 : 1e-3, 1e-8);
     free(p), free(g), free(m), free(v);
+}
+
+/* The act copy adamw writes beside the update is act_from_f32 of the
+ * updated weight (bf16 main: of its rounded value), and the update itself
+ * is the same with or without it. */
+static void test_adamw_act_copy_is_act_from_f32_of_the_update(void **state)
+{
+    (void)state;
+    const int64_t n = 1001;
+    const mt_adamw_hp hp = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
+                            .weight_decay = 0.1f, .bc1 = 0.1f, .bc2 = 0.05f, .grad_scale = 1.0f};
+    const size_t act = (size_t)be->act_bytes;
+    for (int p_bf16 = 0; p_bf16 < 2; p_bf16++) {
+        float *p1 = ref_floats(n), *p2 = ref_floats(n), *g = ref_floats(n), *f = ref_floats(n);
+        uint16_t *m1 = ref_alloc(2 * n), *v1 = ref_alloc(2 * n), *m2 = ref_alloc(2 * n),
+                 *v2 = ref_alloc(2 * n);
+        void *a1 = ref_alloc(act * n), *a2 = ref_alloc(act * n);
+        ref_fill_uniform(p1, n, 531, -1, 1);
+        ref_fill_normal(g, n, 532, 0.02f);
+        if (p_bf16) { /* bf16 bits in the first half of each array */
+            uint16_t *b = (uint16_t *)p1;
+            for (int64_t i = 0; i < n; i++) b[i] = mt_bf16_from_f32(p1[i]);
+        }
+        memcpy(p2, p1, 4 * n);
+        REF_OK(be->adamw(be, p1, p_bf16, m1, v1, g, n, &hp, NULL));
+        for (int64_t i = 0; i < n; i++)
+            f[i] = p_bf16 ? mt_bf16_to_f32(((uint16_t *)p1)[i]) : p1[i];
+        REF_OK(be->act_from_f32(be, a1, f, n));
+        REF_OK(be->adamw(be, p2, p_bf16, m2, v2, g, n, &hp, a2));
+        assert_memory_equal(p1, p2, (p_bf16 ? 2 : 4) * n);
+        assert_memory_equal(m1, m2, 2 * n);
+        assert_memory_equal(v1, v2, 2 * n);
+        assert_memory_equal(a1, a2, act * n);
+        free(p1), free(p2), free(g), free(f), free(m1), free(v1), free(m2), free(v2);
+        free(a1), free(a2);
+    }
 }
 
 static void test_sumsq_and_scale(void **state)
@@ -215,6 +251,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_adamw_matches_fp64_formula),
         cmocka_unit_test(test_adamw_first_step_is_sign_descent),
+        cmocka_unit_test(test_adamw_act_copy_is_act_from_f32_of_the_update),
         cmocka_unit_test(test_sumsq_and_scale),
         cmocka_unit_test(test_bf16_to_f32_is_exact),
         cmocka_unit_test(test_act_stochastic_rounding_is_unbiased_and_documented),

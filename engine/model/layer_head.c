@@ -84,7 +84,10 @@ int mt_head_bwd(const mt_ctx *c, mt_head *h, void *dx, int accumulate, const voi
     void *dhn;
     MT_WS(dhn, c->ws, (size_t)N * D * mt_act_size(be));
     MT_CHECK(be->gemm(be, dhn, 0, D, logits, V, 0, h->head->w, D, 1, N, D, V, 1.0f, 0));
-    MT_CHECK(be->gemm(be, h->head->grad, c->grad_type, D, logits, V, 1, h->hn, D, 1, V, D, N, 1.0f, 1));
+    int acc;
+    MT_CHECK(mt_grad_accumulate(c, h->head, 1, &acc));
+    MT_CHECK(be->gemm(be, h->head->grad, c->grad_type, D, logits, V, 1, h->hn, D, 1, V, D, N, 1.0f,
+                      acc));
     /* vocabulary-parallel: each rank's dhn is its columns' share (sequence
      * parallelism: this rank's rows of the sum) */
     if (mt_tp_sp(c)) {

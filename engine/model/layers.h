@@ -107,6 +107,12 @@ size_t mt_wdefer_bytes(const mt_wdefer *d);
 int mt_linear_is_fp8(const mt_ctx *c, const mt_param *w);
 /* Transient bytes a linear of [M, in] -> [M, out] needs at most. */
 size_t mt_linear_ws_bytes(int64_t M, int64_t in, int64_t out);
+/* Whether a weight-gradient GEMM into the gradients of w[0..n) (a run of
+ * experts, or one weight) adds to them (*accumulate 1) or writes them (0:
+ * all stale, mt_model_zero_grads_deferred). Marks them written; in a run
+ * of stale and written ones (one GEMM call shares beta) the stale ones are
+ * zeroed first. */
+int mt_grad_accumulate(const mt_ctx *c, mt_param *w, int n, int *accumulate);
 
 /* ---- layer_mla.c ---- */
 int mt_mla_init(mt_mla *a, mt_backend *be, const mt_model_config *cfg, int N, int B, int T,

@@ -158,6 +158,27 @@ static int lin_dgrad(const mt_ctx *c, const lin_set *l, void *dx, int lddx, int 
     return MT_OK;
 }
 
+int mt_grad_accumulate(const mt_ctx *c, mt_param *w, int n, int *accumulate)
+{
+    const size_t ge = c->grad_type == MT_C_BF16 ? 2 : 4;
+    int stale = 0;
+    for (int g = 0; g < n; g++) stale += w[g].grad_stale != 0;
+    *accumulate = stale < n;
+    for (int g = 0; g < n; g++) {
+        if (w[g].grad_stale && stale < n)
+            MT_CHECK(c->be->zero(c->be, w[g].grad, (size_t)mt_param_numel(&w[g].d) * ge));
+        w[g].grad_stale = 0;
+    }
+    return MT_OK;
+}
+
+/* The weights a set's i-th weight-gradient call writes: its run of experts
+ * (grouped) or the one weight. */
+static int set_acc(const mt_ctx *c, const lin_set *l, int i, int *accumulate)
+{
+    return mt_grad_accumulate(c, l->w[i], l->grouped ? l->G : 1, accumulate);
+}
+
 /* dW_i += dy_i^T x with both operands quantised along the M (token) axis;
  * Q_colT(x) once for the set when it shares FP8. */
 static int lin_wgrad_now(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
@@ -171,13 +192,17 @@ static int lin_wgrad_now(const mt_ctx *c, const lin_set *l, const void *x, int l
             if (mt_linear_is_fp8(c, w)) {
                 lin_set one = {1, {l->w[i]}, {l->y[i]}, {l->ldy[i]}, l->rows, l->G, l->grouped};
                 MT_CHECK(lin_wgrad_now(c, &one, x, ldx));
-            } else if (l->grouped) {
+                continue;
+            }
+            int acc;
+            MT_CHECK(set_acc(c, l, i, &acc));
+            if (l->grouped) {
                 MT_CHECK(be->gemm_grouped(be, 1, w->grad, c->grad_type, K, expert_stride(w),
                                           l->y[i], l->ldy[i], 0, x, ldx, 0, 0, l->rows, l->G, N,
-                                          K, 1.0f, 1));
+                                          K, 1.0f, acc));
             } else {
                 MT_CHECK(be->gemm(be, w->grad, c->grad_type, K, l->y[i], l->ldy[i], 1, x, ldx, 1,
-                                  N, K, (int)M, 1.0f, 1));
+                                  N, K, (int)M, 1.0f, acc));
             }
         }
         return MT_OK;
@@ -200,10 +225,12 @@ static int lin_wgrad_now(const mt_ctx *c, const lin_set *l, const void *x, int l
             break;
         }
         rc = be->quant_cols_t(be, dyt, dyts, l->y[i], l->ldy[i], l->rows, l->G, N);
+        int acc = 1;
+        if (rc == MT_OK) rc = set_acc(c, l, i, &acc);
         if (rc == MT_OK)
             rc = be->gemm_fp8(be, 1, w->grad, c->grad_type, K,
                               l->grouped ? expert_stride(w) : 0, dyt, dyts, xt, xts, 0, 0, l->rows,
-                              l->G, N, K, 1);
+                              l->G, N, K, acc);
         mt_ws_release(c->ws, mark_i);
     }
     mt_ws_release(c->ws, mark);

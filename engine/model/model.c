@@ -266,8 +266,52 @@ int mt_model_init_random(mt_model *m, uint64_t seed)
 
 int mt_model_zero_grads(mt_model *m)
 {
+    for (int i = 0; i < m->table.n; i++) m->params[i].grad_stale = 0;
     return m->be->zero(m->be, m->buf_grad, (size_t)m->n_grad * mt_model_grad_size(m));
 }
+
+/* Gradients whose only writers are weight-gradient GEMMs (linear.c's, the
+ * head's): the ones deferred zeroing leaves to them. */
+static int grad_gemm_written(const mt_param_desc *d)
+{
+    return d->kind == MT_PK_LINEAR || d->kind == MT_PK_LINEAR_BF16 || d->kind == MT_PK_HEAD;
+}
+
+/* Zeroes the gradients of the params that `pick` selects, a memset per run
+ * of consecutive ones (gradients lie in table order, mt_param.index). */
+static int zero_grad_runs(mt_model *m, int (*pick)(const mt_param *))
+{
+    const size_t ge = mt_model_grad_size(m);
+    int i = 0;
+    while (i < m->table.n) {
+        const mt_param *p = &m->params[i];
+        if (!p->grad || !pick(p)) {
+            i++;
+            continue;
+        }
+        int64_t n = 0;
+        int j = i;
+        for (; j < m->table.n && m->params[j].grad && pick(&m->params[j]); j++)
+            n += mt_param_numel(&m->params[j].d);
+        MT_CHECK(m->be->zero(m->be, p->grad, (size_t)n * ge));
+        for (int k = i; k < j; k++) m->params[k].grad_stale = 0;
+        i = j;
+    }
+    return MT_OK;
+}
+
+static int pick_eager(const mt_param *p) { return !grad_gemm_written(&p->d); }
+static int pick_stale(const mt_param *p) { return p->grad_stale; }
+
+int mt_model_zero_grads_deferred(mt_model *m)
+{
+    for (int i = 0; i < m->table.n; i++)
+        m->params[i].grad_stale = m->params[i].grad && grad_gemm_written(&m->params[i].d);
+    return zero_grad_runs(m, pick_eager);
+}
+
+int mt_model_grads_settle(mt_model *m) { return zero_grad_runs(m, pick_stale); }
+
 
 /* ---- build ------------------------------------------------------------------ */
 
@@ -908,7 +952,8 @@ static int model_step(mt_model *m, const int32_t *tokens, int backward, double l
                       "holds %d of the chunks); the pipeline executor runs them", m->n_chunks);
     MT_CHECK(chunk_fwd(m, 0, 0, tokens, backward, loss_scale, st, so));
     if (!backward) return MT_OK;
-    return mt_model_chunk_bwd(m, 0, 0);
+    MT_CHECK(mt_model_chunk_bwd(m, 0, 0));
+    return mt_model_grads_settle(m);
 }
 
 int mt_model_step(mt_model *m, const int32_t *tokens, int backward, double loss_scale,

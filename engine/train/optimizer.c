@@ -172,7 +172,7 @@ static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_h
         else
             MT_CHECK(be->act_to_f32(be, o->tmp, w, n));
         MT_CHECK(be->adamw(be, o->tmp, 0, o->m + off + e0, o->v + off + e0,
-                           (const char *)p->grad + (size_t)e0 * ge, n, hp));
+                           (const char *)p->grad + (size_t)e0 * ge, n, hp, NULL));
         if (q)
             MT_CHECK(be->quant_blocks_sr(be, q, s, o->tmp, nr, (int)cols, sd));
         else
@@ -215,8 +215,15 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
                 .weight_decay = hp.weight_decay, .q = p->q, .s = p->s, .qt = p->qt, .st = p->st};
             continue;
         }
+        /* A weight of the act type (embedding, head, norms): its compute
+         * copy comes out of the same pass over the main copy. */
+        if (p->w) {
+            MT_CHECK(be->adamw(be, w, o->main == MT_MAIN_BF16, o->m + off, o->v + off, p->grad,
+                               n, &hp, p->w));
+            continue;
+        }
         MT_CHECK(be->adamw(be, w, o->main == MT_MAIN_BF16, o->m + off, o->v + off, p->grad, n,
-                           &hp));
+                           &hp, NULL));
         const float *wf = w;
         if (o->main == MT_MAIN_BF16) {
             MT_CHECK(be->bf16_to_f32(be, o->tmp, w, n));

@@ -69,7 +69,7 @@ static inline float grad_at(const mt_adamw_hp *hp, const void *grad, int64_t i)
 }
 
 static int cpu_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                     const void *grad, int64_t n, const mt_adamw_hp *hp)
+                     const void *grad, int64_t n, const mt_adamw_hp *hp, void *act)
 {
     CPU_REQUIRE(n >= 0, "adamw: n=%lld is negative", (long long)n);
     CPU_REQUIRE(hp != NULL, "adamw: hp is NULL");
@@ -77,17 +77,22 @@ static int cpu_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t 
     CPU_REQUIRE(p && m && v && grad, "adamw: NULL pointer");
     CPU_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw: bias corrections bc1=%g bc2=%g must be > 0",
                 hp->bc1, hp->bc2);
+    float *a = act; /* the CPU's act type is float (cpu_act rounds) */
     if (p_bf16) {
         uint16_t *pb = p;
 #pragma omp parallel for num_threads(cpu_team(be, n))
-        for (int64_t i = 0; i < n; i++)
+        for (int64_t i = 0; i < n; i++) {
             pb[i] = mt_bf16_from_f32(adamw_one(hp, mt_bf16_to_f32(pb[i]), m + i, v + i,
                                              grad_at(hp, grad, i)));
+            if (a) a[i] = cpu_act(be, mt_bf16_to_f32(pb[i]));
+        }
     } else {
         float *pf = p;
 #pragma omp parallel for num_threads(cpu_team(be, n))
-        for (int64_t i = 0; i < n; i++)
+        for (int64_t i = 0; i < n; i++) {
             pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad_at(hp, grad, i));
+            if (a) a[i] = cpu_act(be, pf[i]);
+        }
     }
     return MT_OK;
 }
@@ -100,7 +105,7 @@ static int cpu_adamw_fp8(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint1
     CPU_REQUIRE(N >= 1 && K >= 1, "adamw_fp8: N=%d K=%d", N, K);
     CPU_REQUIRE(q && s && qt && st, "adamw_fp8: NULL pointer");
     const int64_t n = (int64_t)N * K;
-    MT_CHECK(cpu_adamw(be, p, p_bf16, m, v, grad, n, hp));
+    MT_CHECK(cpu_adamw(be, p, p_bf16, m, v, grad, n, hp, NULL));
     const float *w = p;
     float *tmp = NULL;
     if (p_bf16) {

@@ -433,11 +433,18 @@ __device__ __forceinline__ float adamw_one(const aw_hp &hp, float p, uint16_t *m
     return adamw_val<1>(hp, p, *m, *v, grad, m, v);
 }
 
+/* Two f32 values as the act copy's bf16 pair (act_from_f32's rounding). */
+__device__ __forceinline__ uint32_t aw_act2(float a, float b)
+{
+    return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(a)) |
+           (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(b)) << 16;
+}
+
 /* Four consecutive elements from 16-byte (f32) / 8-byte (bf16) words; the
  * element arithmetic is adamw_one's, so results are bit-identical. */
 __device__ __forceinline__ void adamw_vec4(const aw_hp &hp, void *p, int p_bf16,
                                            uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                                           const void *__restrict__ grad, int64_t i)
+                                           const void *__restrict__ grad, uint16_t *act, int64_t i)
 {
     float pv[4], gv[4];
     uint16_t mv[4], vv[4];
@@ -463,8 +470,11 @@ __device__ __forceinline__ void adamw_vec4(const aw_hp &hp, void *p, int p_bf16,
 #pragma unroll
         for (int j = 0; j < 4; j++) h[j] = loss_bf16_rne(pv[j]);
         *(uint2 *)((uint16_t *)p + i) = make_uint2(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16);
+        if (act) *(uint2 *)(act + i) = make_uint2(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16);
     } else {
         *(float4 *)((float *)p + i) = make_float4(pv[0], pv[1], pv[2], pv[3]);
+        if (act)
+            *(uint2 *)(act + i) = make_uint2(aw_act2(pv[0], pv[1]), aw_act2(pv[2], pv[3]));
     }
 }
 
@@ -484,7 +494,7 @@ __device__ __forceinline__ void aw_f32x8_load(const float *f, float *x)
  * ms 8-wide. The element arithmetic is adamw_one's: bit-identical. */
 __device__ __forceinline__ void adamw_vec8(const aw_hp &hp, void *p, int p_bf16,
                                            uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                                           const void *__restrict__ grad, int64_t i)
+                                           const void *__restrict__ grad, uint16_t *act, int64_t i)
 {
     float pv[8], gv[8];
     uint16_t mv[8], vv[8];
@@ -522,55 +532,60 @@ __device__ __forceinline__ void adamw_vec8(const aw_hp &hp, void *p, int p_bf16,
         for (int j = 0; j < 4; j++)
             h[j] = loss_bf16_rne(pv[2 * j]) | (uint32_t)loss_bf16_rne(pv[2 * j + 1]) << 16;
         *(uint4 *)((uint16_t *)p + i) = make_uint4(h[0], h[1], h[2], h[3]);
+        if (act) *(uint4 *)(act + i) = make_uint4(h[0], h[1], h[2], h[3]);
     } else {
         float4 *o = (float4 *)((float *)p + i);
         o[0] = make_float4(pv[0], pv[1], pv[2], pv[3]);
         o[1] = make_float4(pv[4], pv[5], pv[6], pv[7]);
+        if (act)
+            *(uint4 *)(act + i) = make_uint4(aw_act2(pv[0], pv[1]), aw_act2(pv[2], pv[3]),
+                                             aw_act2(pv[4], pv[5]), aw_act2(pv[6], pv[7]));
     }
 }
 
+/* Element i of the scalar path: p updated, and its act copy when act. */
+__device__ __forceinline__ void adamw_elem(const aw_hp &hp, void *p, int p_bf16, uint16_t *m,
+                                           uint16_t *v, const void *grad, uint16_t *act, int64_t i)
+{
+    float pn;
+    if (p_bf16) {
+        uint16_t *pb = (uint16_t *)p;
+        pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i, grad_at(hp, grad, i)));
+        pn = loss_bf16_val(pb[i]);
+    } else {
+        float *pf = (float *)p;
+        pf[i] = pn = adamw_one(hp, pf[i], m + i, v + i, grad_at(hp, grad, i));
+    }
+    if (act) act[i] = __bfloat16_as_ushort(__float2bfloat16_rn(pn));
+}
+
 /* Groups of 8 elements (vec 2: every array 16-byte aligned) or 4 (vec 1:
- * aligned for adamw_vec4), else one element per thread. */
+ * aligned for adamw_vec4), else one element per thread. act (bf16 bits,
+ * or NULL): the updated weight's compute copy, written in the same pass. */
 __global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                             const void *__restrict__ grad, int64_t n, mt_adamw_hp hp0, int vec)
+                             const void *__restrict__ grad, uint16_t *__restrict__ act, int64_t n,
+                             mt_adamw_hp hp0, int vec)
 {
     const aw_hp hp = aw_of(hp0);
     if (vec) {
         const int w = vec == 2 ? 8 : 4;
         for (int64_t iw = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; iw < n / w;
              iw += (int64_t)gridDim.x * blockDim.x) {
-            if (vec == 2) adamw_vec8(hp, p, p_bf16, m, v, grad, 8 * iw);
-            else adamw_vec4(hp, p, p_bf16, m, v, grad, 4 * iw);
+            if (vec == 2) adamw_vec8(hp, p, p_bf16, m, v, grad, act, 8 * iw);
+            else adamw_vec4(hp, p, p_bf16, m, v, grad, act, 4 * iw);
         }
         /* the n % w last elements */
         const int64_t i = n / w * w + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-        if (i < n) {
-            if (p_bf16) {
-                uint16_t *pb = (uint16_t *)p;
-                pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i,
-                                                      grad_at(hp, grad, i)));
-            } else {
-                float *pf = (float *)p;
-                pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad_at(hp, grad, i));
-            }
-        }
+        if (i < n) adamw_elem(hp, p, p_bf16, m, v, grad, act, i);
         return;
     }
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        if (p_bf16) {
-            uint16_t *pb = (uint16_t *)p;
-            pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i,
-                                                      grad_at(hp, grad, i)));
-        } else {
-            float *pf = (float *)p;
-            pf[i] = adamw_one(hp, pf[i], m + i, v + i, grad_at(hp, grad, i));
-        }
-    }
+         i += (int64_t)gridDim.x * blockDim.x)
+        adamw_elem(hp, p, p_bf16, m, v, grad, act, i);
 }
 
 static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                      const void *grad, int64_t n, const mt_adamw_hp *hp)
+                      const void *grad, int64_t n, const mt_adamw_hp *hp, void *act)
 {
     CUDA_REQUIRE(n >= 0, "adamw: n=%lld is negative", (long long)n);
     CUDA_REQUIRE(hp != NULL, "adamw: hp is NULL");
@@ -579,12 +594,14 @@ static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t
     CUDA_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw: bias corrections bc1=%g bc2=%g must be > 0",
                  hp->bc1, hp->bc2);
     const int vec4 = ((uintptr_t)p % (p_bf16 ? 8 : 16)) == 0 && (uintptr_t)m % 8 == 0 &&
-                     (uintptr_t)v % 8 == 0 && (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0;
-    const int vec8 = ((uintptr_t)p | (uintptr_t)m | (uintptr_t)v | (uintptr_t)grad) % 16 == 0;
+                     (uintptr_t)v % 8 == 0 && (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0 &&
+                     (uintptr_t)act % 8 == 0;
+    const int vec8 =
+        ((uintptr_t)p | (uintptr_t)m | (uintptr_t)v | (uintptr_t)grad | (uintptr_t)act) % 16 == 0;
     const int vec = vec8 ? 2 : vec4;
     const int64_t per = vec ? 4 * vec : 1; /* elements a thread */
     adamw_kernel<<<cuda_grid((n + per - 1) / per, 256), 256, 0, cuda_stream(be)>>>(
-        p, p_bf16, m, v, grad, n, *hp, vec);
+        p, p_bf16, m, v, grad, (uint16_t *)act, n, *hp, vec);
     CUDA_LAUNCH_CHECK("adamw");
     return MT_OK;
 }

@@ -351,9 +351,10 @@ PROF(scale_f32, (mt_backend *be, float *x, int64_t n, float a), (be, x, n, a),
      kind = W_BYTES; w = 8.0 * n)
 PROF(adamw,
      (mt_backend *be, void *pp, int p_bf16, uint16_t *m, uint16_t *v, const void *grad, int64_t n,
-      const mt_adamw_hp *hp),
-     (be, pp, p_bf16, m, v, grad, n, hp), kind = W_BYTES;
-     w = ((p_bf16 ? 16.0 : 20.0) - (hp->grad_bf16 ? 2.0 : 0.0)) * n)
+      const mt_adamw_hp *hp, void *act),
+     (be, pp, p_bf16, m, v, grad, n, hp, act), kind = W_BYTES;
+     w = ((p_bf16 ? 16.0 : 20.0) - (hp->grad_bf16 ? 2.0 : 0.0) + (act ? 2.0 : 0.0)) * n;
+     SHAPE("%s", act ? "+ act copy" : ""))
 PROF(adamw_fp8,
      (mt_backend *be, void *pp, int p_bf16, uint16_t *m, uint16_t *v, const void *grad, int N,
       int K, const mt_adamw_hp *hp, uint8_t *q, float *s, uint8_t *qt, float *st),

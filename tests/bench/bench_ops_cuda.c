@@ -385,7 +385,7 @@ static void run_optim(void *p)
         CK(be->adamw_fp8(be, o->p, 0, o->m, o->v, o->g, o->N, o->K, &hp, o->q, o->s, o->qt, o->st));
         return;
     }
-    CK(be->adamw(be, o->p, 0, o->m, o->v, o->g, (int64_t)o->N * o->K, &hp));
+    CK(be->adamw(be, o->p, 0, o->m, o->v, o->g, (int64_t)o->N * o->K, &hp, NULL));
     CK(be->quant_blocks(be, o->q, o->s, o->p, o->N, o->K));
     CK(be->transpose_blocks(be, o->qt, o->st, o->q, o->s, o->N, o->K));
 }
@@ -430,7 +430,7 @@ static void run_pass(void *ctx)
     pass_ctx *c = ctx;
     mt_adamw_hp hp = {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.5f, 1.0f, 1};
     if (c->sumsq) CK(be->sumsq(be, c->out, c->g, 1, c->n));
-    else CK(be->adamw(be, c->p, 0, c->m, c->v, c->g, c->n, &hp));
+    else CK(be->adamw(be, c->p, 0, c->m, c->v, c->g, c->n, &hp, NULL));
 }
 
 static void bench_pass(const char *what, int sumsq, int64_t n)
