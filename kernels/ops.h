@@ -394,6 +394,19 @@ struct mt_backend {
      * them at once (CUDA: over the expert streams, joined before the next
      * op). The optimizer's FP8 weights in one call. */
     int (*adamw_fp8_n)(mt_backend *be, int n, const mt_adamw_fp8_arg *w, const mt_adamw_hp *hp);
+    /* AdamW of an FP8 weight that has no main copy (main_params none):
+     * q [N, K] with its block scales s is the weight; slab by slab (rows
+     * [r0, r0 + slab_rows), or the whole weight when slab_rows >= N;
+     * otherwise slab_rows is a multiple of 128):
+     *   w = dequant_blocks(q, s); adamw(w, m, v, grad, hp);
+     *   q, s = quant_blocks_sr(w, sd), sd = seed for one slab, else
+     *   mt_hash_u64(seed, r0 / slab_rows + 1) (elements numbered from the
+     *   slab's start)
+     * then qt, st = transpose_blocks(q, s). Bit-identical to those ops in
+     * sequence; one pass on the GPU. */
+    int (*adamw_fp8_sr)(mt_backend *be, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
+                        const void *grad, int N, int K, const mt_adamw_hp *hp, uint64_t seed,
+                        int slab_rows, uint8_t *qt, float *st);
     /* Stochastic rounding (the main_params "none" mode, where the compute
      * copy is the only copy of a weight). The random bits of element i are
      * mt_hash_u64(seed, i) on every backend, so results are bit-identical.

@@ -1610,6 +1610,59 @@ static void test_optimizer(void)
                 tb_free(&sc), tb_free(&st);
             }
     }
+    /* adamw_fp8_sr: a weight with no main copy (its e4m3 codes and block
+     * scales, from quant_blocks) updated in place with stochastic rounding,
+     * 3 steps of other seeds; one slab, and slabs of 128 and 256 rows (the
+     * last one short); partial blocks; f32 and bf16 gradients; every
+     * output bit-exact */
+    {
+        const int shp[][3] = {{128, 128, 128}, {200, 300, 200}, {7, 130, 7}, {384, 1000, 384},
+                              {512, 256, 128}, {384, 130, 256}};
+        for (size_t i = 0; i < sizeof shp / sizeof shp[0]; i++)
+            for (int gbf = 0; gbf < 2; gbf++) {
+                const int N = shp[i][0], K = shp[i][1], slab = shp[i][2];
+                const int64_t n = (int64_t)N * K, nsc = (int64_t)mt_ceil_div(N, 128) * mt_ceil_div(K, 128);
+                char sh[96];
+                snprintf(sh, sizeof sh, "%dx%d slabs of %d%s, 3 steps", N, K, slab,
+                         gbf ? " bf16 grads" : "");
+                tb w = f32_rand(n, 260 + i, 0.05f);
+                tb m = tb_new(T_U16, n), v = tb_new(T_U16, n), q = tb_new(T_U8, n), qt = tb_new(T_U8, n);
+                tb sc = tb_new(T_F32, nsc), st = tb_new(T_F32, nsc);
+                int ok;
+                BOTH(ok, "quant_blocks", sh, be->quant_blocks(be, q.p[s], sc.p[s], w.p[s], N, K));
+                for (int step = 1; step <= 3 && ok; step++) {
+                    mt_adamw_hp hp = adamw_hp_at(step);
+                    hp.grad_bf16 = gbf;
+                    tb g = gbf ? bf16_rand(n, 270 + step, 1e-3f) : f32_rand(n, 270 + step, 1e-3f);
+                    const uint64_t seed = 0x5eedull * (uint64_t)(step + 7 * i);
+                    BOTH(ok, "adamw_fp8_sr", sh,
+                         be->adamw_fp8_sr(be, q.p[s], sc.p[s], m.p[s], v.p[s], g.p[s], N, K, &hp,
+                                          seed, slab, qt.p[s], st.p[s]));
+                    tb_free(&g);
+                }
+                if (ok) {
+                    check_exact("adamw_fp8_sr", sh, "m", &m, 0);
+                    check_exact("adamw_fp8_sr", sh, "v", &v, 0);
+                    check_exact("adamw_fp8_sr", sh, "q", &q, 0);
+                    check_exact("adamw_fp8_sr", sh, "s", &sc, 0);
+                    check_exact("adamw_fp8_sr", sh, "qt", &qt, 0);
+                    check_exact("adamw_fp8_sr", sh, "st", &st, 0);
+                }
+                tb_free(&w), tb_free(&m), tb_free(&v), tb_free(&q), tb_free(&qt);
+                tb_free(&sc), tb_free(&st);
+            }
+        tb q = tb_new(T_U8, 256 * 256), sc = tb_new(T_F32, 4), m = tb_new(T_U16, 256 * 256);
+        mt_adamw_hp hp = adamw_hp_at(1);
+        int ok;
+        /* slabs that cut 128-row blocks are refused on both backends */
+        for (int s = 0; s < 2; s++) {
+            mt_backend *be = BE[s];
+            ok = be->adamw_fp8_sr(be, q.p[s], sc.p[s], m.p[s], m.p[s], m.p[s], 256, 256, &hp, 1, 100,
+                                  q.p[s], sc.p[s]) == MT_EINVAL;
+            verdict(ok, "adamw_fp8_sr", "slabs of 100 rows", s ? "cuda" : "cpu", "refused (EINVAL)");
+        }
+        tb_free(&q), tb_free(&sc), tb_free(&m);
+    }
     /* adamw_fp8_n: six weights in one call (more than the four expert
      * streams they fan out over), f32 and bf16 masters and decays mixed,
      * whole and partial blocks, gradients with zero and tiny rows

@@ -147,39 +147,34 @@ int mt_optimizer_grad_sumsq(mt_optimizer *o, mt_model *m, double *sumsq)
     return MT_OK;
 }
 
-/* none: the compute copy is the weight. Dequantise, update, round back,
- * slab by slab (mt_param_stage_rows: FP8 slabs are whole 128-row blocks).
- * The stochastic rounding's seed is the parameter's for a tensor of one
- * slab, and mt_hash_u64(that seed, slab + 1) for each slab of a larger one
- * (the ops number their elements from the slab's start). */
+/* none: the compute copy is the weight. Update it and round back, slab by
+ * slab (mt_param_stage_rows: FP8 slabs are whole 128-row blocks). The
+ * stochastic rounding's seed is the parameter's for a tensor of one slab,
+ * and mt_hash_u64(that seed, slab + 1) for each slab of a larger one (the
+ * ops number their elements from the slab's start). FP8: adamw_fp8_sr, the
+ * slabs' dequantisation, update and rounding and the transpose in one op;
+ * act: widened to f32 in the scratch, updated, rounded back. */
 static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_hp *hp)
 {
     mt_backend *be = o->be;
     mt_param *p = &m->params[i];
     const int64_t rows = p->d.rows, cols = p->d.cols, off = o->off[i];
-    const int64_t sr = mt_param_stage_rows(&p->d), KB = (cols + 127) / 128;
+    const int64_t sr = mt_param_stage_rows(&p->d);
     const size_t ge = mt_model_grad_size(m), act = mt_act_size(be);
     const uint64_t seed = mt_hash_u64(o->seed, (uint64_t)o->step * 1000003u + (uint64_t)i);
+    if (p->q)
+        return be->adamw_fp8_sr(be, p->q, p->s, o->m + off, o->v + off, p->grad, (int)rows,
+                                (int)cols, hp, seed, (int)(sr < rows ? sr : rows), p->qt, p->st);
     for (int64_t r0 = 0; r0 < rows; r0 += sr) {
         const int nr = (int)(rows - r0 < sr ? rows - r0 : sr);
         const int64_t e0 = r0 * cols, n = (int64_t)nr * cols;
         const uint64_t sd = sr >= rows ? seed : mt_hash_u64(seed, (uint64_t)(r0 / sr) + 1);
-        uint8_t *q = p->q ? p->q + e0 : NULL;
-        float *s = p->q ? p->s + r0 / 128 * KB : NULL;
-        void *w = p->q ? NULL : (char *)p->w + (size_t)e0 * act;
-        if (q)
-            MT_CHECK(be->dequant_blocks(be, o->tmp, q, s, nr, (int)cols));
-        else
-            MT_CHECK(be->act_to_f32(be, o->tmp, w, n));
+        void *w = (char *)p->w + (size_t)e0 * act;
+        MT_CHECK(be->act_to_f32(be, o->tmp, w, n));
         MT_CHECK(be->adamw(be, o->tmp, 0, o->m + off + e0, o->v + off + e0,
                            (const char *)p->grad + (size_t)e0 * ge, n, hp, NULL));
-        if (q)
-            MT_CHECK(be->quant_blocks_sr(be, q, s, o->tmp, nr, (int)cols, sd));
-        else
-            MT_CHECK(be->act_from_f32_sr(be, w, o->tmp, n, sd));
+        MT_CHECK(be->act_from_f32_sr(be, w, o->tmp, n, sd));
     }
-    if (p->q)
-        return be->transpose_blocks(be, p->qt, p->st, p->q, p->s, (int)rows, (int)cols);
     return MT_OK;
 }
 

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include "kernels/cpu/cpu_impl.h"
+#include "base/mt_rng.h"
 
 /* sumsq sums fixed chunks of this many values (each in double, in order) and
  * then the chunk sums in order: the result does not depend on threads. */
@@ -135,6 +136,38 @@ static int cpu_adamw_fp8_n(mt_backend *be, int n, const mt_adamw_fp8_arg *w,
     return MT_OK;
 }
 
+/* The reference: ops.h's sequence, slab by slab. */
+static int cpu_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
+                            const void *grad, int N, int K, const mt_adamw_hp *hp, uint64_t seed,
+                            int slab_rows, uint8_t *qt, float *st)
+{
+    CPU_REQUIRE(N >= 1 && K >= 1, "adamw_fp8_sr: N=%d K=%d", N, K);
+    CPU_REQUIRE(hp && q && s && m && v && grad && qt && st, "adamw_fp8_sr: NULL pointer");
+    CPU_REQUIRE(slab_rows >= N || (slab_rows > 0 && slab_rows % MT_QTILE == 0),
+                "adamw_fp8_sr: slabs of %d rows (N=%d): whole 128-row blocks or the weight",
+                slab_rows, N);
+    const int sr = slab_rows < N ? slab_rows : N;
+    const int64_t KB = (K + MT_QTILE - 1) / MT_QTILE;
+    const size_t ge = hp->grad_bf16 ? 2 : 4;
+    float *w = malloc((size_t)sr * (size_t)K * sizeof *w);
+    if (!w) return MT_ERR(MT_ENOMEM, "adamw_fp8_sr: out of memory (%d x %d)", sr, K);
+    int rc = MT_OK;
+    for (int r0 = 0; r0 < N && rc == MT_OK; r0 += sr) {
+        const int nr = N - r0 < sr ? N - r0 : sr;
+        const int64_t e0 = (int64_t)r0 * K, n = (int64_t)nr * K;
+        const uint64_t sd = slab_rows >= N ? seed : mt_hash_u64(seed, (uint64_t)(r0 / sr) + 1);
+        float *sb = s + r0 / MT_QTILE * KB;
+        rc = be->dequant_blocks(be, w, q + e0, sb, nr, K);
+        if (rc == MT_OK)
+            rc = cpu_adamw(be, w, 0, m + e0, v + e0, (const char *)grad + (size_t)e0 * ge, n, hp,
+                           NULL);
+        if (rc == MT_OK) rc = be->quant_blocks_sr(be, q + e0, sb, w, nr, K, sd);
+    }
+    free(w);
+    MT_CHECK(rc);
+    return be->transpose_blocks(be, qt, st, q, s, N, K);
+}
+
 void cpu_install_optim(mt_backend *be)
 {
     be->sumsq = cpu_sumsq;
@@ -142,4 +175,5 @@ void cpu_install_optim(mt_backend *be)
     be->adamw = cpu_adamw;
     be->adamw_fp8 = cpu_adamw_fp8;
     be->adamw_fp8_n = cpu_adamw_fp8_n;
+    be->adamw_fp8_sr = cpu_adamw_fp8_sr;
 }

@@ -8,8 +8,9 @@
  * s = amax / 448 (cuda_scale_of), the same code e4m3(x / s) with an IEEE
  * division and a round-to-nearest-even saturating conversion (cuda_e4m3),
  * the same scale layouts (ops.h), and for stochastic rounding the same
- * random bits (mt_hash_u64 of kernels/mt_rng.h, re-implemented below with
- * identical constants: the header's functions are host-only C).
+ * random bits (mt_hash_u64 of kernels/mt_rng.h, re-implemented in
+ * cuda_impl.h with identical constants: the header's functions are
+ * host-only C).
  *
  * Launch shapes:
  *   quant_rows        one warp per 1x128 tile, 8 tiles per 256-thread block;
@@ -23,27 +24,7 @@
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
 
-/* ---- device copies of mt_rng.h / mt_fp8.h rules ------------------------------ */
-
-__device__ __forceinline__ uint64_t fp8_mix64(uint64_t z)
-{
-    z += 0x9e3779b97f4a7c15ULL;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-/* mt_hash_u64(seed, counter) */
-__device__ __forceinline__ uint64_t fp8_hash_u64(uint64_t seed, uint64_t counter)
-{
-    return fp8_mix64(fp8_mix64(seed) ^ (counter * 0xd1342543de82ef95ULL));
-}
-
-/* mt_hash_uniform: 53 random bits in [0, 1) (exact conversion and scaling). */
-__device__ __forceinline__ double fp8_hash_uniform(uint64_t seed, uint64_t counter)
-{
-    return (double)(fp8_hash_u64(seed, counter) >> 11) * 0x1.0p-53;
-}
+/* ---- bf16 rounding (mt_fp8.h's rules) ------------------------------------------ */
 
 /* mt_bf16_from_f32 (round to nearest even, quiet NaN) */
 __device__ __forceinline__ uint16_t fp8_bf16_rne(float x)
@@ -61,23 +42,6 @@ __device__ __forceinline__ uint16_t fp8_bf16_sr(float x, uint32_t rnd)
     if ((u & 0x7f800000u) == 0x7f800000u) return fp8_bf16_rne(x); /* Inf, NaN */
     u += rnd & 0xffffu;
     return (uint16_t)(u >> 16);
-}
-
-/* mt_e4m3_from_f32_sr: one of the two neighbouring codes of x (already
- * divided by the scale), the upper with probability (|x| - lo) / (hi - lo). */
-__device__ __forceinline__ uint8_t fp8_e4m3_sr(float x, double u)
-{
-    uint8_t sign = (uint8_t)((__float_as_uint(x) >> 24) & 0x80u);
-    if (isnan(x)) return (uint8_t)(0x7f | sign);
-    float a = fabsf(x);
-    uint8_t c = cuda_e4m3(a, 1.0f); /* nearest; a / 1 is exact; positive codes are monotone */
-    if (c == 0x7e && a >= MT_E4M3_MAX) return (uint8_t)(sign | c);
-    float v = cuda_e4m3_val(c);
-    if (v == a) return (uint8_t)(sign | c);
-    uint8_t lo = v > a ? (uint8_t)(c - 1) : c, hi = (uint8_t)(lo + 1);
-    float lv = cuda_e4m3_val(lo), hv = cuda_e4m3_val(hi);
-    double p = ((double)a - (double)lv) / ((double)hv - (double)lv);
-    return (uint8_t)(sign | (u < p ? hi : lo));
 }
 
 /* ---- quant_rows ------------------------------------------------------------------ */
@@ -373,10 +337,11 @@ quant_blocks_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const float 
     const float sc = cuda_scale_of(amax);
     if (threadIdx.x == 0) s[b] = sc; /* s[nb * KB + kb] */
     if (c >= nk) return;
+    const uint64_t ms = fp8_mix64(seed);
     for (int r = r1; r < nn; r += 2) {
         const int64_t off = (int64_t)(n0 + r) * K + k0 + c;
         const float v = w[off];
-        q[off] = sr ? fp8_e4m3_sr(__fdiv_rn(v, sc), fp8_hash_uniform(seed, (uint64_t)off))
+        q[off] = sr ? fp8_e4m3_sr_bits(__fdiv_rn(v, sc), fp8_hash_mixed(ms, (uint64_t)off))
                     : cuda_e4m3(v, sc);
     }
 }
@@ -482,9 +447,10 @@ static int cuda_dequant_blocks(mt_backend *be, float *w, const uint8_t *q, const
 __global__ void act_from_f32_sr_kernel(uint16_t *__restrict__ dst, const float *__restrict__ src,
                                        int64_t n, uint64_t seed)
 {
+    const uint64_t ms = fp8_mix64(seed);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = fp8_bf16_sr(src[i], (uint32_t)fp8_hash_u64(seed, (uint64_t)i));
+        dst[i] = fp8_bf16_sr(src[i], (uint32_t)fp8_hash_mixed(ms, (uint64_t)i));
 }
 
 static int cuda_act_from_f32_sr(mt_backend *be, void *dst, const float *src, int64_t n,

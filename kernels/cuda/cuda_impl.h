@@ -162,6 +162,49 @@ __device__ __forceinline__ float cuda_scale_of(float amax)
     return s > 0.0f ? s : 1.0f;
 }
 
+/* mt_rng.h's hash and mt_fp8.h's stochastic rounding on the device, with
+ * identical constants (the headers' functions are host-only C): the random
+ * bits of quant_blocks_sr, adamw_fp8_sr and act_from_f32_sr. */
+__device__ __forceinline__ uint64_t fp8_mix64(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* mt_hash_u64(seed, counter) from m = fp8_mix64(seed): the half that does
+ * not depend on the counter, hoisted out of the per-element loops. */
+__device__ __forceinline__ uint64_t fp8_hash_mixed(uint64_t m, uint64_t counter)
+{
+    return fp8_mix64(m ^ (counter * 0xd1342543de82ef95ULL));
+}
+
+/* mt_e4m3_from_f32_sr: one of the two neighbouring codes of x (already
+ * divided by the scale), the upper with probability p = (|x| - lo) /
+ * (hi - lo), for u = (h >> 11) 2^-53 (mt_hash_uniform of the hash h): u < p.
+ * The CPU takes p as a double quotient; here no double division: adjacent
+ * e4m3 values differ by a power of two and lo >= |x| / 2 (or lo = 0), so
+ * |x| - lo and its quotient by hi - lo are exact in float, the CPU's p is
+ * that exact value, and u < p compares (h >> 11) with p 2^53, both exact
+ * in double. Bit-identical (test_ops_cuda: quant_blocks_sr, adamw_fp8_sr);
+ * the double division bound adamw_fp8_sr. */
+__device__ __forceinline__ uint8_t fp8_e4m3_sr_bits(float x, uint64_t h)
+{
+    const uint8_t sign = (uint8_t)((__float_as_uint(x) >> 24) & 0x80u);
+    if (isnan(x)) return (uint8_t)(0x7f | sign);
+    const float a = fabsf(x);
+    /* the nearest code (positive codes are monotone) */
+    const uint8_t c = (uint8_t)__nv_cvt_float_to_fp8(a, __NV_SATFINITE, __NV_E4M3);
+    if (c == 0x7e && a >= MT_E4M3_MAX) return (uint8_t)(sign | c);
+    const float v = cuda_e4m3_val(c);
+    if (v == a) return (uint8_t)(sign | c);
+    const uint8_t lo = v > a ? (uint8_t)(c - 1) : c, hi = (uint8_t)(lo + 1);
+    const float lv = cuda_e4m3_val(lo), hv = cuda_e4m3_val(hi);
+    const float p = __fmul_rn(__fsub_rn(a, lv), __frcp_rn(__fsub_rn(hv, lv)));
+    return (uint8_t)(sign | ((double)(h >> 11) < (double)p * 0x1p53 ? hi : lo));
+}
+
 /* Installers, one per file. */
 void cuda_install_backend(mt_backend *be); /* memory, conversions, add, copy2d */
 int cuda_install_gemm(mt_backend *be);     /* gemm, gemm_grouped, gemm_fp8 (creates caches) */
