@@ -213,7 +213,7 @@ void cuda_install_norm(mt_backend *be);    /* rmsnorm, swiglu, embedding */
 int cuda_install_attn(mt_backend *be);     /* attn_fwd/bwd (creates the cuDNN plan cache) */
 void cuda_install_rope_mla(mt_backend *be); /* rope, mla_kv_fwd/bwd */
 void cuda_install_moe(mt_backend *be);     /* router, aux_loss, moe_index, permutes */
-void cuda_install_loss(mt_backend *be);    /* xent, sumsq, scale_f32, adamw, bf16_to_f32 */
+void cuda_install_loss(mt_backend *be);    /* xent, sumsq, scale_f32, adamw*, bf16_to_f32 */
 /* The op profile (kernels/op_profile.h): wraps every op installed before it. */
 int cuda_prof_install(mt_backend *be);
 void cuda_prof_destroy(mt_backend *be); /* logs the report */

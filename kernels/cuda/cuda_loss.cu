@@ -1,6 +1,7 @@
 /* cuda_loss.cu - cross-entropy fused with the head's softmax, and the
  * optimizer ops: deterministic sum of squares, scaling, AdamW with bf16
- * moments, bf16 -> f32.
+ * moments (alone, fused with the FP8 re-quantisation, or in place on the
+ * FP8 codes), bf16 -> f32.
  *
  * The same functions as kernels/cpu/cpu_loss.c and cpu_optim.c. This file
  * is compiled with --fmad=false (no fused multiply-add, as the CPU oracle's
@@ -24,7 +25,11 @@
  *                memory (one pass instead of adamw + quant + transpose);
  *                full blocks with 16-byte accesses
  *   adamw        groups of 8 elements with 16-byte accesses where every array
- *                is 16-byte aligned, else of 4 where 8-byte aligned
+ *                is 16-byte aligned, else of 4 where 8-byte aligned (the act
+ *                copy, when asked, written from the same registers)
+ *   adamw_fp8_sr one 256-thread block per 128x128 block of a weight with no
+ *                main copy: dequantise, AdamW into a shared f32 tile, block
+ *                amax, stochastic rounding, the transposed copy from the tile
  */
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
