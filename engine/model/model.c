@@ -312,7 +312,6 @@ int mt_model_zero_grads_deferred(mt_model *m)
 
 int mt_model_grads_settle(mt_model *m) { return zero_grad_runs(m, pick_stale); }
 
-
 /* ---- build ------------------------------------------------------------------ */
 
 /* global_param: the local table is the full table without the other ranks'
