@@ -160,7 +160,7 @@ static int lin_dgrad(const mt_ctx *c, const lin_set *l, void *dx, int lddx, int 
 
 int mt_grad_accumulate(const mt_ctx *c, mt_param *w, int n, int *accumulate)
 {
-    const size_t ge = c->grad_type == MT_C_BF16 ? 2 : 4;
+    const size_t ge = mt_c_size(c->be, c->grad_type);
     int stale = 0;
     for (int g = 0; g < n; g++) stale += w[g].grad_stale != 0;
     *accumulate = stale < n;

@@ -305,6 +305,11 @@ static int pick_stale(const mt_param *p) { return p->grad_stale; }
 
 int mt_model_zero_grads_deferred(mt_model *m)
 {
+    /* gradients read during the backward (the hook's reductions and sums),
+     * or a backward run chunk by chunk (no whole-model step settles them) */
+    if (m->opts.on_layer_grads || m->n_chunks != 1 || !m->chunks[0].s.first ||
+        !m->chunks[0].s.last)
+        return mt_model_zero_grads(m);
     for (int i = 0; i < m->table.n; i++)
         m->params[i].grad_stale = m->params[i].grad && grad_gemm_written(&m->params[i].d);
     return zero_grad_runs(m, pick_eager);

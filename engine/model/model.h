@@ -409,9 +409,10 @@ int mt_model_zero_grads(mt_model *m);
  * their first weight-gradient GEMM of the step writes them (beta 0: no
  * zeros written, none read back); the rest is zeroed now. mt_model_step's
  * backward zeroes what no GEMM wrote before it returns, so every gradient
- * holds its value whenever a step has returned. Not for the pipeline's
- * chunk calls or reductions that read gradients during the backward:
- * those take mt_model_zero_grads. */
+ * holds its value whenever a step has returned. A model whose backward
+ * calls an on_layer_grads hook (reductions read gradients during it) or
+ * that is not one whole-model chunk (the pipeline's chunk calls) has all
+ * its gradients zeroed, as mt_model_zero_grads does. */
 int mt_model_zero_grads_deferred(mt_model *m);
 /* Zeroes the gradients still stale (weights no GEMM wrote since the
  * deferred zeroing). */

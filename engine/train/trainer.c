@@ -472,13 +472,8 @@ int mt_trainer_step(mt_trainer *t, mt_step_metrics *out)
     double tp[4] = {0, 0, 0, 0};
     mt_op_profile_mark(t->be, "step");
     mt_op_profile_mark(t->be, "zero_grads");
-    /* Deferred zeroing where nothing reads a gradient before the backward
-     * of a whole-model step has returned (model.h); the pipeline's chunks,
-     * the buckets reduced during the backward and tp's sums take zeros. */
-    if (!t->pipe && !t->gb && t->tp_size <= 1)
-        MT_CHECK(mt_model_zero_grads_deferred(m));
-    else
-        MT_CHECK(mt_model_zero_grads(m));
+    /* deferred where the model allows it (model.h) */
+    MT_CHECK(mt_model_zero_grads_deferred(m));
     mt_model_reset_load(m);
     /* micro-batches of the whole global batch; this rank's are a contiguous
      * share of them */
