@@ -407,6 +407,14 @@ struct mt_backend {
     int (*adamw_fp8_sr)(mt_backend *be, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
                         const void *grad, int N, int K, const mt_adamw_hp *hp, uint64_t seed,
                         int slab_rows, uint8_t *qt, float *st);
+    /* AdamW of a weight of the act type that has no main copy (main_params
+     * none: embedding, head, norms): w [n] act is the weight, updated in
+     * place as
+     *   x = act_to_f32(w); adamw(x, m, v, grad, n, hp); w = act_from_f32_sr(x, seed)
+     * (elements numbered from w). Bit-identical to those ops in sequence;
+     * one pass on the GPU instead of three and no f32 copy. */
+    int (*adamw_sr)(mt_backend *be, void *w, uint16_t *m, uint16_t *v, const void *grad,
+                    int64_t n, const mt_adamw_hp *hp, uint64_t seed);
     /* Stochastic rounding (the main_params "none" mode, where the compute
      * copy is the only copy of a weight). The random bits of element i are
      * mt_hash_u64(seed, i) on every backend, so results are bit-identical.

@@ -1572,6 +1572,38 @@ static void test_optimizer(void)
         }
         tb_free(&p), tb_free(&m), tb_free(&v), tb_free(&a);
     }
+    /* adamw_sr: a weight of the act type with no main copy, updated in
+     * place with stochastic rounding, 3 steps of other seeds; from element
+     * 0 (8 elements a thread), 4 (4 a thread) and 1 (one a thread); f32 and
+     * bf16 gradients, dense and with zero and tiny rows */
+    for (int pg = 0; pg < 12; pg++) {
+        const int gbf = pg & 1, rows = pg & 2, off = (int[]){0, 4, 1}[pg >> 2];
+        char sh[96];
+        snprintf(sh, sizeof sh, "n=%lld%s, 3 steps, from element %d%s", (long long)n,
+                 gbf ? " bf16 grads" : "", off, rows ? ", zero and tiny rows" : "");
+        tb w = act_rand(n, 230, 0.05f);
+        tb m = tb_new(T_U16, n), v = tb_new(T_U16, n);
+        int ok = 1;
+        for (int step = 1; step <= 3 && ok; step++) {
+            mt_adamw_hp hp = adamw_hp_at(step);
+            hp.grad_bf16 = gbf;
+            tb g = rows ? grad_rows_rand(n, 1000, 235 + step, gbf)
+                   : gbf ? bf16_rand(n, 235 + step, 1e-3f)
+                         : f32_rand(n, 235 + step, 1e-3f);
+            BOTH(ok, "adamw_sr", sh,
+                 be->adamw_sr(be, (char *)w.p[s] + off * BE[s]->act_bytes,
+                              (uint16_t *)m.p[s] + off, (uint16_t *)v.p[s] + off,
+                              (const char *)g.p[s] + off * (gbf ? 2 : 4), n - off, &hp,
+                              0x5eedull * (uint64_t)(step + 3 * pg)));
+            tb_free(&g);
+        }
+        if (ok) {
+            check_exact("adamw_sr", sh, "w", &w, 0);
+            check_exact("adamw_sr", sh, "m", &m, 0);
+            check_exact("adamw_sr", sh, "v", &v, 0);
+        }
+        tb_free(&w), tb_free(&m), tb_free(&v);
+    }
     /* adamw_fp8: the fused update + re-quantisation, f32 and bf16 master, at
      * shapes with partial 128x128 blocks and with whole ones only; every
      * output bit-exact */
@@ -1616,8 +1648,11 @@ static void test_optimizer(void)
      * last one short); partial blocks; f32 and bf16 gradients; every
      * output bit-exact */
     {
+        /* N and K multiples of 4 take the vector kernel, the others (7 x 130,
+         * 384 x 130, 6 x 260) the scalar one */
         const int shp[][3] = {{128, 128, 128}, {200, 300, 200}, {7, 130, 7}, {384, 1000, 384},
-                              {512, 256, 128}, {384, 130, 256}};
+                              {512, 256, 128}, {384, 130, 256}, {260, 388, 128}, {4, 8, 4},
+                              {6, 260, 6}};
         for (size_t i = 0; i < sizeof shp / sizeof shp[0]; i++)
             for (int gbf = 0; gbf < 2; gbf++) {
                 const int N = shp[i][0], K = shp[i][1], slab = shp[i][2];

@@ -127,6 +127,48 @@ static void test_adamw_act_copy_is_act_from_f32_of_the_update(void **state)
     }
 }
 
+/* adamw_sr (a weight of the act type with no main copy) is act_to_f32,
+ * adamw and act_from_f32_sr in sequence, bit for bit: weight and moments,
+ * with bf16 rounding of the acts (round_bf16) and without. */
+static void test_adamw_sr_is_the_sequence_of_three_ops(void **state)
+{
+    (void)state;
+    const int64_t n = 3001;
+    const mt_adamw_hp hp = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
+                            .weight_decay = 0.1f, .bc1 = 0.1f, .bc2 = 0.05f, .grad_scale = 1.0f};
+    const uint64_t seed = 0x5eed5;
+    for (int round = 0; round < 2; round++) {
+        be->round_bf16 = round;
+        float *w1 = ref_floats(n), *w2 = ref_floats(n), *g = ref_floats(n), *f = ref_floats(n);
+        uint16_t *m1 = bf16_fill(n, 541, -0.01f, 0.01f), *v1 = bf16_fill(n, 542, 0, 1e-4f);
+        uint16_t *m2 = ref_alloc(2 * n), *v2 = ref_alloc(2 * n);
+        memcpy(m2, m1, 2 * n), memcpy(v2, v1, 2 * n);
+        ref_fill_uniform(w1, n, 543, -1, 1);
+        for (int64_t i = 0; round && i < n; i++) w1[i] = mt_bf16_round(w1[i]);
+        ref_fill_normal(g, n, 544, 0.02f);
+        memcpy(w2, w1, 4 * n);
+        REF_OK(be->act_to_f32(be, f, w1, n));
+        REF_OK(be->adamw(be, f, 0, m1, v1, g, n, &hp, NULL));
+        REF_OK(be->act_from_f32_sr(be, w1, f, n, seed));
+        REF_OK(be->adamw_sr(be, w2, m2, v2, g, n, &hp, seed));
+        assert_memory_equal(w1, w2, 4 * n);
+        assert_memory_equal(m1, m2, 2 * n);
+        assert_memory_equal(v1, v2, 2 * n);
+        /* with bf16 acts each weight is a bf16 neighbour of its f32 update,
+         * the upper one about half the time (the updates' fractions are
+         * spread) */
+        int64_t up = 0;
+        for (int64_t i = 0; round && i < n; i++) {
+            assert_true(w2[i] == mt_bf16_round(w2[i]));
+            assert_true(fabs((double)w2[i] - f[i]) < ref_bf16_ulp(f[i]));
+            up += fabsf(w2[i]) > fabsf(f[i]);
+        }
+        assert_true(!round || (up > 0.4 * n && up < 0.6 * n));
+        free(w1), free(w2), free(g), free(f), free(m1), free(v1), free(m2), free(v2);
+    }
+    be->round_bf16 = 0;
+}
+
 static void test_sumsq_and_scale(void **state)
 {
     (void)state;
@@ -252,6 +294,7 @@ int main(void)
         cmocka_unit_test(test_adamw_matches_fp64_formula),
         cmocka_unit_test(test_adamw_first_step_is_sign_descent),
         cmocka_unit_test(test_adamw_act_copy_is_act_from_f32_of_the_update),
+        cmocka_unit_test(test_adamw_sr_is_the_sequence_of_three_ops),
         cmocka_unit_test(test_sumsq_and_scale),
         cmocka_unit_test(test_bf16_to_f32_is_exact),
         cmocka_unit_test(test_act_stochastic_rounding_is_unbiased_and_documented),

@@ -153,7 +153,7 @@ int mt_optimizer_grad_sumsq(mt_optimizer *o, mt_model *m, double *sumsq)
  * and mt_hash_u64(that seed, slab + 1) for each slab of a larger one (the
  * ops number their elements from the slab's start). FP8: adamw_fp8_sr, the
  * slabs' dequantisation, update and rounding and the transpose in one op;
- * act: widened to f32 in the scratch, updated, rounded back. */
+ * act: adamw_sr, the update and the rounding in one op, slab by slab. */
 static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_hp *hp)
 {
     mt_backend *be = o->be;
@@ -169,11 +169,9 @@ static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_h
         const int nr = (int)(rows - r0 < sr ? rows - r0 : sr);
         const int64_t e0 = r0 * cols, n = (int64_t)nr * cols;
         const uint64_t sd = sr >= rows ? seed : mt_hash_u64(seed, (uint64_t)(r0 / sr) + 1);
-        void *w = (char *)p->w + (size_t)e0 * act;
-        MT_CHECK(be->act_to_f32(be, o->tmp, w, n));
-        MT_CHECK(be->adamw(be, o->tmp, 0, o->m + off + e0, o->v + off + e0,
-                           (const char *)p->grad + (size_t)e0 * ge, n, hp, NULL));
-        MT_CHECK(be->act_from_f32_sr(be, w, o->tmp, n, sd));
+        MT_CHECK(be->adamw_sr(be, (char *)p->w + (size_t)e0 * act, o->m + off + e0,
+                              o->v + off + e0, (const char *)p->grad + (size_t)e0 * ge, n, hp,
+                              sd));
     }
     return MT_OK;
 }

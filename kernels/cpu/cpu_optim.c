@@ -168,6 +168,29 @@ static int cpu_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, u
     return be->transpose_blocks(be, qt, st, q, s, N, K);
 }
 
+/* The act type is float here (cpu_act rounds): element by element, the
+ * sequence of ops.h (act_to_f32 is a copy, act_from_f32_sr rounds only
+ * with round_bf16). */
+static int cpu_adamw_sr(mt_backend *be, void *w, uint16_t *m, uint16_t *v, const void *grad,
+                        int64_t n, const mt_adamw_hp *hp, uint64_t seed)
+{
+    CPU_REQUIRE(n >= 0, "adamw_sr: n=%lld is negative", (long long)n);
+    CPU_REQUIRE(hp != NULL, "adamw_sr: hp is NULL");
+    if (n == 0) return MT_OK;
+    CPU_REQUIRE(w && m && v && grad, "adamw_sr: NULL pointer");
+    CPU_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw_sr: bias corrections bc1=%g bc2=%g must be > 0",
+                hp->bc1, hp->bc2);
+    float *y = w;
+    const int sr = be->round_bf16;
+#pragma omp parallel for num_threads(cpu_team(be, n))
+    for (int64_t i = 0; i < n; i++) {
+        const float x = adamw_one(hp, y[i], m + i, v + i, grad_at(hp, grad, i));
+        y[i] = sr ? mt_bf16_to_f32(mt_bf16_from_f32_sr(x, (uint32_t)mt_hash_u64(seed, (uint64_t)i)))
+                  : x;
+    }
+    return MT_OK;
+}
+
 void cpu_install_optim(mt_backend *be)
 {
     be->sumsq = cpu_sumsq;
@@ -176,4 +199,5 @@ void cpu_install_optim(mt_backend *be)
     be->adamw_fp8 = cpu_adamw_fp8;
     be->adamw_fp8_n = cpu_adamw_fp8_n;
     be->adamw_fp8_sr = cpu_adamw_fp8_sr;
+    be->adamw_sr = cpu_adamw_sr;
 }

@@ -24,26 +24,6 @@
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
 
-/* ---- bf16 rounding (mt_fp8.h's rules) ------------------------------------------ */
-
-/* mt_bf16_from_f32 (round to nearest even, quiet NaN) */
-__device__ __forceinline__ uint16_t fp8_bf16_rne(float x)
-{
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* mt_bf16_from_f32_sr: add 16 random bits below the bf16 mantissa, truncate. */
-__device__ __forceinline__ uint16_t fp8_bf16_sr(float x, uint32_t rnd)
-{
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7f800000u) == 0x7f800000u) return fp8_bf16_rne(x); /* Inf, NaN */
-    u += rnd & 0xffffu;
-    return (uint16_t)(u >> 16);
-}
-
 /* ---- quant_rows ------------------------------------------------------------------ */
 
 #define QR_WARPS 8
@@ -450,7 +430,7 @@ __global__ void act_from_f32_sr_kernel(uint16_t *__restrict__ dst, const float *
     const uint64_t ms = fp8_mix64(seed);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = fp8_bf16_sr(src[i], (uint32_t)fp8_hash_mixed(ms, (uint64_t)i));
+        dst[i] = cuda_bf16_sr(src[i], (uint32_t)fp8_hash_mixed(ms, (uint64_t)i));
 }
 
 static int cuda_act_from_f32_sr(mt_backend *be, void *dst, const float *src, int64_t n,

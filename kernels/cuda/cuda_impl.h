@@ -162,6 +162,24 @@ __device__ __forceinline__ float cuda_scale_of(float amax)
     return s > 0.0f ? s : 1.0f;
 }
 
+/* mt_bf16_from_f32: round to nearest even, quiet NaN. */
+__device__ __forceinline__ uint16_t cuda_bf16_rne(float x)
+{
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* mt_bf16_from_f32_sr: add 16 random bits below the bf16 mantissa, truncate. */
+__device__ __forceinline__ uint16_t cuda_bf16_sr(float x, uint32_t rnd)
+{
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u) return cuda_bf16_rne(x); /* Inf, NaN */
+    u += rnd & 0xffffu;
+    return (uint16_t)(u >> 16);
+}
+
 /* mt_rng.h's hash and mt_fp8.h's stochastic rounding on the device, with
  * identical constants (the headers' functions are host-only C): the random
  * bits of quant_blocks_sr, adamw_fp8_sr and act_from_f32_sr. */

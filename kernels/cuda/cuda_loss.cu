@@ -29,7 +29,9 @@
  *                copy, when asked, written from the same registers)
  *   adamw_fp8_sr one 256-thread block per 128x128 block of a weight with no
  *                main copy: dequantise, AdamW into a shared f32 tile, block
- *                amax, stochastic rounding, the transposed copy from the tile
+ *                amax, stochastic rounding, the transposed copy from the tile;
+ *                a warp a row with 4-element accesses where N and K are
+ *                multiples of 4, else a thread a column
  */
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -353,14 +355,6 @@ static int cuda_scale_f32(mt_backend *be, float *x, int64_t n, float a)
 
 __device__ __forceinline__ float loss_bf16_val(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
-/* mt_bf16_from_f32: round to nearest even, quiet NaN. */
-__device__ __forceinline__ uint16_t loss_bf16_rne(float x)
-{
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* One element, cpu_optim.c's adamw_one step for step:
  *   g = grad gs; m' = b1 m + (1 - b1) g; v' = b2 v + (1 - b2) g^2
@@ -398,8 +392,8 @@ __device__ __forceinline__ float adamw_val(const aw_hp &hp, float p, uint16_t m,
                                __fmul_rn(__fsub_rn(1.0f, hp.beta1), g));
     const float vi = __fadd_rn(__fmul_rn(hp.beta2, loss_bf16_val(v)),
                                __fmul_rn(__fsub_rn(1.0f, hp.beta2), __fmul_rn(g, g)));
-    *m_out = loss_bf16_rne(mi);
-    *v_out = loss_bf16_rne(vi);
+    *m_out = cuda_bf16_rne(mi);
+    *v_out = cuda_bf16_rne(vi);
     if (!D) {
         const float den = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, hp.bc2)), hp.eps);
         const float upd =
@@ -445,11 +439,21 @@ __device__ __forceinline__ uint32_t aw_act2(float a, float b)
            (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(b)) << 16;
 }
 
+/* A bf16 p's rounding: to nearest (adamw), or stochastic with element i's
+ * random bits (adamw_sr: act_from_f32_sr's rounding, ms = fp8_mix64(seed)). */
+template <int SR>
+__device__ __forceinline__ uint16_t aw_round(float x, uint64_t ms, int64_t i)
+{
+    return SR ? cuda_bf16_sr(x, (uint32_t)fp8_hash_mixed(ms, (uint64_t)i)) : cuda_bf16_rne(x);
+}
+
 /* Four consecutive elements from 16-byte (f32) / 8-byte (bf16) words; the
  * element arithmetic is adamw_one's, so results are bit-identical. */
+template <int SR>
 __device__ __forceinline__ void adamw_vec4(const aw_hp &hp, void *p, int p_bf16,
                                            uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                                           const void *__restrict__ grad, uint16_t *act, int64_t i)
+                                           const void *__restrict__ grad, uint16_t *act, int64_t i,
+                                           uint64_t ms)
 {
     float pv[4], gv[4];
     uint16_t mv[4], vv[4];
@@ -473,7 +477,7 @@ __device__ __forceinline__ void adamw_vec4(const aw_hp &hp, void *p, int p_bf16,
     if (p_bf16) {
         uint16_t h[4];
 #pragma unroll
-        for (int j = 0; j < 4; j++) h[j] = loss_bf16_rne(pv[j]);
+        for (int j = 0; j < 4; j++) h[j] = aw_round<SR>(pv[j], ms, i + j);
         *(uint2 *)((uint16_t *)p + i) = make_uint2(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16);
         if (act) *(uint2 *)(act + i) = make_uint2(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16);
     } else {
@@ -497,9 +501,11 @@ __device__ __forceinline__ void aw_f32x8_load(const float *f, float *x)
  * in flight: on one H200 the proxy's adamw (its 1.85 G embedding and head
  * elements, f32 main, bf16 gradients) took 17.3 ms a step 4-wide and 15.2
  * ms 8-wide. The element arithmetic is adamw_one's: bit-identical. */
+template <int SR>
 __device__ __forceinline__ void adamw_vec8(const aw_hp &hp, void *p, int p_bf16,
                                            uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                                           const void *__restrict__ grad, uint16_t *act, int64_t i)
+                                           const void *__restrict__ grad, uint16_t *act, int64_t i,
+                                           uint64_t ms)
 {
     float pv[8], gv[8];
     uint16_t mv[8], vv[8];
@@ -535,7 +541,8 @@ __device__ __forceinline__ void adamw_vec8(const aw_hp &hp, void *p, int p_bf16,
         uint32_t h[4];
 #pragma unroll
         for (int j = 0; j < 4; j++)
-            h[j] = loss_bf16_rne(pv[2 * j]) | (uint32_t)loss_bf16_rne(pv[2 * j + 1]) << 16;
+            h[j] = aw_round<SR>(pv[2 * j], ms, i + 2 * j) |
+                   (uint32_t)aw_round<SR>(pv[2 * j + 1], ms, i + 2 * j + 1) << 16;
         *(uint4 *)((uint16_t *)p + i) = make_uint4(h[0], h[1], h[2], h[3]);
         if (act) *(uint4 *)(act + i) = make_uint4(h[0], h[1], h[2], h[3]);
     } else {
@@ -549,13 +556,16 @@ __device__ __forceinline__ void adamw_vec8(const aw_hp &hp, void *p, int p_bf16,
 }
 
 /* Element i of the scalar path: p updated, and its act copy when act. */
+template <int SR>
 __device__ __forceinline__ void adamw_elem(const aw_hp &hp, void *p, int p_bf16, uint16_t *m,
-                                           uint16_t *v, const void *grad, uint16_t *act, int64_t i)
+                                           uint16_t *v, const void *grad, uint16_t *act, int64_t i,
+                                           uint64_t ms)
 {
     float pn;
     if (p_bf16) {
         uint16_t *pb = (uint16_t *)p;
-        pb[i] = loss_bf16_rne(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i, grad_at(hp, grad, i)));
+        pb[i] = aw_round<SR>(adamw_one(hp, loss_bf16_val(pb[i]), m + i, v + i, grad_at(hp, grad, i)),
+                             ms, i);
         pn = loss_bf16_val(pb[i]);
     } else {
         float *pf = (float *)p;
@@ -566,37 +576,43 @@ __device__ __forceinline__ void adamw_elem(const aw_hp &hp, void *p, int p_bf16,
 
 /* Groups of 8 elements (vec 2: every array 16-byte aligned) or 4 (vec 1:
  * aligned for adamw_vec4), else one element per thread. act (bf16 bits,
- * or NULL): the updated weight's compute copy, written in the same pass. */
+ * or NULL): the updated weight's compute copy, written in the same pass.
+ * SR (adamw_sr): a bf16 p rounded stochastically with the bits of
+ * mt_hash_u64(seed, i), where adamw rounds to nearest. */
+template <int SR>
 __global__ void adamw_kernel(void *p, int p_bf16, uint16_t *__restrict__ m, uint16_t *__restrict__ v,
                              const void *__restrict__ grad, uint16_t *__restrict__ act, int64_t n,
-                             mt_adamw_hp hp0, int vec)
+                             mt_adamw_hp hp0, int vec, uint64_t seed)
 {
     const aw_hp hp = aw_of(hp0);
+    const uint64_t ms = SR ? fp8_mix64(seed) : 0; /* the seed's half of the hash, once */
     if (vec) {
         const int w = vec == 2 ? 8 : 4;
         for (int64_t iw = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; iw < n / w;
              iw += (int64_t)gridDim.x * blockDim.x) {
-            if (vec == 2) adamw_vec8(hp, p, p_bf16, m, v, grad, act, 8 * iw);
-            else adamw_vec4(hp, p, p_bf16, m, v, grad, act, 4 * iw);
+            if (vec == 2) adamw_vec8<SR>(hp, p, p_bf16, m, v, grad, act, 8 * iw, ms);
+            else adamw_vec4<SR>(hp, p, p_bf16, m, v, grad, act, 4 * iw, ms);
         }
         /* the n % w last elements */
         const int64_t i = n / w * w + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-        if (i < n) adamw_elem(hp, p, p_bf16, m, v, grad, act, i);
+        if (i < n) adamw_elem<SR>(hp, p, p_bf16, m, v, grad, act, i, ms);
         return;
     }
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
-        adamw_elem(hp, p, p_bf16, m, v, grad, act, i);
+        adamw_elem<SR>(hp, p, p_bf16, m, v, grad, act, i, ms);
 }
 
-static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
-                      const void *grad, int64_t n, const mt_adamw_hp *hp, void *act)
+/* adamw (sr 0) and adamw_sr (sr 1: p bf16, no act copy) */
+static int adamw_launch(mt_backend *be, const char *op, void *p, int p_bf16, uint16_t *m,
+                        uint16_t *v, const void *grad, int64_t n, const mt_adamw_hp *hp, void *act,
+                        int sr, uint64_t seed)
 {
-    CUDA_REQUIRE(n >= 0, "adamw: n=%lld is negative", (long long)n);
-    CUDA_REQUIRE(hp != NULL, "adamw: hp is NULL");
+    CUDA_REQUIRE(n >= 0, "%s: n=%lld is negative", op, (long long)n);
+    CUDA_REQUIRE(hp != NULL, "%s: hp is NULL", op);
     if (n == 0) return MT_OK;
-    CUDA_REQUIRE(p && m && v && grad, "adamw: NULL pointer");
-    CUDA_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw: bias corrections bc1=%g bc2=%g must be > 0",
+    CUDA_REQUIRE(p && m && v && grad, "%s: NULL pointer", op);
+    CUDA_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "%s: bias corrections bc1=%g bc2=%g must be > 0", op,
                  hp->bc1, hp->bc2);
     const int vec4 = ((uintptr_t)p % (p_bf16 ? 8 : 16)) == 0 && (uintptr_t)m % 8 == 0 &&
                      (uintptr_t)v % 8 == 0 && (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0 &&
@@ -605,10 +621,28 @@ static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t
         ((uintptr_t)p | (uintptr_t)m | (uintptr_t)v | (uintptr_t)grad | (uintptr_t)act) % 16 == 0;
     const int vec = vec8 ? 2 : vec4;
     const int64_t per = vec ? 4 * vec : 1; /* elements a thread */
-    adamw_kernel<<<cuda_grid((n + per - 1) / per, 256), 256, 0, cuda_stream(be)>>>(
-        p, p_bf16, m, v, grad, (uint16_t *)act, n, *hp, vec);
-    CUDA_LAUNCH_CHECK("adamw");
+    const dim3 grid = cuda_grid((n + per - 1) / per, 256);
+    if (sr)
+        adamw_kernel<1><<<grid, 256, 0, cuda_stream(be)>>>(p, p_bf16, m, v, grad,
+                                                           (uint16_t *)act, n, *hp, vec, seed);
+    else
+        adamw_kernel<0><<<grid, 256, 0, cuda_stream(be)>>>(p, p_bf16, m, v, grad,
+                                                           (uint16_t *)act, n, *hp, vec, seed);
+    CUDA_LAUNCH_CHECK(op);
     return MT_OK;
+}
+
+static int cuda_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
+                      const void *grad, int64_t n, const mt_adamw_hp *hp, void *act)
+{
+    return adamw_launch(be, "adamw", p, p_bf16, m, v, grad, n, hp, act, 0, 0);
+}
+
+/* The act type is bf16 here: the weight is a bf16 p with stochastic rounding. */
+static int cuda_adamw_sr(mt_backend *be, void *w, uint16_t *m, uint16_t *v, const void *grad,
+                         int64_t n, const mt_adamw_hp *hp, uint64_t seed)
+{
+    return adamw_launch(be, "adamw_sr", w, 1, m, v, grad, n, hp, NULL, 1, seed);
 }
 
 /* ---- adamw_fp8 ---------------------------------------------------------------------------- */
@@ -689,7 +723,7 @@ __device__ __forceinline__ void adamw_fp8_full_block(
             for (int e = 0; e < 4; e++) {
                 x[e] = adamw_val<0>(hp, pv[jj][e], mi[e], vi[e], gv[jj][e], &mo[e], &vo[e]);
                 if (p_bf16) {
-                    h[e] = loss_bf16_rne(x[e]);
+                    h[e] = cuda_bf16_rne(x[e]);
                     x[e] = loss_bf16_val(h[e]);
                 }
                 amax = fmaxf(amax, fabsf(x[e]));
@@ -805,7 +839,7 @@ __device__ __forceinline__ void adamw_fp8_block(const aq_weight &a, const aw_hp 
                 const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
                 float x = adamw_val<0>(hp, pv[jj], mv[jj], vv[jj], gv[jj], m + i, v + i);
                 if (p_bf16) {
-                    const uint16_t h = loss_bf16_rne(x);
+                    const uint16_t h = cuda_bf16_rne(x);
                     pb[i] = h;
                     x = loss_bf16_val(h);
                 } else {
@@ -1027,6 +1061,126 @@ adamw_fp8_sr_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t *__
         if (c < nn) qt[(int64_t)(k0 + kk) * N + n0 + c] = *(const uint8_t *)&as_tile[c * AS_LD + kk];
 }
 
+/* The same update with vector accesses, for N % 4 == 0 and K % 4 == 0 (every
+ * FP8 weight of the proxy). The scalar kernel above took 12 memory
+ * instructions per element (a byte, or two, a thread each), which bound it
+ * at 21-25 % of the copy on the proxy (tests/bench/RESULTS.md, thirteenth
+ * round); here a warp owns a row of the block, lane l its columns 4 l ..
+ * 4 l + 3: 4 codes, 4 moments of each kind and 4 gradients per load, a
+ * float4 into the tile. The codes of row r then go into the first 128
+ * bytes of the row's own tile space (its floats are in registers by then),
+ * word w at w ^ (r / 4 % 32), so that the transposed stores read a 4 x 4
+ * byte block per lane (rows 4 l .. 4 l + 3 of one word column) without a
+ * bank conflict, transpose it in registers and write 4 codes to each of 4
+ * rows of qt. Element arithmetic, random bits and scales are the scalar
+ * kernel's: the outputs are the same bits (test_ops_cuda). */
+#define AV_AHEAD 4 /* rows a warp loads before updating them */
+
+/* Rows a0..a3 (byte j of a_i = column j) to columns: byte i of c_j = a_i's byte j. */
+__device__ __forceinline__ void av_transpose4(const uint32_t a[4], uint32_t c[4])
+{
+    const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
+    const uint32_t t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
+    c[0] = __byte_perm(t0, t2, 0x5410), c[1] = __byte_perm(t0, t2, 0x7632);
+    c[2] = __byte_perm(t1, t3, 0x5410), c[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+__global__ void __launch_bounds__(256)
+adamw_fp8_sr_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t *__restrict__ m,
+                        uint16_t *__restrict__ v, const void *__restrict__ grad, int N, int K,
+                        int NB, int KB, mt_adamw_hp hp0, uint64_t seed, int slab_rows,
+                        uint8_t *__restrict__ qt, float *__restrict__ st)
+{
+    extern __shared__ float4 av_tile[]; /* [MT_QTILE][MT_QTILE / 4] */
+    __shared__ float sh[32];
+    const aw_hp hp = aw_of(hp0);
+    const int b = blockIdx.x, nb = b / KB, kb = b % KB;
+    const int n0 = nb * MT_QTILE, k0 = kb * MT_QTILE;
+    const int nn = min(MT_QTILE, N - n0), nk = min(MT_QTILE, K - k0); /* multiples of 4 */
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, c = 4 * lane;
+    const bool col_in = c < nk;
+    const float s_old = s[b];
+    float amax = 0.0f;
+    if (col_in)
+        for (int r0 = w; r0 < nn; r0 += 8 * AV_AHEAD) {
+            uint32_t qv[AV_AHEAD];
+            uint2 mv[AV_AHEAD], vv[AV_AHEAD];
+            float gv[AV_AHEAD][4];
+#pragma unroll
+            for (int jj = 0; jj < AV_AHEAD; jj++) {
+                const int r = r0 + 8 * jj;
+                if (r >= nn) continue;
+                const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
+                qv[jj] = *(const uint32_t *)(q + i);
+                mv[jj] = *(const uint2 *)(m + i);
+                vv[jj] = *(const uint2 *)(v + i);
+                grad_at4(hp, grad, i, gv[jj]);
+            }
+#pragma unroll
+            for (int jj = 0; jj < AV_AHEAD; jj++) {
+                const int r = r0 + 8 * jj;
+                if (r >= nn) continue;
+                const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
+                const uint16_t mi[4] = {(uint16_t)mv[jj].x, (uint16_t)(mv[jj].x >> 16),
+                                        (uint16_t)mv[jj].y, (uint16_t)(mv[jj].y >> 16)};
+                const uint16_t vi[4] = {(uint16_t)vv[jj].x, (uint16_t)(vv[jj].x >> 16),
+                                        (uint16_t)vv[jj].y, (uint16_t)(vv[jj].y >> 16)};
+                uint16_t mo[4], vo[4];
+                float x[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float p = cuda_e4m3_val((uint8_t)(qv[jj] >> (8 * e))) * s_old;
+                    x[e] = adamw_val<1>(hp, p, mi[e], vi[e], gv[jj][e], &mo[e], &vo[e]);
+                    amax = fmaxf(amax, fabsf(x[e]));
+                }
+                *(uint2 *)(m + i) = make_uint2(mo[0] | (uint32_t)mo[1] << 16, mo[2] | (uint32_t)mo[3] << 16);
+                *(uint2 *)(v + i) = make_uint2(vo[0] | (uint32_t)vo[1] << 16, vo[2] | (uint32_t)vo[3] << 16);
+                av_tile[r * (MT_QTILE / 4) + lane] = make_float4(x[0], x[1], x[2], x[3]);
+            }
+        }
+    amax = cu_block_max(amax, sh); /* every thread has read s[b] */
+    const float sc = cuda_scale_of(amax);
+    if (threadIdx.x == 0) {
+        s[b] = sc;
+        st[(int64_t)kb * NB + nb] = sc;
+    }
+    const int slab = slab_rows >= N ? 0 : n0 / slab_rows;
+    const uint64_t ms = fp8_mix64(slab_rows >= N ? seed
+                                                 : fp8_hash_mixed(fp8_mix64(seed), (uint64_t)slab + 1));
+    const int64_t base = (int64_t)slab * slab_rows * K;
+    const float rsc = __frcp_rn(sc);
+    for (int r = w; r < nn; r += 8) { /* warp-uniform: every lane meets __syncwarp */
+        float4 x4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (col_in) x4 = av_tile[r * (MT_QTILE / 4) + lane];
+        __syncwarp(); /* the row's floats are read before its codes overwrite them */
+        if (!col_in) continue;
+        const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
+        const float x[4] = {x4.x, x4.y, x4.z, x4.w};
+        uint32_t codes = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            codes |= (uint32_t)fp8_e4m3_sr_bits(cuda_div_by(x[e], sc, rsc),
+                                                fp8_hash_mixed(ms, (uint64_t)(i + e - base)))
+                     << (8 * e);
+        *(uint32_t *)(q + i) = codes;
+        ((uint32_t *)&av_tile[r * (MT_QTILE / 4)])[lane ^ ((r >> 2) & 31)] = codes;
+    }
+    __syncthreads();
+    /* lane l: rows 4 l .. 4 l + 3 of the block (qt's columns n0 + 4 l ..),
+     * word columns kc = w, w + 8, ... (qt's rows k0 + 4 kc ..) */
+    if (c < nn)
+        for (int kc = w; 4 * kc < nk; kc += 8) {
+            uint32_t a[4], col[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                a[i] = ((const uint32_t *)&av_tile[(c + i) * (MT_QTILE / 4)])[kc ^ lane];
+            av_transpose4(a, col);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                *(uint32_t *)(qt + (int64_t)(k0 + 4 * kc + j) * N + n0 + c) = col[j];
+        }
+}
+
 static int cuda_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
                              const void *grad, int N, int K, const mt_adamw_hp *hp,
                              uint64_t seed, int slab_rows, uint8_t *qt, float *st)
@@ -1039,11 +1193,25 @@ static int cuda_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, 
                  "adamw_fp8_sr: slabs of %d rows (N=%d): whole 128-row blocks or the weight",
                  slab_rows, N);
     const int NB = mt_ceil_div(N, MT_QTILE), KB = mt_ceil_div(K, MT_QTILE);
-    const size_t smem = sizeof(float) * MT_QTILE * AS_LD;
-    MT_CUDA_CHECK(cudaFuncSetAttribute(adamw_fp8_sr_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    adamw_fp8_sr_kernel<<<(unsigned)((int64_t)NB * KB), 256, smem, cuda_stream(be)>>>(
-        q, s, m, v, grad, N, K, NB, KB, *hp, seed, slab_rows, qt, st);
+    const unsigned blocks = (unsigned)((int64_t)NB * KB);
+    /* the vector kernel's accesses: 4 codes, 4 bf16 moments and 4
+     * gradients a thread, 4 codes of qt; the scalar one takes the rest */
+    const int vec = N % 4 == 0 && K % 4 == 0 && (uintptr_t)q % 4 == 0 &&
+                    (uintptr_t)qt % 4 == 0 && (uintptr_t)m % 8 == 0 && (uintptr_t)v % 8 == 0 &&
+                    (uintptr_t)grad % (hp->grad_bf16 ? 8 : 16) == 0;
+    if (vec) {
+        const size_t smem = sizeof(float) * MT_QTILE * MT_QTILE;
+        MT_CUDA_CHECK(cudaFuncSetAttribute(adamw_fp8_sr_vec_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        adamw_fp8_sr_vec_kernel<<<blocks, 256, smem, cuda_stream(be)>>>(
+            q, s, m, v, grad, N, K, NB, KB, *hp, seed, slab_rows, qt, st);
+    } else {
+        const size_t smem = sizeof(float) * MT_QTILE * AS_LD;
+        MT_CUDA_CHECK(cudaFuncSetAttribute(adamw_fp8_sr_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        adamw_fp8_sr_kernel<<<blocks, 256, smem, cuda_stream(be)>>>(
+            q, s, m, v, grad, N, K, NB, KB, *hp, seed, slab_rows, qt, st);
+    }
     CUDA_LAUNCH_CHECK("adamw_fp8_sr");
     return MT_OK;
 }
@@ -1079,5 +1247,6 @@ void cuda_install_loss(mt_backend *be)
     be->adamw_fp8 = cuda_adamw_fp8;
     be->adamw_fp8_n = cuda_adamw_fp8_n;
     be->adamw_fp8_sr = cuda_adamw_fp8_sr;
+    be->adamw_sr = cuda_adamw_sr;
     be->bf16_to_f32 = cuda_bf16_to_f32;
 }
