@@ -162,13 +162,14 @@ __device__ __forceinline__ float cuda_scale_of(float amax)
     return s > 0.0f ? s : 1.0f;
 }
 
-/* mt_bf16_from_f32: round to nearest even, quiet NaN. */
+/* mt_bf16_from_f32: round to nearest even, quiet NaN. The conversion
+ * instruction rounds every number as the CPU's integer rounding does; a NaN
+ * keeps its sign and payload (quietened) where the instruction gives the
+ * canonical one. */
 __device__ __forceinline__ uint16_t cuda_bf16_rne(float x)
 {
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint16_t h = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    return isnan(x) ? (uint16_t)((__float_as_uint(x) >> 16) | 0x40) : h;
 }
 
 /* mt_bf16_from_f32_sr: add 16 random bits below the bf16 mantissa, truncate. */
@@ -193,9 +194,10 @@ __device__ __forceinline__ uint64_t fp8_mix64(uint64_t z)
 
 /* mt_hash_u64(seed, counter) from m = fp8_mix64(seed): the half that does
  * not depend on the counter, hoisted out of the per-element loops. */
+#define FP8_HASH_K 0xd1342543de82ef95ULL /* mt_hash_u64's counter multiplier */
 __device__ __forceinline__ uint64_t fp8_hash_mixed(uint64_t m, uint64_t counter)
 {
-    return fp8_mix64(m ^ (counter * 0xd1342543de82ef95ULL));
+    return fp8_mix64(m ^ (counter * FP8_HASH_K));
 }
 
 /* mt_e4m3_from_f32_sr: one of the two neighbouring codes of x (already
@@ -206,7 +208,10 @@ __device__ __forceinline__ uint64_t fp8_hash_mixed(uint64_t m, uint64_t counter)
  * |x| - lo and its quotient by hi - lo are exact in float, the CPU's p is
  * that exact value, and u < p compares (h >> 11) with p 2^53, both exact
  * in double. Bit-identical (test_ops_cuda: quant_blocks_sr, adamw_fp8_sr);
- * the double division bound adamw_fp8_sr. */
+ * the double division bound adamw_fp8_sr. The power of two hi - lo (2^-9
+ * .. 2^5) has its reciprocal's exponent bits as 254 minus its own: the
+ * value __frcp_rn gives, without its instructions; and of the two
+ * neighbours only the one that is not the nearest code is converted. */
 __device__ __forceinline__ uint8_t fp8_e4m3_sr_bits(float x, uint64_t h)
 {
     const uint8_t sign = (uint8_t)((__float_as_uint(x) >> 24) & 0x80u);
@@ -217,10 +222,13 @@ __device__ __forceinline__ uint8_t fp8_e4m3_sr_bits(float x, uint64_t h)
     if (c == 0x7e && a >= MT_E4M3_MAX) return (uint8_t)(sign | c);
     const float v = cuda_e4m3_val(c);
     if (v == a) return (uint8_t)(sign | c);
-    const uint8_t lo = v > a ? (uint8_t)(c - 1) : c, hi = (uint8_t)(lo + 1);
-    const float lv = cuda_e4m3_val(lo), hv = cuda_e4m3_val(hi);
-    const float p = __fmul_rn(__fsub_rn(a, lv), __frcp_rn(__fsub_rn(hv, lv)));
-    return (uint8_t)(sign | ((double)(h >> 11) < (double)p * 0x1p53 ? hi : lo));
+    const bool above = v > a; /* then c is the upper neighbour */
+    const uint8_t lo = above ? (uint8_t)(c - 1) : c;
+    const float o = cuda_e4m3_val(above ? (uint8_t)(c - 1) : (uint8_t)(c + 1));
+    const float lv = above ? o : v, hv = above ? v : o;
+    const float rd = __uint_as_float(0x7f000000u - __float_as_uint(__fsub_rn(hv, lv)));
+    const float p = __fmul_rn(__fsub_rn(a, lv), rd);
+    return (uint8_t)(sign | ((double)(h >> 11) < (double)p * 0x1p53 ? lo + 1 : lo));
 }
 
 /* Installers, one per file. */

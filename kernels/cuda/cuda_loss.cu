@@ -1156,11 +1156,13 @@ adamw_fp8_sr_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t
         if (!col_in) continue;
         const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
         const float x[4] = {x4.x, x4.y, x4.z, x4.w};
+        /* fp8_hash_mixed(ms, i + e - base): the counter's product once */
+        const uint64_t kc = (uint64_t)(i - base) * FP8_HASH_K;
         uint32_t codes = 0;
 #pragma unroll
         for (int e = 0; e < 4; e++)
             codes |= (uint32_t)fp8_e4m3_sr_bits(cuda_div_by(x[e], sc, rsc),
-                                                fp8_hash_mixed(ms, (uint64_t)(i + e - base)))
+                                                fp8_mix64(ms ^ (kc + (uint64_t)e * FP8_HASH_K)))
                      << (8 * e);
         *(uint32_t *)(q + i) = codes;
         ((uint32_t *)&av_tile[r * (MT_QTILE / 4)])[lane ^ ((r >> 2) & 31)] = codes;
