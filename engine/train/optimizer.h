@@ -14,7 +14,7 @@
  * main_params = none: the compute copy is the only copy. An update
  * dequantises it, applies AdamW in fp32 and writes it back with stochastic
  * rounding (to e4m3 under the fp8 recipe, in one op with the transpose:
- * adamw_fp8_sr; to bf16 otherwise).
+ * adamw_fp8_sr; to bf16 otherwise, in one op: adamw_sr).
  */
 #ifndef MT_OPTIMIZER_H
 #define MT_OPTIMIZER_H
