@@ -27,11 +27,11 @@
  *   adamw        groups of 8 elements with 16-byte accesses where every array
  *                is 16-byte aligned, else of 4 where 8-byte aligned (the act
  *                copy, when asked, written from the same registers)
- *   adamw_fp8_sr one 256-thread block per 128x128 block of a weight with no
- *                main copy: dequantise, AdamW into a shared f32 tile, block
- *                amax, stochastic rounding, the transposed copy from the tile;
- *                a warp a row with 4-element accesses where N and K are
- *                multiples of 4, else a thread a column
+ *   adamw_fp8_sr one block per 128x128 block of a weight with no main copy:
+ *                dequantise, AdamW into a shared f32 tile, block amax,
+ *                stochastic rounding, the transposed copy from the tile;
+ *                512 threads, a warp a row with 4-element accesses where N
+ *                and K are multiples of 4, else 256, a thread a column
  */
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -1073,8 +1073,15 @@ adamw_fp8_sr_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t *__
  * byte block per lane (rows 4 l .. 4 l + 3 of one word column) without a
  * bank conflict, transpose it in registers and write 4 codes to each of 4
  * rows of qt. Element arithmetic, random bits and scales are the scalar
- * kernel's: the outputs are the same bits (test_ops_cuda). */
-#define AV_AHEAD 4 /* rows a warp loads before updating them */
+ * kernel's: the outputs are the same bits (test_ops_cuda).
+ * 16 warps a block (warp w: rows w, w + 16, ...), 2 rows loaded ahead, at
+ * most 64 registers: 2 blocks and 32 warps an SM, where 8 warps of 80
+ * registers gave 3 blocks and 24 warps; the kernel is bound by its
+ * instructions (Nsight Compute: the ALU pipe the busiest, no warp eligible
+ * in a third of the cycles at 24), and on an H200 the [7168, 2048] update
+ * took 0.127 ms against 0.150, [18432, 7168] 1.006 against 1.113. */
+#define AV_WARPS 16
+#define AV_AHEAD 2 /* rows a warp loads before updating them */
 
 /* Rows a0..a3 (byte j of a_i = column j) to columns: byte i of c_j = a_i's byte j. */
 __device__ __forceinline__ void av_transpose4(const uint32_t a[4], uint32_t c[4])
@@ -1085,7 +1092,7 @@ __device__ __forceinline__ void av_transpose4(const uint32_t a[4], uint32_t c[4]
     c[2] = __byte_perm(t1, t3, 0x5410), c[3] = __byte_perm(t1, t3, 0x7632);
 }
 
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(32 * AV_WARPS, 2)
 adamw_fp8_sr_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t *__restrict__ m,
                         uint16_t *__restrict__ v, const void *__restrict__ grad, int N, int K,
                         int NB, int KB, mt_adamw_hp hp0, uint64_t seed, int slab_rows,
@@ -1102,13 +1109,13 @@ adamw_fp8_sr_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t
     const float s_old = s[b];
     float amax = 0.0f;
     if (col_in)
-        for (int r0 = w; r0 < nn; r0 += 8 * AV_AHEAD) {
+        for (int r0 = w; r0 < nn; r0 += AV_WARPS * AV_AHEAD) {
             uint32_t qv[AV_AHEAD];
             uint2 mv[AV_AHEAD], vv[AV_AHEAD];
             float gv[AV_AHEAD][4];
 #pragma unroll
             for (int jj = 0; jj < AV_AHEAD; jj++) {
-                const int r = r0 + 8 * jj;
+                const int r = r0 + AV_WARPS * jj;
                 if (r >= nn) continue;
                 const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
                 qv[jj] = *(const uint32_t *)(q + i);
@@ -1118,7 +1125,7 @@ adamw_fp8_sr_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t
             }
 #pragma unroll
             for (int jj = 0; jj < AV_AHEAD; jj++) {
-                const int r = r0 + 8 * jj;
+                const int r = r0 + AV_WARPS * jj;
                 if (r >= nn) continue;
                 const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
                 const uint16_t mi[4] = {(uint16_t)mv[jj].x, (uint16_t)(mv[jj].x >> 16),
@@ -1149,7 +1156,7 @@ adamw_fp8_sr_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t
                                                  : fp8_hash_mixed(fp8_mix64(seed), (uint64_t)slab + 1));
     const int64_t base = (int64_t)slab * slab_rows * K;
     const float rsc = __frcp_rn(sc);
-    for (int r = w; r < nn; r += 8) { /* warp-uniform: every lane meets __syncwarp */
+    for (int r = w; r < nn; r += AV_WARPS) { /* warp-uniform: every lane meets __syncwarp */
         float4 x4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (col_in) x4 = av_tile[r * (MT_QTILE / 4) + lane];
         __syncwarp(); /* the row's floats are read before its codes overwrite them */
@@ -1169,9 +1176,9 @@ adamw_fp8_sr_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t
     }
     __syncthreads();
     /* lane l: rows 4 l .. 4 l + 3 of the block (qt's columns n0 + 4 l ..),
-     * word columns kc = w, w + 8, ... (qt's rows k0 + 4 kc ..) */
+     * word columns kc = w, w + AV_WARPS, ... (qt's rows k0 + 4 kc ..) */
     if (c < nn)
-        for (int kc = w; 4 * kc < nk; kc += 8) {
+        for (int kc = w; 4 * kc < nk; kc += AV_WARPS) {
             uint32_t a[4], col[4];
 #pragma unroll
             for (int i = 0; i < 4; i++)
@@ -1205,7 +1212,7 @@ static int cuda_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, 
         const size_t smem = sizeof(float) * MT_QTILE * MT_QTILE;
         MT_CUDA_CHECK(cudaFuncSetAttribute(adamw_fp8_sr_vec_kernel,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        adamw_fp8_sr_vec_kernel<<<blocks, 256, smem, cuda_stream(be)>>>(
+        adamw_fp8_sr_vec_kernel<<<blocks, 32 * AV_WARPS, smem, cuda_stream(be)>>>(
             q, s, m, v, grad, N, K, NB, KB, *hp, seed, slab_rows, qt, st);
     } else {
         const size_t smem = sizeof(float) * MT_QTILE * AS_LD;
