@@ -355,7 +355,6 @@ static int cuda_scale_f32(mt_backend *be, float *x, int64_t n, float a)
 
 __device__ __forceinline__ float loss_bf16_val(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
-
 /* One element, cpu_optim.c's adamw_one step for step:
  *   g = grad gs; m' = b1 m + (1 - b1) g; v' = b2 v + (1 - b2) g^2
  *   p - lr ((m' / bc1) / (sqrt(v' / bc2) + eps) + wd p)
