@@ -69,15 +69,24 @@ static inline float grad_at(const mt_adamw_hp *hp, const void *grad, int64_t i)
     return hp->grad_bf16 ? mt_bf16_to_f32(((const uint16_t *)grad)[i]) : ((const float *)grad)[i];
 }
 
+/* The arguments of adamw and adamw_sr (op names the caller); the pointers
+ * are checked only when there are elements. */
+static int adamw_args(const char *op, int64_t n, const mt_adamw_hp *hp, int pointers)
+{
+    CPU_REQUIRE(n >= 0, "%s: n=%lld is negative", op, (long long)n);
+    CPU_REQUIRE(hp != NULL, "%s: hp is NULL", op);
+    if (n == 0) return MT_OK;
+    CPU_REQUIRE(pointers, "%s: NULL pointer", op);
+    CPU_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "%s: bias corrections bc1=%g bc2=%g must be > 0", op,
+                hp->bc1, hp->bc2);
+    return MT_OK;
+}
+
 static int cpu_adamw(mt_backend *be, void *p, int p_bf16, uint16_t *m, uint16_t *v,
                      const void *grad, int64_t n, const mt_adamw_hp *hp, void *act)
 {
-    CPU_REQUIRE(n >= 0, "adamw: n=%lld is negative", (long long)n);
-    CPU_REQUIRE(hp != NULL, "adamw: hp is NULL");
+    MT_CHECK(adamw_args("adamw", n, hp, p && m && v && grad));
     if (n == 0) return MT_OK;
-    CPU_REQUIRE(p && m && v && grad, "adamw: NULL pointer");
-    CPU_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw: bias corrections bc1=%g bc2=%g must be > 0",
-                hp->bc1, hp->bc2);
     float *a = act; /* the CPU's act type is float (cpu_act rounds) */
     if (p_bf16) {
         uint16_t *pb = p;
@@ -174,12 +183,8 @@ static int cpu_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, u
 static int cpu_adamw_sr(mt_backend *be, void *w, uint16_t *m, uint16_t *v, const void *grad,
                         int64_t n, const mt_adamw_hp *hp, uint64_t seed)
 {
-    CPU_REQUIRE(n >= 0, "adamw_sr: n=%lld is negative", (long long)n);
-    CPU_REQUIRE(hp != NULL, "adamw_sr: hp is NULL");
+    MT_CHECK(adamw_args("adamw_sr", n, hp, w && m && v && grad));
     if (n == 0) return MT_OK;
-    CPU_REQUIRE(w && m && v && grad, "adamw_sr: NULL pointer");
-    CPU_REQUIRE(hp->bc1 > 0 && hp->bc2 > 0, "adamw_sr: bias corrections bc1=%g bc2=%g must be > 0",
-                hp->bc1, hp->bc2);
     float *y = w;
     const int sr = be->round_bf16;
 #pragma omp parallel for num_threads(cpu_team(be, n))

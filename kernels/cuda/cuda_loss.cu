@@ -994,6 +994,32 @@ static int cuda_adamw_fp8_n(mt_backend *be, int n, const mt_adamw_fp8_arg *w,
 #define AS_LD (MT_QTILE + 1) /* floats a tile row: column reads meet no bank conflict */
 #define AS_CHUNK 8           /* rows loaded before the first update */
 
+/* Shared by both adamw_fp8_sr kernels. The block's new scale from the max
+ * of its updated values, published by thread 0 in s (where every thread
+ * has already read the old one: cu_block_max synchronises) and in st. */
+__device__ __forceinline__ float as_new_scale(float amax, float *sh, float *s, float *st, int b,
+                                              int nb, int kb, int NB)
+{
+    const float sc = cuda_scale_of(cu_block_max(amax, sh));
+    if (threadIdx.x == 0) {
+        s[b] = sc;
+        st[(int64_t)kb * NB + nb] = sc;
+    }
+    return sc;
+}
+
+/* Slabs are whole 128-row blocks (or the whole weight): the seed of the
+ * slab holding row n0, mixed once (fp8_hash_mixed's m), and its first
+ * element (the random bits number elements from there). */
+__device__ __forceinline__ uint64_t as_slab_seed(uint64_t seed, int slab_rows, int N, int K,
+                                                 int n0, int64_t *base)
+{
+    const int slab = slab_rows >= N ? 0 : n0 / slab_rows;
+    *base = (int64_t)slab * slab_rows * K;
+    return fp8_mix64(slab_rows >= N ? seed
+                                    : fp8_hash_mixed(fp8_mix64(seed), (uint64_t)slab + 1));
+}
+
 __global__ void __launch_bounds__(256)
 adamw_fp8_sr_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t *__restrict__ m,
                     uint16_t *__restrict__ v, const void *__restrict__ grad, int N, int K,
@@ -1033,19 +1059,10 @@ adamw_fp8_sr_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t *__
                 amax = fmaxf(amax, fabsf(x));
             }
         }
-    amax = cu_block_max(amax, sh); /* every thread has read s[b] */
-    const float sc = cuda_scale_of(amax);
-    if (threadIdx.x == 0) {
-        s[b] = sc;
-        st[(int64_t)kb * NB + nb] = sc;
-    }
-    /* slabs are whole 128-row blocks (or the whole weight); the slab's seed
-     * mixed once (fp8_hash_mixed), x / sc as cuda_div_by's IEEE quotient */
-    const int slab = slab_rows >= N ? 0 : n0 / slab_rows;
-    const uint64_t ms = fp8_mix64(slab_rows >= N ? seed
-                                                 : fp8_hash_mixed(fp8_mix64(seed), (uint64_t)slab + 1));
-    const int64_t base = (int64_t)slab * slab_rows * K;
-    const float rsc = __frcp_rn(sc);
+    const float sc = as_new_scale(amax, sh, s, st, b, nb, kb, NB);
+    int64_t base;
+    const uint64_t ms = as_slab_seed(seed, slab_rows, N, K, n0, &base);
+    const float rsc = __frcp_rn(sc); /* x / sc as cuda_div_by's IEEE quotient */
     if (c < nk)
         for (int r = r1; r < nn; r += 2) {
             const int64_t i = (int64_t)(n0 + r) * K + k0 + c;
@@ -1144,16 +1161,9 @@ adamw_fp8_sr_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t
                 av_tile[r * (MT_QTILE / 4) + lane] = make_float4(x[0], x[1], x[2], x[3]);
             }
         }
-    amax = cu_block_max(amax, sh); /* every thread has read s[b] */
-    const float sc = cuda_scale_of(amax);
-    if (threadIdx.x == 0) {
-        s[b] = sc;
-        st[(int64_t)kb * NB + nb] = sc;
-    }
-    const int slab = slab_rows >= N ? 0 : n0 / slab_rows;
-    const uint64_t ms = fp8_mix64(slab_rows >= N ? seed
-                                                 : fp8_hash_mixed(fp8_mix64(seed), (uint64_t)slab + 1));
-    const int64_t base = (int64_t)slab * slab_rows * K;
+    const float sc = as_new_scale(amax, sh, s, st, b, nb, kb, NB);
+    int64_t base;
+    const uint64_t ms = as_slab_seed(seed, slab_rows, N, K, n0, &base);
     const float rsc = __frcp_rn(sc);
     for (int r = w; r < nn; r += AV_WARPS) { /* warp-uniform: every lane meets __syncwarp */
         float4 x4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
