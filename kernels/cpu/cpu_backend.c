@@ -10,7 +10,6 @@
 
 #include "kernels/cpu/cpu_impl.h"
 #include "base/mt_clock.h"
-#include "base/mt_rng.h"
 
 /* Each allocation carries a header with its size so free() can account for
  * it; the header keeps the user pointer 64-byte aligned. */
@@ -199,12 +198,8 @@ static int cpu_act_from_f32_sr(mt_backend *be, void *dst, const float *src, int6
     if (n == 0) return MT_OK;
     CPU_REQUIRE(dst && src, "act_from_f32_sr: NULL pointer");
     float *y = dst;
-    int sr = be->round_bf16;
 #pragma omp parallel for num_threads(cpu_team(be, n))
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t r = (uint32_t)mt_hash_u64(seed, (uint64_t)i);
-        y[i] = sr ? mt_bf16_to_f32(mt_bf16_from_f32_sr(src[i], r)) : src[i];
-    }
+    for (int64_t i = 0; i < n; i++) y[i] = cpu_act_sr(be, src[i], seed, i);
     return MT_OK;
 }
 

@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "kernels/mt_fp8.h"
+#include "base/mt_rng.h"
 #include "base/mt_status.h"
 #include "kernels/ops.h"
 
@@ -51,6 +52,16 @@ static inline int cpu_team(const mt_backend *be, int64_t work)
 static inline float cpu_act(const mt_backend *be, float v)
 {
     return be->round_bf16 ? mt_bf16_round(v) : v;
+}
+
+/* The value an act buffer stores for element i of act_from_f32_sr(seed):
+ * v rounded to bf16 stochastically with the low 32 bits of
+ * mt_hash_u64(seed, i) when acts are bf16-valued (round_bf16), else v. */
+static inline float cpu_act_sr(const mt_backend *be, float v, uint64_t seed, int64_t i)
+{
+    return be->round_bf16
+               ? mt_bf16_to_f32(mt_bf16_from_f32_sr(v, (uint32_t)mt_hash_u64(seed, (uint64_t)i)))
+               : v;
 }
 
 /* sum_i a[i] * b[i] in double, in a fixed order (8 lanes over i mod 8, then

@@ -186,13 +186,9 @@ static int cpu_adamw_sr(mt_backend *be, void *w, uint16_t *m, uint16_t *v, const
     MT_CHECK(adamw_args("adamw_sr", n, hp, w && m && v && grad));
     if (n == 0) return MT_OK;
     float *y = w;
-    const int sr = be->round_bf16;
 #pragma omp parallel for num_threads(cpu_team(be, n))
-    for (int64_t i = 0; i < n; i++) {
-        const float x = adamw_one(hp, y[i], m + i, v + i, grad_at(hp, grad, i));
-        y[i] = sr ? mt_bf16_to_f32(mt_bf16_from_f32_sr(x, (uint32_t)mt_hash_u64(seed, (uint64_t)i)))
-                  : x;
-    }
+    for (int64_t i = 0; i < n; i++)
+        y[i] = cpu_act_sr(be, adamw_one(hp, y[i], m + i, v + i, grad_at(hp, grad, i)), seed, i);
     return MT_OK;
 }
 
