@@ -1501,6 +1501,15 @@ static tb grad_rows_rand(int64_t n, int64_t row, uint64_t seed, int bf16)
     return g;
 }
 
+/* An optimizer case's gradients (f32, or bf16 when bf16): dense normal
+ * values of scale 1e-3, or grad_rows_rand's rows of `row` elements when
+ * row > 0. */
+static tb adamw_grad_rand(int64_t n, int64_t row, uint64_t seed, int bf16)
+{
+    if (row > 0) return grad_rows_rand(n, row, seed, bf16);
+    return bf16 ? bf16_rand(n, seed, 1e-3f) : f32_rand(n, seed, 1e-3f);
+}
+
 static void test_optimizer(void)
 {
     const int64_t sizes[] = {1, 1000, 5000003};
@@ -1553,9 +1562,7 @@ static void test_optimizer(void)
         for (int step = 1; step <= 3 && ok; step++) {
             mt_adamw_hp hp = adamw_hp_at(step);
             hp.grad_bf16 = gbf;
-            tb g = rows ? grad_rows_rand(n, 1000, 210 + step, gbf)
-                   : gbf ? bf16_rand(n, 210 + step, 1e-3f)
-                         : f32_rand(n, 210 + step, 1e-3f);
+            tb g = adamw_grad_rand(n, rows ? 1000 : 0, 210 + step, gbf);
             /* the weight's act copy from the last step's pass */
             BOTH(ok, "adamw", sh,
                  be->adamw(be, (char *)p.p[s] + off * (pb ? 2 : 4), pb, (uint16_t *)m.p[s] + off,
@@ -1587,9 +1594,7 @@ static void test_optimizer(void)
         for (int step = 1; step <= 3 && ok; step++) {
             mt_adamw_hp hp = adamw_hp_at(step);
             hp.grad_bf16 = gbf;
-            tb g = rows ? grad_rows_rand(n, 1000, 235 + step, gbf)
-                   : gbf ? bf16_rand(n, 235 + step, 1e-3f)
-                         : f32_rand(n, 235 + step, 1e-3f);
+            tb g = adamw_grad_rand(n, rows ? 1000 : 0, 235 + step, gbf);
             BOTH(ok, "adamw_sr", sh,
                  be->adamw_sr(be, (char *)w.p[s] + off * BE[s]->act_bytes,
                               (uint16_t *)m.p[s] + off, (uint16_t *)v.p[s] + off,
@@ -1624,7 +1629,7 @@ static void test_optimizer(void)
                 for (int step = 1; step <= 2 && ok; step++) {
                     mt_adamw_hp hp = adamw_hp_at(step);
                     hp.grad_bf16 = gbf;
-                    tb g = gbf ? bf16_rand(n, 240 + step, 1e-3f) : f32_rand(n, 240 + step, 1e-3f);
+                    tb g = adamw_grad_rand(n, 0, 240 + step, gbf);
                     BOTH(ok, "adamw_fp8", sh, be->adamw_fp8(be, p.p[s], pb, m.p[s], v.p[s], g.p[s], N, K,
                                                             &hp, q.p[s], sc.p[s], qt.p[s], st.p[s]));
                     tb_free(&g);
@@ -1668,7 +1673,7 @@ static void test_optimizer(void)
                 for (int step = 1; step <= 3 && ok; step++) {
                     mt_adamw_hp hp = adamw_hp_at(step);
                     hp.grad_bf16 = gbf;
-                    tb g = gbf ? bf16_rand(n, 270 + step, 1e-3f) : f32_rand(n, 270 + step, 1e-3f);
+                    tb g = adamw_grad_rand(n, 0, 270 + step, gbf);
                     const uint64_t seed = 0x5eedull * (uint64_t)(step + 7 * i);
                     BOTH(ok, "adamw_fp8_sr", sh,
                          be->adamw_fp8_sr(be, q.p[s], sc.p[s], m.p[s], v.p[s], g.p[s], N, K, &hp,
@@ -1731,9 +1736,7 @@ static void test_optimizer(void)
             tb g[WMAX];
             for (int i = 0; i < W; i++) {
                 const int64_t n = (int64_t)shp[i][0] * shp[i][1];
-                g[i] = i % 6 >= 4 ? grad_rows_rand(n, shp[i][1], 270 + 10 * step + i, gbf)
-                       : gbf  ? bf16_rand(n, 270 + 10 * step + i, 1e-3f)
-                              : f32_rand(n, 270 + 10 * step + i, 1e-3f);
+                g[i] = adamw_grad_rand(n, i % 6 >= 4 ? shp[i][1] : 0, 270 + 10 * step + i, gbf);
             }
             mt_adamw_fp8_arg a[2][WMAX];
             for (int s = 0; s < 2; s++)
