@@ -16,20 +16,30 @@
  * DeepSeek-V3's recipe says (the tensor cores' fp8 sums keep fewer bits
  * than fp32, so no sum runs longer than 128 products).
  *
- * Shape of the kernel: a CTA per SM, looping over 128 x 128 output tiles
+ * Shape of the kernel: a CTA per SM, looping over 128 x 192 output tiles
  * (tile t: m-tile t / NT over all segments in order, n-tile t % NT, so the
  * CTAs running together share their expert's B_g through L2).
- *  - Warp 0 of warpgroup 0, one thread, is the producer: it moves A and B
- *    blocks of 128 x 128 bytes into a ring of GF_STAGES shared-memory slots
- *    with TMA (128-byte swizzle, the layout wgmma reads), signalling a
+ *  - Warp 0 of warpgroup 0, one thread, is the producer: it moves A's 128 x
+ *    128-byte block and B's 192 x 128 into a ring of GF_STAGES shared-memory
+ *    slots with TMA (128-byte swizzle, the layout wgmma reads), signalling a
  *    "full" mbarrier per slot with the bytes it expects.
  *  - Warpgroups 1 and 2 each own 64 rows of the tile: per K block they wait
- *    for the slot, issue 4 wgmma m64n128k32, wait for them, free the slot
+ *    for the slot, issue 4 wgmma m64n192k32, wait for them, free the slot
  *    (the "empty" mbarrier, one arrival per consumer warp) and fold the
  *    block into their accumulator with sa * sb, the scales of a block
- *    GF_AHEAD blocks on already loading. At the tile's end they write the
- *    accumulator to a staging tile in shared memory and go on with the
- *    next tile.
+ *    GF_AHEAD blocks on already loading. A tile's 192 columns span two of
+ *    B's 128-column scale blocks (the first 128 or 64 columns in the
+ *    first). At the tile's end they write the accumulator to a staging
+ *    tile in shared memory and go on with the next tile. The consumers
+ *    hold 2 x 96 fp32 values a thread: setmaxnreg gives their warpgroups
+ *    232 registers a thread and the producer's 40.
+ * Why 192 columns (tests/bench/RESULTS.md, sixteenth round): in the tile
+ * model DeepGEMM's heuristic uses (shared memory serves 128 bytes a cycle
+ * per SM), a 128 x 128 tile's K block moves 80 KB through shared memory
+ * (48 KB read by wgmma, 32 KB written by TMA), 640 cycles against 512 of
+ * tensor work; 128 x 192 moves 104 KB, 832 cycles against 768. Measured:
+ * about 5 % faster on the experts' shapes. Halving B's L2 reads instead
+ * (TMA multicast across a cluster of 2) gained nothing.
  *  - Warps 1..3 of warpgroup 0 store the staging tile to C as whole rows
  *    (16-byte accesses; C read there for accumulation) while the consumers
  *    compute the next one; two more mbarriers hand the staging tile over.
@@ -50,10 +60,11 @@
 #include "base/mt_log.h"
 
 #define GF_BM 128      /* tile rows: 2 consumer warpgroups x 64 */
-#define GF_BN 128      /* tile columns: one wgmma n128, one scale block of B */
+#define GF_BN 192      /* tile columns: one wgmma n192, spanning two scale blocks of B */
 #define GF_BK 128      /* bytes (e4m3 values) per K block: one scale block */
 #define GF_THREADS 384 /* the producer's warpgroup + 2 consumer warpgroups */
-#define GF_STAGES 4    /* ring slots (a power of 2; 32 KB each) */
+#define GF_STAGES 3    /* ring slots (40 KB each; a fourth leaves no room for the
+                        * fp32 staging tile in 227 KB) */
 #define GF_AHEAD 3     /* K blocks the consumers' scale loads run ahead (measured on
                         * an H200: 1 block ahead left the consumers waiting on them,
                         * 3 gained 2-11 % on the experts' shapes) */
@@ -151,20 +162,20 @@ __device__ __forceinline__ uint64_t gf_desc(const void *p)
 
 /* Keeps the compiler from moving accumulator accesses across wgmma's
  * asynchronous reads and writes of them. */
-__device__ __forceinline__ void gf_fence_acc(float (&d)[64])
+__device__ __forceinline__ void gf_fence_acc(float (&d)[96])
 {
 #pragma unroll
-    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < 96; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/* D[64 x 128] (+)= A[64 x 32] B[128 x 32]^T, e4m3 in, fp32 out, both operands
+/* D[64 x 192] (+)= A[64 x 32] B[192 x 32]^T, e4m3 in, fp32 out, both operands
  * K-major in shared memory (descriptors below); scale_d 0 starts a new sum. */
-__device__ __forceinline__ void gf_wgmma_k32(float (&d)[64], uint64_t da, uint64_t db, int scale_d)
+__device__ __forceinline__ void gf_wgmma_k32(float (&d)[96], uint64_t da, uint64_t db, int scale_d)
 {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -172,7 +183,11 @@ __device__ __forceinline__ void gf_wgmma_k32(float (&d)[64], uint64_t da, uint64
           "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
@@ -186,51 +201,85 @@ __device__ __forceinline__ void gf_tile(const gf_params &p, int t, int &g, int &
 }
 
 /* Rows of the staging tile to C: warp w of `nw` takes rows w, w + nw, ...;
- * lane l columns 4 l .. 4 l + 3 (16 bytes of fp32, 8 of bf16). */
+ * lane l the column groups 4 q .. 4 q + 3 for q = l and l + 32 < 48 (16 bytes
+ * of fp32, 8 of bf16). */
 __device__ __forceinline__ void gf_store_tile(const gf_params &p, const float *staging, int g,
                                               int row0, int n0, int w, int nw, int lane)
 {
-    const int Mg = p.segs.start[g + 1] - p.segs.start[g], n = n0 + 4 * lane;
-    if (n >= p.N) return;
+    const int Mg = p.segs.start[g + 1] - p.segs.start[g];
     const int rows = min(GF_BM, Mg - row0);
-    for (int rr = w; rr < rows; rr += nw) {
-        const int64_t ci = (int64_t)(p.segs.start[g] + row0 + rr) * p.ldc + n;
-        float4 v = *(const float4 *)(staging + rr * GF_STAGE_LD + 4 * lane);
-        if (p.c_f32) {
-            float *c = (float *)p.C + ci;
-            if (n + 4 <= p.N) {
-                if (p.accumulate) {
-                    float4 o = *(const float4 *)c;
-                    v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
+    for (int cq = lane; cq < GF_BN / 4; cq += 32) {
+        const int n = n0 + 4 * cq;
+        if (n >= p.N) break;
+        for (int rr = w; rr < rows; rr += nw) {
+            const int64_t ci = (int64_t)(p.segs.start[g] + row0 + rr) * p.ldc + n;
+            float4 v = *(const float4 *)(staging + rr * GF_STAGE_LD + 4 * cq);
+            if (p.c_f32) {
+                float *c = (float *)p.C + ci;
+                if (n + 4 <= p.N) {
+                    if (p.accumulate) {
+                        float4 o = *(const float4 *)c;
+                        v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
+                    }
+                    *(float4 *)c = v;
+                } else { /* N even: 2 columns left */
+                    if (p.accumulate) v.x += c[0], v.y += c[1];
+                    *(float2 *)c = make_float2(v.x, v.y);
                 }
-                *(float4 *)c = v;
-            } else { /* N even: 2 columns left */
-                if (p.accumulate) v.x += c[0], v.y += c[1];
-                *(float2 *)c = make_float2(v.x, v.y);
-            }
-        } else {
-            bf16 *c = (bf16 *)p.C + ci;
-            if (n + 4 <= p.N) {
-                if (p.accumulate) {
-                    uint2 raw = *(const uint2 *)c;
-                    float2 o0 = __bfloat1622float2(*(__nv_bfloat162 *)&raw.x);
-                    float2 o1 = __bfloat1622float2(*(__nv_bfloat162 *)&raw.y);
-                    v.x += o0.x, v.y += o0.y, v.z += o1.x, v.w += o1.y;
-                }
-                __nv_bfloat162 w0 = __floats2bfloat162_rn(v.x, v.y);
-                __nv_bfloat162 w1 = __floats2bfloat162_rn(v.z, v.w);
-                uint2 raw;
-                raw.x = *(uint32_t *)&w0, raw.y = *(uint32_t *)&w1;
-                *(uint2 *)c = raw;
             } else {
-                __nv_bfloat162 *c2 = (__nv_bfloat162 *)c;
-                if (p.accumulate) {
-                    float2 o = __bfloat1622float2(*c2);
-                    v.x += o.x, v.y += o.y;
+                bf16 *c = (bf16 *)p.C + ci;
+                if (n + 4 <= p.N) {
+                    if (p.accumulate) {
+                        uint2 raw = *(const uint2 *)c;
+                        float2 o0 = __bfloat1622float2(*(__nv_bfloat162 *)&raw.x);
+                        float2 o1 = __bfloat1622float2(*(__nv_bfloat162 *)&raw.y);
+                        v.x += o0.x, v.y += o0.y, v.z += o1.x, v.w += o1.y;
+                    }
+                    __nv_bfloat162 w0 = __floats2bfloat162_rn(v.x, v.y);
+                    __nv_bfloat162 w1 = __floats2bfloat162_rn(v.z, v.w);
+                    uint2 raw;
+                    raw.x = *(uint32_t *)&w0, raw.y = *(uint32_t *)&w1;
+                    *(uint2 *)c = raw;
+                } else {
+                    __nv_bfloat162 *c2 = (__nv_bfloat162 *)c;
+                    if (p.accumulate) {
+                        float2 o = __bfloat1622float2(*c2);
+                        v.x += o.x, v.y += o.y;
+                    }
+                    *c2 = __floats2bfloat162_rn(v.x, v.y);
                 }
-                *c2 = __floats2bfloat162_rn(v.x, v.y);
             }
         }
+    }
+}
+
+/* Register budgets by warpgroup: the producer's (one TMA thread, three
+ * storer warps) needs few; a consumer holds 2 x 96 fp32 values a thread.
+ * 40 x 128 + 232 x 256 <= 65536. */
+__device__ __forceinline__ void gf_setmaxnreg_dec(void)
+{
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+}
+
+__device__ __forceinline__ void gf_setmaxnreg_inc(void)
+{
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+}
+
+/* acc += d x (sa sb): the columns 8 j + ct + {0, 1} with j < EDGE_J (the
+ * tile's edge between B's scale blocks at 64 or 128 columns, over 8) take
+ * B's first block's scale, the rest its second's. */
+template <int EDGE_J>
+__device__ __forceinline__ void gf_promote(float (&acc)[96], const float (&d)[96], float fa0,
+                                           float fb0, float fa1, float fb1)
+{
+#pragma unroll
+    for (int j = 0; j < 24; j++) {
+        const float fa = j < EDGE_J ? fa0 : fa1, fb = j < EDGE_J ? fb0 : fb1;
+        acc[4 * j + 0] += d[4 * j + 0] * fa;
+        acc[4 * j + 1] += d[4 * j + 1] * fa;
+        acc[4 * j + 2] += d[4 * j + 2] * fb;
+        acc[4 * j + 3] += d[4 * j + 3] * fb;
     }
 }
 #endif
@@ -258,6 +307,7 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
     }
     __syncthreads();
 
+    if (wg == 0) gf_setmaxnreg_dec();
     if (wg == 0 && warp == 0) {
         if (lane != 0) return;
         /* the producer */
@@ -269,7 +319,7 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
             gf_tile(p, t, g, row0, n0);
             const int arow = p.segs.start[g] + row0;
             for (int kb = 0; kb < p.KB; kb++, it++) {
-                const int s = it & (GF_STAGES - 1);
+                const int s = it % GF_STAGES;
                 gf_bar_wait(&empty[s], ((it / GF_STAGES) & 1) ^ 1);
                 gf_bar_expect(&full[s], GF_SLOT_A + GF_SLOT_B);
                 gf_tma_2d(slot_a + s * GF_SLOT_A, &map_a, kb * GF_BK, arow, &full[s]);
@@ -294,8 +344,9 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
 
     /* consumers: warpgroup cw owns rows cw * 64 .. + 63 of each tile; this
      * thread's accumulator rows are ra and ra + 8, its columns
-     * 8 j + 2 (lane % 4) + {0, 1} for j < 16 (wgmma's fp32 fragment: value
+     * 8 j + 2 (lane % 4) + {0, 1} for j < 24 (wgmma's fp32 fragment: value
      * 4 j + 2 h + e is row ra + 8 h, column 8 j + 2 (lane % 4) + e). */
+    gf_setmaxnreg_inc();
     const int cw = wg - 1, rt = cw * 64 + warp * 16 + (lane >> 2), ct = 2 * (lane & 3);
     /* descriptors of slot 0; slot s is (s * slot bytes) >> 4 further */
     const uint64_t da0 = gf_desc(slot_a + cw * 64 * GF_BK), db0 = gf_desc(slot_b);
@@ -306,13 +357,17 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
         const int Mg = p.segs.start[g + 1] - p.segs.start[g];
         const int ra = row0 + rt, rb = ra + 8;
         const float *sag = p.sa + (int64_t)p.KB * p.segs.start[g];
-        const float *sbg = p.sb + g * p.sb_stride + (int64_t)(n0 / 128) * p.KB;
-        float acc[64], d[64];
+        /* the tile's columns span B's scale blocks n0 / 128 and the next
+         * (its first `edge` columns in the first) */
+        const int nb = n0 / 128, edge = 128 * (nb + 1) - n0;
+        const float *sbg = p.sb + g * p.sb_stride + (int64_t)nb * p.KB;
+        const bool nb1_in = 128 * (nb + 1) < p.N;
+        float acc[96], d[96];
 #pragma unroll
-        for (int i = 0; i < 64; i++) acc[i] = d[i] = 0.0f;
+        for (int i = 0; i < 96; i++) acc[i] = d[i] = 0.0f;
         /* block kb's scales in registers GF_AHEAD blocks ahead: their load
          * takes longer than a block's tensor work */
-        float q_a[GF_AHEAD], q_a8[GF_AHEAD], q_b[GF_AHEAD];
+        float q_a[GF_AHEAD], q_a8[GF_AHEAD], q_b[GF_AHEAD], q_b1[GF_AHEAD];
 #pragma unroll
         for (int i = 0; i < GF_AHEAD; i++) {
             const int64_t o = (int64_t)i * Mg;
@@ -320,19 +375,22 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
             q_a[i] = in && ra < Mg ? __ldg(sag + o + ra) : 0.0f;
             q_a8[i] = in && rb < Mg ? __ldg(sag + o + rb) : 0.0f;
             q_b[i] = in ? __ldg(sbg + i) : 0.0f;
+            q_b1[i] = in && nb1_in ? __ldg(sbg + p.KB + i) : 0.0f;
         }
         for (int kb = 0; kb < p.KB; kb++, it++) {
-            const float s_a = q_a[0], s_a8 = q_a8[0], s_b = q_b[0];
+            const float s_a = q_a[0], s_a8 = q_a8[0], s_b = q_b[0], s_b1 = q_b1[0];
 #pragma unroll
             for (int i = 0; i + 1 < GF_AHEAD; i++)
-                q_a[i] = q_a[i + 1], q_a8[i] = q_a8[i + 1], q_b[i] = q_b[i + 1];
+                q_a[i] = q_a[i + 1], q_a8[i] = q_a8[i + 1], q_b[i] = q_b[i + 1],
+                q_b1[i] = q_b1[i + 1];
             if (kb + GF_AHEAD < p.KB) {
                 const int64_t o = (int64_t)(kb + GF_AHEAD) * Mg;
                 q_a[GF_AHEAD - 1] = ra < Mg ? __ldg(sag + o + ra) : 0.0f;
                 q_a8[GF_AHEAD - 1] = rb < Mg ? __ldg(sag + o + rb) : 0.0f;
                 q_b[GF_AHEAD - 1] = __ldg(sbg + kb + GF_AHEAD);
+                q_b1[GF_AHEAD - 1] = nb1_in ? __ldg(sbg + p.KB + kb + GF_AHEAD) : 0.0f;
             }
-            const uint32_t s = it & (GF_STAGES - 1);
+            const uint32_t s = it % GF_STAGES;
             gf_bar_wait(&full[s], (it / GF_STAGES) & 1);
             const uint64_t da = da0 + ((s * GF_SLOT_A) >> 4), db = db0 + ((s * GF_SLOT_B) >> 4);
             gf_fence_acc(d);
@@ -345,14 +403,9 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
             gf_fence_acc(d);
             __syncwarp();
             if (lane == 0) gf_bar_arrive(&empty[s]);
-            const float fa = s_a * s_b, fb = s_a8 * s_b;
-#pragma unroll
-            for (int j = 0; j < 16; j++) {
-                acc[4 * j + 0] += d[4 * j + 0] * fa;
-                acc[4 * j + 1] += d[4 * j + 1] * fa;
-                acc[4 * j + 2] += d[4 * j + 2] * fb;
-                acc[4 * j + 3] += d[4 * j + 3] * fb;
-            }
+            const float fa = s_a * s_b, fb = s_a8 * s_b, fa1 = s_a * s_b1, fb1 = s_a8 * s_b1;
+            if (edge == 128) gf_promote<16>(acc, d, fa, fb, fa1, fb1);
+            else gf_promote<8>(acc, d, fa, fb, fa1, fb1);
         }
         /* the tile to the staging area once the storers have drained the
          * previous one */
@@ -360,7 +413,7 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
 #pragma unroll
         for (int h = 0; h < 2; h++)
 #pragma unroll
-            for (int j = 0; j < 16; j++)
+            for (int j = 0; j < 24; j++)
                 *(float2 *)(staging + (rt + 8 * h) * GF_STAGE_LD + 8 * j + ct) =
                     make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         __syncwarp();
