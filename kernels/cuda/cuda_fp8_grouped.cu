@@ -33,6 +33,12 @@
  *    tile in shared memory and go on with the next tile. The consumers
  *    hold 2 x 96 fp32 values a thread: setmaxnreg gives their warpgroups
  *    232 registers a thread and the producer's 40.
+ *  - Warps 1..3 of warpgroup 0 store the staging tile to C as whole rows
+ *    (16-byte accesses; C read there for accumulation) while the consumers
+ *    compute the next one; two more mbarriers hand the staging tile over.
+ * TMA fills rows past a tensor's end with zeros; rows of a tile past its
+ * segment's end are computed and not stored (their scales taken as 0).
+ *
  * Why 192 columns (tests/bench/RESULTS.md, sixteenth round): in the tile
  * model DeepGEMM's heuristic uses (shared memory serves 128 bytes a cycle
  * per SM), a 128 x 128 tile's K block moves 80 KB through shared memory
@@ -40,11 +46,6 @@
  * tensor work; 128 x 192 moves 104 KB, 832 cycles against 768. Measured:
  * about 5 % faster on the experts' shapes. Halving B's L2 reads instead
  * (TMA multicast across a cluster of 2) gained nothing.
- *  - Warps 1..3 of warpgroup 0 store the staging tile to C as whole rows
- *    (16-byte accesses; C read there for accumulation) while the consumers
- *    compute the next one; two more mbarriers hand the staging tile over.
- * TMA fills rows past a tensor's end with zeros; rows of a tile past its
- * segment's end are computed and not stored (their scales taken as 0).
  *
  * Requirements (cuda_fp8_grouped_fits): Hopper (sm_90a), K % 16 == 0 and
  * 16-byte aligned A and B with b_stride % 16 == 0 (TMA's global strides),
