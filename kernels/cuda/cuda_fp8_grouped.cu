@@ -69,6 +69,8 @@
 #define GF_AHEAD 3     /* K blocks the consumers' scale loads run ahead (measured on
                         * an H200: 1 block ahead left the consumers waiting on them,
                         * 3 gained 2-11 % on the experts' shapes) */
+#define GF_ACC (GF_BN / 2) /* fp32 values of a 64 x GF_BN wgmma result a thread holds */
+#define GF_NJ (GF_BN / 8)  /* their 8-column groups (4 values each: 2 rows x 2 columns) */
 #define GF_SLOT_A (GF_BM * GF_BK)
 #define GF_SLOT_B (GF_BN * GF_BK)
 #define GF_STAGE_LD (GF_BN + 8) /* staging row stride in floats: a warp's 8-row
@@ -163,15 +165,16 @@ __device__ __forceinline__ uint64_t gf_desc(const void *p)
 
 /* Keeps the compiler from moving accumulator accesses across wgmma's
  * asynchronous reads and writes of them. */
-__device__ __forceinline__ void gf_fence_acc(float (&d)[96])
+__device__ __forceinline__ void gf_fence_acc(float (&d)[GF_ACC])
 {
 #pragma unroll
-    for (int i = 0; i < 96; i++) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < GF_ACC; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+static_assert(GF_BN == 192, "gf_wgmma_k32 is written for wgmma n192");
 /* D[64 x 192] (+)= A[64 x 32] B[192 x 32]^T, e4m3 in, fp32 out, both operands
  * K-major in shared memory (descriptors below); scale_d 0 starts a new sum. */
-__device__ __forceinline__ void gf_wgmma_k32(float (&d)[96], uint64_t da, uint64_t db, int scale_d)
+__device__ __forceinline__ void gf_wgmma_k32(float (&d)[GF_ACC], uint64_t da, uint64_t db, int scale_d)
 {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
@@ -271,11 +274,11 @@ __device__ __forceinline__ void gf_setmaxnreg_inc(void)
  * tile's edge between B's scale blocks at 64 or 128 columns, over 8) take
  * B's first block's scale, the rest its second's. */
 template <int EDGE_J>
-__device__ __forceinline__ void gf_promote(float (&acc)[96], const float (&d)[96], float fa0,
+__device__ __forceinline__ void gf_promote(float (&acc)[GF_ACC], const float (&d)[GF_ACC], float fa0,
                                            float fb0, float fa1, float fb1)
 {
 #pragma unroll
-    for (int j = 0; j < 24; j++) {
+    for (int j = 0; j < GF_NJ; j++) {
         const float fa = j < EDGE_J ? fa0 : fa1, fb = j < EDGE_J ? fb0 : fb1;
         acc[4 * j + 0] += d[4 * j + 0] * fa;
         acc[4 * j + 1] += d[4 * j + 1] * fa;
@@ -345,7 +348,7 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
 
     /* consumers: warpgroup cw owns rows cw * 64 .. + 63 of each tile; this
      * thread's accumulator rows are ra and ra + 8, its columns
-     * 8 j + 2 (lane % 4) + {0, 1} for j < 24 (wgmma's fp32 fragment: value
+     * 8 j + 2 (lane % 4) + {0, 1} for j < GF_NJ (wgmma's fp32 fragment: value
      * 4 j + 2 h + e is row ra + 8 h, column 8 j + 2 (lane % 4) + e). */
     gf_setmaxnreg_inc();
     const int cw = wg - 1, rt = cw * 64 + warp * 16 + (lane >> 2), ct = 2 * (lane & 3);
@@ -363,9 +366,9 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
         const int nb = n0 / 128, edge = 128 * (nb + 1) - n0;
         const float *sbg = p.sb + g * p.sb_stride + (int64_t)nb * p.KB;
         const bool nb1_in = 128 * (nb + 1) < p.N;
-        float acc[96], d[96];
+        float acc[GF_ACC], d[GF_ACC];
 #pragma unroll
-        for (int i = 0; i < 96; i++) acc[i] = d[i] = 0.0f;
+        for (int i = 0; i < GF_ACC; i++) acc[i] = d[i] = 0.0f;
         /* block kb's scales in registers GF_AHEAD blocks ahead: their load
          * takes longer than a block's tensor work */
         float q_a[GF_AHEAD], q_a8[GF_AHEAD], q_b[GF_AHEAD], q_b1[GF_AHEAD];
@@ -414,7 +417,7 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
 #pragma unroll
         for (int h = 0; h < 2; h++)
 #pragma unroll
-            for (int j = 0; j < 24; j++)
+            for (int j = 0; j < GF_NJ; j++)
                 *(float2 *)(staging + (rt + 8 * h) * GF_STAGE_LD + 8 * j + ct) =
                     make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         __syncwarp();
