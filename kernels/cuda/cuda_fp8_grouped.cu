@@ -34,10 +34,14 @@
  *    hold 2 x 96 fp32 values a thread: setmaxnreg gives their warpgroups
  *    232 registers a thread and the producer's 40.
  *  - Warps 1..3 of warpgroup 0 store the staging tile to C as whole rows
- *    (16-byte accesses; C read there for accumulation) while the consumers
- *    compute the next one; two more mbarriers hand the staging tile over.
+ *    (16-byte accesses) while the consumers compute the next one; two more
+ *    mbarriers hand the staging tile over. Where C accumulates, the
+ *    consumers add its old values before staging (RESULTS.md, seventeenth
+ *    round: all loads of a thread in flight at once, one memory latency a
+ *    tile; read by the storers, a row at a time, it ran 2.5x slower).
  * TMA fills rows past a tensor's end with zeros; rows of a tile past its
- * segment's end are computed and not stored (their scales taken as 0).
+ * segment's end are computed and not stored (with the segment's last
+ * row's scales).
  *
  * Why 192 columns (tests/bench/RESULTS.md, sixteenth round): in the tile
  * model DeepGEMM's heuristic uses (shared memory serves 128 bytes a cycle
@@ -206,54 +210,90 @@ __device__ __forceinline__ void gf_tile(const gf_params &p, int t, int &g, int &
 
 /* Rows of the staging tile to C: warp w of `nw` takes rows w, w + nw, ...;
  * lane l the column groups 4 q .. 4 q + 3 for q = l and l + 32 < 48 (16 bytes
- * of fp32, 8 of bf16). */
+ * of fp32, 8 of bf16). The staging tile already holds C's old values where
+ * C accumulates (the consumers added them). */
 __device__ __forceinline__ void gf_store_tile(const gf_params &p, const float *staging, int g,
                                               int row0, int n0, int w, int nw, int lane)
 {
     const int Mg = p.segs.start[g + 1] - p.segs.start[g];
     const int rows = min(GF_BM, Mg - row0);
+    const int64_t r0 = (int64_t)p.segs.start[g] + row0;
     for (int cq = lane; cq < GF_BN / 4; cq += 32) {
         const int n = n0 + 4 * cq;
         if (n >= p.N) break;
+        const bool four = n + 4 <= p.N; /* N even: else 2 columns left */
         for (int rr = w; rr < rows; rr += nw) {
-            const int64_t ci = (int64_t)(p.segs.start[g] + row0 + rr) * p.ldc + n;
-            float4 v = *(const float4 *)(staging + rr * GF_STAGE_LD + 4 * cq);
+            const float4 v = *(const float4 *)(staging + rr * GF_STAGE_LD + 4 * cq);
+            const int64_t ci = (r0 + rr) * p.ldc + n;
             if (p.c_f32) {
                 float *c = (float *)p.C + ci;
-                if (n + 4 <= p.N) {
-                    if (p.accumulate) {
-                        float4 o = *(const float4 *)c;
-                        v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
-                    }
-                    *(float4 *)c = v;
-                } else { /* N even: 2 columns left */
-                    if (p.accumulate) v.x += c[0], v.y += c[1];
-                    *(float2 *)c = make_float2(v.x, v.y);
-                }
+                if (four) *(float4 *)c = v;
+                else *(float2 *)c = make_float2(v.x, v.y);
             } else {
                 bf16 *c = (bf16 *)p.C + ci;
-                if (n + 4 <= p.N) {
-                    if (p.accumulate) {
-                        uint2 raw = *(const uint2 *)c;
-                        float2 o0 = __bfloat1622float2(*(__nv_bfloat162 *)&raw.x);
-                        float2 o1 = __bfloat1622float2(*(__nv_bfloat162 *)&raw.y);
-                        v.x += o0.x, v.y += o0.y, v.z += o1.x, v.w += o1.y;
-                    }
-                    __nv_bfloat162 w0 = __floats2bfloat162_rn(v.x, v.y);
-                    __nv_bfloat162 w1 = __floats2bfloat162_rn(v.z, v.w);
+                const __nv_bfloat162 w0 = __floats2bfloat162_rn(v.x, v.y);
+                if (four) {
+                    const __nv_bfloat162 w1 = __floats2bfloat162_rn(v.z, v.w);
                     uint2 raw;
-                    raw.x = *(uint32_t *)&w0, raw.y = *(uint32_t *)&w1;
+                    raw.x = *(const uint32_t *)&w0, raw.y = *(const uint32_t *)&w1;
                     *(uint2 *)c = raw;
                 } else {
-                    __nv_bfloat162 *c2 = (__nv_bfloat162 *)c;
-                    if (p.accumulate) {
-                        float2 o = __bfloat1622float2(*c2);
-                        v.x += o.x, v.y += o.y;
-                    }
-                    *c2 = __floats2bfloat162_rn(v.x, v.y);
+                    *(__nv_bfloat162 *)c = w0;
                 }
             }
         }
+    }
+}
+
+/* acc (+)= C's old values at this thread's fragment (rows ra and ra + 8 of
+ * the tile, columns 8 j + ct + {0, 1}), where C accumulates. The consumers
+ * do it, not the storers: all 48 loads of a thread are issued before the
+ * first is used (into registers the wgmma products no longer need), so a
+ * tile pays one memory latency; the storers, with one load in flight a
+ * lane, paid one a row and fell behind the consumers on short K. The sum
+ * is the one the storers made (fp32, then C's rounding). */
+__device__ __forceinline__ void gf_acc_add_c(const gf_params &p, float (&acc)[GF_ACC], int g, int row0,
+                                             int n0, int rt, int ct)
+{
+    const int Mg = p.segs.start[g + 1] - p.segs.start[g];
+    const int64_t r0 = (int64_t)p.segs.start[g] + row0;
+    if (p.c_f32) {
+        float2 old[2 * GF_NJ];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < GF_NJ; j++) {
+                const int r = rt + 8 * h, n = n0 + 8 * j + ct;
+                old[GF_NJ * h + j] = make_float2(0.0f, 0.0f);
+                if (row0 + r < Mg && n < p.N)
+                    old[GF_NJ * h + j] = *(const float2 *)((const float *)p.C + (r0 + r) * p.ldc + n);
+            }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < GF_NJ; j++) {
+                acc[4 * j + 2 * h] += old[GF_NJ * h + j].x;
+                acc[4 * j + 2 * h + 1] += old[GF_NJ * h + j].y;
+            }
+    } else {
+        __nv_bfloat162 old[2 * GF_NJ];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < GF_NJ; j++) {
+                const int r = rt + 8 * h, n = n0 + 8 * j + ct;
+                old[GF_NJ * h + j] = __floats2bfloat162_rn(0.0f, 0.0f);
+                if (row0 + r < Mg && n < p.N)
+                    old[GF_NJ * h + j] = *(const __nv_bfloat162 *)((const bf16 *)p.C + (r0 + r) * p.ldc + n);
+            }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < GF_NJ; j++) {
+                const float2 o = __bfloat1622float2(old[GF_NJ * h + j]);
+                acc[4 * j + 2 * h] += o.x;
+                acc[4 * j + 2 * h + 1] += o.y;
+            }
     }
 }
 
@@ -354,18 +394,23 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
     const int cw = wg - 1, rt = cw * 64 + warp * 16 + (lane >> 2), ct = 2 * (lane & 3);
     /* descriptors of slot 0; slot s is (s * slot bytes) >> 4 further */
     const uint64_t da0 = gf_desc(slot_a + cw * 64 * GF_BK), db0 = gf_desc(slot_b);
-    uint32_t it = 0, ti = 0;
+    uint32_t s = 0, ph = 0, ti = 0; /* the ring slot and its phase parity */
     for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
         int g, row0, n0;
         gf_tile(p, t, g, row0, n0);
         const int Mg = p.segs.start[g + 1] - p.segs.start[g];
         const int ra = row0 + rt, rb = ra + 8;
         const float *sag = p.sa + (int64_t)p.KB * p.segs.start[g];
+        /* scale pointers advanced a block at a time; rows past the
+         * segment's end read its last row's scales (finite; those rows
+         * are not stored), so no load is predicated */
+        const float *pa = sag + min(ra, Mg - 1), *pa8 = sag + min(rb, Mg - 1);
         /* the tile's columns span B's scale blocks n0 / 128 and the next
          * (its first `edge` columns in the first) */
         const int nb = n0 / 128, edge = 128 * (nb + 1) - n0;
         const float *sbg = p.sb + g * p.sb_stride + (int64_t)nb * p.KB;
-        const bool nb1_in = 128 * (nb + 1) < p.N;
+        /* no second block past N: its columns are not stored */
+        const float *pb = sbg, *pb1 = 128 * (nb + 1) < p.N ? sbg + p.KB : sbg;
         float acc[GF_ACC], d[GF_ACC];
 #pragma unroll
         for (int i = 0; i < GF_ACC; i++) acc[i] = d[i] = 0.0f;
@@ -374,28 +419,25 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
         float q_a[GF_AHEAD], q_a8[GF_AHEAD], q_b[GF_AHEAD], q_b1[GF_AHEAD];
 #pragma unroll
         for (int i = 0; i < GF_AHEAD; i++) {
-            const int64_t o = (int64_t)i * Mg;
             const bool in = i < p.KB;
-            q_a[i] = in && ra < Mg ? __ldg(sag + o + ra) : 0.0f;
-            q_a8[i] = in && rb < Mg ? __ldg(sag + o + rb) : 0.0f;
-            q_b[i] = in ? __ldg(sbg + i) : 0.0f;
-            q_b1[i] = in && nb1_in ? __ldg(sbg + p.KB + i) : 0.0f;
+            q_a[i] = in ? __ldg(pa) : 0.0f;
+            q_a8[i] = in ? __ldg(pa8) : 0.0f;
+            q_b[i] = in ? __ldg(pb) : 0.0f;
+            q_b1[i] = in ? __ldg(pb1) : 0.0f;
+            if (in) pa += Mg, pa8 += Mg, pb++, pb1++;
         }
-        for (int kb = 0; kb < p.KB; kb++, it++) {
+        for (int kb = 0; kb < p.KB; kb++) {
             const float s_a = q_a[0], s_a8 = q_a8[0], s_b = q_b[0], s_b1 = q_b1[0];
 #pragma unroll
             for (int i = 0; i + 1 < GF_AHEAD; i++)
                 q_a[i] = q_a[i + 1], q_a8[i] = q_a8[i + 1], q_b[i] = q_b[i + 1],
                 q_b1[i] = q_b1[i + 1];
             if (kb + GF_AHEAD < p.KB) {
-                const int64_t o = (int64_t)(kb + GF_AHEAD) * Mg;
-                q_a[GF_AHEAD - 1] = ra < Mg ? __ldg(sag + o + ra) : 0.0f;
-                q_a8[GF_AHEAD - 1] = rb < Mg ? __ldg(sag + o + rb) : 0.0f;
-                q_b[GF_AHEAD - 1] = __ldg(sbg + kb + GF_AHEAD);
-                q_b1[GF_AHEAD - 1] = nb1_in ? __ldg(sbg + p.KB + kb + GF_AHEAD) : 0.0f;
+                q_a[GF_AHEAD - 1] = __ldg(pa), q_a8[GF_AHEAD - 1] = __ldg(pa8);
+                q_b[GF_AHEAD - 1] = __ldg(pb), q_b1[GF_AHEAD - 1] = __ldg(pb1);
+                pa += Mg, pa8 += Mg, pb++, pb1++;
             }
-            const uint32_t s = it % GF_STAGES;
-            gf_bar_wait(&full[s], (it / GF_STAGES) & 1);
+            gf_bar_wait(&full[s], ph);
             const uint64_t da = da0 + ((s * GF_SLOT_A) >> 4), db = db0 + ((s * GF_SLOT_B) >> 4);
             gf_fence_acc(d);
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -410,7 +452,9 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
             const float fa = s_a * s_b, fb = s_a8 * s_b, fa1 = s_a * s_b1, fb1 = s_a8 * s_b1;
             if (edge == 128) gf_promote<16>(acc, d, fa, fb, fa1, fb1);
             else gf_promote<8>(acc, d, fa, fb, fa1, fb1);
+            if (++s == GF_STAGES) s = 0, ph ^= 1;
         }
+        if (p.accumulate) gf_acc_add_c(p, acc, g, row0, n0, rt, ct);
         /* the tile to the staging area once the storers have drained the
          * previous one */
         gf_bar_wait(st_empty, (ti & 1) ^ 1);
