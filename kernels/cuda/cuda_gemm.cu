@@ -22,12 +22,17 @@
  * MOETRAIN_FP8_GEMM=direct or =swap forces one order (benchmarks).
  * MOETRAIN_FP8_GEMM=own runs the forward and data-gradient calls (reduce =
  * 0) on the own persistent kernel of cuda_fp8_grouped.cu wherever its
- * requirements hold: one launch over every expert segment. It is not the
- * default because it measured slower than the per-expert cuBLASLt calls on
- * most of the proxy's expert shapes (one H200, tests/bench/RESULTS.md,
- * issue 18's ninth round: 32 experts' gate 902-916 TFLOPS against 939-985,
- * down at the proxy's 2048 rows an expert 821 against 885, at 1024 rows
- * 888 against 842), and the proxy's step 2 % longer with it.
+ * requirements hold: one launch over every expert segment.
+ * MOETRAIN_FP8_GEMM=grouped runs only the calls of several segments that
+ * write C there (the experts' forward and first data gradient), the rest
+ * as auto. Measured on H200s (tests/bench/RESULTS.md, issue 18's
+ * seventeenth round): the own kernel beats the per-expert cuBLASLt calls
+ * on those shapes by 5-11 % and the proxy's step by 1 % with "grouped",
+ * but loses to cuBLASLt's single calls on the dense shapes (up to 25 %
+ * where K is 16384) and where C accumulates; "own" makes the step 1-2 %
+ * longer. Neither is the default: on an H100 the own kernel measured 2-3 %
+ * behind cuBLASLt on the experts' shapes (the sixteenth round), and the
+ * split has not been run there.
  *
  * Plans (descriptors, layouts, the heuristic's algorithm) are cached per
  * shape. A shape cuBLASLt cannot run (no algorithm: alignment, odd sizes in
@@ -76,7 +81,10 @@ struct cuda_gemm_cache {
     int force_fallback;
     int fp8_order;     /* MOETRAIN_FP8_GEMM: 0 "auto" (fp8_direct_pays), 1 "direct",
                         * 2 "swap" wherever cuBLASLt runs them, 3 "own": auto's
-                        * orders, and the grouped kernel wherever it fits */
+                        * orders, and the grouped kernel wherever it fits,
+                        * 4 "grouped": the same for the calls of several
+                        * segments that write C (the experts' forward and
+                        * non-accumulating data gradients) */
     int own_ok;        /* the grouped kernel can run on this device (cuda_fp8_grouped.cu) */
     int n_fallback_logged;
 };
@@ -587,12 +595,12 @@ static int cuda_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc
     const size_t ce = c_f32 ? 4 : 2;
     const int KB = (K + 127) / 128;
     const int order = c->gemm->fp8_order;
-    if (!reduce && order == 3 && c->gemm->own_ok && !c->gemm->force_fallback &&
-        cuda_fp8_grouped_fits(C, c_f32, ldc, A, B, b_stride, G, N, K))
+    if (!reduce && (order == 3 || (order == 4 && G > 1 && !accumulate)) && c->gemm->own_ok &&
+        !c->gemm->force_fallback && cuda_fp8_grouped_fits(C, c_f32, ldc, A, B, b_stride, G, N, K))
         return cuda_fp8_grouped(be, C, c_f32, ldc, A, sa, B, sb, b_stride, sb_stride, rows, G,
                                 N, K, accumulate);
     const int direct = !c->gemm->force_fallback &&
-                       (order == 1 || ((order == 0 || order == 3) && fp8_direct_pays(reduce, K)));
+                       (order == 1 || (order != 2 && fp8_direct_pays(reduce, K)));
     /* The direct order needs the weights' scales per row: expanded once for
      * all groups into the head of the op scratch (G * N * KB floats, 1/128 of
      * the weights' elements). Weight-gradient operands are 1x128 already. */
@@ -651,14 +659,16 @@ int cuda_install_gemm(mt_backend *be)
                          : !strcmp(env, "direct") ? 1
                          : !strcmp(env, "swap")   ? 2
                          : !strcmp(env, "own")    ? 3
+                         : !strcmp(env, "grouped") ? 4
                                                   : 0;
     if (env && c->gemm->fp8_order == 0 && strcmp(env, "auto") != 0)
-        mt_log(MT_LOG_WARN, "MOETRAIN_FP8_GEMM=%s: expected auto, direct, swap or own; using auto",
-               env);
-    c->gemm->own_ok = c->gemm->fp8_order == 3 && cuda_fp8_grouped_init();
-    if (c->gemm->fp8_order == 3 && !c->gemm->own_ok)
-        mt_log(MT_LOG_WARN, "MOETRAIN_FP8_GEMM=own: the grouped kernel cannot run here (no "
-                            "cuTensorMapEncodeTiled or too little shared memory); using auto");
+        mt_log(MT_LOG_WARN,
+               "MOETRAIN_FP8_GEMM=%s: expected auto, direct, swap, own or grouped; using auto", env);
+    const int own = c->gemm->fp8_order >= 3;
+    c->gemm->own_ok = own && cuda_fp8_grouped_init();
+    if (own && !c->gemm->own_ok)
+        mt_log(MT_LOG_WARN, "MOETRAIN_FP8_GEMM=%s: the grouped kernel cannot run here (no "
+                            "cuTensorMapEncodeTiled or too little shared memory); using auto", env);
     be->gemm = cuda_gemm;
     be->gemm_grouped = cuda_gemm_grouped;
     be->gemm_fp8 = cuda_gemm_fp8;

@@ -110,7 +110,7 @@ static int64_t bench_rows(int *rows, int G, int per, int skew)
 /* ---- GEMMs ----------------------------------------------------------------- */
 
 typedef struct gemm_ctx {
-    int fp8, M, N, K, G;
+    int fp8, M, N, K, G, acc; /* acc: C += (the backward's data gradients) */
     void *A, *B, *C;
     uint8_t *qa, *qb;
     float *sa, *sb;
@@ -126,13 +126,13 @@ static void run_gemm(void *p)
     }
     int64_t bstride = (int64_t)g->N * g->K, sstride = (int64_t)((g->N + 127) / 128) * ((g->K + 127) / 128);
     CK(be->gemm_fp8(be, 0, g->C, 0, g->N, 0, g->qa, g->sa, g->qb, g->sb, bstride, sstride, g->rows,
-                    g->G, g->N, g->K, 0));
+                    g->G, g->N, g->K, g->acc));
 }
 
 static void bench_gemm_rows(const char *what, int fp8, int M, int N, int K, int G, int skew,
-                            double ceiling)
+                            int acc, double ceiling)
 {
-    gemm_ctx g = {fp8, M, N, K, G, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    gemm_ctx g = {fp8, M, N, K, G, acc, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     g.rows = malloc((size_t)G * sizeof *g.rows);
     const int64_t Mt = bench_rows(g.rows, G, M, skew);
     g.A = dev_random_act(Mt * K, 1, 1.0f);
@@ -170,7 +170,7 @@ static void bench_gemm_rows(const char *what, int fp8, int M, int N, int K, int 
 
 static void bench_gemm(const char *what, int fp8, int M, int N, int K, int G, double ceiling)
 {
-    bench_gemm_rows(what, fp8, M, N, K, G, 0, ceiling);
+    bench_gemm_rows(what, fp8, M, N, K, G, 0, 0, ceiling);
 }
 
 /* Weight gradients: dW[g] (fp32, [N, K]) += dy_g^T x_g over M tokens per group,
@@ -504,8 +504,13 @@ int main(int argc, char **argv)
         bench_gemm("fp8 experts gate 32x[2048,7168]x[2048]", 1, 2048, 2048, 7168, 32, 1340);
         bench_gemm("fp8 experts down 32x[2048,2048]x[7168]", 1, 2048, 7168, 2048, 32, 1340);
         /* the proxy's unequal loads, 2048 rows an expert on average */
-        bench_gemm_rows("fp8 experts gate, unequal loads", 1, 2048, 2048, 7168, 32, 1, 1340);
-        bench_gemm_rows("fp8 experts down, unequal loads", 1, 2048, 7168, 2048, 32, 1, 1340);
+        bench_gemm_rows("fp8 experts gate, unequal loads", 1, 2048, 2048, 7168, 32, 1, 0, 1340);
+        bench_gemm_rows("fp8 experts down, unequal loads", 1, 2048, 7168, 2048, 32, 1, 0, 1340);
+        /* accumulating into bf16 C, as the backward's data gradients do
+         * (C's read is part of the time): the experts' dx of the gate
+         * projection, the attention's dx of q_a */
+        bench_gemm_rows("fp8 experts dx +=, unequal loads", 1, 2048, 7168, 2048, 32, 1, 1, 1340);
+        bench_gemm_rows("fp8 q_a dx += [4096,1536]x[7168]", 1, 4096, 7168, 1536, 1, 0, 1, 1340);
         bench_gemm("bf16 head [4096,7168]x[129280]", 0, 4096, 129280, 7168, 1, 890);
     }
     if (SECTION("wgrad")) {
