@@ -24,8 +24,8 @@
  * 0) on the own persistent kernel of cuda_fp8_grouped.cu wherever its
  * requirements hold: one launch over every expert segment.
  * MOETRAIN_FP8_GEMM=grouped runs only the calls of several segments that
- * write C there (the experts' forward and first data gradient), the rest
- * as auto. Measured on H200s (tests/bench/RESULTS.md, issue 18's
+ * write C there (the experts' forward calls and the data gradients that
+ * do not accumulate), the rest as auto. Measured on H200s (tests/bench/RESULTS.md, issue 18's
  * seventeenth round): the own kernel beats the per-expert cuBLASLt calls
  * on those shapes by 5-11 % and the proxy's step by 1 % with "grouped",
  * but loses to cuBLASLt's single calls on the dense shapes (up to 25 %
