@@ -245,56 +245,56 @@ __device__ __forceinline__ void gf_store_tile(const gf_params &p, const float *s
     }
 }
 
+/* A pair of C's elements (float2 for fp32 C, __nv_bfloat162 for bf16):
+ * its scalar type, zero, and value in fp32. */
+template <typename T> struct gf_pair;
+template <> struct gf_pair<float2> {
+    typedef float elem;
+    static __device__ __forceinline__ float2 zero() { return make_float2(0.0f, 0.0f); }
+    static __device__ __forceinline__ float2 f32(float2 v) { return v; }
+};
+template <> struct gf_pair<__nv_bfloat162> {
+    typedef bf16 elem;
+    static __device__ __forceinline__ __nv_bfloat162 zero()
+    {
+        return __floats2bfloat162_rn(0.0f, 0.0f);
+    }
+    static __device__ __forceinline__ float2 f32(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+};
+
 /* acc (+)= C's old values at this thread's fragment (rows ra and ra + 8 of
- * the tile, columns 8 j + ct + {0, 1}), where C accumulates. The consumers
- * do it, not the storers: all 48 loads of a thread are issued before the
- * first is used (into registers the wgmma products no longer need), so a
- * tile pays one memory latency; the storers, with one load in flight a
- * lane, paid one a row and fell behind the consumers on short K. The sum
- * is the one the storers made (fp32, then C's rounding). */
-__device__ __forceinline__ void gf_acc_add_c(const gf_params &p, float (&acc)[GF_ACC], int g, int row0,
-                                             int n0, int rt, int ct)
+ * the tile, columns 8 j + ct + {0, 1}), where C accumulates, T being C's
+ * element pair (kept as loaded: a bf16 C's 48 pairs take 48 registers).
+ * The consumers do it, not the storers: all 48 loads of a thread are
+ * issued before the first is used (into registers the wgmma products no
+ * longer need), so a tile pays one memory latency; the storers, with one
+ * load in flight a lane, paid one a row and fell behind the consumers on
+ * short K. The sum is the one the storers made (fp32, then C's rounding). */
+template <typename T>
+__device__ __forceinline__ void gf_acc_add_c(const gf_params &p, float (&acc)[GF_ACC], int g,
+                                             int row0, int n0, int rt, int ct)
 {
+    typedef typename gf_pair<T>::elem E;
     const int Mg = p.segs.start[g + 1] - p.segs.start[g];
     const int64_t r0 = (int64_t)p.segs.start[g] + row0;
-    if (p.c_f32) {
-        float2 old[2 * GF_NJ];
+    T old[2 * GF_NJ];
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+    for (int h = 0; h < 2; h++)
 #pragma unroll
-            for (int j = 0; j < GF_NJ; j++) {
-                const int r = rt + 8 * h, n = n0 + 8 * j + ct;
-                old[GF_NJ * h + j] = make_float2(0.0f, 0.0f);
-                if (row0 + r < Mg && n < p.N)
-                    old[GF_NJ * h + j] = *(const float2 *)((const float *)p.C + (r0 + r) * p.ldc + n);
-            }
+        for (int j = 0; j < GF_NJ; j++) {
+            const int r = rt + 8 * h, n = n0 + 8 * j + ct;
+            old[GF_NJ * h + j] = gf_pair<T>::zero();
+            if (row0 + r < Mg && n < p.N)
+                old[GF_NJ * h + j] = *(const T *)((const E *)p.C + (r0 + r) * p.ldc + n);
+        }
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+    for (int h = 0; h < 2; h++)
 #pragma unroll
-            for (int j = 0; j < GF_NJ; j++) {
-                acc[4 * j + 2 * h] += old[GF_NJ * h + j].x;
-                acc[4 * j + 2 * h + 1] += old[GF_NJ * h + j].y;
-            }
-    } else {
-        __nv_bfloat162 old[2 * GF_NJ];
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int j = 0; j < GF_NJ; j++) {
-                const int r = rt + 8 * h, n = n0 + 8 * j + ct;
-                old[GF_NJ * h + j] = __floats2bfloat162_rn(0.0f, 0.0f);
-                if (row0 + r < Mg && n < p.N)
-                    old[GF_NJ * h + j] = *(const __nv_bfloat162 *)((const bf16 *)p.C + (r0 + r) * p.ldc + n);
-            }
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int j = 0; j < GF_NJ; j++) {
-                const float2 o = __bfloat1622float2(old[GF_NJ * h + j]);
-                acc[4 * j + 2 * h] += o.x;
-                acc[4 * j + 2 * h + 1] += o.y;
-            }
-    }
+        for (int j = 0; j < GF_NJ; j++) {
+            const float2 o = gf_pair<T>::f32(old[GF_NJ * h + j]);
+            acc[4 * j + 2 * h] += o.x;
+            acc[4 * j + 2 * h + 1] += o.y;
+        }
 }
 
 /* Register budgets by warpgroup: the producer's (one TMA thread, three
@@ -454,7 +454,10 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
             else gf_promote<8>(acc, d, fa, fb, fa1, fb1);
             if (++s == GF_STAGES) s = 0, ph ^= 1;
         }
-        if (p.accumulate) gf_acc_add_c(p, acc, g, row0, n0, rt, ct);
+        if (p.accumulate) {
+            if (p.c_f32) gf_acc_add_c<float2>(p, acc, g, row0, n0, rt, ct);
+            else gf_acc_add_c<__nv_bfloat162>(p, acc, g, row0, n0, rt, ct);
+        }
         /* the tile to the staging area once the storers have drained the
          * previous one */
         gf_bar_wait(st_empty, (ti & 1) ^ 1);
