@@ -66,7 +66,7 @@ for attempt in 1 2 3 4 5; do
         [ -f "$tmp/d.jsonl" ] && [ "$(wc -l < "$tmp/d.jsonl")" -ge 3 ] && break
         sleep 0.05
     done
-    kill -TERM "$pid"
+    kill -TERM "$pid" 2> /dev/null || true  # it may have ended already
     wait "$pid" || { echo "FAIL: the stopped run failed"; cat "$tmp/d.log"; exit 1; }
     stopped=$("$ck" list "$tmp/d" | tail -n 1)
     [ -n "$stopped" ] && break
