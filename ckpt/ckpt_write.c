@@ -970,7 +970,7 @@ static int index_new(mt_ckpt_index **out, const char *dir, const mt_shard_map *m
 int mt_ckpt_write_index(const char *dir, const mt_ckpt_meta *meta, const mt_shard_map *map,
                         const mt_ckpt_piece_rec *recs, int n)
 {
-    mt_ckpt_index *ix;
+    mt_ckpt_index *ix = NULL; /* set by index_new on success */
     MT_CHECK(index_new(&ix, dir, map));
     file_row *fr = NULL;
     chunk_row *cr = NULL;
@@ -995,7 +995,7 @@ int mt_ckpt_index_begin(mt_ckpt_index **out, const char *dir, const mt_ckpt_meta
                         const mt_shard_map *map)
 {
     *out = NULL;
-    mt_ckpt_index *ix;
+    mt_ckpt_index *ix = NULL;
     MT_CHECK(index_new(&ix, dir, map));
     /* the pieces as their writers will record them, checksums aside */
     mt_ckpt_piece_rec *recs = calloc((size_t)map->n_pieces + 1, sizeof *recs);

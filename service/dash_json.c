@@ -154,8 +154,8 @@ static int dump(json_t *v, int oom, char **out, size_t *len)
 static int frame(const char *id, const char *event, json_t *data, int oom, char **out,
                  size_t *len)
 {
-    char *js;
-    size_t jn;
+    char *js = NULL; /* set by dump on success */
+    size_t jn = 0;
     MT_CHECK(dump(data, oom, &js, &jn));
     size_t cap = jn + (id ? strlen(id) : 0) + strlen(event) + 64;
     char *f = malloc(cap);

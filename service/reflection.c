@@ -142,8 +142,8 @@ static int name_of(const uint8_t *d, size_t n, const uint8_t **name, size_t *len
 static int index_named(reflection *r, const char *scope, const uint8_t *d, size_t n, int file,
                        int is_service)
 {
-    const uint8_t *nm;
-    size_t nl;
+    const uint8_t *nm = NULL; /* set by name_of on success */
+    size_t nl = 0;
     char *full = NULL;
     MT_CHECK(name_of(d, n, &nm, &nl));
     MT_CHECK(add_symbol(r, scope, nm, nl, file, is_service ? SYM_SERVICE : SYM_OTHER,
@@ -167,8 +167,8 @@ static int index_message(reflection *r, const char *scope, const uint8_t *d, siz
                          int depth)
 {
     if (depth > 32) return MT_ERR(MT_ECORRUPT, "reflection: messages nested too deep");
-    const uint8_t *nm;
-    size_t nl;
+    const uint8_t *nm = NULL;
+    size_t nl = 0;
     char *full;
     MT_CHECK(name_of(d, n, &nm, &nl));
     MT_CHECK(add_symbol(r, scope, nm, nl, file, SYM_MESSAGE, &full));

@@ -387,11 +387,12 @@ static int same_type(mt_dtype dt, int st)
 int mt_train_snapshot_fill(const mt_train_snapshot *s, const mt_shard_map *map,
                            const mt_tensor_desc *band, void *buf)
 {
-    const mt_shard_tensor *t;
-    const void *base;
-    int st;
-    size_t es;
-    int64_t so[2], C;
+    /* set by locate() when it succeeds; initialised for gcc -O3's sake */
+    const mt_shard_tensor *t = NULL;
+    const void *base = NULL;
+    int st = 0;
+    size_t es = 0;
+    int64_t so[2] = {0, 0}, C = 0;
     MT_CHECK(locate(s, map, band, &t, &base, &st, &es, so, &C));
     /* row-major [rows, C] slab starting at so of the full tensor (1-D: [n, 1]);
      * the band is rows x cols of the full tensor inside the slab */
@@ -412,11 +413,12 @@ int mt_train_snapshot_fill(const mt_train_snapshot *s, const mt_shard_map *map,
 const void *mt_train_snapshot_direct(const mt_train_snapshot *s, const mt_shard_map *map,
                                      const mt_tensor_desc *d)
 {
-    const mt_shard_tensor *t;
-    const void *base;
-    int st;
-    size_t es;
-    int64_t so[2], C;
+    /* set by locate() when it succeeds; initialised for gcc -O3's sake */
+    const mt_shard_tensor *t = NULL;
+    const void *base = NULL;
+    int st = 0;
+    size_t es = 0;
+    int64_t so[2] = {0, 0}, C = 0;
     if (locate(s, map, d, &t, &base, &st, &es, so, &C) < 0) {
         mt_err_clear();
         return NULL;
