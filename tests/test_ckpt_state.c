@@ -88,7 +88,7 @@ static mt_trainer *make(const mt_jobspec *j, mt_job_ckpt **jc)
 
 static void bytes_equal(const void *a, const void *b, size_t n, const char *what)
 {
-    if (memcmp(a, b, n) != 0) {
+    if (n > 0 && memcmp(a, b, n) != 0) { /* n = 0: the bf16 recipe has no FP8 buffers (NULL) */
         fprintf(stderr, "%s differs\n", what);
         fail();
     }
