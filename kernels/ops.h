@@ -103,6 +103,21 @@ typedef struct mt_adamw_fp8_arg {
     float *st;
 } mt_adamw_fp8_arg;
 
+/* One FP8 weight of adamw_fp8_sr_n: adamw_fp8_sr's arguments, and the
+ * weight's own decoupled decay. */
+typedef struct mt_adamw_fp8_sr_arg {
+    uint8_t *q;
+    float *s;
+    uint16_t *m, *v;
+    const void *grad;
+    int N, K;
+    float weight_decay;
+    uint64_t seed;
+    int slab_rows;
+    uint8_t *qt;
+    float *st;
+} mt_adamw_fp8_sr_arg;
+
 typedef struct mt_backend mt_backend;
 
 struct mt_backend {
@@ -407,6 +422,12 @@ struct mt_backend {
     int (*adamw_fp8_sr)(mt_backend *be, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
                         const void *grad, int N, int K, const mt_adamw_hp *hp, uint64_t seed,
                         int slab_rows, uint8_t *qt, float *st);
+    /* adamw_fp8_sr of n weights in one call, each with its own decay (hp's
+     * weight_decay is not read): the same bits as n adamw_fp8_sr calls in
+     * any order (the weights share no memory). The GPU runs them on the
+     * expert streams, one weight's last blocks beside the next one's first. */
+    int (*adamw_fp8_sr_n)(mt_backend *be, int n, const mt_adamw_fp8_sr_arg *w,
+                          const mt_adamw_hp *hp);
     /* AdamW of a weight of the act type that has no main copy (main_params
      * none: embedding, head, norms): w [n] act is the weight, updated in
      * place as

@@ -1703,6 +1703,92 @@ static void test_optimizer(void)
         }
         tb_free(&q), tb_free(&sc), tb_free(&m);
     }
+    /* adamw_fp8_sr_n: seven weights with no main copy in one call (more
+     * than the four expert streams they fan out over): vector- and
+     * scalar-kernel shapes, one slab and slabs of 128 rows, partial blocks,
+     * decays and seeds of their own, 2 steps, f32 and bf16 gradients; every
+     * output bit-exact against the CPU, whose call is adamw_fp8_sr weight by
+     * weight. Then a call whose fifth weight cuts 128-row blocks is refused
+     * on both backends before any weight changes. */
+    for (int gbf = 0; gbf < 2; gbf++) {
+        enum { W = 7 };
+        const int shp[W][3] = {{256, 640, 256}, {200, 300, 200}, {7, 130, 7}, {384, 1000, 128},
+                               {128, 128, 128}, {384, 130, 128}, {260, 388, 128}};
+        tb m[W], v[W], q[W], qt[W], sc[W], st[W];
+        char sh[96];
+        snprintf(sh, sizeof sh, "%d weights, slabs and decays mixed%s, 2 steps", W,
+                 gbf ? ", bf16 grads" : "");
+        int ok = 1;
+        for (int i = 0; i < W; i++) {
+            const int N = shp[i][0], K = shp[i][1];
+            const int64_t n = (int64_t)N * K, nsc = (int64_t)mt_ceil_div(N, 128) * mt_ceil_div(K, 128);
+            tb w = f32_rand(n, 290 + i, 0.05f);
+            m[i] = tb_new(T_U16, n), v[i] = tb_new(T_U16, n), q[i] = tb_new(T_U8, n);
+            qt[i] = tb_new(T_U8, n), sc[i] = tb_new(T_F32, nsc), st[i] = tb_new(T_F32, nsc);
+            BOTH(ok, "quant_blocks", sh,
+                 be->quant_blocks(be, q[i].p[s], sc[i].p[s], w.p[s], N, K));
+            tb_free(&w);
+        }
+        for (int step = 1; step <= 2 && ok; step++) {
+            mt_adamw_hp hp = adamw_hp_at(step);
+            hp.grad_bf16 = gbf;
+            tb g[W];
+            for (int i = 0; i < W; i++)
+                g[i] = adamw_grad_rand((int64_t)shp[i][0] * shp[i][1], i % 3 == 2 ? shp[i][1] : 0,
+                                       300 + 10 * step + i, gbf);
+            mt_adamw_fp8_sr_arg a[2][W];
+            for (int s = 0; s < 2; s++)
+                for (int i = 0; i < W; i++)
+                    a[s][i] = (mt_adamw_fp8_sr_arg){
+                        .q = q[i].p[s], .s = sc[i].p[s], .m = m[i].p[s], .v = v[i].p[s],
+                        .grad = g[i].p[s], .N = shp[i][0], .K = shp[i][1],
+                        .weight_decay = i % 3 ? 0.1f : 0.0f,
+                        .seed = 0x5eedull * (uint64_t)(step + 11 * i), .slab_rows = shp[i][2],
+                        .qt = qt[i].p[s], .st = st[i].p[s]};
+            BOTH(ok, "adamw_fp8_sr_n", sh, be->adamw_fp8_sr_n(be, W, a[s], &hp));
+            for (int i = 0; i < W; i++) tb_free(&g[i]);
+        }
+        for (int i = 0; i < W && ok; i++) {
+            check_exact("adamw_fp8_sr_n", sh, "m", &m[i], 0);
+            check_exact("adamw_fp8_sr_n", sh, "v", &v[i], 0);
+            check_exact("adamw_fp8_sr_n", sh, "q", &q[i], 0);
+            check_exact("adamw_fp8_sr_n", sh, "s", &sc[i], 0);
+            check_exact("adamw_fp8_sr_n", sh, "qt", &qt[i], 0);
+            check_exact("adamw_fp8_sr_n", sh, "st", &st[i], 0);
+        }
+        if (gbf == 0 && ok) { /* refused whole: weight 4 with slabs of 100 rows */
+            mt_adamw_hp hp = adamw_hp_at(3);
+            tb g[W];
+            for (int i = 0; i < W; i++)
+                g[i] = adamw_grad_rand((int64_t)shp[i][0] * shp[i][1], 0, 330 + i, 0);
+            for (int s = 0; s < 2; s++) {
+                mt_backend *be = BE[s];
+                const size_t n0 = (size_t)shp[0][0] * shp[0][1];
+                uint8_t *before = ref_alloc(n0), *after = ref_alloc(n0);
+                tb_get(&q[0], s, before);
+                mt_adamw_fp8_sr_arg a[W];
+                for (int i = 0; i < W; i++)
+                    a[i] = (mt_adamw_fp8_sr_arg){
+                        .q = q[i].p[s], .s = sc[i].p[s], .m = m[i].p[s], .v = v[i].p[s],
+                        .grad = g[i].p[s], .N = shp[i][0], .K = shp[i][1], .weight_decay = 0.0f,
+                        .seed = 3, .slab_rows = i == 4 ? 100 : shp[i][2], .qt = qt[i].p[s],
+                        .st = st[i].p[s]};
+                const int refused = be->adamw_fp8_sr_n(be, W, a, &hp) == MT_EINVAL;
+                MUST(be->sync(be));
+                /* weight 0's codes unchanged: nothing ran before the refusal */
+                tb_get(&q[0], s, after);
+                const int same = memcmp(before, after, n0) == 0;
+                free(before), free(after);
+                verdict(refused && same, "adamw_fp8_sr_n", "weight 4 in slabs of 100 rows",
+                        s ? "cuda" : "cpu", "refused (EINVAL), no weight updated");
+            }
+            for (int i = 0; i < W; i++) tb_free(&g[i]);
+        }
+        for (int i = 0; i < W; i++) {
+            tb_free(&m[i]), tb_free(&v[i]), tb_free(&q[i]), tb_free(&qt[i]);
+            tb_free(&sc[i]), tb_free(&st[i]);
+        }
+    }
     /* adamw_fp8_n: six weights in one call (more than the four expert
      * streams they fan out over), f32 and bf16 masters and decays mixed,
      * whole and partial blocks, gradients with zero and tiny rows

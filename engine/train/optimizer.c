@@ -23,9 +23,11 @@ int mt_optimizer_create(mt_optimizer **out, mt_model *m, const mt_jobspec *j,
     if (!o) return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
     o->off = malloc((size_t)(m->table.n > 0 ? m->table.n : 1) * sizeof *o->off);
     o->fp8 = malloc((size_t)(m->table.n > 0 ? m->table.n : 1) * sizeof *o->fp8);
-    if (!o->off || !o->fp8) {
+    o->fp8_sr = malloc((size_t)(m->table.n > 0 ? m->table.n : 1) * sizeof *o->fp8_sr);
+    if (!o->off || !o->fp8 || !o->fp8_sr) {
         free(o->off);
         free(o->fp8);
+        free(o->fp8_sr);
         free(o);
         return MT_ERR(MT_ENOMEM, "optimizer: out of memory");
     }
@@ -70,6 +72,7 @@ void mt_optimizer_destroy(mt_optimizer *o)
         if (bufs[i]) o->be->free(o->be, bufs[i]);
     free(o->off);
     free(o->fp8);
+    free(o->fp8_sr);
     free(o);
 }
 
@@ -151,10 +154,13 @@ int mt_optimizer_grad_sumsq(mt_optimizer *o, mt_model *m, double *sumsq)
  * slab (mt_param_stage_rows: FP8 slabs are whole 128-row blocks). The
  * stochastic rounding's seed is the parameter's for a tensor of one slab,
  * and mt_hash_u64(that seed, slab + 1) for each slab of a larger one (the
- * ops number their elements from the slab's start). FP8: adamw_fp8_sr, the
- * slabs' dequantisation, update and rounding and the transpose in one op;
- * act: adamw_sr, the update and the rounding in one op, slab by slab. */
-static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_hp *hp)
+ * ops number their elements from the slab's start). FP8: the arguments of
+ * adamw_fp8_sr (the slabs' dequantisation, update and rounding and the
+ * transpose in one op) into o->fp8_sr[*n_sr], for one adamw_fp8_sr_n call
+ * of all of them; act: adamw_sr, the update and the rounding in one op,
+ * slab by slab. */
+static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_hp *hp,
+                           int *n_sr)
 {
     mt_backend *be = o->be;
     mt_param *p = &m->params[i];
@@ -162,9 +168,13 @@ static int update_in_place(mt_optimizer *o, mt_model *m, int i, const mt_adamw_h
     const int64_t sr = mt_param_stage_rows(&p->d);
     const size_t ge = mt_model_grad_size(m), act = mt_act_size(be);
     const uint64_t seed = mt_hash_u64(o->seed, (uint64_t)o->step * 1000003u + (uint64_t)i);
-    if (p->q)
-        return be->adamw_fp8_sr(be, p->q, p->s, o->m + off, o->v + off, p->grad, (int)rows,
-                                (int)cols, hp, seed, (int)(sr < rows ? sr : rows), p->qt, p->st);
+    if (p->q) {
+        o->fp8_sr[(*n_sr)++] = (mt_adamw_fp8_sr_arg){
+            .q = p->q, .s = p->s, .m = o->m + off, .v = o->v + off, .grad = p->grad,
+            .N = (int)rows, .K = (int)cols, .weight_decay = hp->weight_decay, .seed = seed,
+            .slab_rows = (int)(sr < rows ? sr : rows), .qt = p->qt, .st = p->st};
+        return MT_OK;
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += sr) {
         const int nr = (int)(rows - r0 < sr ? rows - r0 : sr);
         const int64_t e0 = r0 * cols, n = (int64_t)nr * cols;
@@ -190,14 +200,14 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
         .grad_scale = (float)grad_scale,
         .grad_bf16 = m->grad_type == MT_C_BF16,
     };
-    int n_fp8 = 0;
+    int n_fp8 = 0, n_sr = 0;
     for (int i = 0; i < m->table.n; i++) {
         mt_param *p = &m->params[i];
         if (!in_shard(o, i)) continue;
         hp.weight_decay = p->d.weight_decay ? (float)o->cfg.weight_decay : 0.0f;
         const int64_t n = mt_param_numel(&p->d), off = o->off[i];
         if (o->main == MT_MAIN_NONE) {
-            MT_CHECK(update_in_place(o, m, i, &hp));
+            MT_CHECK(update_in_place(o, m, i, &hp, &n_sr));
             continue;
         }
         void *w = master_of(o, i);
@@ -225,6 +235,7 @@ int mt_optimizer_update(mt_optimizer *o, mt_model *m, double lr, double grad_sca
         MT_CHECK(mt_model_set_param_dev(m, i, wf));
     }
     MT_CHECK(be->adamw_fp8_n(be, n_fp8, o->fp8, &hp));
+    MT_CHECK(be->adamw_fp8_sr_n(be, n_sr, o->fp8_sr, &hp));
     o->step++;
     return MT_OK;
 }

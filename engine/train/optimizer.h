@@ -14,7 +14,8 @@
  * main_params = none: the compute copy is the only copy. An update
  * dequantises it, applies AdamW in fp32 and writes it back with stochastic
  * rounding (to e4m3 under the fp8 recipe, in one op with the transpose:
- * adamw_fp8_sr; to bf16 otherwise, in one op: adamw_sr).
+ * adamw_fp8_sr, every FP8 weight of an update in one adamw_fp8_sr_n call;
+ * to bf16 otherwise, in one op: adamw_sr).
  */
 #ifndef MT_OPTIMIZER_H
 #define MT_OPTIMIZER_H
@@ -37,6 +38,7 @@ typedef struct mt_optimizer {
     int64_t tmp_n;      /* bf16 main: the largest parameter; else mt_params_stage_elems */
     float *sumsq;       /* f32 [1] */
     mt_adamw_fp8_arg *fp8; /* host [n_params]: one update's FP8 weights, for adamw_fp8_n */
+    mt_adamw_fp8_sr_arg *fp8_sr; /* the same with no main copy, for adamw_fp8_sr_n */
     int64_t step;       /* updates applied so far */
     uint64_t seed;      /* stochastic rounding stream */
 } mt_optimizer;

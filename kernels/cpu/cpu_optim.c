@@ -145,16 +145,24 @@ static int cpu_adamw_fp8_n(mt_backend *be, int n, const mt_adamw_fp8_arg *w,
     return MT_OK;
 }
 
-/* The reference: ops.h's sequence, slab by slab. */
-static int cpu_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
-                            const void *grad, int N, int K, const mt_adamw_hp *hp, uint64_t seed,
-                            int slab_rows, uint8_t *qt, float *st)
+static int sr_check(const uint8_t *q, const float *s, const uint16_t *m, const uint16_t *v,
+                    const void *grad, int N, int K, const mt_adamw_hp *hp, int slab_rows,
+                    const uint8_t *qt, const float *st)
 {
     CPU_REQUIRE(N >= 1 && K >= 1, "adamw_fp8_sr: N=%d K=%d", N, K);
     CPU_REQUIRE(hp && q && s && m && v && grad && qt && st, "adamw_fp8_sr: NULL pointer");
     CPU_REQUIRE(slab_rows >= N || (slab_rows > 0 && slab_rows % MT_QTILE == 0),
                 "adamw_fp8_sr: slabs of %d rows (N=%d): whole 128-row blocks or the weight",
                 slab_rows, N);
+    return MT_OK;
+}
+
+/* The reference: ops.h's sequence, slab by slab. */
+static int cpu_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
+                            const void *grad, int N, int K, const mt_adamw_hp *hp, uint64_t seed,
+                            int slab_rows, uint8_t *qt, float *st)
+{
+    MT_CHECK(sr_check(q, s, m, v, grad, N, K, hp, slab_rows, qt, st));
     const int sr = slab_rows < N ? slab_rows : N;
     const int64_t KB = (K + MT_QTILE - 1) / MT_QTILE;
     const size_t ge = hp->grad_bf16 ? 2 : 4;
@@ -175,6 +183,23 @@ static int cpu_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, u
     free(w);
     MT_CHECK(rc);
     return be->transpose_blocks(be, qt, st, q, s, N, K);
+}
+
+static int cpu_adamw_fp8_sr_n(mt_backend *be, int n, const mt_adamw_fp8_sr_arg *w,
+                              const mt_adamw_hp *hp)
+{
+    CPU_REQUIRE(n >= 0, "adamw_fp8_sr_n: n=%d is negative", n);
+    CPU_REQUIRE(hp != NULL && (n == 0 || w != NULL), "adamw_fp8_sr_n: NULL pointer");
+    for (int i = 0; i < n; i++) /* every weight checked before any is updated */
+        MT_CHECK(sr_check(w[i].q, w[i].s, w[i].m, w[i].v, w[i].grad, w[i].N, w[i].K, hp,
+                          w[i].slab_rows, w[i].qt, w[i].st));
+    for (int i = 0; i < n; i++) {
+        mt_adamw_hp h = *hp;
+        h.weight_decay = w[i].weight_decay;
+        MT_CHECK(cpu_adamw_fp8_sr(be, w[i].q, w[i].s, w[i].m, w[i].v, w[i].grad, w[i].N, w[i].K,
+                                  &h, w[i].seed, w[i].slab_rows, w[i].qt, w[i].st));
+    }
+    return MT_OK;
 }
 
 /* The act type is float here (cpu_act rounds): element by element, the
@@ -200,5 +225,6 @@ void cpu_install_optim(mt_backend *be)
     be->adamw_fp8 = cpu_adamw_fp8;
     be->adamw_fp8_n = cpu_adamw_fp8_n;
     be->adamw_fp8_sr = cpu_adamw_fp8_sr;
+    be->adamw_fp8_sr_n = cpu_adamw_fp8_sr_n;
     be->adamw_sr = cpu_adamw_sr;
 }

@@ -31,7 +31,8 @@
  *                dequantise, AdamW into a shared f32 tile, block amax,
  *                stochastic rounding, the transposed copy from the tile;
  *                512 threads, a warp a row with 4-element accesses where N
- *                and K are multiples of 4, else 256, a thread a column
+ *                and K are multiples of 4, else 256, a thread a column;
+ *                adamw_fp8_sr_n: a launch a weight on the expert streams
  */
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -1199,9 +1200,10 @@ adamw_fp8_sr_vec_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint16_t
         }
 }
 
-static int cuda_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
-                             const void *grad, int N, int K, const mt_adamw_hp *hp,
-                             uint64_t seed, int slab_rows, uint8_t *qt, float *st)
+/* Checks one weight's arguments (nothing enqueued). */
+static int as_check(const uint8_t *q, const float *s, const uint16_t *m, const uint16_t *v,
+                    const void *grad, int N, int K, const mt_adamw_hp *hp, int slab_rows,
+                    const uint8_t *qt, const float *st)
 {
     CUDA_REQUIRE(N >= 1 && K >= 1, "adamw_fp8_sr: N=%d K=%d", N, K);
     CUDA_REQUIRE(hp && q && s && m && v && grad && qt && st, "adamw_fp8_sr: NULL pointer");
@@ -1210,6 +1212,14 @@ static int cuda_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, 
     CUDA_REQUIRE(slab_rows >= N || (slab_rows > 0 && slab_rows % MT_QTILE == 0),
                  "adamw_fp8_sr: slabs of %d rows (N=%d): whole 128-row blocks or the weight",
                  slab_rows, N);
+    return MT_OK;
+}
+
+/* Enqueues one checked weight's update on `stream`. */
+static int as_launch(cudaStream_t stream, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
+                     const void *grad, int N, int K, const mt_adamw_hp *hp, uint64_t seed,
+                     int slab_rows, uint8_t *qt, float *st)
+{
     const int NB = mt_ceil_div(N, MT_QTILE), KB = mt_ceil_div(K, MT_QTILE);
     const unsigned blocks = (unsigned)((int64_t)NB * KB);
     /* the vector kernel's accesses: 4 codes, 4 bf16 moments and 4
@@ -1221,17 +1231,55 @@ static int cuda_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, 
         const size_t smem = sizeof(float) * MT_QTILE * MT_QTILE;
         MT_CUDA_CHECK(cudaFuncSetAttribute(adamw_fp8_sr_vec_kernel,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        adamw_fp8_sr_vec_kernel<<<blocks, 32 * AV_WARPS, smem, cuda_stream(be)>>>(
+        adamw_fp8_sr_vec_kernel<<<blocks, 32 * AV_WARPS, smem, stream>>>(
             q, s, m, v, grad, N, K, NB, KB, *hp, seed, slab_rows, qt, st);
     } else {
         const size_t smem = sizeof(float) * MT_QTILE * AS_LD;
         MT_CUDA_CHECK(cudaFuncSetAttribute(adamw_fp8_sr_kernel,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        adamw_fp8_sr_kernel<<<blocks, 256, smem, cuda_stream(be)>>>(
+        adamw_fp8_sr_kernel<<<blocks, 256, smem, stream>>>(
             q, s, m, v, grad, N, K, NB, KB, *hp, seed, slab_rows, qt, st);
     }
     CUDA_LAUNCH_CHECK("adamw_fp8_sr");
     return MT_OK;
+}
+
+static int cuda_adamw_fp8_sr(mt_backend *be, uint8_t *q, float *s, uint16_t *m, uint16_t *v,
+                             const void *grad, int N, int K, const mt_adamw_hp *hp,
+                             uint64_t seed, int slab_rows, uint8_t *qt, float *st)
+{
+    MT_CHECK(as_check(q, s, m, v, grad, N, K, hp, slab_rows, qt, st));
+    return as_launch(cuda_stream(be), q, s, m, v, grad, N, K, hp, seed, slab_rows, qt, st);
+}
+
+/* Weight i on expert stream i % S, joined back into the main stream at the
+ * end: a launch of one weight leaves SMs idle in its last wave (the
+ * experts' [2048, 7168]: 896 blocks at 2 an SM, 3.4 waves on 132 SMs),
+ * which the next weight's blocks fill when they are on another stream. */
+static int cuda_adamw_fp8_sr_n(mt_backend *be, int n, const mt_adamw_fp8_sr_arg *w,
+                               const mt_adamw_hp *hp)
+{
+    CUDA_REQUIRE(n >= 0, "adamw_fp8_sr_n: n=%d is negative", n);
+    CUDA_REQUIRE(hp != NULL && (n == 0 || w != NULL), "adamw_fp8_sr_n: NULL pointer");
+    /* every weight checked before anything is enqueued */
+    for (int i = 0; i < n; i++)
+        MT_CHECK(as_check(w[i].q, w[i].s, w[i].m, w[i].v, w[i].grad, w[i].N, w[i].K, hp,
+                          w[i].slab_rows, w[i].qt, w[i].st));
+    if (n == 0) return MT_OK;
+    cuda_impl *c = cuda_of(be);
+    const int S = n < CUDA_EXPERT_STREAMS ? n : CUDA_EXPERT_STREAMS;
+    int rc = S > 1 ? cuda_fan_out(be, S) : MT_OK;
+    for (int i = 0; i < n && rc == MT_OK; i++) {
+        mt_adamw_hp h = *hp;
+        h.weight_decay = w[i].weight_decay;
+        rc = as_launch(S > 1 ? c->xstream[i % S] : cuda_stream(be), w[i].q, w[i].s, w[i].m,
+                       w[i].v, w[i].grad, w[i].N, w[i].K, &h, w[i].seed, w[i].slab_rows,
+                       w[i].qt, w[i].st);
+    }
+    if (S == 1) return rc;
+    /* joined even after an error: the main stream never runs ahead of them */
+    const int rc2 = cuda_fan_in(be, S);
+    return rc != MT_OK ? rc : rc2;
 }
 
 /* ---- bf16_to_f32 ------------------------------------------------------------------------ */
@@ -1265,6 +1313,7 @@ void cuda_install_loss(mt_backend *be)
     be->adamw_fp8 = cuda_adamw_fp8;
     be->adamw_fp8_n = cuda_adamw_fp8_n;
     be->adamw_fp8_sr = cuda_adamw_fp8_sr;
+    be->adamw_fp8_sr_n = cuda_adamw_fp8_sr_n;
     be->adamw_sr = cuda_adamw_sr;
     be->bf16_to_f32 = cuda_bf16_to_f32;
 }

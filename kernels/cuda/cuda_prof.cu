@@ -367,6 +367,10 @@ PROF(adamw_fp8_sr,
      (be, q, s, m, v, grad, N, K, hp, seed, slab_rows, qt, st),
      kind = W_BYTES; w = (11.0 + (hp->grad_bf16 ? 2.0 : 4.0)) * N * K;
      SHAPE("%dx%d%s", N, K, hp->grad_bf16 ? " bf16 grads" : ""))
+PROF(adamw_fp8_sr_n, (mt_backend *be, int n, const mt_adamw_fp8_sr_arg *wt, const mt_adamw_hp *hp),
+     (be, n, wt, hp), kind = W_BYTES;
+     for (int i = 0; i < n; i++) w += (11.0 + (hp->grad_bf16 ? 2.0 : 4.0)) * wt[i].N * wt[i].K;
+     SHAPE("%d weights%s", n, hp->grad_bf16 ? ", bf16 grads" : ""))
 PROF(adamw_sr,
      (mt_backend *be, void *wt, uint16_t *m, uint16_t *v, const void *grad, int64_t n,
       const mt_adamw_hp *hp, uint64_t seed),
@@ -675,7 +679,7 @@ int cuda_prof_install(mt_backend *be)
     WRAP(embedding_fwd); WRAP(embedding_bwd); WRAP(rope); WRAP(attn_fwd); WRAP(attn_bwd);
     WRAP(mla_kv_fwd); WRAP(mla_kv_bwd); WRAP(router_fwd); WRAP(router_bwd); WRAP(aux_loss);
     WRAP(moe_index); WRAP(moe_permute); WRAP(moe_permute_bwd); WRAP(moe_unpermute);
-    WRAP(moe_unpermute_bwd); WRAP(xent); WRAP(sumsq); WRAP(scale_f32); WRAP(adamw); WRAP(adamw_fp8_sr); WRAP(adamw_sr);
+    WRAP(moe_unpermute_bwd); WRAP(xent); WRAP(sumsq); WRAP(scale_f32); WRAP(adamw); WRAP(adamw_fp8_sr); WRAP(adamw_fp8_sr_n); WRAP(adamw_sr);
     WRAP(adamw_fp8); WRAP(adamw_fp8_n); WRAP(act_from_f32_sr); WRAP(quant_blocks_sr); WRAP(bf16_to_f32);
 #undef WRAP
     MT_LOGI("op profile: on, from step %d (MOETRAIN_OP_PROFILE)", p->from_step);
