@@ -426,6 +426,67 @@ static void bench_optim(const char *what, int N, int K, int fused)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(be, bufs[i]);
 }
 
+/* One MoE layer's experts with no main copy: E weights [N, K] updated by
+ * adamw_fp8_sr one call after another (one_call = 0, as the optimizer did)
+ * or by one adamw_fp8_sr_n (the calls overlap on the expert streams); 13
+ * bytes a parameter as above. */
+typedef struct experts_ctx {
+    int E, N, K, one_call;
+    float *g;
+    uint16_t *m, *v;
+    uint8_t *q, *qt;
+    float *s, *st;
+    mt_adamw_fp8_sr_arg *a;
+} experts_ctx;
+
+static void run_experts(void *p)
+{
+    experts_ctx *o = p;
+    mt_adamw_hp hp = {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 0.5f, 1.0f, 1};
+    if (o->one_call) {
+        CK(be->adamw_fp8_sr_n(be, o->E, o->a, &hp));
+        return;
+    }
+    for (int e = 0; e < o->E; e++) {
+        const mt_adamw_fp8_sr_arg *w = &o->a[e];
+        CK(be->adamw_fp8_sr(be, w->q, w->s, w->m, w->v, w->grad, w->N, w->K, &hp, w->seed,
+                            w->slab_rows, w->qt, w->st));
+    }
+}
+
+static void bench_optim_experts(const char *what, int E, int N, int K, int one_call)
+{
+    const int64_t n = (int64_t)N * K, nsc = (int64_t)((N + 127) / 128) * ((K + 127) / 128);
+    experts_ctx o = {E, N, K, one_call, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    float *w0 = dev_random_f32(n, 11, 0.02f);
+    o.g = dev_random_act(n * E, 12, 1e-4f);
+    o.m = dev_alloc((size_t)(n * E) * 2);
+    o.v = dev_alloc((size_t)(n * E) * 2);
+    o.q = dev_alloc((size_t)(n * E));
+    o.qt = dev_alloc((size_t)(n * E));
+    o.s = dev_alloc((size_t)(nsc * E) * 4);
+    o.st = dev_alloc((size_t)(nsc * E) * 4);
+    CK(be->zero(be, o.m, (size_t)(n * E) * 2));
+    CK(be->zero(be, o.v, (size_t)(n * E) * 2));
+    o.a = malloc((size_t)E * sizeof *o.a);
+    if (!o.a) exit(1);
+    for (int e = 0; e < E; e++) {
+        CK(be->quant_blocks(be, o.q + n * e, o.s + nsc * e, w0, N, K));
+        o.a[e] = (mt_adamw_fp8_sr_arg){
+            .q = o.q + n * e, .s = o.s + nsc * e, .m = o.m + n * e, .v = o.v + n * e,
+            .grad = (const uint16_t *)o.g + n * e, .N = N, .K = K, .weight_decay = 0.1f,
+            .seed = 0x5eedull + (uint64_t)e, .slab_rows = N, .qt = o.qt + n * e,
+            .st = o.st + nsc * e};
+    }
+    double ms = time_ms(run_experts, &o);
+    const double gbs = 13.0 * n * E / (ms * 1e-3) / 1e9;
+    printf("  %-34s E=%-4d N=%-6d K=%-6d %8.3f ms %7.0f GB/s  %4.0f%% of copy\n", what, E, N, K, ms,
+           gbs, copy_gbs > 0 ? 100 * gbs / copy_gbs : 0);
+    void *bufs[] = {w0, o.g, o.m, o.v, o.q, o.qt, o.s, o.st};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(be, bufs[i]);
+    free(o.a);
+}
+
 /* The optimizer's passes outside adamw_fp8 at the proxy's sizes: sumsq over
  * n bf16 gradients (2 bytes an element read), adamw of an f32 main copy
  * with bf16 gradients (18 bytes: main read + written, m and v bf16 read +
@@ -564,6 +625,10 @@ int main(int argc, char **argv)
         bench_optim("adamw_fp8_sr bf16 grads [18432,7168]", 18432, 7168, 2);
         bench_optim("adamw_fp8_sr bf16 grads [2048,7164]", 2048, 7164, 2);
         bench_optim("adamw_fp8_sr (scalar) [2048,7166]", 2048, 7166, 2);
+        bench_optim_experts("adamw_fp8_sr x 32 experts, calls", 32, 2048, 7168, 0);
+        bench_optim_experts("adamw_fp8_sr_n 32 experts", 32, 2048, 7168, 1);
+        bench_optim_experts("adamw_fp8_sr x 32 experts, calls", 32, 7168, 2048, 0);
+        bench_optim_experts("adamw_fp8_sr_n 32 experts", 32, 7168, 2048, 1);
         bench_pass("sumsq bf16 gradients", 1, (int64_t)1 << 30);
         bench_pass("adamw f32 main, bf16 gradients", 0, (int64_t)926679040);
     }
