@@ -922,7 +922,8 @@ static void test_gemm_fp8_reduce(const int *rows, int G, int N, int K, int c_f32
     int M = 0;
     for (int g = 0; g < G; g++) M += rows[g];
     const int ldc = K + pad;
-    const int64_t cstride = (int64_t)N * ldc + 3;
+    /* each C_g 16-byte aligned unless pad (the grouped kernel's requirement) */
+    const int64_t cstride = (int64_t)N * ldc + (pad % 4 ? 3 : 8);
     char sh[128], rs[64] = "";
     int l = 0;
     for (int g = 0; g < G && l < 50; g++) l += snprintf(rs + l, sizeof rs - (size_t)l, "%s%d", g ? "," : "", rows[g]);
@@ -996,6 +997,22 @@ static void test_gemm_fp8(void)
     test_gemm_fp8_reduce(r8, 5, 256, 384, 1, 1, 0);
     test_gemm_fp8_reduce(r9, 9, 128, 256, MT_C_BF16, 1, 0);
     test_gemm_fp8_reduce(r9, 9, 128, 256, 1, 0, 1);
+    /* Cases for the weight-gradient kernel (cuda_fp8_wgrad, =own: segments
+     * of whole 128-row blocks, N and K multiples of 4, aligned C): empty
+     * groups, row tiles cut by N (1100 = 8 x 128 + 76) and column tiles by
+     * K (772 = 4 x 192 + 4), more tiles than SMs (6 x 9 x 5 = 270, the ring
+     * wrapping across tiles of different K lengths), f32 and bf16 C with
+     * and without accumulation, C's rows longer than K (ldc 776); and more
+     * groups than one launch takes (70: launches of 64 and 6). */
+    const int rw1[] = {256, 0, 128, 640, 128, 384};
+    test_gemm_fp8_reduce(rw1, 6, 1100, 772, 1, 1, 0);
+    test_gemm_fp8_reduce(rw1, 6, 1100, 772, 1, 0, 0);
+    test_gemm_fp8_reduce(rw1, 6, 1100, 772, MT_C_BF16, 1, 0);
+    test_gemm_fp8_reduce(rw1, 6, 1100, 772, MT_C_BF16, 0, 4);
+    int rw2[70];
+    for (int g = 0; g < 70; g++) rw2[g] = g % 3 == 1 ? 0 : 128 * (1 + g % 4);
+    test_gemm_fp8_reduce(rw2, 70, 132, 196, 1, 1, 0);
+    test_gemm_fp8_reduce(rw2, 70, 132, 196, MT_C_BF16, 0, 0);
     /* segments of a few rows after whole tiles, on both sides of the
      * backend's smallest cuBLASLt row count (16), in both orders */
     const int r10[] = {512, 16, 1, 17, 8, 32, 2, 128};

@@ -1,6 +1,8 @@
 /* cuda_fp8_grouped.cu - the routed experts' FP8 GEMM (forward and data
  * gradient: gemm_fp8 with reduce = 0) as one persistent Hopper kernel over
- * every expert segment, instead of a cuBLASLt call per expert.
+ * every expert segment, instead of a cuBLASLt call per expert; and the
+ * same pipeline for the weight gradient (reduce = 1, k_fp8_wgrad below:
+ * K = each expert's tokens).
  *
  * Contract (ops.h's gemm_fp8, reduce = 0):
  *   A  [M, K] e4m3, K contiguous (quant_rows output), M = sum of rows[g];
@@ -59,6 +61,8 @@
  */
 #include <cuda.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cuda/cuda_impl.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -208,29 +212,28 @@ __device__ __forceinline__ void gf_tile(const gf_params &p, int t, int &g, int &
     row0 = (mt - p.segs.tile[g]) * GF_BM;
 }
 
-/* Rows of the staging tile to C: warp w of `nw` takes rows w, w + nw, ...;
- * lane l the column groups 4 q .. 4 q + 3 for q = l and l + 32 < 48 (16 bytes
- * of fp32, 8 of bf16). The staging tile already holds C's old values where
- * C accumulates (the consumers added them). */
-__device__ __forceinline__ void gf_store_tile(const gf_params &p, const float *staging, int g,
-                                              int row0, int n0, int w, int nw, int lane)
+/* Rows of the staging tile to C's tile at Ct (ldc; `rows` x `cols` of it
+ * inside C, cols even): warp w of `nw` takes rows w, w + nw, ...; lane l
+ * the column groups 4 q .. 4 q + 3 for q = l and l + 32 < 48 (16 bytes of
+ * fp32, 8 of bf16). The staging tile already holds C's old values where C
+ * accumulates (the consumers added them). */
+__device__ __forceinline__ void gf_store_tile(void *Ct, int c_f32, int ldc, int rows, int cols,
+                                              const float *staging, int w, int nw, int lane)
 {
-    const int Mg = p.segs.start[g + 1] - p.segs.start[g];
-    const int rows = min(GF_BM, Mg - row0);
-    const int64_t r0 = (int64_t)p.segs.start[g] + row0;
+    rows = min(GF_BM, rows);
     for (int cq = lane; cq < GF_BN / 4; cq += 32) {
-        const int n = n0 + 4 * cq;
-        if (n >= p.N) break;
-        const bool four = n + 4 <= p.N; /* N even: else 2 columns left */
+        const int n = 4 * cq;
+        if (n >= cols) break;
+        const bool four = n + 4 <= cols; /* cols even: else 2 columns left */
         for (int rr = w; rr < rows; rr += nw) {
             const float4 v = *(const float4 *)(staging + rr * GF_STAGE_LD + 4 * cq);
-            const int64_t ci = (r0 + rr) * p.ldc + n;
-            if (p.c_f32) {
-                float *c = (float *)p.C + ci;
+            const int64_t ci = (int64_t)rr * ldc + n;
+            if (c_f32) {
+                float *c = (float *)Ct + ci;
                 if (four) *(float4 *)c = v;
                 else *(float2 *)c = make_float2(v.x, v.y);
             } else {
-                bf16 *c = (bf16 *)p.C + ci;
+                bf16 *c = (bf16 *)Ct + ci;
                 const __nv_bfloat162 w0 = __floats2bfloat162_rn(v.x, v.y);
                 if (four) {
                     const __nv_bfloat162 w1 = __floats2bfloat162_rn(v.z, v.w);
@@ -243,6 +246,16 @@ __device__ __forceinline__ void gf_store_tile(const gf_params &p, const float *s
             }
         }
     }
+}
+
+/* C's tile of grouped tile (g, row0, n0): its first element, rows and
+ * columns inside C. */
+__device__ __forceinline__ void *gf_c_tile(const gf_params &p, int g, int row0, int n0, int &rows,
+                                           int &cols)
+{
+    rows = p.segs.start[g + 1] - p.segs.start[g] - row0;
+    cols = p.N - n0;
+    return (char *)p.C + (((int64_t)p.segs.start[g] + row0) * p.ldc + n0) * (p.c_f32 ? 4 : 2);
 }
 
 /* A pair of C's elements (float2 for fp32 C, __nv_bfloat162 for bf16):
@@ -263,7 +276,8 @@ template <> struct gf_pair<__nv_bfloat162> {
 };
 
 /* acc (+)= C's old values at this thread's fragment (rows ra and ra + 8 of
- * the tile, columns 8 j + ct + {0, 1}), where C accumulates, T being C's
+ * the tile, columns 8 j + ct + {0, 1}; the tile at Ct, `rows` x `cols` of
+ * it inside C), where C accumulates, T being C's
  * element pair (kept as loaded: a bf16 C's 48 pairs take 48 registers).
  * The consumers do it, not the storers: all 48 loads of a thread are
  * issued before the first is used (into registers the wgmma products no
@@ -271,21 +285,19 @@ template <> struct gf_pair<__nv_bfloat162> {
  * load in flight a lane, paid one a row and fell behind the consumers on
  * short K. The sum is the one the storers made (fp32, then C's rounding). */
 template <typename T>
-__device__ __forceinline__ void gf_acc_add_c(const gf_params &p, float (&acc)[GF_ACC], int g,
-                                             int row0, int n0, int rt, int ct)
+__device__ __forceinline__ void gf_acc_add_c(const void *Ct, int ldc, int rows, int cols,
+                                             float (&acc)[GF_ACC], int rt, int ct)
 {
     typedef typename gf_pair<T>::elem E;
-    const int Mg = p.segs.start[g + 1] - p.segs.start[g];
-    const int64_t r0 = (int64_t)p.segs.start[g] + row0;
     T old[2 * GF_NJ];
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
         for (int j = 0; j < GF_NJ; j++) {
-            const int r = rt + 8 * h, n = n0 + 8 * j + ct;
+            const int r = rt + 8 * h, n = 8 * j + ct;
             old[GF_NJ * h + j] = gf_pair<T>::zero();
-            if (row0 + r < Mg && n < p.N)
-                old[GF_NJ * h + j] = *(const T *)((const E *)p.C + (r0 + r) * p.ldc + n);
+            if (r < rows && n < cols)
+                old[GF_NJ * h + j] = *(const T *)((const E *)Ct + (int64_t)r * ldc + n);
         }
 #pragma unroll
     for (int h = 0; h < 2; h++)
@@ -378,8 +390,10 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
         for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
             int g, row0, n0;
             gf_tile(p, t, g, row0, n0);
+            int rows, cols;
+            void *Ct = gf_c_tile(p, g, row0, n0, rows, cols);
             gf_bar_wait(st_full, ti & 1);
-            gf_store_tile(p, staging, g, row0, n0, warp - 1, 3, lane);
+            gf_store_tile(Ct, p.c_f32, p.ldc, rows, cols, staging, warp - 1, 3, lane);
             __syncwarp();
             if (lane == 0) gf_bar_arrive(st_empty);
         }
@@ -455,11 +469,191 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
             if (++s == GF_STAGES) s = 0, ph ^= 1;
         }
         if (p.accumulate) {
-            if (p.c_f32) gf_acc_add_c<float2>(p, acc, g, row0, n0, rt, ct);
-            else gf_acc_add_c<__nv_bfloat162>(p, acc, g, row0, n0, rt, ct);
+            int rows, cols;
+            const void *Ct = gf_c_tile(p, g, row0, n0, rows, cols);
+            if (p.c_f32) gf_acc_add_c<float2>(Ct, p.ldc, rows, cols, acc, rt, ct);
+            else gf_acc_add_c<__nv_bfloat162>(Ct, p.ldc, rows, cols, acc, rt, ct);
         }
         /* the tile to the staging area once the storers have drained the
          * previous one */
+        gf_bar_wait(st_empty, (ti & 1) ^ 1);
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < GF_NJ; j++)
+                *(float2 *)(staging + (rt + 8 * h) * GF_STAGE_LD + 8 * j + ct) =
+                    make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        __syncwarp();
+        if (lane == 0) gf_bar_arrive(st_full);
+    }
+#endif
+}
+
+/* ---- the weight gradient: K = each segment's tokens --------------------- */
+
+/* gemm_fp8 with reduce = 1 on the same pipeline: C_g[N, K] (+)= sum over
+ * the segment's 128-token blocks kb of sa_g(n, kb) sb_g(k, kb) sum_t
+ * A_g[n, t] B_g[k, t], with A_g = dy_g^T [N, Mg] and B_g = x_g^T [K, Mg]
+ * (quant_cols_t outputs, tokens contiguous) and their VEC128 scales
+ * [T_g, N] and [T_g, K] (T_g = Mg / 128 blocks). Tiles of 128 rows of N x
+ * 192 columns of K, group by group (the CTAs running together share the
+ * group's operands through L2); a tile's K loop is its group's T_g blocks.
+ * Every segment must be whole 128-token blocks (fp8 routing pads them:
+ * layer_moe.c), so each A_g and B_g is a 2-D tensor with a 16-byte row
+ * pitch: a tensor map per group, in the launch's parameters. Both
+ * operands' scales vary along the tile (rows of A_g, columns of B_g): the
+ * producer brings each block's 128 + 192 of them into the slot with A and
+ * B (TMA, out-of-range columns zero), and the consumers promote with a
+ * scale per row and per column, freeing the slot after that.
+ * Slower than cuBLASLt's per-expert calls (H200, tests/bench/RESULTS.md,
+ * eighteenth round: 440-510 TFLOPS on the proxy's experts against
+ * 665-695): a K block's promotion takes 24 shared loads and 192 fp32
+ * operations a thread, twice the reduce = 0 kernel's, while the tensor
+ * cores wait, and the slot stays taken until it ends. cuda_gemm.cu runs it
+ * with MOETRAIN_FP8_GEMM=own only. */
+#define GW_MAX 64 /* groups a launch (2 tensor maps each: 16 KB of parameters) */
+#define GW_SA (GF_BM * 4)
+#define GW_SB (GF_BN * 4)
+#define GW_SMEM (GF_SMEM + GF_STAGES * (GW_SA + GW_SB))
+
+typedef struct gw_params {
+    CUtensorMap map_a[GW_MAX], map_b[GW_MAX]; /* A_g [N, Mg], B_g [K, Mg] e4m3 */
+    CUtensorMap map_sa, map_sb;               /* all scales: [T, N], [T, K] f32 */
+    void *C;
+    int64_t c_stride;
+    int c_f32, ldc, accumulate;
+    int N, K, MT, NT, tiles;
+    int G;
+    int tile0[GW_MAX + 1]; /* group g's first block in the scale tensors */
+} gw_params;
+
+#ifdef GF_DEVICE
+/* Tile t: group g, first row of N, first column of K. */
+__device__ __forceinline__ void gw_tile(const gw_params &p, int t, int &g, int &m0, int &n0)
+{
+    const int per = p.MT * p.NT;
+    g = t / per;
+    const int r = t - g * per, mt = r / p.NT;
+    m0 = mt * GF_BM;
+    n0 = (r - mt * p.NT) * GF_BN;
+}
+
+__device__ __forceinline__ void *gw_c_tile(const gw_params &p, int g, int m0, int n0, int &rows,
+                                           int &cols)
+{
+    rows = p.N - m0;
+    cols = p.K - n0;
+    return (char *)p.C + (g * p.c_stride + (int64_t)m0 * p.ldc + n0) * (p.c_f32 ? 4 : 2);
+}
+
+/* acc += d x (sa_row sb_col): rows ra, ra + 8 (s_a, s_a8), columns
+ * 8 j + ct + {0, 1} with their scales from the slot's sb row. */
+__device__ __forceinline__ void gw_promote(float (&acc)[GF_ACC], const float (&d)[GF_ACC], float s_a,
+                                           float s_a8, const float *sbs, int ct)
+{
+#pragma unroll
+    for (int j = 0; j < GF_NJ; j++) {
+        const float2 b = *(const float2 *)(sbs + 8 * j + ct);
+        acc[4 * j + 0] += d[4 * j + 0] * (s_a * b.x);
+        acc[4 * j + 1] += d[4 * j + 1] * (s_a * b.y);
+        acc[4 * j + 2] += d[4 * j + 2] * (s_a8 * b.x);
+        acc[4 * j + 3] += d[4 * j + 3] * (s_a8 * b.y);
+    }
+}
+#endif
+
+__global__ void __launch_bounds__(GF_THREADS, 1) k_fp8_wgrad(const __grid_constant__ gw_params p)
+{
+#ifdef GF_DEVICE
+    extern __shared__ uint8_t gf_raw[];
+    uint8_t *base = gf_raw + ((1024 - (gf_smem(gf_raw) & 1023)) & 1023);
+    uint8_t *slot_a = base, *slot_b = base + GF_STAGES * GF_SLOT_A;
+    float *staging = (float *)(slot_b + GF_STAGES * GF_SLOT_B);
+    float *ring_sa = staging + GF_BM * GF_STAGE_LD, *ring_sb = ring_sa + GF_STAGES * GF_BM;
+    uint64_t *full = (uint64_t *)(ring_sb + GF_STAGES * GF_BN), *empty = full + GF_STAGES;
+    uint64_t *st_full = empty + GF_STAGES, *st_empty = st_full + 1;
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GF_STAGES; s++) {
+            gf_bar_init(&full[s], 1);
+            gf_bar_init(&empty[s], 8);
+        }
+        gf_bar_init(st_full, 8);
+        gf_bar_init(st_empty, 3);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) gf_setmaxnreg_dec();
+    if (wg == 0 && warp == 0) {
+        if (lane != 0) return;
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&p.map_sa) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&p.map_sb) : "memory");
+        uint32_t it = 0;
+        for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+            int g, m0, n0;
+            gw_tile(p, t, g, m0, n0);
+            const int T0 = p.tile0[g], T = p.tile0[g + 1] - T0;
+            for (int kb = 0; kb < T; kb++, it++) {
+                const int s = it % GF_STAGES;
+                gf_bar_wait(&empty[s], ((it / GF_STAGES) & 1) ^ 1);
+                gf_bar_expect(&full[s], GF_SLOT_A + GF_SLOT_B + GW_SA + GW_SB);
+                gf_tma_2d(slot_a + s * GF_SLOT_A, &p.map_a[g], kb * GF_BK, m0, &full[s]);
+                gf_tma_2d(slot_b + s * GF_SLOT_B, &p.map_b[g], kb * GF_BK, n0, &full[s]);
+                gf_tma_2d(ring_sa + s * GF_BM, &p.map_sa, m0, T0 + kb, &full[s]);
+                gf_tma_2d(ring_sb + s * GF_BN, &p.map_sb, n0, T0 + kb, &full[s]);
+            }
+        }
+        return;
+    }
+    if (wg == 0) {
+        uint32_t ti = 0;
+        for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
+            int g, m0, n0, rows, cols;
+            gw_tile(p, t, g, m0, n0);
+            void *Ct = gw_c_tile(p, g, m0, n0, rows, cols);
+            gf_bar_wait(st_full, ti & 1);
+            gf_store_tile(Ct, p.c_f32, p.ldc, rows, cols, staging, warp - 1, 3, lane);
+            __syncwarp();
+            if (lane == 0) gf_bar_arrive(st_empty);
+        }
+        return;
+    }
+
+    gf_setmaxnreg_inc();
+    const int cw = wg - 1, rt = cw * 64 + warp * 16 + (lane >> 2), ct = 2 * (lane & 3);
+    const uint64_t da0 = gf_desc(slot_a + cw * 64 * GF_BK), db0 = gf_desc(slot_b);
+    uint32_t s = 0, ph = 0, ti = 0;
+    for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
+        int g, m0, n0;
+        gw_tile(p, t, g, m0, n0);
+        const int T = p.tile0[g + 1] - p.tile0[g];
+        float acc[GF_ACC], d[GF_ACC];
+#pragma unroll
+        for (int i = 0; i < GF_ACC; i++) acc[i] = d[i] = 0.0f;
+        for (int kb = 0; kb < T; kb++) {
+            gf_bar_wait(&full[s], ph);
+            const uint64_t da = da0 + ((s * GF_SLOT_A) >> 4), db = db0 + ((s * GF_SLOT_B) >> 4);
+            gf_fence_acc(d);
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int k = 0; k < GF_BK / 32; k++) gf_wgmma_k32(d, da + 2 * k, db + 2 * k, k);
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            gf_fence_acc(d);
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            gf_fence_acc(d);
+            const float *sas = ring_sa + s * GF_BM;
+            gw_promote(acc, d, sas[rt], sas[rt + 8], ring_sb + s * GF_BN, ct);
+            __syncwarp();
+            if (lane == 0) gf_bar_arrive(&empty[s]); /* the slot's scales read */
+            if (++s == GF_STAGES) s = 0, ph ^= 1;
+        }
+        int rows, cols;
+        void *Ct = gw_c_tile(p, g, m0, n0, rows, cols);
+        if (p.accumulate) {
+            if (p.c_f32) gf_acc_add_c<float2>(Ct, p.ldc, rows, cols, acc, rt, ct);
+            else gf_acc_add_c<__nv_bfloat162>(Ct, p.ldc, rows, cols, acc, rt, ct);
+        }
         gf_bar_wait(st_empty, (ti & 1) ^ 1);
 #pragma unroll
         for (int h = 0; h < 2; h++)
@@ -503,7 +697,9 @@ int cuda_fp8_grouped_init(void)
 {
     if (!gf_encode()) return 0;
     if (cudaFuncSetAttribute(k_fp8_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize, GF_SMEM) !=
-        cudaSuccess) {
+            cudaSuccess ||
+        cudaFuncSetAttribute(k_fp8_wgrad, cudaFuncAttributeMaxDynamicSharedMemorySize, GW_SMEM) !=
+            cudaSuccess) {
         (void)cudaGetLastError();
         return 0;
     }
@@ -558,4 +754,91 @@ int cuda_fp8_grouped(mt_backend *be, void *C, int c_f32, int ldc, const uint8_t 
     k_fp8_grouped<<<grid, GF_THREADS, GF_SMEM, c->stream>>>(map_a, map_b, p);
     CUDA_LAUNCH_CHECK("gemm_fp8 (grouped kernel)");
     return MT_OK;
+}
+
+int cuda_fp8_wgrad_fits(const void *C, int c_f32, int ldc, int64_t c_stride, const uint8_t *A,
+                        const float *sa, const uint8_t *B, const float *sb, const int *rows, int G,
+                        int N, int K)
+{
+    if (G < 1 || N < 4 || K < 4 || N % 4 || K % 4 || ldc % 4 || (uintptr_t)C % 16 ||
+        (uintptr_t)A % 16 || (uintptr_t)B % 16 || (uintptr_t)sa % 16 || (uintptr_t)sb % 16 ||
+        (G > 1 && (c_stride * (c_f32 ? 4 : 2)) % 16))
+        return 0;
+    for (int g = 0; g < G; g++)
+        if (rows[g] % GF_BK) return 0;
+    return 1;
+}
+
+/* A 2-D tensor map: dims {inner, outer} of `esize`-byte elements, rows
+ * `pitch` bytes apart, box {box_x, box_y}. */
+static int gw_map(CUtensorMap *m, const void *base, CUtensorMapDataType type, int64_t inner,
+                  int64_t outer, int64_t pitch, int box_x, int box_y, CUtensorMapSwizzle sw)
+{
+    const cuuint64_t dim[2] = {(cuuint64_t)inner, (cuuint64_t)outer}, str[1] = {(cuuint64_t)pitch};
+    const cuuint32_t box[2] = {(cuuint32_t)box_x, (cuuint32_t)box_y}, one[2] = {1, 1};
+    const CUresult r = gf_encode()(m, type, 2, (void *)base, dim, str, box, one,
+                                   CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUDA_REQUIRE(r == CUDA_SUCCESS, "gemm_fp8: tensor map [%lld, %lld] (pitch %lld): CUresult %d",
+                 (long long)outer, (long long)inner, (long long)pitch, (int)r);
+    return MT_OK;
+}
+
+int cuda_fp8_wgrad(mt_backend *be, void *C, int c_f32, int ldc, int64_t c_stride,
+                   const uint8_t *A, const float *sa, const uint8_t *B, const float *sb,
+                   const int *rows, int G, int N, int K, int accumulate)
+{
+    cuda_impl *c = cuda_of(be);
+    CUDA_REQUIRE(gf_encode(), "gemm_fp8: the driver has no cuTensorMapEncodeTiled");
+    int64_t blocks = 0; /* the scale tensors' rows: every group's 128-token blocks */
+    for (int g = 0; g < G; g++) blocks += rows[g] / GF_BK;
+    CUDA_REQUIRE(blocks < INT32_MAX, "gemm_fp8: %lld token blocks is too many", (long long)blocks);
+    /* 17 KB, copied into the launch; tensor maps are 64-byte aligned */
+    gw_params *p = (gw_params *)aligned_alloc(64, (sizeof(gw_params) + 63) / 64 * 64);
+    CUDA_REQUIRE(p != NULL, "gemm_fp8: out of host memory");
+    int rc = MT_OK;
+    int64_t r = 0, blk = 0;
+    for (int g0 = 0; g0 < G && rc == MT_OK; g0 += GW_MAX) {
+        const int n = G - g0 < GW_MAX ? G - g0 : GW_MAX;
+        memset(p, 0, sizeof *p);
+        rc = gw_map(&p->map_sa, sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, N, blocks > 0 ? blocks : 1,
+                    (int64_t)N * 4, GF_BM, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+        if (rc == MT_OK)
+            rc = gw_map(&p->map_sb, sb, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, K, blocks > 0 ? blocks : 1,
+                        (int64_t)K * 4, GF_BN, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+        p->tile0[0] = (int)blk;
+        for (int g = 0; g < n && rc == MT_OK; g++) {
+            const int Mg = rows[g0 + g];
+            if (Mg > 0) {
+                rc = gw_map(&p->map_a[g], A + (int64_t)N * r, CU_TENSOR_MAP_DATA_TYPE_UINT8, Mg, N,
+                            Mg, GF_BK, GF_BM, CU_TENSOR_MAP_SWIZZLE_128B);
+                if (rc == MT_OK)
+                    rc = gw_map(&p->map_b[g], B + (int64_t)K * r, CU_TENSOR_MAP_DATA_TYPE_UINT8, Mg,
+                                K, Mg, GF_BK, GF_BN, CU_TENSOR_MAP_SWIZZLE_128B);
+            }
+            r += Mg;
+            blk += Mg / GF_BK;
+            p->tile0[g + 1] = (int)blk;
+        }
+        if (rc != MT_OK) break;
+        p->C = (char *)C + g0 * c_stride * (c_f32 ? 4 : 2);
+        p->c_stride = c_stride, p->c_f32 = c_f32, p->ldc = ldc, p->accumulate = accumulate;
+        p->N = N, p->K = K, p->MT = (N + GF_BM - 1) / GF_BM, p->NT = (K + GF_BN - 1) / GF_BN;
+        p->G = n;
+        const int64_t tiles = (int64_t)n * p->MT * p->NT;
+        if (tiles >= INT32_MAX) {
+            rc = MT_ERR(MT_EINVAL, "gemm_fp8: %lld output tiles is too many", (long long)tiles);
+            break;
+        }
+        p->tiles = (int)tiles;
+        const int grid = p->tiles < c->sm_count ? p->tiles : c->sm_count;
+        k_fp8_wgrad<<<grid, GF_THREADS, GW_SMEM, c->stream>>>(*p);
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            rc = mt_err_at(MT_ECUDA, __FILE__, __LINE__, "gemm_fp8 (wgrad kernel): %s",
+                           cudaGetErrorString(e));
+    }
+    free(p);
+    return rc;
 }

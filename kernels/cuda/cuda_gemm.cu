@@ -22,7 +22,10 @@
  * MOETRAIN_FP8_GEMM=direct or =swap forces one order (benchmarks).
  * MOETRAIN_FP8_GEMM=own runs the forward and data-gradient calls (reduce =
  * 0) on the own persistent kernel of cuda_fp8_grouped.cu wherever its
- * requirements hold: one launch over every expert segment.
+ * requirements hold: one launch over every expert segment; and the weight
+ * gradients (reduce = 1) of segments of whole 128-row blocks on its
+ * k-grouped form, which loses to cuBLASLt by 25-35 % on the proxy's
+ * experts (the per-column scales of its promotion) and runs with own only.
  * MOETRAIN_FP8_GEMM=grouped runs only the calls of several segments that
  * write C there (the experts' forward calls and the data gradients that
  * do not accumulate), the rest as auto. Measured on H200s (tests/bench/RESULTS.md, issue 18's
@@ -599,6 +602,14 @@ static int cuda_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc
         !c->gemm->force_fallback && cuda_fp8_grouped_fits(C, c_f32, ldc, A, B, b_stride, G, N, K))
         return cuda_fp8_grouped(be, C, c_f32, ldc, A, sa, B, sb, b_stride, sb_stride, rows, G,
                                 N, K, accumulate);
+    /* the weight gradients only with own: on the proxy's experts the
+     * k-grouped form ran at 440-510 TFLOPS against cuBLASLt's 665-695
+     * (RESULTS.md, eighteenth round) */
+    if (reduce && order == 3 && c->gemm->own_ok &&
+        !c->gemm->force_fallback &&
+        cuda_fp8_wgrad_fits(C, c_f32, ldc, c_stride, A, sa, B, sb, rows, G, N, K))
+        return cuda_fp8_wgrad(be, C, c_f32, ldc, c_stride, A, sa, B, sb, rows, G, N, K,
+                              accumulate);
     const int direct = !c->gemm->force_fallback &&
                        (order == 1 || (order != 2 && fp8_direct_pays(reduce, K)));
     /* The direct order needs the weights' scales per row: expanded once for

@@ -247,13 +247,20 @@ void cuda_gemm_destroy(mt_backend *be);
 /* The grouped FP8 GEMM kernel (cuda_fp8_grouped.cu, MOETRAIN_FP8_GEMM=own):
  * _init says whether it can run here (1) and prepares it; _fits whether a
  * call's shapes and alignments suit it; cuda_fp8_grouped runs gemm_fp8's
- * reduce = 0 case with it. */
+ * reduce = 0 case with it, cuda_fp8_wgrad the reduce = 1 case (weight
+ * gradients) on its k-grouped form (segments of whole 128-row blocks). */
 int cuda_fp8_grouped_init(void);
 int cuda_fp8_grouped_fits(const void *C, int c_f32, int ldc, const uint8_t *A, const uint8_t *B,
                           int64_t b_stride, int G, int N, int K);
 int cuda_fp8_grouped(mt_backend *be, void *C, int c_f32, int ldc, const uint8_t *A,
                      const float *sa, const uint8_t *B, const float *sb, int64_t b_stride,
                      int64_t sb_stride, const int *rows, int G, int N, int K, int accumulate);
+int cuda_fp8_wgrad_fits(const void *C, int c_f32, int ldc, int64_t c_stride, const uint8_t *A,
+                        const float *sa, const uint8_t *B, const float *sb, const int *rows, int G,
+                        int N, int K);
+int cuda_fp8_wgrad(mt_backend *be, void *C, int c_f32, int ldc, int64_t c_stride,
+                   const uint8_t *A, const float *sa, const uint8_t *B, const float *sb,
+                   const int *rows, int G, int N, int K, int accumulate);
 void cuda_attn_destroy(mt_backend *be);
 
 #endif
