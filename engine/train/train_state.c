@@ -318,14 +318,20 @@ static int convert_run(void *dst, mt_dtype dt, const void *src, int st, int64_t 
     return MT_OK;
 }
 
-/* Where tensor t of the map lives in the snapshot: base of the parameter's
- * row-major copy (this rank's slab of it), its element type and size, and
- * the slab: its first row and column in the full tensor and its row length
- * (scale tensors: in blocks). */
+/* Where a tensor of the map lives in the snapshot (locate()). */
+typedef struct snap_loc {
+    const mt_shard_tensor *t; /* the map's entry */
+    const void *base;         /* the parameter's row-major copy (this rank's slab of it) */
+    int st;                   /* its element type (SRC_*) */
+    size_t es;                /* and size in bytes */
+    int64_t so[2];            /* the slab's first row and column in the full tensor */
+    int64_t ld;               /* its row length (scale tensors: in blocks) */
+} snap_loc;
+
 static int locate(const mt_train_snapshot *s, const mt_shard_map *map, const mt_tensor_desc *band,
-                  const mt_shard_tensor **tp, const void **base, int *st, size_t *es,
-                  int64_t slab_off[2], int64_t *ld)
+                  snap_loc *l)
 {
+    memset(l, 0, sizeof *l);
     int ti = mt_shard_map_find(map, band->name);
     if (ti < 0) return MT_ERR(MT_EINVAL, "checkpoint snapshot: unknown tensor %s", band->name);
     const mt_shard_tensor *t = &map->tensors[ti];
@@ -333,46 +339,45 @@ static int locate(const mt_train_snapshot *s, const mt_shard_map *map, const mt_
         return MT_ERR(MT_EINVAL, "checkpoint snapshot: %d parameters, the map has %d", s->n_params,
                       map->n_params);
     const mt_snap_param *sp = &s->params[t->param];
-    *tp = t;
-    *base = NULL;
+    l->t = t;
     const int scale = t->role == MT_TS_SCALE;
-    slab_off[0] = t->ndim == 1 ? sp->off[1] : scale ? sp->off[0] / 128 : sp->off[0];
-    slab_off[1] = t->ndim == 1 ? 0 : scale ? sp->off[1] / 128 : sp->off[1];
-    *ld = t->ndim == 1 ? 1 : scale ? (sp->cols + 127) / 128 : sp->cols;
-    *st = SRC_F32;
-    *es = 4;
+    l->so[0] = t->ndim == 1 ? sp->off[1] : scale ? sp->off[0] / 128 : sp->off[0];
+    l->so[1] = t->ndim == 1 ? 0 : scale ? sp->off[1] / 128 : sp->off[1];
+    l->ld = t->ndim == 1 ? 1 : scale ? (sp->cols + 127) / 128 : sp->cols;
+    l->st = SRC_F32;
+    l->es = 4;
     switch (t->role) {
     case MT_TS_WEIGHT:
-        if (sp->q_off >= 0) *base = s->q + sp->q_off, *st = SRC_BYTE, *es = 1;
-        else if (sp->f32_off >= 0) *base = s->f32 + sp->f32_off;
+        if (sp->q_off >= 0) l->base = s->q + sp->q_off, l->st = SRC_BYTE, l->es = 1;
+        else if (sp->f32_off >= 0) l->base = s->f32 + sp->f32_off;
         else if (sp->act_off >= 0) {
-            *es = (size_t)s->act_bytes;
-            *st = s->act_bytes == 4 ? SRC_F32 : SRC_BF16;
-            *base = (const char *)s->act + (size_t)sp->act_off * *es;
+            l->es = (size_t)s->act_bytes;
+            l->st = s->act_bytes == 4 ? SRC_F32 : SRC_BF16;
+            l->base = (const char *)s->act + (size_t)sp->act_off * l->es;
         }
         break;
     case MT_TS_SCALE:
-        if (sp->s_off >= 0) *base = s->s + sp->s_off;
+        if (sp->s_off >= 0) l->base = s->s + sp->s_off;
         break;
     case MT_TS_EXP_AVG:
     case MT_TS_EXP_AVG_SQ:
         if (sp->opt_off >= 0) {
-            *base = (t->role == MT_TS_EXP_AVG ? s->m : s->v) + sp->opt_off;
-            *st = SRC_BF16;
-            *es = 2;
+            l->base = (t->role == MT_TS_EXP_AVG ? s->m : s->v) + sp->opt_off;
+            l->st = SRC_BF16;
+            l->es = 2;
         }
         break;
     case MT_TS_MAIN:
         if (sp->opt_off >= 0 && s->master) {
-            *es = (size_t)s->master_bytes;
-            *st = *es == 4 ? SRC_F32 : SRC_BF16;
-            *base = (const char *)s->master + (size_t)sp->opt_off * *es;
+            l->es = (size_t)s->master_bytes;
+            l->st = l->es == 4 ? SRC_F32 : SRC_BF16;
+            l->base = (const char *)s->master + (size_t)sp->opt_off * l->es;
         }
         break;
     default:
         break;
     }
-    if (!*base)
+    if (!l->base)
         return MT_ERR(MT_EINVAL, "checkpoint snapshot: tensor %s (%s) is not in this rank's state",
                       t->name, mt_tensor_role_name(t->role));
     return MT_OK;
@@ -387,13 +392,11 @@ static int same_type(mt_dtype dt, int st)
 int mt_train_snapshot_fill(const mt_train_snapshot *s, const mt_shard_map *map,
                            const mt_tensor_desc *band, void *buf)
 {
-    /* set by locate() when it succeeds; initialised for gcc -O3's sake */
-    const mt_shard_tensor *t = NULL;
-    const void *base = NULL;
-    int st = 0;
-    size_t es = 0;
-    int64_t so[2] = {0, 0}, C = 0;
-    MT_CHECK(locate(s, map, band, &t, &base, &st, &es, so, &C));
+    snap_loc l;
+    MT_CHECK(locate(s, map, band, &l));
+    const mt_shard_tensor *t = l.t;
+    const int64_t *so = l.so;
+    const int64_t C = l.ld;
     /* row-major [rows, C] slab starting at so of the full tensor (1-D: [n, 1]);
      * the band is rows x cols of the full tensor inside the slab */
     const int64_t c0 = t->ndim == 2 ? band->off[1] - so[1] : 0, nc = t->ndim == 2 ? band->count[1] : 1;
@@ -404,8 +407,8 @@ int mt_train_snapshot_fill(const mt_train_snapshot *s, const mt_shard_map *map,
                       (long long)band->off[1], band->name, (long long)so[0], (long long)so[1]);
     const size_t os = mt_dtype_size(band->dtype);
     for (int64_t i = 0; i < band->count[0]; i++) {
-        const char *src = (const char *)base + ((size_t)(r0 + i) * (size_t)C + (size_t)c0) * es;
-        MT_CHECK(convert_run((char *)buf + (size_t)i * (size_t)nc * os, band->dtype, src, st, nc));
+        const char *src = (const char *)l.base + ((size_t)(r0 + i) * (size_t)C + (size_t)c0) * l.es;
+        MT_CHECK(convert_run((char *)buf + (size_t)i * (size_t)nc * os, band->dtype, src, l.st, nc));
     }
     return MT_OK;
 }
@@ -413,23 +416,18 @@ int mt_train_snapshot_fill(const mt_train_snapshot *s, const mt_shard_map *map,
 const void *mt_train_snapshot_direct(const mt_train_snapshot *s, const mt_shard_map *map,
                                      const mt_tensor_desc *d)
 {
-    /* set by locate() when it succeeds; initialised for gcc -O3's sake */
-    const mt_shard_tensor *t = NULL;
-    const void *base = NULL;
-    int st = 0;
-    size_t es = 0;
-    int64_t so[2] = {0, 0}, C = 0;
-    if (locate(s, map, d, &t, &base, &st, &es, so, &C) < 0) {
+    snap_loc l;
+    if (locate(s, map, d, &l) < 0) {
         mt_err_clear();
         return NULL;
     }
     /* whole rows of the same type are contiguous in the snapshot (a slab
      * of whole rows: tensor parallelism split the rows, or nothing) */
-    if (!same_type(d->dtype, st) || (t->ndim == 2 && (d->count[1] != t->shape[1] ||
-                                                      C != t->shape[1])))
+    if (!same_type(d->dtype, l.st) || (l.t->ndim == 2 && (d->count[1] != l.t->shape[1] ||
+                                                          l.ld != l.t->shape[1])))
         return NULL;
-    if (d->off[0] < so[0]) return NULL;
-    return (const char *)base + (size_t)(d->off[0] - so[0]) * (size_t)C * es;
+    if (d->off[0] < l.so[0]) return NULL;
+    return (const char *)l.base + (size_t)(d->off[0] - l.so[0]) * (size_t)l.ld * l.es;
 }
 
 /* ---- restore -------------------------------------------------------------------- */
