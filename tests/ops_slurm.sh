@@ -38,8 +38,34 @@ chmod 700 "$tmp/munge"
 head -c 1024 /dev/urandom > "$tmp/munge/munge.key"
 chmod 400 "$tmp/munge/munge.key"
 sock="$tmp/munge/sock"
-port=$((20000 + RANDOM % 20000))
+# Two free consecutive ports below the kernel's ephemeral range: a port
+# drawn from inside it can be taken by another test's outgoing connection
+# (mpirun's, say) before slurmd binds it ("Address already in use").
+pick_ports() {
+    /usr/bin/python3 - << 'PY'
+import random, socket
+lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+top = lo - 2 if lo > 12000 else 60000
+for _ in range(200):
+    p = random.randrange(10000, top)
+    socks = []
+    try:
+        for q in (p, p + 1):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            socks.append(s)
+            s.bind(("", q))
+    except OSError:
+        continue
+    finally:
+        for s in socks:
+            s.close()
+    print(p)
+    break
+PY
+}
 export SLURM_CONF="$tmp/slurm.conf"
+write_conf() {
 cat > "$SLURM_CONF" << EOF
 ClusterName=moetrain-test
 SlurmctldHost=$host
@@ -74,6 +100,7 @@ MinJobAge=600
 NodeName=$host CPUs=$ncpu State=UNKNOWN
 PartitionName=test Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
+}
 daemons=()
 stop_all() {
     [ -n "${job_id:-}" ] && scancel "$job_id" 2> /dev/null
@@ -97,15 +124,33 @@ daemons+=($!)
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 munge -S "$sock" -n | unmunge -S "$sock" > /dev/null 2>&1 ||
     { echo "FAIL: munged does not answer: $(cat "$tmp/log/munged.log" "$tmp/log/munged.err")"; exit 1; }
-slurmctld -D -i > "$tmp/log/slurmctld.out" 2>&1 &
-daemons+=($!)
-slurmd -D > "$tmp/log/slurmd.out" 2>&1 &
-daemons+=($!)
-for _ in $(seq 300); do [ "$(sinfo -h -n "$host" -o %t 2> /dev/null)" = idle ] && break; sleep 0.1; done
-[ "$(sinfo -h -n "$host" -o %t 2> /dev/null)" = idle ] || {
+# The controller and the node daemon; started again on other ports (at
+# most 3 times) if one of them found its port taken after all.
+for attempt in 1 2 3; do
+    port=$(pick_ports)
+    [ -n "$port" ] || { echo "FAIL: no two free ports below the ephemeral range"; exit 1; }
+    write_conf
+    rm -rf "$tmp/state"/* "$tmp/spool"/*
+    slurmctld -D -i > "$tmp/log/slurmctld.out" 2>&1 &
+    ctld=$!
+    slurmd -D > "$tmp/log/slurmd.out" 2>&1 &
+    sd=$!
+    daemons+=("$ctld" "$sd")
+    for _ in $(seq 300); do [ "$(sinfo -h -n "$host" -o %t 2> /dev/null)" = idle ] && break; sleep 0.1; done
+    [ "$(sinfo -h -n "$host" -o %t 2> /dev/null)" = idle ] && break
+    if [ "$attempt" -lt 3 ] && grep -q "Address already in use" "$tmp/log/slurmctld.out" "$tmp/log/slurmd.out"; then
+        echo "attempt $attempt: port $port or $((port + 1)) was taken; again"
+        for p in "$ctld" "$sd"; do kill -TERM "$p" 2> /dev/null; done
+        for p in "$ctld" "$sd"; do
+            for _ in $(seq 100); do kill -0 "$p" 2> /dev/null || break; sleep 0.1; done
+            kill -9 "$p" 2> /dev/null
+        done
+        continue
+    fi
     echo "FAIL: the node is not idle: $(sinfo 2>&1)"
     tail -n 5 "$tmp/log/slurmctld.log" "$tmp/log/slurmd.log" "$tmp/log/slurmctld.out" "$tmp/log/slurmd.out"
-    exit 1; }
+    exit 1
+done
 srun --mpi=list 2>&1 | grep -qw pmix || { echo "FAIL: srun has no pmix plugin: $(srun --mpi=list 2>&1)"; exit 1; }
 echo "ok: a local Slurm ($(slurmctld -V)) on $host with $ncpu CPUs, munge auth, no cgroups"
 
