@@ -49,7 +49,9 @@ json.dump(j, open(sys.argv[2], "w"))
 PY
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$tmp/token"
 chmod 600 "$tmp/token"
-port_base=$((20000 + RANDOM % 20000))
+. "$src/tests/ports_lib.sh" # free_ports
+port_base=$(free_ports 6)
+[ -n "$port_base" ] || { echo "FAIL: no six free ports below the ephemeral range"; exit 1; }
 
 # ---- a stub moetraind: records what it got ----------------------------------------------
 cat > "$tmp/stub-moetraind" << 'STUB'

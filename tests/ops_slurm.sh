@@ -38,32 +38,7 @@ chmod 700 "$tmp/munge"
 head -c 1024 /dev/urandom > "$tmp/munge/munge.key"
 chmod 400 "$tmp/munge/munge.key"
 sock="$tmp/munge/sock"
-# Two free consecutive ports below the kernel's ephemeral range: a port
-# drawn from inside it can be taken by another test's outgoing connection
-# (mpirun's, say) before slurmd binds it ("Address already in use").
-pick_ports() {
-    /usr/bin/python3 - << 'PY'
-import random, socket
-lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-top = lo - 2 if lo > 12000 else 60000
-for _ in range(200):
-    p = random.randrange(10000, top)
-    socks = []
-    try:
-        for q in (p, p + 1):
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            socks.append(s)
-            s.bind(("", q))
-    except OSError:
-        continue
-    finally:
-        for s in socks:
-            s.close()
-    print(p)
-    break
-PY
-}
+. "$src/tests/ports_lib.sh" # free_ports
 export SLURM_CONF="$tmp/slurm.conf"
 write_conf() {
 cat > "$SLURM_CONF" << EOF
@@ -127,7 +102,7 @@ munge -S "$sock" -n | unmunge -S "$sock" > /dev/null 2>&1 ||
 # The controller and the node daemon; started again on other ports (at
 # most 3 times) if one of them found its port taken after all.
 for attempt in 1 2 3; do
-    port=$(pick_ports)
+    port=$(free_ports 2)
     [ -n "$port" ] || { echo "FAIL: no two free ports below the ephemeral range"; exit 1; }
     write_conf
     rm -rf "$tmp/state"/* "$tmp/spool"/*
