@@ -309,6 +309,42 @@ __device__ __forceinline__ void gf_acc_add_c(const void *Ct, int ldc, int rows, 
         }
 }
 
+/* The barriers both kernels use, initialised by thread 0 before any use:
+ * full[s] (the producer's TMA bytes), empty[s] (the 8 consumer warps),
+ * st_full (the consumer warps wrote the staging tile), st_empty (the 3
+ * storer warps drained it). */
+__device__ __forceinline__ void gf_bars_init(uint64_t *full, uint64_t *empty, uint64_t *st_full,
+                                             uint64_t *st_empty)
+{
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GF_STAGES; s++) {
+            gf_bar_init(&full[s], 1);
+            gf_bar_init(&empty[s], 8);
+        }
+        gf_bar_init(st_full, 8);
+        gf_bar_init(st_empty, 3);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
+/* A consumer's tile to the staging area once the storers have drained the
+ * previous one (ti: the CTA's tile count), handed to them through st_full. */
+__device__ __forceinline__ void gf_stage(const float (&acc)[GF_ACC], float *staging,
+                                         uint64_t *st_full, uint64_t *st_empty, uint32_t ti,
+                                         int rt, int ct, int lane)
+{
+    gf_bar_wait(st_empty, (ti & 1) ^ 1);
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < GF_NJ; j++)
+            *(float2 *)(staging + (rt + 8 * h) * GF_STAGE_LD + 8 * j + ct) =
+                make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    __syncwarp();
+    if (lane == 0) gf_bar_arrive(st_full);
+}
+
 /* Register budgets by warpgroup: the producer's (one TMA thread, three
  * storer warps) needs few; a consumer holds 2 x 96 fp32 values a thread.
  * 40 x 128 + 232 x 256 <= 65536. */
@@ -352,16 +388,7 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
     uint64_t *full = (uint64_t *)(staging + GF_BM * GF_STAGE_LD), *empty = full + GF_STAGES;
     uint64_t *st_full = empty + GF_STAGES, *st_empty = st_full + 1;
     const int wg = threadIdx.x / 128, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < GF_STAGES; s++) {
-            gf_bar_init(&full[s], 1);
-            gf_bar_init(&empty[s], 8); /* the consumer warps */
-        }
-        gf_bar_init(st_full, 8);  /* the consumer warps wrote the staging tile */
-        gf_bar_init(st_empty, 3); /* the storer warps drained it */
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    gf_bars_init(full, empty, st_full, st_empty);
 
     if (wg == 0) gf_setmaxnreg_dec();
     if (wg == 0 && warp == 0) {
@@ -474,17 +501,7 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
             if (p.c_f32) gf_acc_add_c<float2>(Ct, p.ldc, rows, cols, acc, rt, ct);
             else gf_acc_add_c<__nv_bfloat162>(Ct, p.ldc, rows, cols, acc, rt, ct);
         }
-        /* the tile to the staging area once the storers have drained the
-         * previous one */
-        gf_bar_wait(st_empty, (ti & 1) ^ 1);
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int j = 0; j < GF_NJ; j++)
-                *(float2 *)(staging + (rt + 8 * h) * GF_STAGE_LD + 8 * j + ct) =
-                    make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        __syncwarp();
-        if (lane == 0) gf_bar_arrive(st_full);
+        gf_stage(acc, staging, st_full, st_empty, ti, rt, ct, lane);
     }
 #endif
 }
@@ -573,16 +590,7 @@ __global__ void __launch_bounds__(GF_THREADS, 1) k_fp8_wgrad(const __grid_consta
     uint64_t *full = (uint64_t *)(ring_sb + GF_STAGES * GF_BN), *empty = full + GF_STAGES;
     uint64_t *st_full = empty + GF_STAGES, *st_empty = st_full + 1;
     const int wg = threadIdx.x / 128, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < GF_STAGES; s++) {
-            gf_bar_init(&full[s], 1);
-            gf_bar_init(&empty[s], 8);
-        }
-        gf_bar_init(st_full, 8);
-        gf_bar_init(st_empty, 3);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    gf_bars_init(full, empty, st_full, st_empty);
 
     if (wg == 0) gf_setmaxnreg_dec();
     if (wg == 0 && warp == 0) {
@@ -654,15 +662,7 @@ __global__ void __launch_bounds__(GF_THREADS, 1) k_fp8_wgrad(const __grid_consta
             if (p.c_f32) gf_acc_add_c<float2>(Ct, p.ldc, rows, cols, acc, rt, ct);
             else gf_acc_add_c<__nv_bfloat162>(Ct, p.ldc, rows, cols, acc, rt, ct);
         }
-        gf_bar_wait(st_empty, (ti & 1) ^ 1);
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int j = 0; j < GF_NJ; j++)
-                *(float2 *)(staging + (rt + 8 * h) * GF_STAGE_LD + 8 * j + ct) =
-                    make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        __syncwarp();
-        if (lane == 0) gf_bar_arrive(st_full);
+        gf_stage(acc, staging, st_full, st_empty, ti, rt, ct, lane);
     }
 #endif
 }
