@@ -432,7 +432,7 @@ static void bench_optim(const char *what, int N, int K, int fused)
  * bytes a parameter as above. */
 typedef struct experts_ctx {
     int E, N, K, one_call;
-    float *g;
+    void *g; /* bf16 gradients */
     uint16_t *m, *v;
     uint8_t *q, *qt;
     float *s, *st;
