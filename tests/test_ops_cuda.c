@@ -1000,19 +1000,25 @@ static void test_gemm_fp8(void)
     /* Cases for the weight-gradient kernel (cuda_fp8_wgrad, =own: segments
      * of whole 128-row blocks, N and K multiples of 4, aligned C): empty
      * groups, row tiles cut by N (1100 = 8 x 128 + 76) and column tiles by
-     * K (772 = 4 x 192 + 4), more tiles than SMs (6 x 9 x 5 = 270, the ring
-     * wrapping across tiles of different K lengths), f32 and bf16 C with
-     * and without accumulation, C's rows longer than K (ldc 776); and more
-     * groups than one launch takes (70: launches of 64 and 6). */
+     * K (772 = 4 x 192 + 4 for f32 C, 776 for bf16: C's rows are stored by
+     * TMA, which writes whole 16-byte pieces), more tiles than SMs (6 x 9 x
+     * 5 = 270, the ring wrapping across tiles of different K lengths), f32
+     * and bf16 C with and without accumulation, C's rows longer than K with
+     * the padding left as it was (ldc 776, 784; and ldc 776 over K 772 in
+     * bf16, where the kernel would write into the padding, so another path
+     * takes it); and more groups than one launch takes (70: launches of 64
+     * and 6). */
     const int rw1[] = {256, 0, 128, 640, 128, 384};
     test_gemm_fp8_reduce(rw1, 6, 1100, 772, 1, 1, 0);
-    test_gemm_fp8_reduce(rw1, 6, 1100, 772, 1, 0, 0);
-    test_gemm_fp8_reduce(rw1, 6, 1100, 772, MT_C_BF16, 1, 0);
+    test_gemm_fp8_reduce(rw1, 6, 1100, 772, 1, 0, 4);
+    test_gemm_fp8_reduce(rw1, 6, 1100, 776, MT_C_BF16, 1, 0);
+    test_gemm_fp8_reduce(rw1, 6, 1100, 776, MT_C_BF16, 0, 8);
+    test_gemm_fp8_reduce(rw1, 6, 1100, 776, MT_C_BF16, 1, 8);
     test_gemm_fp8_reduce(rw1, 6, 1100, 772, MT_C_BF16, 0, 4);
     int rw2[70];
     for (int g = 0; g < 70; g++) rw2[g] = g % 3 == 1 ? 0 : 128 * (1 + g % 4);
     test_gemm_fp8_reduce(rw2, 70, 132, 196, 1, 1, 0);
-    test_gemm_fp8_reduce(rw2, 70, 132, 196, MT_C_BF16, 0, 0);
+    test_gemm_fp8_reduce(rw2, 70, 132, 200, MT_C_BF16, 0, 0);
     /* segments of a few rows after whole tiles, on both sides of the
      * backend's smallest cuBLASLt row count (16), in both orders */
     const int r10[] = {512, 16, 1, 17, 8, 32, 2, 128};

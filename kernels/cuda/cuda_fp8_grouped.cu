@@ -522,20 +522,30 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
  * producer brings each block's 128 + 192 of them into the slot with A and
  * B (TMA, out-of-range columns zero), and the consumers promote with a
  * scale per row and per column, freeing the slot after that.
- * Slower than cuBLASLt's per-expert calls (H200, tests/bench/RESULTS.md,
- * eighteenth round: 440-510 TFLOPS on the proxy's experts against
- * 665-695): a K block's promotion takes 24 shared loads and 192 fp32
- * operations a thread, twice the reduce = 0 kernel's, while the tensor
- * cores wait, and the slot stays taken until it ends. cuda_gemm.cu runs it
- * with MOETRAIN_FP8_GEMM=own only. */
+ * C's tile goes through shared memory both ways by TMA: a thread of the
+ * producer's warpgroup (the mover) loads the tile's old values, where C
+ * accumulates, while the consumers compute it, and stores their results
+ * (TMA clips rows past N and columns past K); the consumers add and write
+ * in place, in C's type. The first form, with the consumers loading C
+ * after the tile's last block and the storer warps writing it, ran at
+ * 440-510 TFLOPS on the proxy's experts against cuBLASLt's 665-695
+ * (H200, tests/bench/RESULTS.md, eighteenth round; Nsight Compute: the
+ * tensor pipe 36 % busy, L1 70 %); this one at 564-570 against 673-676
+ * (nineteenth round; tensor pipe 44 %). Still slower, so cuda_gemm.cu
+ * runs it with MOETRAIN_FP8_GEMM=own only. */
 #define GW_MAX 64 /* groups a launch (2 tensor maps each: 16 KB of parameters) */
 #define GW_SA (GF_BM * 4)
 #define GW_SB (GF_BN * 4)
-#define GW_SMEM (GF_SMEM + GF_STAGES * (GW_SA + GW_SB))
+#define GW_CHUNK 16384 /* C's tile in chunks of 128 rows x 128 bytes (TMA's swizzled box) */
+#define GW_CTILE (GF_BN / 32 * GW_CHUNK) /* 6 fp32 chunks, or 3 of bf16 in its first half */
+#define GW_SMEM                                                                                    \
+    (GF_STAGES * (GF_SLOT_A + GF_SLOT_B + GW_SA + GW_SB) + GW_CTILE + (2 * GF_STAGES + 2) * 8 +   \
+     1024)
 
 typedef struct gw_params {
     CUtensorMap map_a[GW_MAX], map_b[GW_MAX]; /* A_g [N, Mg], B_g [K, Mg] e4m3 */
     CUtensorMap map_sa, map_sb;               /* all scales: [T, N], [T, K] f32 */
+    CUtensorMap map_c;                        /* C_g [G][N, K] (ldc, c_stride) */
     void *C;
     int64_t c_stride;
     int c_f32, ldc, accumulate;
@@ -555,12 +565,25 @@ __device__ __forceinline__ void gw_tile(const gw_params &p, int t, int &g, int &
     n0 = (r - mt * p.NT) * GF_BN;
 }
 
-__device__ __forceinline__ void *gw_c_tile(const gw_params &p, int g, int m0, int n0, int &rows,
-                                           int &cols)
+/* Byte offset of C's element (r, c) of the tile in its chunked copy:
+ * chunk c / (128 / esize), row r 128 bytes, the 16-byte unit XOR r % 8
+ * (TMA's 128-byte swizzle; chunks are 1024-byte aligned). A warp's float2
+ * (bf16x2) accesses at rows r..r+7 then hit distinct units: 2 (1)
+ * wavefronts for 256 (128) bytes. */
+__device__ __forceinline__ uint32_t gw_c_off(int r, int c, int esize)
 {
-    rows = p.N - m0;
-    cols = p.K - n0;
-    return (char *)p.C + (g * p.c_stride + (int64_t)m0 * p.ldc + n0) * (p.c_f32 ? 4 : 2);
+    const int per = 128 / esize, b = (c % per) * esize;
+    return (uint32_t)((c / per) * GW_CHUNK + r * 128 + (((b >> 4) ^ (r & 7)) << 4) + (b & 15));
+}
+
+/* TMA store of a box from shared memory (bulk group of this thread). */
+__device__ __forceinline__ void gw_tma_store_3d(const CUtensorMap *map, const void *src, int x, int y,
+                                                int z)
+{
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::
+                     "l"((uint64_t)map),
+                 "r"(gf_smem(src)), "r"(x), "r"(y), "r"(z)
+                 : "memory");
 }
 
 /* acc += d x (sa_row sb_col): rows ra, ra + 8 (s_a, s_a8), columns
@@ -585,12 +608,24 @@ __global__ void __launch_bounds__(GF_THREADS, 1) k_fp8_wgrad(const __grid_consta
     extern __shared__ uint8_t gf_raw[];
     uint8_t *base = gf_raw + ((1024 - (gf_smem(gf_raw) & 1023)) & 1023);
     uint8_t *slot_a = base, *slot_b = base + GF_STAGES * GF_SLOT_A;
-    float *staging = (float *)(slot_b + GF_STAGES * GF_SLOT_B);
-    float *ring_sa = staging + GF_BM * GF_STAGE_LD, *ring_sb = ring_sa + GF_STAGES * GF_BM;
+    uint8_t *ctile = slot_b + GF_STAGES * GF_SLOT_B; /* 1024-byte aligned */
+    float *ring_sa = (float *)(ctile + GW_CTILE), *ring_sb = ring_sa + GF_STAGES * GF_BM;
     uint64_t *full = (uint64_t *)(ring_sb + GF_STAGES * GF_BN), *empty = full + GF_STAGES;
-    uint64_t *st_full = empty + GF_STAGES, *st_empty = st_full + 1;
+    /* c_full: C's tile area is free (the last store has read it) and, where
+     * C accumulates, holds the tile's old values; st_full: the consumers
+     * wrote the tile's results into it */
+    uint64_t *st_full = empty + GF_STAGES, *c_full = st_full + 1;
     const int wg = threadIdx.x / 128, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    gf_bars_init(full, empty, st_full, st_empty);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GF_STAGES; s++) {
+            gf_bar_init(&full[s], 1);
+            gf_bar_init(&empty[s], 8);
+        }
+        gf_bar_init(st_full, 8);
+        gf_bar_init(c_full, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
 
     if (wg == 0) gf_setmaxnreg_dec();
     if (wg == 0 && warp == 0) {
@@ -615,16 +650,31 @@ __global__ void __launch_bounds__(GF_THREADS, 1) k_fp8_wgrad(const __grid_consta
         return;
     }
     if (wg == 0) {
+        /* C's mover, one thread: C's old tile in by TMA while the consumers
+         * compute it (where C accumulates), their results out by TMA
+         * (rows past N and columns past K are neither read nor written) */
+        if (warp != 1 || lane != 0) return;
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&p.map_c) : "memory");
+        const int nch = p.c_f32 ? GF_BN / 32 : GF_BN / 64, chw = p.c_f32 ? 32 : 64;
         uint32_t ti = 0;
         for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
-            int g, m0, n0, rows, cols;
+            int g, m0, n0;
             gw_tile(p, t, g, m0, n0);
-            void *Ct = gw_c_tile(p, g, m0, n0, rows, cols);
+            /* the previous tile's store has read the area */
+            if (ti > 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            if (p.accumulate) {
+                gf_bar_expect(c_full, (uint32_t)(nch * GW_CHUNK));
+                for (int ch = 0; ch < nch; ch++)
+                    gf_tma_3d(ctile + ch * GW_CHUNK, &p.map_c, n0 + ch * chw, m0, g, c_full);
+            } else {
+                gf_bar_arrive(c_full);
+            }
             gf_bar_wait(st_full, ti & 1);
-            gf_store_tile(Ct, p.c_f32, p.ldc, rows, cols, staging, warp - 1, 3, lane);
-            __syncwarp();
-            if (lane == 0) gf_bar_arrive(st_empty);
+            for (int ch = 0; ch < nch; ch++)
+                gw_tma_store_3d(&p.map_c, ctile + ch * GW_CHUNK, n0 + ch * chw, m0, g);
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         return;
     }
 
@@ -656,13 +706,42 @@ __global__ void __launch_bounds__(GF_THREADS, 1) k_fp8_wgrad(const __grid_consta
             if (lane == 0) gf_bar_arrive(&empty[s]); /* the slot's scales read */
             if (++s == GF_STAGES) s = 0, ph ^= 1;
         }
-        int rows, cols;
-        void *Ct = gw_c_tile(p, g, m0, n0, rows, cols);
-        if (p.accumulate) {
-            if (p.c_f32) gf_acc_add_c<float2>(Ct, p.ldc, rows, cols, acc, rt, ct);
-            else gf_acc_add_c<__nv_bfloat162>(Ct, p.ldc, rows, cols, acc, rt, ct);
+        /* C's tile area: old values in (where C accumulates), the sums in
+         * C's type at the same places (each thread its own), for the
+         * mover's store; the sum in fp32, rounded once for a bf16 C */
+        gf_bar_wait(c_full, ti & 1);
+        if (p.c_f32) {
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int j = 0; j < GF_NJ; j++) {
+                    float2 *e = (float2 *)(ctile + gw_c_off(rt + 8 * h, 8 * j + ct, 4));
+                    float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                    if (p.accumulate) {
+                        const float2 o = *e;
+                        v.x += o.x, v.y += o.y;
+                    }
+                    *e = v;
+                }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int j = 0; j < GF_NJ; j++) {
+                    __nv_bfloat162 *e =
+                        (__nv_bfloat162 *)(ctile + gw_c_off(rt + 8 * h, 8 * j + ct, 2));
+                    float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                    if (p.accumulate) {
+                        const float2 o = __bfloat1622float2(*e);
+                        v.x += o.x, v.y += o.y;
+                    }
+                    *e = __floats2bfloat162_rn(v.x, v.y);
+                }
         }
-        gf_stage(acc, staging, st_full, st_empty, ti, rt, ct, lane);
+        /* the generic writes before the mover's TMA store reads them */
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncwarp();
+        if (lane == 0) gf_bar_arrive(st_full);
     }
 #endif
 }
@@ -760,9 +839,14 @@ int cuda_fp8_wgrad_fits(const void *C, int c_f32, int ldc, int64_t c_stride, con
                         const float *sa, const uint8_t *B, const float *sb, const int *rows, int G,
                         int N, int K)
 {
-    if (G < 1 || N < 4 || K < 4 || N % 4 || K % 4 || ldc % 4 || (uintptr_t)C % 16 ||
+    /* C's rows and groups 16-byte aligned (TMA's strides), and its rows'
+     * K values whole 16-byte pieces: a TMA store clips columns past K only
+     * to the next 16 bytes, which would overwrite the padding up to ldc */
+    const int esize = c_f32 ? 4 : 2;
+    if (G < 1 || N < 4 || K < 4 || N % 4 || (K * esize) % 16 || (ldc * esize) % 16 ||
+        (uintptr_t)C % 16 ||
         (uintptr_t)A % 16 || (uintptr_t)B % 16 || (uintptr_t)sa % 16 || (uintptr_t)sb % 16 ||
-        (G > 1 && (c_stride * (c_f32 ? 4 : 2)) % 16))
+        (G > 1 && (c_stride * esize) % 16))
         return 0;
     for (int g = 0; g < G; g++)
         if (rows[g] % GF_BK) return 0;
@@ -782,6 +866,26 @@ static int gw_map(CUtensorMap *m, const void *base, CUtensorMapDataType type, in
                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     CUDA_REQUIRE(r == CUDA_SUCCESS, "gemm_fp8: tensor map [%lld, %lld] (pitch %lld): CUresult %d",
                  (long long)outer, (long long)inner, (long long)pitch, (int)r);
+    return MT_OK;
+}
+
+/* C's groups as a 3-D tensor {K, N, G} (rows ldc, groups c_stride
+ * elements apart), boxes of 128 rows x 128 bytes with the 128-byte swizzle
+ * (gw_c_off's layout). */
+static int gw_map_c(CUtensorMap *m, void *C, int c_f32, int ldc, int64_t c_stride, int N, int K,
+                    int G)
+{
+    const int64_t e = c_f32 ? 4 : 2;
+    const cuuint64_t dim[3] = {(cuuint64_t)K, (cuuint64_t)N, (cuuint64_t)G},
+                     str[2] = {(cuuint64_t)(ldc * e), (cuuint64_t)(c_stride * e)};
+    const cuuint32_t box[3] = {(cuuint32_t)(128 / e), GF_BM, 1}, one[3] = {1, 1, 1};
+    const CUresult r = gf_encode()(m, c_f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                            : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                   3, C, dim, str, box, one, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUDA_REQUIRE(r == CUDA_SUCCESS, "gemm_fp8: tensor map of C [%d, %d, %d] (ldc %d): CUresult %d",
+                 G, N, K, ldc, (int)r);
     return MT_OK;
 }
 
@@ -823,6 +927,8 @@ int cuda_fp8_wgrad(mt_backend *be, void *C, int c_f32, int ldc, int64_t c_stride
         }
         if (rc != MT_OK) break;
         p->C = (char *)C + g0 * c_stride * (c_f32 ? 4 : 2);
+        rc = gw_map_c(&p->map_c, p->C, c_f32, ldc, n > 1 ? c_stride : (int64_t)N * ldc, N, K, n);
+        if (rc != MT_OK) break;
         p->c_stride = c_stride, p->c_f32 = c_f32, p->ldc = ldc, p->accumulate = accumulate;
         p->N = N, p->K = K, p->MT = (N + GF_BM - 1) / GF_BM, p->NT = (K + GF_BN - 1) / GF_BN;
         p->G = n;
