@@ -994,6 +994,15 @@ static void test_gemm_fp8(void)
     const int r9[] = {0, 384, 128, 0, 640, 256, 128, 512, 1};
     test_gemm_fp8_rows(r9, 9, 256, 384, 0, 1, 0);
     test_gemm_fp8_rows(r9, 9, 128, 4224, 1, 0, 0);
+    /* C's tiles by TMA (every segment whole 128-row tiles, C's rows whole
+     * 16-byte pieces): N cut by the tile (1096 = 5 x 192 + 136; 3080 = 16 x
+     * 192 + 8, 204 tiles, more than SMs), empty segments, the padding past
+     * N left as it was, f32 and bf16 C with and without accumulation */
+    const int rt1[] = {256, 0, 128, 640, 128, 384};
+    test_gemm_fp8_rows(rt1, 6, 1096, 512, 0, 1, 8);
+    test_gemm_fp8_rows(rt1, 6, 1096, 512, 1, 0, 4);
+    test_gemm_fp8_rows(rt1, 6, 3080, 256, 0, 0, 0);
+    test_gemm_fp8_rows(rt1, 6, 3080, 256, 1, 1, 0);
     test_gemm_fp8_reduce(r8, 5, 256, 384, 1, 1, 0);
     test_gemm_fp8_reduce(r9, 9, 128, 256, MT_C_BF16, 1, 0);
     test_gemm_fp8_reduce(r9, 9, 128, 256, 1, 0, 1);

@@ -35,12 +35,24 @@
  *    tile in shared memory and go on with the next tile. The consumers
  *    hold 2 x 96 fp32 values a thread: setmaxnreg gives their warpgroups
  *    232 registers a thread and the producer's 40.
- *  - Warps 1..3 of warpgroup 0 store the staging tile to C as whole rows
- *    (16-byte accesses) while the consumers compute the next one; two more
- *    mbarriers hand the staging tile over. Where C accumulates, the
- *    consumers add its old values before staging (RESULTS.md, seventeenth
- *    round: all loads of a thread in flight at once, one memory latency a
- *    tile; read by the storers, a row at a time, it ran 2.5x slower).
+ *  - C's tile goes through shared memory by TMA where every segment is
+ *    whole 128-row tiles (what fp8 routing makes) and C's rows are whole
+ *    16-byte pieces (cuda_fp8_grouped_c_tma): one thread of warpgroup 0,
+ *    the mover, loads the tile's old values while the consumers compute it
+ *    (where C accumulates) and stores their results, which they write in
+ *    place in C's type (gf_c_move, gf_c_put). The TMA store clips at the
+ *    tensor's ends, not at a segment's, hence the whole tiles.
+ *    (RESULTS.md, nineteenth round: against the staging form below, kv_b
+ *    492 -> 757-767 TFLOPS, the experts' down projection 912 -> 985, the
+ *    accumulating data gradient 734 -> 828-878; the proxy's expert GEMMs
+ *    2.5 ms a step less.)
+ *  - Otherwise warps 1..3 of warpgroup 0 store a fp32 staging tile to C as
+ *    whole rows (16-byte accesses) while the consumers compute the next
+ *    one; two more mbarriers hand the staging tile over. Where C
+ *    accumulates, the consumers add its old values before staging
+ *    (seventeenth round: all loads of a thread in flight at once, one
+ *    memory latency a tile; read by the storers, a row at a time, it ran
+ *    2.5x slower).
  * TMA fills rows past a tensor's end with zeros; rows of a tile past its
  * segment's end are computed and not stored (with the segment's last
  * row's scales).
@@ -87,6 +99,13 @@
  * barriers, and slack to align the ring to 1024 bytes (the swizzle period) */
 #define GF_SMEM                                                                \
     (GF_STAGES * (GF_SLOT_A + GF_SLOT_B) + GF_BM * GF_STAGE_LD * 4 + (2 * GF_STAGES + 2) * 8 + 1024)
+/* C's tile through shared memory by TMA instead (the weight-gradient
+ * kernel always, the forward one where every segment is whole 128-row
+ * tiles): chunks of 128 rows x 128 bytes, TMA's 128-byte-swizzled box */
+#define GF_CCHUNK 16384
+#define GF_CTILE (GF_BN / 32 * GF_CCHUNK) /* 6 fp32 chunks, or 3 of bf16 in its first half */
+#define GF_SMEM_TC                                                                                 \
+    (GF_STAGES * (GF_SLOT_A + GF_SLOT_B) + GF_CTILE + (2 * GF_STAGES + 2) * 8 + 1024)
 
 typedef struct gf_params {
     void *C;
@@ -309,12 +328,103 @@ __device__ __forceinline__ void gf_acc_add_c(const void *Ct, int ldc, int rows, 
         }
 }
 
+/* Byte offset of C's element (r, c) of the tile in its chunked copy:
+ * chunk c / (128 / esize), row r 128 bytes, the 16-byte unit XOR r % 8
+ * (TMA's 128-byte swizzle; chunks are 1024-byte aligned). A warp's float2
+ * (bf16x2) accesses at rows r..r+7 then hit distinct units: 2 (1)
+ * wavefronts for 256 (128) bytes. */
+__device__ __forceinline__ uint32_t gf_c_off(int r, int c, int esize)
+{
+    const int per = 128 / esize, b = (c % per) * esize;
+    return (uint32_t)((c / per) * GF_CCHUNK + r * 128 + (((b >> 4) ^ (r & 7)) << 4) + (b & 15));
+}
+
+/* TMA store of a box from shared memory (bulk group of this thread). */
+__device__ __forceinline__ void gf_tma_store_3d(const CUtensorMap *map, const void *src, int x, int y,
+                                                int z)
+{
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::
+                     "l"((uint64_t)map),
+                 "r"(gf_smem(src)), "r"(x), "r"(y), "r"(z)
+                 : "memory");
+}
+
+/* The mover's part of tile ti (one thread of the producer's warpgroup; C's
+ * tile at box coordinates (x0, y0, z) of `map`): once the previous tile's
+ * store has read the area, the tile's old values in by TMA where C
+ * accumulates (the consumers compute meanwhile), else the area marked
+ * free, through c_full; once the consumers have written the results
+ * (st_full), their store by TMA, which clips rows and columns past C's
+ * ends (columns only to the next 16 bytes: the callers' fits ask whole
+ * 16-byte rows). */
+__device__ __forceinline__ void gf_c_move(const CUtensorMap *map, uint8_t *ctile, uint64_t *c_full,
+                                          uint64_t *st_full, uint32_t ti, int x0, int y0, int z,
+                                          int c_f32, int accumulate)
+{
+    const int nch = c_f32 ? GF_BN / 32 : GF_BN / 64, chw = c_f32 ? 32 : 64;
+    if (ti > 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    if (accumulate) {
+        gf_bar_expect(c_full, (uint32_t)(nch * GF_CCHUNK));
+        for (int ch = 0; ch < nch; ch++)
+            gf_tma_3d(ctile + ch * GF_CCHUNK, map, x0 + ch * chw, y0, z, c_full);
+    } else {
+        gf_bar_arrive(c_full);
+    }
+    gf_bar_wait(st_full, ti & 1);
+    for (int ch = 0; ch < nch; ch++)
+        gf_tma_store_3d(map, ctile + ch * GF_CCHUNK, x0 + ch * chw, y0, z);
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+/* A consumer's part: once c_full says the area is free (and holds the old
+ * values where C accumulates), its fragment's sums in C's type at their
+ * places (each thread its own), the sum in fp32 and rounded once for a
+ * bf16 C; then st_full for the mover. */
+__device__ __forceinline__ void gf_c_put(const float (&acc)[GF_ACC], uint8_t *ctile,
+                                         uint64_t *c_full, uint64_t *st_full, uint32_t ti,
+                                         int c_f32, int accumulate, int rt, int ct, int lane)
+{
+    gf_bar_wait(c_full, ti & 1);
+    if (c_f32) {
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < GF_NJ; j++) {
+                float2 *e = (float2 *)(ctile + gf_c_off(rt + 8 * h, 8 * j + ct, 4));
+                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                if (accumulate) {
+                    const float2 o = *e;
+                    v.x += o.x, v.y += o.y;
+                }
+                *e = v;
+            }
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < GF_NJ; j++) {
+                __nv_bfloat162 *e = (__nv_bfloat162 *)(ctile + gf_c_off(rt + 8 * h, 8 * j + ct, 2));
+                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                if (accumulate) {
+                    const float2 o = __bfloat1622float2(*e);
+                    v.x += o.x, v.y += o.y;
+                }
+                *e = __floats2bfloat162_rn(v.x, v.y);
+            }
+    }
+    /* the generic writes before the mover's TMA store reads them */
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane == 0) gf_bar_arrive(st_full);
+}
+
 /* The barriers both kernels use, initialised by thread 0 before any use:
  * full[s] (the producer's TMA bytes), empty[s] (the 8 consumer warps),
- * st_full (the consumer warps wrote the staging tile), st_empty (the 3
- * storer warps drained it). */
+ * st_full (the consumer warps wrote the tile), and with staging st_empty
+ * (the 3 storer warps drained it: last = 3), with C's tile by TMA c_full
+ * (the mover: last = 1). */
 __device__ __forceinline__ void gf_bars_init(uint64_t *full, uint64_t *empty, uint64_t *st_full,
-                                             uint64_t *st_empty)
+                                             uint64_t *st_empty, int last)
 {
     if (threadIdx.x == 0) {
         for (int s = 0; s < GF_STAGES; s++) {
@@ -322,7 +432,7 @@ __device__ __forceinline__ void gf_bars_init(uint64_t *full, uint64_t *empty, ui
             gf_bar_init(&empty[s], 8);
         }
         gf_bar_init(st_full, 8);
-        gf_bar_init(st_empty, 3);
+        gf_bar_init(st_empty, last);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -376,19 +486,26 @@ __device__ __forceinline__ void gf_promote(float (&acc)[GF_ACC], const float (&d
 }
 #endif
 
+/* TC: C's tile through shared memory by TMA (map_c, gf_c_move and
+ * gf_c_put; every segment whole 128-row tiles), else through the staging
+ * tile and the storer warps (map_c unused). */
+template <bool TC>
 __global__ void __launch_bounds__(GF_THREADS, 1)
 k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-              const __grid_constant__ gf_params p)
+              const __grid_constant__ CUtensorMap map_c, const __grid_constant__ gf_params p)
 {
 #ifdef GF_DEVICE
     extern __shared__ uint8_t gf_raw[];
     uint8_t *base = gf_raw + ((1024 - (gf_smem(gf_raw) & 1023)) & 1023);
     uint8_t *slot_a = base, *slot_b = base + GF_STAGES * GF_SLOT_A;
-    float *staging = (float *)(slot_b + GF_STAGES * GF_SLOT_B);
-    uint64_t *full = (uint64_t *)(staging + GF_BM * GF_STAGE_LD), *empty = full + GF_STAGES;
+    uint8_t *ctile = slot_b + GF_STAGES * GF_SLOT_B; /* 1024-byte aligned */
+    float *staging = (float *)ctile;
+    uint64_t *full = (uint64_t *)(ctile + (TC ? GF_CTILE : GF_BM * GF_STAGE_LD * 4));
+    uint64_t *empty = full + GF_STAGES;
+    /* st_empty is c_full with TC */
     uint64_t *st_full = empty + GF_STAGES, *st_empty = st_full + 1;
     const int wg = threadIdx.x / 128, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    gf_bars_init(full, empty, st_full, st_empty);
+    gf_bars_init(full, empty, st_full, st_empty, TC ? 1 : 3);
 
     if (wg == 0) gf_setmaxnreg_dec();
     if (wg == 0 && warp == 0) {
@@ -409,6 +526,20 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
                 gf_tma_3d(slot_b + s * GF_SLOT_B, &map_b, kb * GF_BK, n0, g, &full[s]);
             }
         }
+        return;
+    }
+    if (wg == 0 && TC) {
+        /* C's mover, one thread */
+        if (warp != 1 || lane != 0) return;
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_c) : "memory");
+        uint32_t ti = 0;
+        for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
+            int g, row0, n0;
+            gf_tile(p, t, g, row0, n0);
+            gf_c_move(&map_c, ctile, st_empty, st_full, ti, n0, p.segs.start[g] + row0, 0, p.c_f32,
+                      p.accumulate);
+        }
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         return;
     }
     if (wg == 0) {
@@ -495,6 +626,10 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
             else gf_promote<8>(acc, d, fa, fb, fa1, fb1);
             if (++s == GF_STAGES) s = 0, ph ^= 1;
         }
+        if (TC) {
+            gf_c_put(acc, ctile, st_empty, st_full, ti, p.c_f32, p.accumulate, rt, ct, lane);
+            continue;
+        }
         if (p.accumulate) {
             int rows, cols;
             const void *Ct = gf_c_tile(p, g, row0, n0, rows, cols);
@@ -536,11 +671,7 @@ k_fp8_grouped(const __grid_constant__ CUtensorMap map_a, const __grid_constant__
 #define GW_MAX 64 /* groups a launch (2 tensor maps each: 16 KB of parameters) */
 #define GW_SA (GF_BM * 4)
 #define GW_SB (GF_BN * 4)
-#define GW_CHUNK 16384 /* C's tile in chunks of 128 rows x 128 bytes (TMA's swizzled box) */
-#define GW_CTILE (GF_BN / 32 * GW_CHUNK) /* 6 fp32 chunks, or 3 of bf16 in its first half */
-#define GW_SMEM                                                                                    \
-    (GF_STAGES * (GF_SLOT_A + GF_SLOT_B + GW_SA + GW_SB) + GW_CTILE + (2 * GF_STAGES + 2) * 8 +   \
-     1024)
+#define GW_SMEM (GF_SMEM_TC + GF_STAGES * (GW_SA + GW_SB))
 
 typedef struct gw_params {
     CUtensorMap map_a[GW_MAX], map_b[GW_MAX]; /* A_g [N, Mg], B_g [K, Mg] e4m3 */
@@ -563,27 +694,6 @@ __device__ __forceinline__ void gw_tile(const gw_params &p, int t, int &g, int &
     const int r = t - g * per, mt = r / p.NT;
     m0 = mt * GF_BM;
     n0 = (r - mt * p.NT) * GF_BN;
-}
-
-/* Byte offset of C's element (r, c) of the tile in its chunked copy:
- * chunk c / (128 / esize), row r 128 bytes, the 16-byte unit XOR r % 8
- * (TMA's 128-byte swizzle; chunks are 1024-byte aligned). A warp's float2
- * (bf16x2) accesses at rows r..r+7 then hit distinct units: 2 (1)
- * wavefronts for 256 (128) bytes. */
-__device__ __forceinline__ uint32_t gw_c_off(int r, int c, int esize)
-{
-    const int per = 128 / esize, b = (c % per) * esize;
-    return (uint32_t)((c / per) * GW_CHUNK + r * 128 + (((b >> 4) ^ (r & 7)) << 4) + (b & 15));
-}
-
-/* TMA store of a box from shared memory (bulk group of this thread). */
-__device__ __forceinline__ void gw_tma_store_3d(const CUtensorMap *map, const void *src, int x, int y,
-                                                int z)
-{
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::
-                     "l"((uint64_t)map),
-                 "r"(gf_smem(src)), "r"(x), "r"(y), "r"(z)
-                 : "memory");
 }
 
 /* acc += d x (sa_row sb_col): rows ra, ra + 8 (s_a, s_a8), columns
@@ -609,23 +719,14 @@ __global__ void __launch_bounds__(GF_THREADS, 1) k_fp8_wgrad(const __grid_consta
     uint8_t *base = gf_raw + ((1024 - (gf_smem(gf_raw) & 1023)) & 1023);
     uint8_t *slot_a = base, *slot_b = base + GF_STAGES * GF_SLOT_A;
     uint8_t *ctile = slot_b + GF_STAGES * GF_SLOT_B; /* 1024-byte aligned */
-    float *ring_sa = (float *)(ctile + GW_CTILE), *ring_sb = ring_sa + GF_STAGES * GF_BM;
+    float *ring_sa = (float *)(ctile + GF_CTILE), *ring_sb = ring_sa + GF_STAGES * GF_BM;
     uint64_t *full = (uint64_t *)(ring_sb + GF_STAGES * GF_BN), *empty = full + GF_STAGES;
     /* c_full: C's tile area is free (the last store has read it) and, where
      * C accumulates, holds the tile's old values; st_full: the consumers
      * wrote the tile's results into it */
     uint64_t *st_full = empty + GF_STAGES, *c_full = st_full + 1;
     const int wg = threadIdx.x / 128, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < GF_STAGES; s++) {
-            gf_bar_init(&full[s], 1);
-            gf_bar_init(&empty[s], 8);
-        }
-        gf_bar_init(st_full, 8);
-        gf_bar_init(c_full, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    gf_bars_init(full, empty, st_full, c_full, 1);
 
     if (wg == 0) gf_setmaxnreg_dec();
     if (wg == 0 && warp == 0) {
@@ -655,24 +756,11 @@ __global__ void __launch_bounds__(GF_THREADS, 1) k_fp8_wgrad(const __grid_consta
          * (rows past N and columns past K are neither read nor written) */
         if (warp != 1 || lane != 0) return;
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&p.map_c) : "memory");
-        const int nch = p.c_f32 ? GF_BN / 32 : GF_BN / 64, chw = p.c_f32 ? 32 : 64;
         uint32_t ti = 0;
         for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ti++) {
             int g, m0, n0;
             gw_tile(p, t, g, m0, n0);
-            /* the previous tile's store has read the area */
-            if (ti > 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-            if (p.accumulate) {
-                gf_bar_expect(c_full, (uint32_t)(nch * GW_CHUNK));
-                for (int ch = 0; ch < nch; ch++)
-                    gf_tma_3d(ctile + ch * GW_CHUNK, &p.map_c, n0 + ch * chw, m0, g, c_full);
-            } else {
-                gf_bar_arrive(c_full);
-            }
-            gf_bar_wait(st_full, ti & 1);
-            for (int ch = 0; ch < nch; ch++)
-                gw_tma_store_3d(&p.map_c, ctile + ch * GW_CHUNK, n0 + ch * chw, m0, g);
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            gf_c_move(&p.map_c, ctile, c_full, st_full, ti, n0, m0, g, p.c_f32, p.accumulate);
         }
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         return;
@@ -706,42 +794,7 @@ __global__ void __launch_bounds__(GF_THREADS, 1) k_fp8_wgrad(const __grid_consta
             if (lane == 0) gf_bar_arrive(&empty[s]); /* the slot's scales read */
             if (++s == GF_STAGES) s = 0, ph ^= 1;
         }
-        /* C's tile area: old values in (where C accumulates), the sums in
-         * C's type at the same places (each thread its own), for the
-         * mover's store; the sum in fp32, rounded once for a bf16 C */
-        gf_bar_wait(c_full, ti & 1);
-        if (p.c_f32) {
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int j = 0; j < GF_NJ; j++) {
-                    float2 *e = (float2 *)(ctile + gw_c_off(rt + 8 * h, 8 * j + ct, 4));
-                    float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                    if (p.accumulate) {
-                        const float2 o = *e;
-                        v.x += o.x, v.y += o.y;
-                    }
-                    *e = v;
-                }
-        } else {
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int j = 0; j < GF_NJ; j++) {
-                    __nv_bfloat162 *e =
-                        (__nv_bfloat162 *)(ctile + gw_c_off(rt + 8 * h, 8 * j + ct, 2));
-                    float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                    if (p.accumulate) {
-                        const float2 o = __bfloat1622float2(*e);
-                        v.x += o.x, v.y += o.y;
-                    }
-                    *e = __floats2bfloat162_rn(v.x, v.y);
-                }
-        }
-        /* the generic writes before the mover's TMA store reads them */
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncwarp();
-        if (lane == 0) gf_bar_arrive(st_full);
+        gf_c_put(acc, ctile, c_full, st_full, ti, p.c_f32, p.accumulate, rt, ct, lane);
     }
 #endif
 }
@@ -772,11 +825,33 @@ static gf_encode_fn gf_encode(void)
     return fn;
 }
 
+/* C's groups as a 3-D tensor {K, N, G}: G groups of N rows of K values
+ * (rows ldc, groups c_stride elements apart), boxes of 128 rows x 128
+ * bytes with the 128-byte swizzle (gf_c_off's layout). */
+static int gf_map_c(CUtensorMap *m, void *C, int c_f32, int ldc, int64_t c_stride, int N, int K,
+                    int G)
+{
+    const int64_t e = c_f32 ? 4 : 2;
+    const cuuint64_t dim[3] = {(cuuint64_t)K, (cuuint64_t)N, (cuuint64_t)G},
+                     str[2] = {(cuuint64_t)(ldc * e), (cuuint64_t)(c_stride * e)};
+    const cuuint32_t box[3] = {(cuuint32_t)(128 / e), GF_BM, 1}, one[3] = {1, 1, 1};
+    const CUresult r = gf_encode()(m, c_f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                            : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                   3, C, dim, str, box, one, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUDA_REQUIRE(r == CUDA_SUCCESS, "gemm_fp8: tensor map of C [%d, %d, %d] (ldc %d): CUresult %d",
+                 G, N, K, ldc, (int)r);
+    return MT_OK;
+}
+
 int cuda_fp8_grouped_init(void)
 {
     if (!gf_encode()) return 0;
-    if (cudaFuncSetAttribute(k_fp8_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize, GF_SMEM) !=
-            cudaSuccess ||
+    if (cudaFuncSetAttribute(k_fp8_grouped<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             GF_SMEM) != cudaSuccess ||
+        cudaFuncSetAttribute(k_fp8_grouped<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             GF_SMEM_TC) != cudaSuccess ||
         cudaFuncSetAttribute(k_fp8_wgrad, cudaFuncAttributeMaxDynamicSharedMemorySize, GW_SMEM) !=
             cudaSuccess) {
         (void)cudaGetLastError();
@@ -793,6 +868,15 @@ int cuda_fp8_grouped_fits(const void *C, int c_f32, int ldc, const uint8_t *A, c
            ldc % 4 == 0 && (uintptr_t)A % 16 == 0 && (uintptr_t)B % 16 == 0 &&
            (G == 1 || (b_stride % 16 == 0 && b_stride >= (int64_t)N * K)) &&
            (uintptr_t)C % 16 == 0;
+}
+
+int cuda_fp8_grouped_c_tma(const void *C, int c_f32, int ldc, const int *rows, int G, int N)
+{
+    const int esize = c_f32 ? 4 : 2;
+    if ((uintptr_t)C % 16 || (N * esize) % 16 || (ldc * esize) % 16) return 0;
+    for (int g = 0; g < G; g++)
+        if (rows[g] % GF_BM) return 0;
+    return 1;
 }
 
 int cuda_fp8_grouped(mt_backend *be, void *C, int c_f32, int ldc, const uint8_t *A,
@@ -829,8 +913,15 @@ int cuda_fp8_grouped(mt_backend *be, void *C, int c_f32, int ldc, const uint8_t 
             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     CUDA_REQUIRE(r == CUDA_SUCCESS, "gemm_fp8: tensor map of B [%d, %d, %d]: CUresult %d", G, N, K,
                  (int)r);
+    CUtensorMap map_c;
+    const int tc = cuda_fp8_grouped_c_tma(C, c_f32, ldc, rows, G, N);
+    if (tc) MT_CHECK(gf_map_c(&map_c, C, c_f32, ldc, (int64_t)M * ldc, M, N, 1));
+    else memset(&map_c, 0, sizeof map_c);
     const int grid = p.tiles < c->sm_count ? p.tiles : c->sm_count;
-    k_fp8_grouped<<<grid, GF_THREADS, GF_SMEM, c->stream>>>(map_a, map_b, p);
+    if (tc)
+        k_fp8_grouped<true><<<grid, GF_THREADS, GF_SMEM_TC, c->stream>>>(map_a, map_b, map_c, p);
+    else
+        k_fp8_grouped<false><<<grid, GF_THREADS, GF_SMEM, c->stream>>>(map_a, map_b, map_c, p);
     CUDA_LAUNCH_CHECK("gemm_fp8 (grouped kernel)");
     return MT_OK;
 }
@@ -866,26 +957,6 @@ static int gw_map(CUtensorMap *m, const void *base, CUtensorMapDataType type, in
                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     CUDA_REQUIRE(r == CUDA_SUCCESS, "gemm_fp8: tensor map [%lld, %lld] (pitch %lld): CUresult %d",
                  (long long)outer, (long long)inner, (long long)pitch, (int)r);
-    return MT_OK;
-}
-
-/* C's groups as a 3-D tensor {K, N, G} (rows ldc, groups c_stride
- * elements apart), boxes of 128 rows x 128 bytes with the 128-byte swizzle
- * (gw_c_off's layout). */
-static int gw_map_c(CUtensorMap *m, void *C, int c_f32, int ldc, int64_t c_stride, int N, int K,
-                    int G)
-{
-    const int64_t e = c_f32 ? 4 : 2;
-    const cuuint64_t dim[3] = {(cuuint64_t)K, (cuuint64_t)N, (cuuint64_t)G},
-                     str[2] = {(cuuint64_t)(ldc * e), (cuuint64_t)(c_stride * e)};
-    const cuuint32_t box[3] = {(cuuint32_t)(128 / e), GF_BM, 1}, one[3] = {1, 1, 1};
-    const CUresult r = gf_encode()(m, c_f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-                                            : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                                   3, C, dim, str, box, one, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    CUDA_REQUIRE(r == CUDA_SUCCESS, "gemm_fp8: tensor map of C [%d, %d, %d] (ldc %d): CUresult %d",
-                 G, N, K, ldc, (int)r);
     return MT_OK;
 }
 
@@ -927,7 +998,7 @@ int cuda_fp8_wgrad(mt_backend *be, void *C, int c_f32, int ldc, int64_t c_stride
         }
         if (rc != MT_OK) break;
         p->C = (char *)C + g0 * c_stride * (c_f32 ? 4 : 2);
-        rc = gw_map_c(&p->map_c, p->C, c_f32, ldc, n > 1 ? c_stride : (int64_t)N * ldc, N, K, n);
+        rc = gf_map_c(&p->map_c, p->C, c_f32, ldc, n > 1 ? c_stride : (int64_t)N * ldc, N, K, n);
         if (rc != MT_OK) break;
         p->c_stride = c_stride, p->c_f32 = c_f32, p->ldc = ldc, p->accumulate = accumulate;
         p->N = N, p->K = K, p->MT = (N + GF_BM - 1) / GF_BM, p->NT = (K + GF_BN - 1) / GF_BN;

@@ -26,16 +26,14 @@
  * gradients (reduce = 1) of segments of whole 128-row blocks on its
  * k-grouped form, which loses to cuBLASLt by 25-35 % on the proxy's
  * experts (the per-column scales of its promotion) and runs with own only.
- * MOETRAIN_FP8_GEMM=grouped runs only the calls of several segments that
- * write C there (the experts' forward calls and the data gradients that
- * do not accumulate), the rest as auto. Measured on H200s (tests/bench/RESULTS.md, issue 18's
- * seventeenth round): the own kernel beats the per-expert cuBLASLt calls
- * on those shapes by 5-11 % and the proxy's step by 1 % with "grouped",
- * but loses to cuBLASLt's single calls on the dense shapes (up to 25 %
- * where K is 16384) and where C accumulates; "own" makes the step 1-2 %
- * longer. Neither is the default: on an H100 the own kernel measured 2-3 %
- * behind cuBLASLt on the experts' shapes (the sixteenth round), and the
- * split has not been run there.
+ * MOETRAIN_FP8_GEMM=grouped runs only the calls of several segments there
+ * (the experts' forward calls and data gradients; those that accumulate
+ * only where C's tiles go by TMA, cuda_fp8_grouped_c_tma), the rest as
+ * auto. Measured on H200s (tests/bench/RESULTS.md, issue 18's seventeenth
+ * and nineteenth rounds): the own kernel beats the per-expert cuBLASLt
+ * calls on those shapes by 5-19 % and the proxy's step by 1 % with
+ * "grouped", but loses to cuBLASLt's single calls on the long-K dense
+ * shapes (up to 20 % where K is 16384); "own" makes the step longer.
  *
  * Plans (descriptors, layouts, the heuristic's algorithm) are cached per
  * shape. A shape cuBLASLt cannot run (no algorithm: alignment, odd sizes in
@@ -598,7 +596,10 @@ static int cuda_gemm_fp8(mt_backend *be, int reduce, void *C, int c_f32, int ldc
     const size_t ce = c_f32 ? 4 : 2;
     const int KB = (K + 127) / 128;
     const int order = c->gemm->fp8_order;
-    if (!reduce && (order == 3 || (order == 4 && G > 1 && !accumulate)) && c->gemm->own_ok &&
+    if (!reduce &&
+        (order == 3 || (order == 4 && G > 1 &&
+                        (!accumulate || cuda_fp8_grouped_c_tma(C, c_f32, ldc, rows, G, N)))) &&
+        c->gemm->own_ok &&
         !c->gemm->force_fallback && cuda_fp8_grouped_fits(C, c_f32, ldc, A, B, b_stride, G, N, K))
         return cuda_fp8_grouped(be, C, c_f32, ldc, A, sa, B, sb, b_stride, sb_stride, rows, G,
                                 N, K, accumulate);

@@ -252,6 +252,10 @@ void cuda_gemm_destroy(mt_backend *be);
 int cuda_fp8_grouped_init(void);
 int cuda_fp8_grouped_fits(const void *C, int c_f32, int ldc, const uint8_t *A, const uint8_t *B,
                           int64_t b_stride, int G, int N, int K);
+/* whether cuda_fp8_grouped moves C's tiles by TMA (every segment whole
+ * 128-row tiles, C's rows whole 16-byte pieces): the form that also
+ * accumulates at the speed it writes */
+int cuda_fp8_grouped_c_tma(const void *C, int c_f32, int ldc, const int *rows, int G, int N);
 int cuda_fp8_grouped(mt_backend *be, void *C, int c_f32, int ldc, const uint8_t *A,
                      const float *sa, const uint8_t *B, const float *sb, int64_t b_stride,
                      int64_t sb_stride, const int *rows, int G, int N, int K, int accumulate);
