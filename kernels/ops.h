@@ -216,6 +216,11 @@ struct mt_backend {
      * s + K * (sum_{h<g} ceil(rows[h] / 128)). */
     int (*quant_cols_t)(mt_backend *be, uint8_t *q, float *s, const void *x, int ldx,
                         const int *rows, int G, int K);
+    /* Both of the above from one read of x: q, s as quant_rows; qt, st as
+     * quant_cols_t (the same bits as the two calls). The backward's data
+     * and weight gradients take dy in both forms. */
+    int (*quant_rows_cols_t)(mt_backend *be, uint8_t *q, float *s, uint8_t *qt, float *st,
+                             const void *x, int ldx, const int *rows, int G, int K);
     /* Weight quantisation, 128x128 blocks: w [N, K] f32 -> q [N, K] e4m3,
      * BLK128 scales s [NB, KB]. */
     int (*quant_blocks)(mt_backend *be, uint8_t *q, float *s, const float *w, int N, int K);

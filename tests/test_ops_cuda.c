@@ -661,6 +661,21 @@ static void test_quant_rows_cols(const int *rows, int G, int K, int ldx, float *
         check_exact("quant_cols_t", sh, "q", &q, 0);
         check_exact("quant_cols_t", sh, "s", &sc, K);
     }
+    /* both from one read: the same four outputs (the CPU's is the two
+     * calls; the GPU's own kernel where K % 128 == 0 and ldx % 8 == 0) */
+    tb_free(&q), tb_free(&sc);
+    tb qr = tb_new(T_U8, (int64_t)M * K + 1), sr = tb_new(T_F32, (int64_t)KB * M + 1);
+    q = tb_new(T_U8, (int64_t)M * K + 1);
+    sc = tb_new(T_F32, (int64_t)tiles * K + 1);
+    BOTH(ok, "quant_rows_cols_t", sh,
+         be->quant_rows_cols_t(be, qr.p[s], sr.p[s], q.p[s], sc.p[s], x.p[s], ldx, rows, G, K));
+    if (ok) {
+        check_exact("quant_rows_cols_t", sh, "q", &qr, K);
+        check_exact("quant_rows_cols_t", sh, "s", &sr, 0);
+        check_exact("quant_rows_cols_t", sh, "qt", &q, 0);
+        check_exact("quant_rows_cols_t", sh, "st", &sc, K);
+    }
+    tb_free(&qr), tb_free(&sr);
     tb_free(&q), tb_free(&sc), tb_free(&x);
     if (!xh_opt) free(xh);
 }
@@ -833,6 +848,9 @@ static void test_fp8_quant(void)
     test_quant_rows_cols(r5, 4, 256, 256, NULL);
     test_quant_rows_cols(r2, 1, 7168, 7168, NULL);
     test_quant_rows_cols(r1, 1, 384, 384, NULL); /* 3 tiles: a warp's last tiles empty */
+    /* quant_rows_cols_t's kernel with segments that are not multiples of 4
+     * (the transposed codes a byte at a time) and padded rows */
+    test_quant_rows_cols(r3, 4, 256, 264, NULL);
     test_e4m3_encoder();
     test_e4m3_reciprocal_scales();
     test_quant_zero_rows();

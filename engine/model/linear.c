@@ -12,6 +12,11 @@
  * GEMMs and their order are those of two single calls, so the results are
  * bit-identical; what goes is a pass over x (and over the experts' permuted
  * rows, 34 k x 7168 in the DeepSeek-V3 proxy) per pair and direction.
+ *
+ * In the backward each dy is read once for both of its FP8 forms
+ * (quant_rows_cols_t: Q_row(dy) for the data gradient, Q_colT(dy) kept for
+ * the weight gradient), unless the weight gradients are deferred (a split
+ * backward keeps dy itself).
  */
 #include "engine/model/layers.h"
 #include "kernels/mt_fp8.h"
@@ -35,8 +40,10 @@ static size_t colt_scale_bytes(int64_t M, int64_t K, int G)
 size_t mt_linear_ws_bytes(int64_t M, int64_t in, int64_t out)
 {
     int64_t mx = in > out ? in : out;
-    /* backward: Q_row(dy), Q_colT(dy), Q_colT(x) with their scales, + slack */
-    return 3 * (size_t)(M * mx) + 2 * rows_scale_bytes(M, mx) + 2 * colt_scale_bytes(M, mx, 1) +
+    /* backward: Q_row(dy), Q_colT(dy), Q_colT(x) with their scales; a pair
+     * (lin_bwd) holds Q_colT of both dy with Q_row(dy_2), then Q_colT(x);
+     * + slack */
+    return 3 * (size_t)(M * mx) + 2 * rows_scale_bytes(M, mx) + 3 * colt_scale_bytes(M, mx, 1) +
            4096;
 }
 
@@ -124,6 +131,17 @@ static int lin_fwd(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
     return rc;
 }
 
+/* dx (+)= dy_i W_i from Q_row(dy_i), with W_i's exact transposed copy. */
+static int lin_dgrad_q(const mt_ctx *c, const lin_set *l, int i, const uint8_t *dyq,
+                       const float *dys, void *dx, int lddx, int acc)
+{
+    const mt_param *w = l->w[i];
+    const int N = (int)w->d.rows, K = (int)w->d.cols;
+    return c->be->gemm_fp8(c->be, 0, dx, 0, lddx, 0, dyq, dys, w->qt, w->st,
+                           l->grouped ? expert_stride(w) : 0,
+                           l->grouped ? expert_scale_stride(K, N) : 0, l->rows, l->G, K, N, acc);
+}
+
 /* dx (= or +=) sum_i dy_i W_i, in the order of the set (each a GEMM that
  * accumulates into the previous ones' sum). */
 static int lin_dgrad(const mt_ctx *c, const lin_set *l, void *dx, int lddx, int accumulate)
@@ -148,10 +166,7 @@ static int lin_dgrad(const mt_ctx *c, const lin_set *l, void *dx, int lddx, int 
         MT_WS(dyq, c->ws, (size_t)(M * N));
         MT_WS(dys, c->ws, rows_scale_bytes(M, N));
         int rc = be->quant_rows(be, dyq, dys, l->y[i], l->ldy[i], l->rows, l->G, N);
-        if (rc == MT_OK)
-            rc = be->gemm_fp8(be, 0, dx, 0, lddx, 0, dyq, dys, w->qt, w->st,
-                              l->grouped ? expert_stride(w) : 0,
-                              l->grouped ? expert_scale_stride(K, N) : 0, l->rows, l->G, K, N, acc);
+        if (rc == MT_OK) rc = lin_dgrad_q(c, l, i, dyq, dys, dx, lddx, acc);
         mt_ws_release(c->ws, mark);
         MT_CHECK(rc);
     }
@@ -177,6 +192,19 @@ int mt_grad_accumulate(const mt_ctx *c, mt_param *w, int n, int *accumulate)
 static int set_acc(const mt_ctx *c, const lin_set *l, int i, int *accumulate)
 {
     return mt_grad_accumulate(c, l->w[i], l->grouped ? l->G : 1, accumulate);
+}
+
+/* dW_i (+)= Q_colT(dy_i)^T Q_colT(x): the gradient's first write of the
+ * step (set_acc) or an accumulation. */
+static int lin_wgrad_q(const mt_ctx *c, const lin_set *l, int i, const uint8_t *dyt,
+                       const float *dyts, const uint8_t *xt, const float *xts)
+{
+    mt_param *w = l->w[i];
+    const int N = (int)w->d.rows, K = (int)w->d.cols;
+    int acc = 1;
+    MT_CHECK(set_acc(c, l, i, &acc));
+    return c->be->gemm_fp8(c->be, 1, w->grad, c->grad_type, K, l->grouped ? expert_stride(w) : 0,
+                           dyt, dyts, xt, xts, 0, 0, l->rows, l->G, N, K, acc);
 }
 
 /* dW_i += dy_i^T x with both operands quantised along the M (token) axis;
@@ -225,12 +253,7 @@ static int lin_wgrad_now(const mt_ctx *c, const lin_set *l, const void *x, int l
             break;
         }
         rc = be->quant_cols_t(be, dyt, dyts, l->y[i], l->ldy[i], l->rows, l->G, N);
-        int acc = 1;
-        if (rc == MT_OK) rc = set_acc(c, l, i, &acc);
-        if (rc == MT_OK)
-            rc = be->gemm_fp8(be, 1, w->grad, c->grad_type, K,
-                              l->grouped ? expert_stride(w) : 0, dyt, dyts, xt, xts, 0, 0, l->rows,
-                              l->G, N, K, acc);
+        if (rc == MT_OK) rc = lin_wgrad_q(c, l, i, dyt, dyts, xt, xts);
         mt_ws_release(c->ws, mark_i);
     }
     mt_ws_release(c->ws, mark);
@@ -317,6 +340,53 @@ static int lin_wgrad(const mt_ctx *c, const lin_set *l, const void *x, int ldx)
     return c->defer ? lin_wgrad_defer(c, l, x, ldx) : lin_wgrad_now(c, l, x, ldx);
 }
 
+/* Both gradients of a set: dx (= or +=) sum_i dy_i W_i, then dW_i +=
+ * dy_i^T x. Where the set shares FP8, dx is wanted and the weight
+ * gradients are not deferred, each dy_i is quantised in both forms by one
+ * read (quant_rows_cols_t): the row form for its data gradient at once,
+ * the transposed form kept for its weight gradient after all data
+ * gradients. The GEMMs, their order and their operands' bits are those of
+ * lin_dgrad then lin_wgrad_now; what goes is a pass over each dy_i. */
+static int lin_bwd(const mt_ctx *c, const lin_set *l, void *dx, int lddx, int accumulate,
+                   const void *x, int ldx)
+{
+    if (!dx || c->defer || !set_shares_fp8(c, l)) {
+        if (dx) MT_CHECK(lin_dgrad(c, l, dx, lddx, accumulate));
+        return lin_wgrad(c, l, x, ldx);
+    }
+    mt_backend *be = c->be;
+    const int64_t M = rows_total(l->rows, l->G);
+    const int K = (int)l->w[0]->d.cols;
+    size_t mark = mt_ws_mark(c->ws);
+    uint8_t *dyt[2], *xt;
+    float *dyts[2], *xts;
+    for (int i = 0; i < l->n; i++) {
+        const int N = (int)l->w[i]->d.rows;
+        MT_WS(dyt[i], c->ws, (size_t)(M * N));
+        MT_WS(dyts[i], c->ws, colt_scale_bytes(M, N, l->G));
+    }
+    int rc = MT_OK;
+    for (int i = 0; i < l->n && rc == MT_OK; i++) {
+        const int N = (int)l->w[i]->d.rows;
+        size_t mark_i = mt_ws_mark(c->ws);
+        uint8_t *dyq = mt_ws_get(c->ws, (size_t)(M * N));
+        float *dys = dyq ? mt_ws_get(c->ws, rows_scale_bytes(M, N)) : NULL;
+        rc = dys ? be->quant_rows_cols_t(be, dyq, dys, dyt[i], dyts[i], l->y[i], l->ldy[i],
+                                         l->rows, l->G, N)
+                 : MT_ENOMEM;
+        if (rc == MT_OK) rc = lin_dgrad_q(c, l, i, dyq, dys, dx, lddx, accumulate || i > 0);
+        mt_ws_release(c->ws, mark_i);
+    }
+    if (rc == MT_OK) {
+        xt = mt_ws_get(c->ws, (size_t)(M * K));
+        xts = xt ? mt_ws_get(c->ws, colt_scale_bytes(M, K, l->G)) : NULL;
+        rc = xts ? be->quant_cols_t(be, xt, xts, x, ldx, l->rows, l->G, K) : MT_ENOMEM;
+    }
+    for (int i = 0; i < l->n && rc == MT_OK; i++) rc = lin_wgrad_q(c, l, i, dyt[i], dyts[i], xt, xts);
+    mt_ws_release(c->ws, mark);
+    return rc;
+}
+
 int mt_wdefer_replay(const mt_ctx *c, const mt_wdefer_rec *r)
 {
     lin_set l = {r->n, {r->w[0], r->w[1]}, {r->dy[0], r->dy[1]}, {0, 0}, r->rows, r->G,
@@ -355,8 +425,7 @@ int mt_linear_bwd(const mt_ctx *c, mt_param *w, void *dx, int lddx, int accumula
 {
     int rows[1] = {M};
     lin_set l = {1, {w}, {(void *)dy}, {lddy}, rows, 1, 0};
-    if (dx) MT_CHECK(lin_dgrad(c, &l, dx, lddx, accumulate));
-    return lin_wgrad(c, &l, x, ldx);
+    return lin_bwd(c, &l, dx, lddx, accumulate, x, ldx);
 }
 
 int mt_linear_fwd2(const mt_ctx *c, const mt_param *w1, void *y1, int ldy1, const mt_param *w2,
@@ -373,8 +442,7 @@ int mt_linear_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int lddy1, mt
 {
     int rows[1] = {M};
     lin_set l = {2, {w1, w2}, {(void *)dy1, (void *)dy2}, {lddy1, lddy2}, rows, 1, 0};
-    MT_CHECK(lin_dgrad(c, &l, dx, lddx, accumulate));
-    return lin_wgrad(c, &l, x, ldx);
+    return lin_bwd(c, &l, dx, lddx, accumulate, x, ldx);
 }
 
 int mt_linear_grouped_fwd(const mt_ctx *c, const mt_param *w, void *y, int ldy, const void *x,
@@ -389,8 +457,7 @@ int mt_linear_grouped_bwd(const mt_ctx *c, mt_param *w, void *dx, int lddx, int 
                           int G)
 {
     lin_set l = {1, {w}, {(void *)dy}, {lddy}, rows, G, 1};
-    if (dx) MT_CHECK(lin_dgrad(c, &l, dx, lddx, accumulate));
-    return lin_wgrad(c, &l, x, ldx);
+    return lin_bwd(c, &l, dx, lddx, accumulate, x, ldx);
 }
 
 int mt_linear_grouped_fwd2(const mt_ctx *c, const mt_param *w1, void *y1, int ldy1,
@@ -417,6 +484,5 @@ int mt_linear_grouped_bwd2(const mt_ctx *c, mt_param *w1, const void *dy1, int l
                            int accumulate, const void *x, int ldx, const int *rows, int G)
 {
     lin_set l = {2, {w1, w2}, {(void *)dy1, (void *)dy2}, {lddy1, lddy2}, rows, G, 1};
-    MT_CHECK(lin_dgrad(c, &l, dx, lddx, accumulate));
-    return lin_wgrad(c, &l, x, ldx);
+    return lin_bwd(c, &l, dx, lddx, accumulate, x, ldx);
 }

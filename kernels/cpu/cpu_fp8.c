@@ -177,6 +177,14 @@ static int cpu_quant_cols_t(mt_backend *be, uint8_t *q, float *s, const void *x,
     return MT_OK;
 }
 
+/* The reference of the one-read form: the two quantisations in turn. */
+static int cpu_quant_rows_cols_t(mt_backend *be, uint8_t *q, float *s, uint8_t *qt, float *st,
+                                 const void *x, int ldx, const int *rows, int G, int K)
+{
+    MT_CHECK(cpu_quant_rows(be, q, s, x, ldx, rows, G, K));
+    return cpu_quant_cols_t(be, qt, st, x, ldx, rows, G, K);
+}
+
 /* quant_blocks and quant_blocks_sr: per 128x128 block, s = scale of the
  * block amax, q = e4m3(w / s) rounded to nearest even, or stochastically by
  * mt_e4m3_from_f32_sr with u = mt_hash_uniform(seed, n * K + k) for element
@@ -333,6 +341,7 @@ void cpu_install_fp8(mt_backend *be)
 {
     be->quant_rows = cpu_quant_rows;
     be->quant_cols_t = cpu_quant_cols_t;
+    be->quant_rows_cols_t = cpu_quant_rows_cols_t;
     be->quant_blocks = cpu_quant_blocks;
     be->quant_blocks_sr = cpu_quant_blocks_sr;
     be->transpose_blocks = cpu_transpose_blocks;

@@ -1,5 +1,6 @@
 /* cuda_fp8.cu - FP8 E4M3 quantisation on the GPU: 1x128 row tiles
- * (quant_rows), 128x1 column tiles written transposed (quant_cols_t),
+ * (quant_rows), 128x1 column tiles written transposed (quant_cols_t), both
+ * from one read (quant_rows_cols_t),
  * 128x128 weight blocks (quant_blocks, and its stochastic-rounding variant),
  * the exact block transpose, dequantisation, and stochastic rounding to bf16
  * (act_from_f32_sr).
@@ -17,6 +18,7 @@
  *                     full tiles: a half-warp per tile, a warp per strip of
  *                     8 consecutive tiles of one row
  *   quant_cols_t      one 256-thread block per (128-row tile, 64 columns)
+ *   quant_rows_cols_t one 256-thread block per (128-row tile, 128 columns)
  *   quant_blocks(_sr) one 256-thread block per 128x128 block
  *   transpose_blocks  32x32 byte tiles, 32x8 threads
  *   dequant_blocks, act_from_f32_sr: element-wise grid-stride loops
@@ -295,6 +297,124 @@ static int cuda_quant_cols_t(mt_backend *be, uint8_t *q, float *s, const void *x
     return MT_OK;
 }
 
+/* ---- quant_rows_cols_t: both from one read -------------------------------------- */
+
+/* Block (it, kb): 128-row tile `it` (as quant_cols_t numbers them) and the
+ * 128 columns k0 = 128 kb .. + 127, which are one row tile of quant_rows:
+ * the block reads its 32 KB of x once and writes both forms. Full column
+ * tiles only (K % 128 == 0, rows 16-byte aligned; the host sends the rest
+ * to the two kernels above). Thread t holds 8 columns 8 (t % 16) .. + 7 of
+ * rows t / 16 + 16 i (i < 8): a row's 128 values are in one half-warp, so
+ * its amax is 4 shuffles, and its 8 codes a thread go out as one 8-byte
+ * word; the column maxima are a shuffle across the half-warps and a pass
+ * over the 8 warps' partial maxima; the transposed codes are written from
+ * the tile in shared memory, as quant_cols_t does. Same amax, scales and
+ * codes as quant_rows_kernel and quant_cols_t_kernel: bit-identical. */
+__global__ void __launch_bounds__(256)
+quant_rows_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
+                         float *__restrict__ st, const bf16 *__restrict__ x, int ldx, int K,
+                         const __grid_constant__ fp8_segs segs)
+{
+    /* +2: conflict-free column reads (a row is 65 words) */
+    __shared__ __align__(16) uint16_t tile[MT_QTILE][MT_QTILE + 2];
+    __shared__ float pmax[256 / 32][MT_QTILE];
+    __shared__ float scl[MT_QTILE];
+    const int it = blockIdx.x, kb = blockIdx.y, k0 = kb * MT_QTILE, KB = K / MT_QTILE;
+    const int g = fp8_seg_find(segs.tile, segs.G, it);
+    const int r0 = segs.start[g], rows = segs.start[g + 1] - r0;
+    const int i0 = (it - segs.tile[g]) * MT_QTILE, n = min(MT_QTILE, rows - i0);
+    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, c8 = (tid & 15) * 8;
+    const bf16 *xb = x + (int64_t)(r0 + i0) * ldx + k0 + c8;
+    uint4 w[MT_QTILE / 16];
+#pragma unroll
+    for (int i = 0; i < MT_QTILE / 16; i++) {
+        const int r = (tid >> 4) + 16 * i;
+        w[i] = make_uint4(0, 0, 0, 0);
+        if (r < n) w[i] = *(const uint4 *)(xb + (int64_t)r * ldx);
+    }
+    float a[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) a[j] = 0.0f;
+    float *sg = s + (int64_t)KB * r0 + (int64_t)kb * rows; /* [KB, rows] of segment g */
+#pragma unroll
+    for (int i = 0; i < MT_QTILE / 16; i++) {
+        const int r = (tid >> 4) + 16 * i;
+        const uint32_t u[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+        float v[8], amax = 0.0f;
+        cu_bf16x8_unpack(w[i], v);
+#pragma unroll
+        for (int j = 0; j < 4; j++) *(uint32_t *)&tile[r][c8 + 2 * j] = u[j];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            amax = fmaxf(amax, fabsf(v[j]));
+            a[j] = fmaxf(a[j], fabsf(v[j]));
+        }
+        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(CU_FULL, amax, o));
+        if (r >= n) continue; /* rows past the segment's end are the next one's */
+        const float sc = cuda_scale_of(amax);
+        uint32_t c[2] = {0, 0};
+#pragma unroll
+        for (int j = 0; j < 8; j++) c[j >> 2] |= (uint32_t)cuda_e4m3(v[j], sc) << (8 * (j & 3));
+        *(uint2 *)(q + (int64_t)(r0 + i0 + r) * K + k0 + c8) = make_uint2(c[0], c[1]);
+        if ((tid & 15) == 0) sg[i0 + r] = sc;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) a[j] = fmaxf(a[j], __shfl_xor_sync(CU_FULL, a[j], 16));
+    if (lane < 16)
+#pragma unroll
+        for (int j = 0; j < 8; j++) pmax[wp][c8 + j] = a[j];
+    __syncthreads();
+    if (tid < MT_QTILE) {
+        float m = pmax[0][tid];
+#pragma unroll
+        for (int i = 1; i < 256 / 32; i++) m = fmaxf(m, pmax[i][tid]);
+        scl[tid] = cuda_scale_of(m);
+        st[(int64_t)K * it + k0 + tid] = scl[tid];
+    }
+    __syncthreads();
+    /* the transposed codes: q_g [K, rows] at qt + K r0, as quant_cols_t */
+    uint8_t *qg = qt + (int64_t)K * r0;
+    if ((rows & 3) == 0 && (r0 & 3) == 0 && ((uintptr_t)qt & 3) == 0) {
+        const int r4 = lane * 4;
+        if (r4 < n)
+            for (int c = wp; c < MT_QTILE; c += 256 / 32) {
+                const float sc = scl[c];
+                uint32_t cw = 0;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    cw |= (uint32_t)cuda_e4m3(fp8_bf16_lo(tile[r4 + j][c]), sc) << (8 * j);
+                *(uint32_t *)(qg + (int64_t)(k0 + c) * rows + i0 + r4) = cw;
+            }
+    } else {
+        const int r = tid % MT_QTILE;
+        if (r < n)
+            for (int c = tid / MT_QTILE; c < MT_QTILE; c += 256 / MT_QTILE)
+                qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(fp8_bf16_lo(tile[r][c]), scl[c]);
+    }
+}
+
+static int cuda_quant_rows_cols_t(mt_backend *be, uint8_t *q, float *s, uint8_t *qt, float *st,
+                                  const void *x, int ldx, const int *rows, int G, int K)
+{
+    fp8_segs segs;
+    int M;
+    MT_CHECK(fp8_segs_fill("quant_rows_cols_t", &segs, rows, G, &M));
+    CUDA_REQUIRE(K >= 1 && ldx >= K, "quant_rows_cols_t: K=%d ldx=%d", K, ldx);
+    if (M == 0) return MT_OK;
+    CUDA_REQUIRE(q && s && qt && st && x, "quant_rows_cols_t: NULL pointer");
+    if (K % MT_QTILE != 0 || ldx % 8 != 0 || (uintptr_t)x % 16 != 0 || (uintptr_t)q % 8 != 0) {
+        MT_CHECK(cuda_quant_rows(be, q, s, x, ldx, rows, G, K));
+        return cuda_quant_cols_t(be, qt, st, x, ldx, rows, G, K);
+    }
+    const int KB = K / MT_QTILE;
+    CUDA_REQUIRE(KB <= 65535, "quant_rows_cols_t: K=%d too large", K);
+    dim3 grid((unsigned)segs.tile[G], (unsigned)KB);
+    quant_rows_cols_t_kernel<<<grid, 256, 0, cuda_stream(be)>>>(q, s, qt, st, (const bf16 *)x, ldx,
+                                                                K, segs);
+    CUDA_LAUNCH_CHECK("quant_rows_cols_t");
+    return MT_OK;
+}
+
 /* ---- quant_blocks, quant_blocks_sr ----------------------------------------------------- */
 
 /* Block b = nb * KB + kb of w [N, K] f32: thread t reads column t % 128 of
@@ -449,6 +569,7 @@ void cuda_install_fp8(mt_backend *be)
 {
     be->quant_rows = cuda_quant_rows;
     be->quant_cols_t = cuda_quant_cols_t;
+    be->quant_rows_cols_t = cuda_quant_rows_cols_t;
     be->quant_blocks = cuda_quant_blocks;
     be->quant_blocks_sr = cuda_quant_blocks_sr;
     be->transpose_blocks = cuda_transpose_blocks;

@@ -245,6 +245,11 @@ PROF(quant_cols_t,
      (mt_backend *be, uint8_t *q, float *s, const void *x, int ldx, const int *rows, int G, int K),
      (be, q, s, x, ldx, rows, G, K),
      kind = W_BYTES; w = 3.0 * seg_total(rows, G) * K; prof_shape_rows(shape, sizeof shape, rows, G, K))
+PROF(quant_rows_cols_t,
+     (mt_backend *be, uint8_t *q, float *s, uint8_t *qt, float *st, const void *x, int ldx,
+      const int *rows, int G, int K),
+     (be, q, s, qt, st, x, ldx, rows, G, K),
+     kind = W_BYTES; w = 4.0 * seg_total(rows, G) * K; prof_shape_rows(shape, sizeof shape, rows, G, K))
 PROF(quant_blocks, (mt_backend *be, uint8_t *q, float *s, const float *wt, int N, int K),
      (be, q, s, wt, N, K), kind = W_BYTES; w = 5.0 * N * K; SHAPE("%dx%d", N, K))
 PROF(transpose_blocks,
@@ -673,7 +678,7 @@ int cuda_prof_install(mt_backend *be)
 #define WRAP(name) be->name = p_##name
     WRAP(upload); WRAP(download); WRAP(copy); WRAP(zero);
     WRAP(act_from_f32); WRAP(act_to_f32); WRAP(add); WRAP(copy2d);
-    WRAP(gemm); WRAP(gemm_grouped); WRAP(quant_rows); WRAP(quant_cols_t);
+    WRAP(gemm); WRAP(gemm_grouped); WRAP(quant_rows); WRAP(quant_cols_t); WRAP(quant_rows_cols_t);
     WRAP(quant_blocks); WRAP(transpose_blocks); WRAP(dequant_blocks); WRAP(gemm_fp8);
     WRAP(rmsnorm_fwd); WRAP(rmsnorm_bwd); WRAP(swiglu_fwd); WRAP(swiglu_bwd);
     WRAP(embedding_fwd); WRAP(embedding_bwd); WRAP(rope); WRAP(attn_fwd); WRAP(attn_bwd);

@@ -224,8 +224,10 @@ typedef struct mem_ctx {
     float *s, *rstd, *dw;
     void *x2;
     int rows[1];
-    const int *grows; /* kinds 6, 7: G segments */
+    const int *grows; /* kinds 6, 7, 10: G segments */
     int G;
+    uint8_t *q2; /* kinds 9, 10: the transposed form */
+    float *s2;
 } mem_ctx;
 
 static void run_mem(void *p)
@@ -243,6 +245,12 @@ static void run_mem(void *p)
         break;
     case 6: CK(be->quant_rows(be, c->q, c->s, c->x, c->D, c->grows, c->G, c->D)); break;
     case 7: CK(be->quant_cols_t(be, c->q, c->s, c->x, c->D, c->grows, c->G, c->D)); break;
+    case 9:
+        CK(be->quant_rows_cols_t(be, c->q, c->s, c->q2, c->s2, c->x, c->D, c->rows, 1, c->D));
+        break;
+    case 10:
+        CK(be->quant_rows_cols_t(be, c->q, c->s, c->q2, c->s2, c->x, c->D, c->grows, c->G, c->D));
+        break;
     case 8: /* in place: from the second call on, softmax of the last gradient */
         CK(be->xent(be, c->rstd, c->x, (const int32_t *)c->y, c->M, c->D, -100, 1.0f / c->M));
         break;
@@ -253,7 +261,7 @@ static double copy_gbs;
 
 static void bench_mem(const char *what, int kind, int M, int D, double bytes)
 {
-    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, {M}, NULL, 0};
+    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, {M}, NULL, 0, NULL, NULL};
     c.x = dev_random_act((int64_t)M * D, 3, 1.0f);
     c.x2 = kind == 5 ? dev_random_act((int64_t)M * D, 5, 1.0f) : NULL;
     c.dw = dev_alloc((size_t)D * 4);
@@ -270,6 +278,10 @@ static void bench_mem(const char *what, int kind, int M, int D, double bytes)
     c.q = dev_alloc((size_t)M * D);
     c.s = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
     c.rstd = dev_alloc((size_t)M * 4);
+    if (kind == 9) {
+        c.q2 = dev_alloc((size_t)M * D);
+        c.s2 = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
+    }
     {
         float *r = malloc((size_t)M * 4);
         for (int m = 0; m < M; m++) r[m] = 0.05f;
@@ -288,6 +300,8 @@ static void bench_mem(const char *what, int kind, int M, int D, double bytes)
     be->free(be, c.s);
     be->free(be, c.rstd);
     be->free(be, c.dw);
+    if (c.q2) be->free(be, c.q2);
+    if (c.s2) be->free(be, c.s2);
     if (c.x2) be->free(be, c.x2);
 }
 
@@ -307,7 +321,7 @@ static void bench_mem_grouped(const char *what, int kind, int tokens, int D, flo
         rows[g] = (tok[g] + 127) / 128 * 128;
         M += rows[g];
     }
-    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, {M}, rows, G};
+    mem_ctx c = {kind, M, D, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, {M}, rows, G, NULL, NULL};
     c.x = dev_random_act((int64_t)M * D, 3, scale);
     for (int g = 0, r0 = 0; g < G; r0 += rows[g], g++)
         if (rows[g] > tok[g])
@@ -315,13 +329,19 @@ static void bench_mem_grouped(const char *what, int kind, int tokens, int D, flo
                         (size_t)(rows[g] - tok[g]) * D * 2));
     c.q = dev_alloc((size_t)M * D);
     c.s = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
+    if (kind == 10) { /* both forms: 4 bytes an element */
+        c.q2 = dev_alloc((size_t)M * D);
+        c.s2 = dev_alloc((size_t)(M + 128) * (D / 128 + 2) * 4);
+    }
     double ms = time_ms(run_mem, &c);
-    double gbs = 3.0 * tokens * D / (ms * 1e-3) / 1e9;
+    double gbs = (kind == 10 ? 4.0 : 3.0) * tokens * D / (ms * 1e-3) / 1e9;
     printf("  %-34s M=%-6d D=%-6d %8.3f ms %7.0f GB/s  %4.0f%% of copy\n", what, M, D, ms, gbs,
            copy_gbs > 0 ? 100 * gbs / copy_gbs : 100.0);
     be->free(be, c.x);
     be->free(be, c.q);
     be->free(be, c.s);
+    if (c.q2) be->free(be, c.q2);
+    if (c.s2) be->free(be, c.s2);
 }
 
 /* RoPE in place on the rope slices of N tokens: H heads of hs values
@@ -600,6 +620,15 @@ int main(int argc, char **argv)
         bench_mem_grouped("quant_cols_t 32 segments x", 7, 65536, 7168, 1.0f);
         bench_mem_grouped("quant_cols_t 32 segments dy 1e-7", 7, 65536, 7168, 1e-7f);
         bench_mem_grouped("quant_cols_t 32 segments dy 1e-7", 7, 65536, 2048, 1e-7f);
+        /* both forms of dy from one read (the backward's data and weight
+         * gradients), against quant_rows + quant_cols_t above */
+        bench_mem_grouped("quant_rows 32 segments dy 1e-7", 6, 65536, 7168, 1e-7f);
+        bench_mem_grouped("quant_rows_cols_t 32 seg dy 1e-7", 10, 65536, 7168, 1e-7f);
+        bench_mem_grouped("quant_rows 32 segments dy 1e-7", 6, 65536, 2048, 1e-7f);
+        bench_mem_grouped("quant_rows_cols_t 32 seg dy 1e-7", 10, 65536, 2048, 1e-7f);
+        bench_mem("quant_rows_cols_t [4096, 32768]", 9, 4096, 32768, 4096.0 * 32768 * 4);
+        bench_mem("quant_rows [4096, 32768]", 1, 4096, 32768, 4096.0 * 32768 * 3);
+        bench_mem("quant_cols_t [4096, 32768]", 2, 4096, 32768, 4096.0 * 32768 * 3);
         bench_mem("rmsnorm_fwd", 3, 4096, 7168, 4096.0 * 7168 * 4);
         bench_mem("rmsnorm_fwd q_a", 3, 4096, 1536, 4096.0 * 1536 * 4);
         bench_mem("rmsnorm_fwd kv_a", 3, 4096, 512, 4096.0 * 512 * 4);
