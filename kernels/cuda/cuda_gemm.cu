@@ -24,14 +24,14 @@
  * 0) on the own persistent kernel of cuda_fp8_grouped.cu wherever its
  * requirements hold: one launch over every expert segment; and the weight
  * gradients (reduce = 1) of segments of whole 128-row blocks on its
- * k-grouped form, which loses to cuBLASLt by 25-35 % on the proxy's
+ * k-grouped form, which loses to cuBLASLt by about 15 % on the proxy's
  * experts (the per-column scales of its promotion) and runs with own only.
  * MOETRAIN_FP8_GEMM=grouped runs only the calls of several segments there
  * (the experts' forward calls and data gradients; those that accumulate
  * only where C's tiles go by TMA, cuda_fp8_grouped_c_tma), the rest as
  * auto. Measured on H200s (tests/bench/RESULTS.md, issue 18's seventeenth
  * and nineteenth rounds): the own kernel beats the per-expert cuBLASLt
- * calls on those shapes by 5-19 % and the proxy's step by 1 % with
+ * calls on those shapes by up to 19 % and the proxy's step by 1 % with
  * "grouped", but loses to cuBLASLt's single calls on the long-K dense
  * shapes (up to 20 % where K is 16384); "own" makes the step longer.
  *
