@@ -168,6 +168,37 @@ static int cuda_quant_rows(mt_backend *be, uint8_t *q, float *s, const void *x, 
 
 #define QC_COLS 64
 
+/* The transposed codes of a tile held as bf16 bits in shared memory (rows
+ * of LD values): columns k0 .. k0 + nk - 1 (scales scl) of rows i0 .. i0 +
+ * n - 1 of a segment of `rows` rows, whose codes q_g [K, rows] start at qg;
+ * 256 threads. Each column's codes are contiguous in q_g: with `words`
+ * (segment start and length multiples of 4, q 4-byte aligned) a warp
+ * writes 4 rows x 32 of one column as 32 4-byte words, else a thread a
+ * byte. */
+template <int LD>
+__device__ __forceinline__ void qc_put_codes_t(uint8_t *qg, int rows, bool words, int i0, int n,
+                                               int k0, int nk, const uint16_t (*tile)[LD],
+                                               const float *scl, int tid)
+{
+    if (words) {
+        const int r4 = (tid % 32) * 4;
+        if (r4 >= n) return;
+        for (int c = tid / 32; c < nk; c += 256 / 32) {
+            const float sc = scl[c];
+            uint32_t w = 0;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                w |= (uint32_t)cuda_e4m3(fp8_bf16_lo(tile[r4 + j][c]), sc) << (8 * j);
+            *(uint32_t *)(qg + (int64_t)(k0 + c) * rows + i0 + r4) = w;
+        }
+    } else {
+        const int r = tid % MT_QTILE;
+        if (r >= n) return;
+        for (int c = tid / MT_QTILE; c < nk; c += 256 / MT_QTILE)
+            qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(fp8_bf16_lo(tile[r][c]), scl[c]);
+    }
+}
+
 /* Block (it, kc): 128-row tile `it` of all segments (tiles numbered segment
  * after segment), columns k0 = kc * 64 .. +63. Tile `it` is tile ib = it -
  * tile[g] of segment g, rows r_g + ib * 128 .. + n - 1. Its per-column
@@ -256,28 +287,10 @@ quant_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *
     }
     __syncthreads();
     if (tid < nk) s[(int64_t)K * it + k0 + tid] = scl[tid];
-    /* codes: each column's codes are contiguous in q_g. Segments whose start
-     * and length are multiples of 4 (expert segments are padded to 128): a
-     * warp writes 4 rows x 32 of one column as 32 4-byte words; else 2
-     * columns x 128 rows per pass, a byte per thread. */
-    uint8_t *qg = q + (int64_t)K * r0;
-    if ((rows & 3) == 0 && (r0 & 3) == 0 && ((uintptr_t)q & 3) == 0) {
-        const int r4 = (tid % 32) * 4;
-        for (int c = tid / 32; c < nk; c += 256 / 32) {
-            if (r4 >= n) continue;
-            const float sc = scl[c];
-            uint32_t w = 0;
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                w |= (uint32_t)cuda_e4m3(fp8_bf16_lo(tile[r4 + j][c]), sc) << (8 * j);
-            *(uint32_t *)(qg + (int64_t)(k0 + c) * rows + i0 + r4) = w;
-        }
-    } else {
-        const int r = tid % MT_QTILE;
-        for (int c = tid / MT_QTILE; c < nk; c += 256 / MT_QTILE)
-            if (r < n)
-                qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(fp8_bf16_lo(tile[r][c]), scl[c]);
-    }
+    /* codes (expert segments are padded to 128 rows: the word path) */
+    qc_put_codes_t<QC_COLS + 2>(q + (int64_t)K * r0, rows,
+                                (rows & 3) == 0 && (r0 & 3) == 0 && ((uintptr_t)q & 3) == 0, i0, n,
+                                k0, nk, tile, scl, tid);
 }
 
 static int cuda_quant_cols_t(mt_backend *be, uint8_t *q, float *s, const void *x, int ldx,
@@ -373,24 +386,9 @@ quant_rows_cols_t_kernel(uint8_t *__restrict__ q, float *__restrict__ s, uint8_t
     }
     __syncthreads();
     /* the transposed codes: q_g [K, rows] at qt + K r0, as quant_cols_t */
-    uint8_t *qg = qt + (int64_t)K * r0;
-    if ((rows & 3) == 0 && (r0 & 3) == 0 && ((uintptr_t)qt & 3) == 0) {
-        const int r4 = lane * 4;
-        if (r4 < n)
-            for (int c = wp; c < MT_QTILE; c += 256 / 32) {
-                const float sc = scl[c];
-                uint32_t cw = 0;
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    cw |= (uint32_t)cuda_e4m3(fp8_bf16_lo(tile[r4 + j][c]), sc) << (8 * j);
-                *(uint32_t *)(qg + (int64_t)(k0 + c) * rows + i0 + r4) = cw;
-            }
-    } else {
-        const int r = tid % MT_QTILE;
-        if (r < n)
-            for (int c = tid / MT_QTILE; c < MT_QTILE; c += 256 / MT_QTILE)
-                qg[(int64_t)(k0 + c) * rows + i0 + r] = cuda_e4m3(fp8_bf16_lo(tile[r][c]), scl[c]);
-    }
+    qc_put_codes_t<MT_QTILE + 2>(qt + (int64_t)K * r0, rows,
+                                 (rows & 3) == 0 && (r0 & 3) == 0 && ((uintptr_t)qt & 3) == 0, i0,
+                                 n, k0, MT_QTILE, tile, scl, tid);
 }
 
 static int cuda_quant_rows_cols_t(mt_backend *be, uint8_t *q, float *s, uint8_t *qt, float *st,

@@ -278,12 +278,14 @@ __device__ __forceinline__ void *gf_c_tile(const gf_params &p, int g, int row0, 
 }
 
 /* A pair of C's elements (float2 for fp32 C, __nv_bfloat162 for bf16):
- * its scalar type, zero, and value in fp32. */
+ * its scalar type, zero, value in fp32, and the pair of a float2 (rounded
+ * to nearest even for bf16). */
 template <typename T> struct gf_pair;
 template <> struct gf_pair<float2> {
     typedef float elem;
     static __device__ __forceinline__ float2 zero() { return make_float2(0.0f, 0.0f); }
     static __device__ __forceinline__ float2 f32(float2 v) { return v; }
+    static __device__ __forceinline__ float2 of(float2 v) { return v; }
 };
 template <> struct gf_pair<__nv_bfloat162> {
     typedef bf16 elem;
@@ -292,6 +294,10 @@ template <> struct gf_pair<__nv_bfloat162> {
         return __floats2bfloat162_rn(0.0f, 0.0f);
     }
     static __device__ __forceinline__ float2 f32(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+    static __device__ __forceinline__ __nv_bfloat162 of(float2 v)
+    {
+        return __floats2bfloat162_rn(v.x, v.y);
+    }
 };
 
 /* acc (+)= C's old values at this thread's fragment (rows ra and ra + 8 of
@@ -378,40 +384,33 @@ __device__ __forceinline__ void gf_c_move(const CUtensorMap *map, uint8_t *ctile
 
 /* A consumer's part: once c_full says the area is free (and holds the old
  * values where C accumulates), its fragment's sums in C's type at their
- * places (each thread its own), the sum in fp32 and rounded once for a
- * bf16 C; then st_full for the mover. */
+ * places (each thread its own; T is C's element pair, gf_pair), the sum in
+ * fp32 and rounded once for a bf16 C; then st_full for the mover. */
+template <typename T>
+__device__ __forceinline__ void gf_c_put_as(const float (&acc)[GF_ACC], uint8_t *ctile,
+                                            int accumulate, int rt, int ct)
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < GF_NJ; j++) {
+            T *e = (T *)(ctile + gf_c_off(rt + 8 * h, 8 * j + ct, (int)sizeof(T) / 2));
+            float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            if (accumulate) {
+                const float2 o = gf_pair<T>::f32(*e);
+                v.x += o.x, v.y += o.y;
+            }
+            *e = gf_pair<T>::of(v);
+        }
+}
+
 __device__ __forceinline__ void gf_c_put(const float (&acc)[GF_ACC], uint8_t *ctile,
                                          uint64_t *c_full, uint64_t *st_full, uint32_t ti,
                                          int c_f32, int accumulate, int rt, int ct, int lane)
 {
     gf_bar_wait(c_full, ti & 1);
-    if (c_f32) {
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int j = 0; j < GF_NJ; j++) {
-                float2 *e = (float2 *)(ctile + gf_c_off(rt + 8 * h, 8 * j + ct, 4));
-                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                if (accumulate) {
-                    const float2 o = *e;
-                    v.x += o.x, v.y += o.y;
-                }
-                *e = v;
-            }
-    } else {
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int j = 0; j < GF_NJ; j++) {
-                __nv_bfloat162 *e = (__nv_bfloat162 *)(ctile + gf_c_off(rt + 8 * h, 8 * j + ct, 2));
-                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                if (accumulate) {
-                    const float2 o = __bfloat1622float2(*e);
-                    v.x += o.x, v.y += o.y;
-                }
-                *e = __floats2bfloat162_rn(v.x, v.y);
-            }
-    }
+    if (c_f32) gf_c_put_as<float2>(acc, ctile, accumulate, rt, ct);
+    else gf_c_put_as<__nv_bfloat162>(acc, ctile, accumulate, rt, ct);
     /* the generic writes before the mover's TMA store reads them */
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
