@@ -243,8 +243,7 @@ static int lin_wgrad_now(const mt_ctx *c, const lin_set *l, const void *x, int l
     MT_WS(xts, c->ws, colt_scale_bytes(M, K, l->G));
     int rc = be->quant_cols_t(be, xt, xts, x, ldx, l->rows, l->G, K);
     for (int i = 0; i < l->n && rc == MT_OK; i++) {
-        mt_param *w = l->w[i];
-        const int N = (int)w->d.rows;
+        const int N = (int)l->w[i]->d.rows;
         size_t mark_i = mt_ws_mark(c->ws);
         uint8_t *dyt = mt_ws_get(c->ws, (size_t)(M * N));
         float *dyts = dyt ? mt_ws_get(c->ws, colt_scale_bytes(M, N, l->G)) : NULL;
@@ -358,8 +357,8 @@ static int lin_bwd(const mt_ctx *c, const lin_set *l, void *dx, int lddx, int ac
     const int64_t M = rows_total(l->rows, l->G);
     const int K = (int)l->w[0]->d.cols;
     size_t mark = mt_ws_mark(c->ws);
-    uint8_t *dyt[2], *xt;
-    float *dyts[2], *xts;
+    uint8_t *dyt[2], *xt = NULL;
+    float *dyts[2], *xts = NULL;
     for (int i = 0; i < l->n; i++) {
         const int N = (int)l->w[i]->d.rows;
         MT_WS(dyt[i], c->ws, (size_t)(M * N));
